@@ -1,0 +1,158 @@
+"""Poses, rigid transforms and 3-D box geometry (DESIGN §2).
+
+Conventions
+-----------
+* A pose is ``[x, y, z, roll, yaw, pitch]`` in metres and degrees (CARLA, left-handed) — note the
+  order roll, yaw, pitch, exactly as OPV2V yaml files store ``lidar_pose``.
+* ``pose_to_matrix(pose)`` is the 4x4 frame->world transform; ``T_a_to_b = inv(T_b) @ T_a``.
+* A box is ``[x, y, z, h, w, l, yaw]`` (``order='hwl'``, the project default) or
+  ``[x, y, z, l, w, h, yaw]`` (``order='lwh'``); yaw in radians, centre at the box centre.
+* Corner order (shared by every module that needs corners)::
+
+        4 -------- 5          z
+       /|         /|          |  x (box heading)
+      7 -------- 6 .          | /
+      | |        | |          |/
+      . 0 -------- 1          +------ y
+      |/         |/
+      3 -------- 2
+
+  corners 0-3 are the bottom face, 4-7 the top face; 0,1 (and 4,5) are at the front (+l/2).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+# Unit corners in (l, w, h) box coordinates, halves: see the module docstring for the order.
+_UNIT_CORNERS = np.array(
+    [[1, -1, -1], [1, 1, -1], [-1, 1, -1], [-1, -1, -1],
+     [1, -1, 1], [1, 1, 1], [-1, 1, 1], [-1, -1, 1]], dtype=np.float64) / 2.0
+
+
+def pose_to_matrix(pose) -> np.ndarray:
+    """CARLA pose ``[x, y, z, roll, yaw, pitch]`` (m, deg) -> (4, 4) float64 frame->world."""
+    x, y, z, roll, yaw, pitch = [float(v) for v in pose]
+    cy, sy = np.cos(np.radians(yaw)), np.sin(np.radians(yaw))
+    cr, sr = np.cos(np.radians(roll)), np.sin(np.radians(roll))
+    cp, sp = np.cos(np.radians(pitch)), np.sin(np.radians(pitch))
+    matrix = np.identity(4)
+    matrix[0, 3], matrix[1, 3], matrix[2, 3] = x, y, z
+    matrix[0, 0] = cp * cy
+    matrix[0, 1] = cy * sp * sr - sy * cr
+    matrix[0, 2] = -cy * sp * cr - sy * sr
+    matrix[1, 0] = sy * cp
+    matrix[1, 1] = sy * sp * sr + cy * cr
+    matrix[1, 2] = -sy * sp * cr + cy * sr
+    matrix[2, 0] = sp
+    matrix[2, 1] = -cp * sr
+    matrix[2, 2] = cp * cr
+    return matrix
+
+
+def relative_transform(pose_src, pose_dst) -> np.ndarray:
+    """(4, 4) transform taking coordinates in frame ``pose_src`` to frame ``pose_dst``."""
+    return np.linalg.inv(pose_to_matrix(pose_dst)) @ pose_to_matrix(pose_src)
+
+
+def apply_transform(points: np.ndarray, transform: np.ndarray) -> np.ndarray:
+    """Apply a (4, 4) transform to the xyz columns of ``points`` (N, 3+); extra columns are kept.
+
+    Returns a new array of the same dtype and shape.
+    """
+    rotation = transform[:3, :3]
+    translation = transform[:3, 3]
+    out = points.copy()
+    out[:, :3] = (points[:, :3].astype(np.float64) @ rotation.T + translation).astype(points.dtype)
+    return out
+
+
+def apply_transform_torch(points: torch.Tensor, transform: torch.Tensor) -> torch.Tensor:
+    """Torch twin of :func:`apply_transform`: points (N, 3+), transform (4, 4)."""
+    transform = transform.to(points)
+    xyz = points[:, :3] @ transform[:3, :3].T + transform[:3, 3]
+    return torch.cat([xyz, points[:, 3:]], dim=1)
+
+
+def extent_corners(extent) -> np.ndarray:
+    """Corners (8, 3) of a box with half sizes ``extent = [half_l, half_w, half_h]`` in its frame."""
+    return _UNIT_CORNERS * 2.0 * np.asarray(extent, dtype=np.float64)
+
+
+def _to_lwh(boxes, order: str):
+    if order == "hwl":
+        return boxes[..., [0, 1, 2, 5, 4, 3, 6]]
+    if order == "lwh":
+        return boxes
+    raise ValueError(f"unknown box order {order!r}; expected 'hwl' or 'lwh'")
+
+
+def boxes_to_corners_3d(boxes, order: str = "hwl"):
+    """Boxes (N, 7) -> corners (N, 8, 3); numpy in numpy out, torch in torch out (same device)."""
+    is_numpy = isinstance(boxes, np.ndarray)
+    boxes_t = torch.as_tensor(boxes) if is_numpy else boxes
+    boxes_lwh = _to_lwh(boxes_t, order)
+    unit = torch.as_tensor(_UNIT_CORNERS, dtype=boxes_t.dtype, device=boxes_t.device)
+    local = boxes_lwh[:, None, 3:6] * unit[None]                        # (N, 8, 3)
+    cos, sin = torch.cos(boxes_lwh[:, 6]), torch.sin(boxes_lwh[:, 6])
+    x = local[..., 0] * cos[:, None] - local[..., 1] * sin[:, None]
+    y = local[..., 0] * sin[:, None] + local[..., 1] * cos[:, None]
+    corners = torch.stack([x, y, local[..., 2]], dim=-1) + boxes_lwh[:, None, 0:3]
+    return corners.numpy() if is_numpy else corners
+
+
+def boxes_to_bev_corners(boxes, order: str = "hwl"):
+    """Boxes (N, 7) -> BEV corners (N, 4, 2) counter-clockwise (bottom face 0,1,2,3 in x/y)."""
+    return boxes_to_corners_3d(boxes, order)[:, :4, :2]
+
+
+def corners_to_boxes(corners: np.ndarray, order: str = "hwl") -> np.ndarray:
+    """Corners (N, 8, 3) -> boxes (N, 7), the reference OPV2V definition.
+
+    Sizes are measured the way the reference implementation measures them (so our GT matches
+    boxes computed by it): height is the mean vertical top-bottom gap, length and width are mean
+    BEV edge lengths, yaw is the direction of the front-minus-back BEV edges. We average the four
+    edge directions as unit vectors (the circular mean) so a yaw near +-pi does not average to 0.
+    """
+    corners = np.asarray(corners, dtype=np.float64)
+    center = corners.mean(axis=1)                                            # (N, 3)
+    height = np.abs(np.mean(corners[:, 4:, 2] - corners[:, :4, 2], axis=1))
+    bev = corners[:, :, :2]
+    length_edges = bev[:, [0, 1, 4, 5]] - bev[:, [3, 2, 7, 6]]               # back -> front
+    width_edges = bev[:, [1, 2, 5, 6]] - bev[:, [0, 3, 4, 7]]                # right -> left
+    length = np.linalg.norm(length_edges, axis=2).mean(axis=1)
+    width = np.linalg.norm(width_edges, axis=2).mean(axis=1)
+    heading = length_edges.sum(axis=1)
+    yaw = np.arctan2(heading[:, 1], heading[:, 0])
+    if order == "hwl":
+        sizes = np.stack([height, width, length], axis=1)
+    elif order == "lwh":
+        sizes = np.stack([length, width, height], axis=1)
+    else:
+        raise ValueError(f"unknown box order {order!r}; expected 'hwl' or 'lwh'")
+    return np.concatenate([center, sizes, yaw[:, None]], axis=1)
+
+
+def corners_in_range_mask(corners: np.ndarray, limit_range, min_corners: int = 8) -> np.ndarray:
+    """(N, 8, 3) corners -> (N,) bool: at least ``min_corners`` corners inside the 3-D range.
+
+    ``limit_range = [xmin, ymin, zmin, xmax, ymax, zmax]``, bounds inclusive.
+    """
+    low = np.asarray(limit_range[:3], dtype=np.float64)
+    high = np.asarray(limit_range[3:6], dtype=np.float64)
+    inside = ((corners >= low) & (corners <= high)).all(axis=2)
+    return inside.sum(axis=1) >= min_corners
+
+
+def points_in_range_mask(points: np.ndarray, limit_range) -> np.ndarray:
+    """(N, 3+) points -> (N,) bool, strictly inside ``[xmin, ymin, zmin, xmax, ymax, zmax]``."""
+    mask = np.ones(points.shape[0], dtype=bool)
+    for axis in range(3):
+        mask &= (points[:, axis] > limit_range[axis]) & (points[:, axis] < limit_range[axis + 3])
+    return mask
+
+
+def limit_period(angle, offset: float = 0.5, period: float = 2 * np.pi):
+    """Wrap ``angle`` into ``[-offset * period, (1 - offset) * period)`` (numpy or torch)."""
+    lib = torch if isinstance(angle, torch.Tensor) else np
+    return angle - lib.floor(angle / period + offset) * period
