@@ -168,8 +168,10 @@ def validate_config(cfg: dict, source: str) -> None:
         if value is None:
             raise ConfigError(f"{source}: missing required key {dotted!r} ({description})")
         if not isinstance(value, types) or isinstance(value, bool) and bool not in types:
+            hint = " (yaml reads a bare no/yes/off as a boolean: quote it, 'no')" \
+                if isinstance(value, bool) else ""
             raise ConfigError(f"{source}: key {dotted!r} must be {types[0].__name__}, "
-                              f"got {value!r}")
+                              f"got {value!r}{hint}")
     for dotted in _POSITIVE_INTS:
         value = get_key(cfg, dotted, default=None)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool)
@@ -195,14 +197,36 @@ def _is_range(value: Any) -> bool:
     return all(value[i] < value[i + 3] for i in range(3))
 
 
+def fill_derived(cfg: dict) -> dict:
+    """Copy geometry the model needs from the data sections into ``model.args`` (computed here,
+    never by ``eval`` of a yaml string): ``lidar_range`` and ``voxel_size`` from ``preprocess``,
+    ``max_points_per_voxel``, and ``anchor_number`` from the anchor yaws. Explicit values win."""
+    cfg = copy.deepcopy(cfg)
+    preprocess = cfg.get("preprocess") or {}
+    model_args = cfg.setdefault("model", {}).setdefault("args", {})
+    if model_args is None:
+        model_args = cfg["model"]["args"] = {}
+    if "cav_lidar_range" in preprocess:
+        model_args.setdefault("lidar_range", list(preprocess["cav_lidar_range"]))
+    pre_args = preprocess.get("args") or {}
+    for key in ("voxel_size", "max_points_per_voxel"):
+        if key in pre_args:
+            model_args.setdefault(key, pre_args[key])
+    yaws = get_key(cfg, "postprocess.anchor_args.r", default=None)
+    if yaws is not None:
+        model_args.setdefault("anchor_number", len(yaws))
+    return cfg
+
+
 def load_config(path, overrides: Iterable[str] = (), validate: bool = True) -> dict:
-    """Load ``path`` with its ``_base_`` chain, apply ``--set`` overrides, validate."""
+    """Load ``path`` with its ``_base_`` chain, apply ``--set`` overrides, validate, and fill
+    the derived model geometry (:func:`fill_derived`)."""
     path = Path(path)
     cfg = _load_with_bases(path, chain=())
     cfg = apply_overrides(cfg, overrides, source=f"{path} (--set)")
     if validate:
         validate_config(cfg, source=str(path))
-    return cfg
+    return fill_derived(cfg)
 
 
 def save_config(cfg: dict, path) -> None:

@@ -1,0 +1,204 @@
+"""opencood.utils.dist: launcher parsing, collectives on real gloo ranks, process-group setup."""
+
+import logging
+import socket
+
+import pytest
+import torch
+
+from opencood.utils import dist as dist_utils
+from dist_helpers import free_port, run_on_ranks
+
+
+# ----------------------------------------------------------------------------------------------
+# resolve_dist_env / node lists (pure)
+# ----------------------------------------------------------------------------------------------
+
+def test_resolve_torchrun_env():
+    env = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.2",
+           "MASTER_PORT": "29600", "SLURM_PROCID": "0", "SLURM_NTASKS": "1"}
+    # torchrun inside a SLURM allocation: torchrun's variables win.
+    assert dist_utils.resolve_dist_env(env) == (5, 8, 1, "10.0.0.2", 29600, "torchrun")
+
+
+def test_resolve_slurm_env():
+    env = {"SLURM_PROCID": "3", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
+           "SLURM_JOB_NODELIST": "gpu[07-08]"}
+    rank, world, local_rank, master_addr, master_port, source = dist_utils.resolve_dist_env(env)
+    assert (rank, world, local_rank, master_addr, source) == (3, 8, 1, "gpu07", "slurm")
+    assert master_port == dist_utils.DEFAULT_MASTER_PORT
+
+
+def test_resolve_slurm_port_and_address_overrides():
+    env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0",
+           "SLURM_JOB_ID": "123456", "SLURM_NODELIST": "cn[3-4]"}
+    _, _, _, master_addr, master_port, _ = dist_utils.resolve_dist_env(env)
+    assert (master_addr, master_port) == ("cn3", 29500 + 456)  # spread by job id
+    env.update(MASTER_PORT="31000", MASTER_ADDR="head")
+    _, _, _, master_addr, master_port, _ = dist_utils.resolve_dist_env(env)
+    assert (master_addr, master_port) == ("head", 31000)
+
+
+def test_resolve_rejects_rank_outside_world():
+    with pytest.raises(ValueError, match="rank 4, world size 4"):
+        dist_utils.resolve_dist_env({"SLURM_PROCID": "4", "SLURM_NTASKS": "4",
+                                     "SLURM_NODELIST": "n1"})
+
+
+def test_resolve_single_process_env():
+    assert dist_utils.resolve_dist_env({}) == (0, 1, 0, None, None, "single")
+
+
+@pytest.mark.parametrize("nodelist, hosts", [
+    ("gpu5", ["gpu5"]),
+    ("a,b", ["a", "b"]),
+    ("gpu[07-08]", ["gpu07", "gpu08"]),
+    ("node[01-03,07],gpu5", ["node01", "node02", "node03", "node07", "gpu5"]),
+    ("n[8-11]", ["n8", "n9", "n10", "n11"]),
+    ("r[1-2]n[01-02]", ["r1n01", "r1n02", "r2n01", "r2n02"]),
+    ("x-[098-100]", ["x-098", "x-099", "x-100"]),
+])
+def test_expand_nodelist(nodelist, hosts):
+    assert dist_utils.expand_nodelist(nodelist) == hosts
+    assert dist_utils.first_host(nodelist) == hosts[0]
+
+
+def test_expand_nodelist_rejects_unbalanced_brackets():
+    with pytest.raises(ValueError, match="node\\[01-02"):
+        dist_utils.expand_nodelist("node[01-02")
+
+
+# ----------------------------------------------------------------------------------------------
+# Single process: everything works without a process group
+# ----------------------------------------------------------------------------------------------
+
+def test_helpers_before_init():
+    assert not dist_utils.is_dist_initialized()
+    assert (dist_utils.get_rank(), dist_utils.get_world_size(), dist_utils.get_local_rank()) \
+        == (0, 1, 0)
+    assert dist_utils.is_main_process()
+    dist_utils.barrier()
+    payload = {"boxes": [1, 2]}
+    assert dist_utils.all_gather_object(payload) == [payload]
+    assert dist_utils.gather_object_to_main(payload) == [payload]
+    assert dist_utils.broadcast_object(payload) is payload
+    assert dist_utils.any_across_ranks(True) is True
+    assert dist_utils.any_across_ranks(False) is False
+    values = torch.tensor([1.0, 2.0])
+    assert torch.equal(dist_utils.all_reduce_sum(values.clone()), values)
+    assert dist_utils.reduce_mean_exact(6.0, 3) == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="count"):
+        dist_utils.reduce_mean_exact(0.0, 0)
+
+
+def test_init_single_process_creates_no_group():
+    info = dist_utils.init_distributed_mode(env={})
+    assert (info.rank, info.world_size, info.local_rank, info.distributed) == (0, 1, 0, False)
+    expected_device = "cuda" if torch.cuda.is_available() else "cpu"
+    assert info.device.type == expected_device
+    assert not dist_utils.is_dist_initialized()
+
+
+def test_port_in_use_gives_clear_error():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as blocker:
+        blocker.bind(("0.0.0.0", 0))
+        blocker.listen()
+        port = blocker.getsockname()[1]
+        env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        with pytest.raises(RuntimeError) as excinfo:
+            dist_utils.init_distributed_mode(backend="gloo", timeout_minutes=0.5, env=env)
+    message = str(excinfo.value)
+    assert f"127.0.0.1:{port}" in message and "--master_port" in message
+    assert "\n" not in message
+    assert not dist_utils.is_dist_initialized()
+
+
+def test_distributed_session_destroys_group_on_exception():
+    env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    with pytest.raises(KeyError, match="boom"):
+        with dist_utils.distributed_session(backend="gloo", env=env) as info:
+            assert info.distributed and info.backend == "gloo" and info.world_size == 1
+            assert dist_utils.is_dist_initialized()
+            raise KeyError("boom")
+    assert not dist_utils.is_dist_initialized()
+    dist_utils.cleanup_distributed()  # safe to call with no group
+
+
+# ----------------------------------------------------------------------------------------------
+# Two real gloo ranks
+# ----------------------------------------------------------------------------------------------
+
+def _collectives_body(rank, world_size):
+    # Rank 0 saw 3 samples with losses 1, 2, 3; rank 1 one sample with loss 10.
+    per_rank_losses = {0: [1.0, 2.0, 3.0], 1: [10.0]}[rank]
+    return {
+        "rank": (dist_utils.get_rank(), dist_utils.get_world_size(), dist_utils.is_main_process()),
+        "gathered": dist_utils.all_gather_object({"rank": rank}),
+        "to_main": dist_utils.gather_object_to_main(rank * 10),
+        "broadcast": dist_utils.broadcast_object(f"from {rank}", src=1),
+        "any_one_true": dist_utils.any_across_ranks(rank == 1),
+        "any_none_true": dist_utils.any_across_ranks(False),
+        "mean": dist_utils.reduce_mean_exact(sum(per_rank_losses), len(per_rank_losses)),
+        "summed": dist_utils.all_reduce_sum(torch.tensor([rank + 1.0])).item(),
+    }
+
+
+def test_collectives_on_two_ranks():
+    results = run_on_ranks(_collectives_body, world_size=2)
+    assert [r["rank"] for r in results] == [(0, 2, True), (1, 2, False)]
+    for result in results:
+        assert result["gathered"] == [{"rank": 0}, {"rank": 1}]
+        assert result["broadcast"] == "from 1"
+        assert result["any_one_true"] is True
+        assert result["any_none_true"] is False
+        # (1+2+3+10) / 4 samples, not the mean of the rank means (2 + 10) / 2 = 6.
+        assert result["mean"] == pytest.approx(4.0, abs=1e-12)
+        assert result["summed"] == 3.0
+    assert results[0]["to_main"] == [0, 10]
+    assert results[1]["to_main"] is None
+
+
+def _init_from_env_body(rank, world_size, port):
+    env = {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    with dist_utils.distributed_session(timeout_minutes=1, env=env) as info:
+        seen = (info.rank, info.world_size, info.local_rank, info.distributed, info.backend,
+                str(info.device), dist_utils.get_local_rank(),
+                dist_utils.all_gather_object(dist_utils.get_rank()))
+    return seen, dist_utils.is_dist_initialized()
+
+
+def test_init_distributed_mode_on_two_ranks():
+    results = run_on_ranks(_init_from_env_body, world_size=2, args=(free_port(),),
+                           init_group=False)
+    for rank, (seen, initialized_after) in enumerate(results):
+        assert seen == (rank, 2, rank, True, "gloo", "cpu", rank, [0, 1])
+        assert initialized_after is False
+
+
+# ----------------------------------------------------------------------------------------------
+# Logging
+# ----------------------------------------------------------------------------------------------
+
+def test_setup_logging_rank0_console_and_file(tmp_path, capsys):
+    log = dist_utils.setup_logging(run_dir=tmp_path / "run", rank=0)
+    log = dist_utils.setup_logging(run_dir=tmp_path / "run", rank=0)  # again: no duplicate lines
+    log.info("epoch 1 done")
+    for handler in log.handlers:
+        handler.flush()
+    assert capsys.readouterr().out.count("epoch 1 done") == 1
+    assert (tmp_path / "run" / "train.log").read_text().count("epoch 1 done") == 1
+
+
+def test_setup_logging_other_ranks_only_warn(tmp_path, capsys):
+    log = dist_utils.setup_logging(run_dir=tmp_path / "run", rank=1)
+    log.info("chatter")
+    log.error("disk full")
+    out = capsys.readouterr().out
+    assert "chatter" not in out
+    assert "disk full" in out and "rank 1" in out
+    assert not (tmp_path / "run" / "train.log").exists()
+    assert log.getEffectiveLevel() == logging.WARNING
+    dist_utils.setup_logging(rank=0)  # leave the shared logger as rank 0 for other tests
