@@ -15,18 +15,23 @@ CPU/CUDA); numpy in gives numpy out.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
 from opencood.ops.transforms import boxes_to_bev_corners
 
-# Pairs processed per batch of tensor ops: bounds the temporaries (about 3 KB per pair) to a few
-# hundred MB while keeping each op large enough to amortise its launch overhead.
-PAIRS_PER_CHUNK = 1 << 16
+# Pairs processed per batch of tensor ops: bounds the temporaries (a few KB per pair) to about
+# 100 MB while keeping each op large enough to amortise its launch overhead.
+PAIRS_PER_CHUNK = 1 << 15
 
-# Points up to this many machine epsilons (relative to the pair's coordinate scale) outside a
-# polygon still count as inside: boundary points computed with rounding error must not be lost.
-_TOLERANCE_EPS = 64.0
+# Points up to this many machine epsilons (times the pair's coordinate scale) outside a polygon
+# still count as inside: a boundary point pushed out by rounding must not be lost, or a whole
+# corner of the intersection goes with it. On adversarial cases (identical, touching, collinear,
+# nearly identical, 300:1 thin boxes) 1 eps already suffices and 0.5 does not; 4 leaves a margin
+# while the extra area it admits stays far below float32's own rounding of the inputs.
+_TOLERANCE_EPS = 4.0
 
 # Relative slack on the bounding-circle test, so rounding never drops a touching pair.
 _CIRCLE_SLACK = 1e-3
@@ -42,39 +47,41 @@ def _signed_area(poly: torch.Tensor) -> torch.Tensor:
     return 0.5 * _cross(poly, poly.roll(-1, dims=1)).sum(dim=1)
 
 
-def _inside_mask(points: torch.Tensor, poly: torch.Tensor, orientation: torch.Tensor,
-                 tolerance: torch.Tensor) -> torch.Tensor:
-    """Which points lie inside (or on, within ``tolerance``) a convex quad.
+def _edge_distances(points: torch.Tensor, poly: torch.Tensor,
+                    orientation: torch.Tensor) -> torch.Tensor:
+    """Signed distance of every point to the line of every edge of a convex quad.
 
-    points (P, K, 2), poly (P, 4, 2), orientation (P,) +1 for CCW / -1 for CW, tolerance (P,)
-    in length units -> (P, K) bool.
+    points (P, K, 2), poly (P, 4, 2), orientation (P,) +1 for CCW / -1 for CW -> (P, K, 4),
+    positive on the polygon's inner side; edge k runs from vertex k to vertex k+1.
     """
     edges = poly.roll(-1, dims=1) - poly                                     # (P, 4, 2)
     to_points = points[:, :, None, :] - poly[:, None, :, :]                  # (P, K, 4, 2)
-    # cross / |edge| is the signed distance to the edge's line, positive on the inner side.
     cross = _cross(edges[:, None], to_points) * orientation[:, None, None]
     edge_len = torch.linalg.vector_norm(edges, dim=-1)[:, None, :]          # (P, 1, 4)
-    return (cross >= -tolerance[:, None, None] * edge_len).all(dim=-1)
+    return cross / edge_len.clamp(min=torch.finfo(poly.dtype).tiny)
 
 
-def _edge_crossings(poly_a: torch.Tensor, poly_b: torch.Tensor):
-    """Crossing points of every edge of A with every edge of B.
+def _edge_crossings(poly_a: torch.Tensor, dist_a_to_b: torch.Tensor, tolerance: torch.Tensor):
+    """Points where edges of A cross edges of B, from A's vertex distances to B's edge lines.
 
-    poly_a, poly_b (P, 4, 2) -> points (P, 16, 2) and non-parallel mask (P, 16). Each point is
-    taken on A's edge with its parameter clamped to the edge, so it always lies on A's boundary;
-    the caller keeps it only if it is also inside B, which rejects parallel-edge noise safely.
+    poly_a (P, 4, 2), dist_a_to_b (P, 4, 4) from :func:`_edge_distances`, tolerance (P,)
+    -> points (P, 16, 2) and valid mask (P, 16), ordered (edge of A, edge of B).
+    Edge i of A meets the line of B's edge j where the distance changes sign (the
+    Sutherland-Hodgman crossing, so no division by a near-zero cross product for nearly
+    parallel edges). Distance is linear along an edge, so the crossing's distances to all of
+    B's edges are interpolated, and it counts only if it lies inside B, i.e. on B's edge j.
     """
-    dir_a = (poly_a.roll(-1, dims=1) - poly_a)[:, :, None, :]               # (P, 4, 1, 2)
-    dir_b = (poly_b.roll(-1, dims=1) - poly_b)[:, None, :, :]               # (P, 1, 4, 2)
-    start_gap = poly_b[:, None, :, :] - poly_a[:, :, None, :]              # (P, 4, 4, 2)
-    denom = _cross(dir_a, dir_b)                                            # (P, 4, 4)
-    eps = torch.finfo(poly_a.dtype).eps
-    scale = torch.linalg.vector_norm(dir_a, dim=-1) * torch.linalg.vector_norm(dir_b, dim=-1)
-    non_parallel = denom.abs() > eps * scale
-    safe_denom = torch.where(non_parallel, denom, torch.ones_like(denom))
-    along_a = (_cross(start_gap, dir_b) / safe_denom).clamp(0.0, 1.0)
-    points = poly_a[:, :, None, :] + along_a[..., None] * dir_a             # (P, 4, 4, 2)
-    return points.reshape(-1, 16, 2), non_parallel.reshape(-1, 16)
+    dist_start = dist_a_to_b                                                 # (P, 4 [i], 4 [j])
+    dist_end = dist_a_to_b.roll(-1, dims=1)                                  # vertex i + 1
+    crosses = (dist_start >= 0) != (dist_end >= 0)
+    safe_gap = torch.where(crosses, dist_start - dist_end, torch.ones_like(dist_start))
+    along = dist_start / safe_gap                                            # in [0, 1] if crosses
+    # (P, i, j, k): distance of crossing (i, j) to B's edge k.
+    dist_cross = dist_start[:, :, None, :] + along[..., None] * (dist_end - dist_start)[:, :, None, :]
+    inside_b = (dist_cross >= -tolerance[:, None, None, None]).all(dim=-1)
+    direction_a = poly_a.roll(-1, dims=1) - poly_a
+    points = poly_a[:, :, None, :] + along[..., None] * direction_a[:, :, None, :]
+    return points.reshape(-1, 16, 2), (crosses & inside_b).reshape(-1, 16)
 
 
 def _area_of_boundary_points(points: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -104,14 +111,15 @@ def _intersection_area_flat(poly_a: torch.Tensor, poly_b: torch.Tensor) -> torch
     # Work relative to A's centre: absolute coordinates ~100 m would cost float32 digits.
     origin = poly_a.mean(dim=1, keepdim=True)
     poly_a, poly_b = poly_a - origin, poly_b - origin
-    scale = torch.cat([poly_a, poly_b], dim=1).abs().amax(dim=(1, 2))
+    scale = torch.maximum(poly_a.abs().amax(dim=(1, 2)), poly_b.abs().amax(dim=(1, 2)))
     tolerance = _TOLERANCE_EPS * torch.finfo(poly_a.dtype).eps * scale
     orient_a = 1.0 - 2.0 * (_signed_area(poly_a) < 0).to(poly_a.dtype)     # +1 CCW, -1 CW
     orient_b = 1.0 - 2.0 * (_signed_area(poly_b) < 0).to(poly_b.dtype)
-    a_in_b = _inside_mask(poly_a, poly_b, orient_b, tolerance)
-    b_in_a = _inside_mask(poly_b, poly_a, orient_a, tolerance)
-    crossings, non_parallel = _edge_crossings(poly_a, poly_b)
-    crossing_valid = non_parallel & _inside_mask(crossings, poly_b, orient_b, tolerance)
+    dist_a_to_b = _edge_distances(poly_a, poly_b, orient_b)                 # (P, 4, 4)
+    dist_b_to_a = _edge_distances(poly_b, poly_a, orient_a)
+    a_in_b = (dist_a_to_b >= -tolerance[:, None, None]).all(dim=-1)
+    b_in_a = (dist_b_to_a >= -tolerance[:, None, None]).all(dim=-1)
+    crossings, crossing_valid = _edge_crossings(poly_a, dist_a_to_b, tolerance)
     points = torch.cat([poly_a, poly_b, crossings], dim=1)                  # (P, 24, 2)
     valid = torch.cat([a_in_b, b_in_a, crossing_valid], dim=1)
     return _area_of_boundary_points(points, valid)
@@ -120,7 +128,8 @@ def _intersection_area_flat(poly_a: torch.Tensor, poly_b: torch.Tensor) -> torch
 def _to_float_tensor(array):
     """numpy/torch -> (floating torch tensor, was_numpy)."""
     is_numpy = isinstance(array, np.ndarray)
-    tensor = torch.as_tensor(array)
+    # torch cannot wrap negative-stride views (e.g. reversed vertex order): copy those.
+    tensor = torch.as_tensor(np.ascontiguousarray(array) if is_numpy else array)
     if not tensor.is_floating_point():
         tensor = tensor.to(torch.get_default_dtype())
     return tensor, is_numpy
@@ -154,54 +163,65 @@ def _size_columns(order: str):
     raise ValueError(f"unknown box order {order!r}; expected 'hwl' or 'lwh'")
 
 
-def _centred_bev_corners(boxes: torch.Tensor, order: str) -> torch.Tensor:
-    """(N, 7) boxes -> (N, 4, 2) BEV corners relative to each box's own centre."""
+class _BevBoxes(NamedTuple):
+    """What the IoU of a set of boxes needs, computed once per set."""
+    centres: torch.Tensor          # (N, 2) BEV centres
+    corners: torch.Tensor          # (N, 4, 2) corners relative to each box's own centre
+    areas: torch.Tensor            # (N,) footprint areas
+    radii: torch.Tensor            # (N,) bounding-circle radii
+
+
+def _as_box_tensor(boxes) -> tuple[torch.Tensor, bool]:
+    """numpy/torch (N, 7) -> (float tensor, was_numpy); empty inputs of any shape become (0, 7)."""
+    tensor, is_numpy = _to_float_tensor(boxes)
+    if tensor.numel() == 0:
+        tensor = tensor.reshape(0, 7)
+    if tensor.ndim != 2 or tensor.shape[1] != 7:
+        raise ValueError(f"boxes must be (N, 7); got {tuple(tensor.shape)}")
+    return tensor, is_numpy
+
+
+def _bev_boxes(boxes: torch.Tensor, order: str) -> _BevBoxes:
+    length_col, width_col = _size_columns(order)
     centred = boxes.clone()
     centred[:, :2] = 0.0
-    return boxes_to_bev_corners(centred, order)
+    corners = boxes_to_bev_corners(centred, order)
+    return _BevBoxes(centres=boxes[:, :2], corners=corners, areas=_signed_area(corners).abs(),
+                     radii=0.5 * torch.hypot(boxes[:, length_col], boxes[:, width_col]))
 
 
-def _pair_iou(boxes_a, boxes_b, corners_a, corners_b, area_a, area_b, idx_a, idx_b):
-    """IoU of the pairs (idx_a[k], idx_b[k]) -> (P,). Corners are centre-relative (N, 4, 2)."""
-    # Translate B into A's centred frame: the subtraction of two nearby centres is exact-ish,
-    # whereas absolute float32 corners at 100 m would already be rounded to ~1e-5 m.
-    offset = boxes_b[idx_b, :2] - boxes_a[idx_a, :2]
-    inter = _intersection_area_flat(corners_a[idx_a], corners_b[idx_b] + offset[:, None, :])
-    union = area_a[idx_a] + area_b[idx_b] - inter
+def _prepare(boxes_a, boxes_b, order: str) -> tuple[_BevBoxes, _BevBoxes, bool]:
+    """Both box sets in a common float dtype -> (bev_a, bev_b, inputs_were_numpy)."""
+    boxes_a, is_numpy = _as_box_tensor(boxes_a)
+    boxes_b, _ = _as_box_tensor(boxes_b)
+    dtype = torch.promote_types(boxes_a.dtype, boxes_b.dtype)
+    return _bev_boxes(boxes_a.to(dtype), order), _bev_boxes(boxes_b.to(dtype), order), is_numpy
+
+
+def _pair_iou(bev_a: _BevBoxes, bev_b: _BevBoxes, idx_a: torch.Tensor,
+              idx_b: torch.Tensor) -> torch.Tensor:
+    """IoU of the pairs (idx_a[k], idx_b[k]) -> (P,)."""
+    # Translate B into A's centred frame: the difference of two nearby centres is exact in
+    # float32, whereas absolute corners at 100 m would already be rounded to ~1e-5 m.
+    offset = bev_b.centres[idx_b] - bev_a.centres[idx_a]
+    inter = _intersection_area_flat(bev_a.corners[idx_a], bev_b.corners[idx_b] + offset[:, None])
+    union = bev_a.areas[idx_a] + bev_b.areas[idx_b] - inter
     iou = inter / union.clamp(min=torch.finfo(union.dtype).tiny)
     return torch.where(union > 0, iou, torch.zeros_like(iou)).clamp(0.0, 1.0)
 
 
-def _prepare(boxes_a, boxes_b, order: str):
-    """Common dtype/device, centred corners, polygon areas and bounding-circle radii."""
-    boxes_a, is_numpy = _to_float_tensor(boxes_a)
-    boxes_b, _ = _to_float_tensor(boxes_b)
-    if boxes_a.shape[-1] != 7 or boxes_b.shape[-1] != 7:
-        raise ValueError(f"boxes must be (N, 7); got {tuple(boxes_a.shape)} and "
-                         f"{tuple(boxes_b.shape)}")
-    dtype = torch.promote_types(boxes_a.dtype, boxes_b.dtype)
-    boxes_a, boxes_b = boxes_a.to(dtype), boxes_b.to(dtype)
-    length_col, width_col = _size_columns(order)
-    prepared = []
-    for boxes in (boxes_a, boxes_b):
-        corners = _centred_bev_corners(boxes, order)
-        area = _signed_area(corners).abs()
-        radius = 0.5 * torch.hypot(boxes[:, length_col], boxes[:, width_col])
-        prepared.append((boxes, corners, area, radius))
-    return prepared, is_numpy
+def _overlap_candidates(bev_a: _BevBoxes, bev_b: _BevBoxes, rows: slice):
+    """Pairs (row of A in ``rows``, any B) whose bounding circles meet: only these can overlap.
 
-
-def _overlap_candidates(centre_a, radius_a, centre_b, radius_b):
-    """Pairs whose bounding circles meet: only these can have a non-zero IoU.
-
-    centre (N, 2) / (M, 2), radius (N,) / (M,) -> (idx_a, idx_b) LongTensors.
+    -> (idx_a, idx_b) LongTensors, idx_a counted from the start of A.
     """
     # Explicit differences rather than torch.cdist: cdist's matmul shortcut loses float32
     # digits at 100 m coordinates. The small slack keeps the filter a superset under rounding.
-    diff = centre_a[:, None, :] - centre_b[None, :, :]
-    gap = torch.hypot(diff[..., 0], diff[..., 1])
-    reach = (radius_a[:, None] + radius_b[None, :]) * (1.0 + _CIRCLE_SLACK)
-    return torch.nonzero(gap <= reach, as_tuple=True)
+    gap_x = bev_a.centres[rows, None, 0] - bev_b.centres[None, :, 0]
+    gap_y = bev_a.centres[rows, None, 1] - bev_b.centres[None, :, 1]
+    reach = (bev_a.radii[rows, None] + bev_b.radii[None, :]) * (1.0 + _CIRCLE_SLACK)
+    idx_a, idx_b = torch.nonzero(gap_x * gap_x + gap_y * gap_y <= reach * reach, as_tuple=True)
+    return idx_a + rows.start, idx_b
 
 
 def boxes_bev_iou(boxes_a, boxes_b, order: str = "hwl", pairs_per_chunk: int = PAIRS_PER_CHUNK):
@@ -211,31 +231,31 @@ def boxes_bev_iou(boxes_a, boxes_b, order: str = "hwl", pairs_per_chunk: int = P
     (numpy in, numpy out). Pairs whose bounding circles do not meet are 0 without clipping;
     rows of A are processed in blocks so memory stays bounded for large N * M.
     """
-    (a, b), is_numpy = _prepare(boxes_a, boxes_b, order)
-    num_a, num_b = a[0].shape[0], b[0].shape[0]
-    iou = a[0].new_zeros(num_a, num_b)
+    bev_a, bev_b, is_numpy = _prepare(boxes_a, boxes_b, order)
+    num_a, num_b = bev_a.areas.shape[0], bev_b.areas.shape[0]
+    iou = bev_a.areas.new_zeros(num_a, num_b)
     rows_per_block = max(1, pairs_per_chunk // max(num_b, 1))
     for row_start in range(0, num_a, rows_per_block):
-        rows = slice(row_start, row_start + rows_per_block)
-        idx_a, idx_b = _overlap_candidates(a[0][rows, :2], a[3][rows], b[0][:, :2], b[3])
-        idx_a = idx_a + row_start
+        idx_a, idx_b = _overlap_candidates(bev_a, bev_b, slice(row_start, row_start + rows_per_block))
         for start in range(0, idx_a.shape[0], pairs_per_chunk):
             chunk_a = idx_a[start:start + pairs_per_chunk]
             chunk_b = idx_b[start:start + pairs_per_chunk]
-            iou[chunk_a, chunk_b] = _pair_iou(a[0], b[0], a[1], b[1], a[2], b[2], chunk_a, chunk_b)
+            iou[chunk_a, chunk_b] = _pair_iou(bev_a, bev_b, chunk_a, chunk_b)
     return iou.numpy() if is_numpy else iou
 
 
 def boxes_bev_iou_aligned(boxes_a, boxes_b, order: str = "hwl",
                           pairs_per_chunk: int = PAIRS_PER_CHUNK):
     """Rotated BEV IoU of row-aligned pairs: boxes_a (N, 7), boxes_b (N, 7) -> (N,)."""
-    (a, b), is_numpy = _prepare(boxes_a, boxes_b, order)
-    if a[0].shape[0] != b[0].shape[0]:
-        raise ValueError(f"aligned IoU needs equal counts; got {a[0].shape[0]} and {b[0].shape[0]}")
-    gap = torch.linalg.vector_norm(a[0][:, :2] - b[0][:, :2], dim=1)
-    candidates = torch.nonzero(gap <= (a[3] + b[3]) * (1.0 + _CIRCLE_SLACK), as_tuple=True)[0]
-    iou = a[0].new_zeros(a[0].shape[0])
+    bev_a, bev_b, is_numpy = _prepare(boxes_a, boxes_b, order)
+    if bev_a.areas.shape[0] != bev_b.areas.shape[0]:
+        raise ValueError(f"aligned IoU needs equal counts; got {bev_a.areas.shape[0]} and "
+                         f"{bev_b.areas.shape[0]}")
+    gap = torch.linalg.vector_norm(bev_a.centres - bev_b.centres, dim=1)
+    reach = (bev_a.radii + bev_b.radii) * (1.0 + _CIRCLE_SLACK)
+    candidates = torch.nonzero(gap <= reach, as_tuple=True)[0]
+    iou = bev_a.areas.new_zeros(bev_a.areas.shape[0])
     for start in range(0, candidates.shape[0], pairs_per_chunk):
         chunk = candidates[start:start + pairs_per_chunk]
-        iou[chunk] = _pair_iou(a[0], b[0], a[1], b[1], a[2], b[2], chunk, chunk)
+        iou[chunk] = _pair_iou(bev_a, bev_b, chunk, chunk)
     return iou.numpy() if is_numpy else iou

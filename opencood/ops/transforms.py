@@ -156,3 +156,19 @@ def limit_period(angle, offset: float = 0.5, period: float = 2 * np.pi):
     """Wrap ``angle`` into ``[-offset * period, (1 - offset) * period)`` (numpy or torch)."""
     lib = torch if isinstance(angle, torch.Tensor) else np
     return angle - lib.floor(angle / period + offset) * period
+
+
+def points_in_boxes_mask(points: np.ndarray, boxes: np.ndarray, order: str = "hwl",
+                         margin: float = 0.0) -> np.ndarray:
+    """(N, 3+) points, (M, 7) boxes -> (M, N) bool: point inside box (3-D, edges inclusive).
+
+    ``margin`` (metres) grows every box on all sides, to absorb float error in tests.
+    """
+    boxes_lwh = _to_lwh(np.asarray(boxes, dtype=np.float64), order)
+    offsets = points[None, :, :3].astype(np.float64) - boxes_lwh[:, None, :3]      # (M, N, 3)
+    cos, sin = np.cos(boxes_lwh[:, 6])[:, None], np.sin(boxes_lwh[:, 6])[:, None]
+    along = offsets[..., 0] * cos + offsets[..., 1] * sin                          # box x
+    across = -offsets[..., 0] * sin + offsets[..., 1] * cos                        # box y
+    half = boxes_lwh[:, None, 3:6] / 2.0 + margin
+    return ((np.abs(along) <= half[..., 0]) & (np.abs(across) <= half[..., 1])
+            & (np.abs(offsets[..., 2]) <= half[..., 2]))

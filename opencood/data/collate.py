@@ -1,0 +1,67 @@
+"""Collate samples with a variable number of agents into one batch, and seed loader workers.
+
+Batch layout (CPU tensors; ``opencood.data.pipeline`` moves them and pillarises on the device)::
+
+    points            (N, 4) float32   every agent's points, concatenated agent after agent
+    agent_index       (N,) int64       global agent index of each point (0 .. sum(record_len)-1)
+    record_len        (B,) int64       agents per sample (ego first within each sample)
+    transforms_to_ego (A, 4, 4) float32, A = sum(record_len)
+    gt_boxes          (B, M_max, 7) float32, zero padded
+    gt_mask           (B, M_max) bool
+    shared_points     (B,) int64
+    sample_keys       list of B keys (scenario, timestamp[, cav])
+    gt_ids            list of B int64 arrays
+    points_in_agent_frame  bool: clouds in their agent's own frame (late fusion) or the ego's
+"""
+from __future__ import annotations
+
+import random
+from typing import Dict, List
+
+import numpy as np
+import torch
+
+
+def collate_samples(samples: List[Dict]) -> Dict:
+    """List of dataset samples -> batch dict (see module docstring)."""
+    clouds, agent_index, record_len, transforms = [], [], [], []
+    agent_counter = 0
+    for sample in samples:
+        record_len.append(len(sample["agent_points"]))
+        for points in sample["agent_points"]:
+            clouds.append(torch.from_numpy(np.ascontiguousarray(points[:, :4], np.float32)))
+            agent_index.append(torch.full((len(points),), agent_counter, dtype=torch.int64))
+            agent_counter += 1
+        transforms.append(torch.from_numpy(sample["transforms_to_ego"]))
+    max_gt = max([len(s["gt_boxes"]) for s in samples] + [1])
+    gt_boxes = torch.zeros((len(samples), max_gt, 7), dtype=torch.float32)
+    gt_mask = torch.zeros((len(samples), max_gt), dtype=torch.bool)
+    for row, sample in enumerate(samples):
+        count = len(sample["gt_boxes"])
+        gt_boxes[row, :count] = torch.from_numpy(sample["gt_boxes"])
+        gt_mask[row, :count] = True
+    return {
+        "points": torch.cat(clouds) if clouds else torch.zeros((0, 4)),
+        "agent_index": torch.cat(agent_index) if agent_index else torch.zeros(0, dtype=torch.int64),
+        "record_len": torch.tensor(record_len, dtype=torch.int64),
+        "transforms_to_ego": torch.cat(transforms).reshape(-1, 4, 4),
+        "gt_boxes": gt_boxes,
+        "gt_mask": gt_mask,
+        "shared_points": torch.tensor([s["shared_points"] for s in samples], dtype=torch.int64),
+        "sample_keys": [tuple(s["sample_key"]) for s in samples],
+        "gt_ids": [s["gt_ids"] for s in samples],
+        "points_in_agent_frame": bool(samples[0].get("points_in_agent_frame", False)),
+    }
+
+
+def seed_worker(worker_id: int) -> None:
+    """DataLoader ``worker_init_fn``: seed numpy and ``random`` from torch's per-worker seed.
+
+    torch gives every worker ``base_seed + worker_id`` where the base seed is drawn from the
+    loader's generator once per epoch, so workers differ from each other and from epoch to epoch
+    while a seeded generator repeats the whole run. (Our datasets also derive their augmentation
+    from (seed, epoch, index), so samples do not depend on which worker loads them.)
+    """
+    worker_seed = torch.initial_seed() % 2**32
+    np.random.seed(worker_seed)
+    random.seed(worker_seed)

@@ -1,0 +1,279 @@
+"""Fusion datasets: OPV2V-format files -> per-sample numpy arrays for each fusion strategy.
+
+One sample = one (scenario, timestamp); GT always in the ego frame (late fusion training is the
+exception: one CAV's own view, see below). Workers only read, project, augment and crop; the
+pillarisation and target assignment run on the training device (``opencood.data.pipeline``).
+
+A sample is a dict::
+
+    sample_key        (scenario, timestamp)
+    agent_ids         [cav_id, ...]                  ego first
+    agent_points      [(N_i, 4) float32, ...]        one entry per agent of the model input
+    transforms_to_ego (n, 4, 4) float32              agent -> ego as used (noisy for non-ego)
+    gt_boxes          (M, 7) float32 [x, y, z, h, w, l, yaw]
+    gt_ids            (M,) int64
+    shared_points     int                            non-ego points the ego received (early)
+    points_in_agent_frame bool                       True when clouds are in their own agent's
+                                                     frame (late fusion), else the ego frame
+
+Strategies (``fusion.core_method``):
+* ``no``: the ego's points only.
+* ``early``: all agents' points projected to the ego frame and concatenated into one cloud.
+* ``intermediate``: per-agent clouds projected to the ego frame ("proj_first"), kept apart so the
+  model computes per-agent BEV features and fuses them.
+* ``late``: training: each (sample, CAV) pair is its own example in the CAV's frame, with the GT
+  that CAV itself sees (its ``vehicles``); testing: every agent's cloud in its own frame plus its
+  transform to the ego, for per-agent detection, projection and NMS.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Dict, List
+
+import numpy as np
+import torch
+
+from opencood.data.augment import augment_sample, check_augment_config
+from opencood.data.opv2v import OPV2VSplit, remove_own_body_points, vehicles_to_boxes
+from opencood.data.wild import WildSetting, delayed_timestamp, noisy_pose
+from opencood.ops.transforms import apply_transform, points_in_range_mask, relative_transform
+from opencood.registry import DATASETS
+
+DEFAULT_LIDAR_RANGE = [-140.8, -40.0, -3.0, 140.8, 40.0, 1.0]
+DEFAULT_GT_RANGE = [-140.0, -40.0, -3.0, 140.0, 40.0, 1.0]
+
+# Purpose codes keep the augmentation and the noise streams independent of each other.
+_AUGMENT_STREAM, _NOISE_STREAM = 1, 2
+
+
+def boxes_center_in_range(boxes: np.ndarray, limit_range) -> np.ndarray:
+    """(M, 7) -> (M,) bool: box centre inside the BEV part of ``limit_range`` (after augmenting)."""
+    return ((boxes[:, 0] >= limit_range[0]) & (boxes[:, 0] <= limit_range[3])
+            & (boxes[:, 1] >= limit_range[1]) & (boxes[:, 1] <= limit_range[4]))
+
+
+class BaseFusionDataset(torch.utils.data.Dataset):
+    """Shared reading, noise, augmentation and cropping; subclasses choose what agents return.
+
+    Args:
+        split_dir: ``<root>/<split>`` folder in the OPV2V layout.
+        lidar_range: crop range [xmin, ymin, zmin, xmax, ymax, zmax] of the model input.
+        gt_range: range GT boxes must lie in (all 8 corners before augmentation).
+        train: enables augmentation; noise draws then also depend on the epoch.
+        augment_cfg: the ``data_augment`` list.
+        wild: pose-noise / latency setting.
+        seed: base seed of the augmentation draws.
+    """
+
+    fusion_method = "base"
+    points_in_agent_frame = False
+
+    def __init__(self, split_dir, lidar_range=DEFAULT_LIDAR_RANGE, gt_range=DEFAULT_GT_RANGE,
+                 train: bool = False, augment_cfg=None, wild: WildSetting | None = None,
+                 seed: int = 0, max_cav: int = 5, com_range: float = 70.0, order: str = "hwl",
+                 cache_dir=None):
+        check_augment_config(augment_cfg)
+        self.split = OPV2VSplit(split_dir, com_range=com_range, max_cav=max_cav,
+                                cache_dir=cache_dir)
+        self.split_dir = Path(split_dir)
+        self.lidar_range = list(lidar_range)
+        self.gt_range = list(gt_range)
+        self.train = train
+        self.augment_cfg = list(augment_cfg or []) if train else []
+        self.wild = wild or WildSetting()
+        self.seed = int(seed)
+        self.order = order
+        self.epoch = 0
+
+    @classmethod
+    def from_config(cls, cfg: dict, split_dir, train: bool, cache_dir=None, **extra):
+        preprocess = cfg.get("preprocess", {})
+        postprocess = cfg.get("postprocess", {})
+        lidar_range = preprocess.get("cav_lidar_range", DEFAULT_LIDAR_RANGE)
+        return cls(split_dir,
+                   lidar_range=lidar_range,
+                   gt_range=postprocess.get("gt_range", lidar_range),
+                   train=train,
+                   augment_cfg=cfg.get("data_augment", []),
+                   wild=WildSetting.from_config(cfg.get("wild_setting")),
+                   seed=int(cfg.get("seed", 0)),
+                   max_cav=cfg.get("train_params", {}).get("max_cav", 5),
+                   com_range=float(cfg.get("comm_range", 70.0)),
+                   order=postprocess.get("order", "hwl"),
+                   cache_dir=cache_dir, **extra)
+
+    # -- reproducible randomness -------------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        """Augmentation (and, in training, noise) draws depend on the epoch: call every epoch."""
+        self.epoch = int(epoch)
+
+    def _rng(self, index: int, stream: int) -> np.random.Generator:
+        epoch = self.epoch if self.train else 0
+        return np.random.default_rng([self.seed if stream == _AUGMENT_STREAM else self.wild.seed,
+                                      stream, epoch, index])
+
+    # -- reading -------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.split)
+
+    def _load_agents(self, index: int) -> Dict:
+        """Ego-first list of agents: own-body-free points in their own frame and poses.
+
+        Non-ego agents get latency (an earlier frame) and pose noise from the wild setting.
+        """
+        sample = self.split.load_sample(index, gt_range=self.gt_range, order=self.order)
+        info = sample["info"]
+        ego_pose = sample["cavs"][info.ego_id]["lidar_pose"]
+        noise_rng = self._rng(index, _NOISE_STREAM)
+        agents = []
+        for cav_id in info.cav_ids:
+            cav = sample["cavs"][cav_id]
+            is_ego = cav_id == info.ego_id
+            if not is_ego and self.wild.latency_frames > 0:
+                stamp = delayed_timestamp(self.split.timestamps(info.scenario), info.timestamp,
+                                          self.wild.latency_frames)
+                cav = self.split.load_cav_frame(info.scenario, cav_id, stamp)
+            reported_pose = cav["lidar_pose"] if is_ego else noisy_pose(
+                cav["lidar_pose"], self.wild, noise_rng)
+            agents.append({
+                "cav_id": cav_id,
+                "points": remove_own_body_points(cav["points"]),
+                "lidar_pose": np.asarray(cav["lidar_pose"], dtype=np.float64),
+                "vehicles": cav.get("params", {}).get("vehicles", {}),
+                "T_to_ego": relative_transform(reported_pose, ego_pose),
+            })
+        return {"info": info, "agents": agents, "gt_boxes": sample["gt_boxes"],
+                "gt_ids": sample["gt_ids"]}
+
+    def _finish(self, index: int, key, agent_ids, points_list, transforms, gt_boxes, gt_ids,
+                shared_points: int) -> Dict:
+        """Augment (one transform for all agents), crop points and boxes, cast dtypes."""
+        points_list, gt_boxes, _ = augment_sample(points_list, np.asarray(gt_boxes, np.float64),
+                                                  self.augment_cfg,
+                                                  self._rng(index, _AUGMENT_STREAM))
+        points_list = [p[points_in_range_mask(p, self.lidar_range)].astype(np.float32)
+                       for p in points_list]
+        keep = boxes_center_in_range(gt_boxes, self.lidar_range)
+        return {
+            "sample_key": key,
+            "agent_ids": list(agent_ids),
+            "agent_points": points_list,
+            "transforms_to_ego": np.asarray(transforms, dtype=np.float32).reshape(-1, 4, 4),
+            "gt_boxes": gt_boxes[keep].astype(np.float32).reshape(-1, 7),
+            "gt_ids": np.asarray(gt_ids, dtype=np.int64)[keep],
+            "shared_points": int(shared_points),
+            "points_in_agent_frame": self.points_in_agent_frame,
+        }
+
+    def __getitem__(self, index: int) -> Dict:
+        loaded = self._load_agents(index)
+        info = loaded["info"]
+        return self._build(index, (info.scenario, info.timestamp), loaded)
+
+    def _build(self, index, key, loaded) -> Dict:
+        raise NotImplementedError
+
+
+@DATASETS.register("no")
+class NoFusionDataset(BaseFusionDataset):
+    """The ego's own cloud only; GT is still the cooperative union (what the ego should find)."""
+
+    fusion_method = "no"
+
+    def _build(self, index, key, loaded):
+        ego = loaded["agents"][0]
+        return self._finish(index, key, [ego["cav_id"]], [ego["points"]], [np.eye(4)],
+                            loaded["gt_boxes"], loaded["gt_ids"], shared_points=0)
+
+
+def _points_to_ego(agents: List[Dict]) -> List[np.ndarray]:
+    return [apply_transform(agent["points"], agent["T_to_ego"]) for agent in agents]
+
+
+@DATASETS.register("early")
+class EarlyFusionDataset(BaseFusionDataset):
+    """Every agent's raw points projected to the ego frame and merged into one cloud."""
+
+    fusion_method = "early"
+
+    def _build(self, index, key, loaded):
+        agents = loaded["agents"]
+        clouds = _points_to_ego(agents)
+        merged = np.concatenate(clouds, axis=0) if clouds else np.zeros((0, 4), np.float32)
+        shared = int(sum(len(c) for c in clouds[1:]))
+        return self._finish(index, key, [agents[0]["cav_id"]], [merged], [np.eye(4)],
+                            loaded["gt_boxes"], loaded["gt_ids"], shared_points=shared)
+
+
+@DATASETS.register("intermediate")
+class IntermediateFusionDataset(BaseFusionDataset):
+    """Per-agent clouds projected to the ego frame, kept apart for feature-level fusion."""
+
+    fusion_method = "intermediate"
+
+    def _build(self, index, key, loaded):
+        agents = loaded["agents"]
+        return self._finish(index, key, [a["cav_id"] for a in agents], _points_to_ego(agents),
+                            [a["T_to_ego"] for a in agents], loaded["gt_boxes"],
+                            loaded["gt_ids"], shared_points=0)
+
+
+@DATASETS.register("late")
+class LateFusionDataset(BaseFusionDataset):
+    """Training: one example per (sample, CAV) in the CAV's own frame with the CAV's own GT.
+
+    Testing: all agents of a sample, each cloud in its own frame, with transforms to the ego;
+    the post-processor projects each agent's detections to the ego and runs NMS.
+    """
+
+    fusion_method = "late"
+    points_in_agent_frame = True
+
+    def __init__(self, *args, per_cav: bool | None = None, **kwargs):
+        """``per_cav`` (default: ``train``) selects the per-CAV examples; validation loss uses
+        them without augmentation, AP uses the whole-sample view."""
+        super().__init__(*args, **kwargs)
+        self.per_cav = self.train if per_cav is None else bool(per_cav)
+        # Per-CAV examples: (sample index, position of the CAV in that sample's CAV list).
+        self.pairs = [(i, k) for i in range(len(self.split))
+                      for k in range(len(self.split.info(i).cav_ids))] if self.per_cav else None
+
+    def __len__(self) -> int:
+        return len(self.pairs) if self.per_cav else len(self.split)
+
+    def __getitem__(self, index: int) -> Dict:
+        if not self.per_cav:
+            return super().__getitem__(index)
+        sample_index, position = self.pairs[index]
+        loaded = self._load_agents(sample_index)
+        info = loaded["info"]
+        agent = loaded["agents"][position]
+        gt_ids, gt_boxes = vehicles_to_boxes(agent["vehicles"], agent["lidar_pose"],
+                                             self.gt_range, order=self.order)
+        key = (info.scenario, info.timestamp, agent["cav_id"])
+        return self._finish(index, key, [agent["cav_id"]], [agent["points"]], [np.eye(4)],
+                            gt_boxes, gt_ids, shared_points=0)
+
+    def _build(self, index, key, loaded):
+        agents = loaded["agents"]
+        return self._finish(index, key, [a["cav_id"] for a in agents],
+                            [a["points"] for a in agents], [a["T_to_ego"] for a in agents],
+                            loaded["gt_boxes"], loaded["gt_ids"], shared_points=0)
+
+
+def build_dataset(cfg: dict, split: str, train: bool, fusion_method: str | None = None,
+                  cache_dir=None, **extra) -> BaseFusionDataset:
+    """Dataset of ``fusion_method`` (default ``cfg.fusion.core_method``) for a split.
+
+    ``split`` is "train", "validate" or "test", mapped to ``root_dir``, ``validate_dir`` and
+    ``test_dir`` of the config.
+    """
+    split_keys = {"train": "root_dir", "validate": "validate_dir", "test": "test_dir"}
+    if split not in split_keys:
+        raise ValueError(f"unknown split {split!r}; expected one of {', '.join(split_keys)}")
+    split_dir = cfg.get(split_keys[split])
+    if not split_dir:
+        raise ValueError(f"config key {split_keys[split]!r} (the {split} folder) is not set")
+    method = fusion_method or cfg["fusion"]["core_method"]
+    dataset_cls = DATASETS.get(method)
+    return dataset_cls.from_config(cfg, split_dir, train=train, cache_dir=cache_dir, **extra)

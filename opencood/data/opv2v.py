@@ -1,0 +1,518 @@
+"""Reader for OPV2V-format data (DESIGN §2).
+
+Layout: ``<split_dir>/<scenario>/<cav_id>/<ts>.pcd|.yaml``. One sample is one (scenario, timestamp);
+the ego is the first CAV folder of the scenario (string sort, negative ids = infrastructure last).
+
+Every frame's yaml is parsed exactly once, while the index is built (the CAV poses are needed for
+the communication-range test anyway), and kept in memory; the parsed frames are also persisted as
+JSON in the cache folder so the next start skips yaml parsing entirely. Point clouds are read
+lazily per sample, through :class:`~opencood.data.pcd.PointCloudCache` when enabled.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import yaml
+from tqdm import tqdm
+
+from opencood.data.pcd import PointCloudCache, default_cache_dir, read_pcd
+from opencood.ops.transforms import (
+    boxes_to_corners_3d,
+    corners_in_range_mask,
+    corners_to_boxes,
+    extent_corners,
+    pose_to_matrix,
+    relative_transform,
+)
+
+logger = logging.getLogger(__name__)
+
+# Own-body box of a CAV in its lidar frame (reference values), bounds inclusive.
+OWN_BODY_X = (-1.95, 2.95)
+OWN_BODY_Y = (-1.1, 1.1)
+DEFAULT_GT_RANGE = (-140.0, -40.0, -3.0, 140.0, 40.0, 1.0)
+PROGRESS_MIN_FRAMES = 200
+INDEX_CACHE_VERSION = 1
+_VEHICLE_VECTOR_KEYS = ("location", "extent", "angle")
+
+
+class OPV2VFormatError(ValueError):
+    """A file or folder that does not follow the OPV2V format; the message starts with its path."""
+
+
+def _format_error(path, problem: str) -> OPV2VFormatError:
+    return OPV2VFormatError(f"{path}: {problem}")
+
+
+# --------------------------------------------------------------------------------------- yaml
+
+_BaseSafeLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+class _FrameLoader(_BaseSafeLoader):
+    """Safe loader (libyaml when present) that also reads ``1e-05`` as a float.
+
+    YAML 1.1 wants a dot in exponent floats; the reference registers the same resolver, so files
+    written by other tools read identically. A subclass keeps the global loaders untouched.
+    """
+
+
+_FrameLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_vector(value, length: int, path, key: str) -> None:
+    if not isinstance(value, (list, tuple)) or len(value) != length \
+            or not all(_is_number(v) for v in value):
+        raise _format_error(path, f"'{key}' must be a list of {length} finite numbers, "
+                                  f"got {value!r}")
+
+
+def _normalise_vehicles(vehicles, path) -> dict:
+    """Validate ``vehicles`` and return it with int actor ids as keys."""
+    if vehicles is None:
+        return {}
+    if not isinstance(vehicles, dict):
+        raise _format_error(path, f"'vehicles' must be a mapping, got {type(vehicles).__name__}")
+    normalised = {}
+    for actor_id, vehicle in vehicles.items():
+        try:
+            actor_int = int(actor_id)
+        except (TypeError, ValueError):
+            problem = f"vehicles: actor id {actor_id!r} is not an integer"
+            raise _format_error(path, problem) from None
+        if not isinstance(vehicle, dict):
+            raise _format_error(path, f"'vehicles.{actor_id}' must be a mapping")
+        for key in _VEHICLE_VECTOR_KEYS:
+            if key not in vehicle:
+                raise _format_error(path, f"'vehicles.{actor_id}.{key}' is missing")
+            _check_vector(vehicle[key], 3, path, f"vehicles.{actor_id}.{key}")
+        if "center" in vehicle:
+            _check_vector(vehicle["center"], 3, path, f"vehicles.{actor_id}.center")
+        normalised[actor_int] = vehicle
+    return normalised
+
+
+def _validate_frame(params, path) -> dict:
+    """Check the keys the reader relies on; every other key is kept untouched."""
+    if not isinstance(params, dict):
+        raise _format_error(path, f"top level must be a mapping, got {type(params).__name__}")
+    if "lidar_pose" not in params:
+        raise _format_error(path, "'lidar_pose' is missing")
+    _check_vector(params["lidar_pose"], 6, path, "lidar_pose")
+    params["vehicles"] = _normalise_vehicles(params.get("vehicles"), path)
+    return params
+
+
+def load_frame_yaml(path) -> dict:
+    """Parse and validate one per-timestamp OPV2V yaml.
+
+    Returns the full mapping (cameras, plan_trajectory, ... kept); ``lidar_pose`` is checked to be
+    6 numbers, ``vehicles`` is always a dict keyed by int actor id (empty when missing or null).
+    Raises OPV2VFormatError (message starts with ``path``) on bad yaml or bad required keys.
+    """
+    with open(path, "rb") as handle:
+        text = handle.read()
+    try:
+        params = yaml.load(text, Loader=_FrameLoader)
+    except yaml.YAMLError as exc:
+        raise _format_error(path, f"invalid yaml: {exc}") from None
+    return _validate_frame(params, path)
+
+
+# ----------------------------------------------------------------------------------- geometry
+
+def remove_own_body_points(points: np.ndarray) -> np.ndarray:
+    """Drop the returns from the CAV's own body: points (N, 3+) in its lidar frame -> (K, 3+)."""
+    on_body = ((points[:, 0] >= OWN_BODY_X[0]) & (points[:, 0] <= OWN_BODY_X[1])
+               & (points[:, 1] >= OWN_BODY_Y[0]) & (points[:, 1] <= OWN_BODY_Y[1]))
+    return points[~on_body]
+
+
+def _vehicle_pose(vehicle: dict) -> list:
+    """World pose [x, y, z, roll, yaw, pitch] of a vehicle's box centre.
+
+    ``center`` is an offset added to ``location`` without rotation (as the reference does).
+    """
+    center = vehicle.get("center", (0.0, 0.0, 0.0))
+    location = vehicle["location"]
+    return [float(location[i]) + float(center[i]) for i in range(3)] \
+        + [float(a) for a in vehicle["angle"]]
+
+
+def vehicles_to_boxes(vehicles: dict, lidar_pose, limit_range, order: str = "hwl"):
+    """Project world-frame vehicles into the frame of ``lidar_pose`` and keep boxes in range.
+
+    Returns ``(ids, boxes)``: ids (M,) int64 sorted ascending, boxes (M, 7) float64 in
+    ``order`` (``[x, y, z, h, w, l, yaw]`` for 'hwl'). A box is kept when all 8 corners of the
+    box rebuilt from its 7 numbers lie inside ``limit_range`` (inclusive, z too), which is what the
+    reference checks.
+    """
+    if not vehicles:
+        return np.zeros(0, dtype=np.int64), np.zeros((0, 7), dtype=np.float64)
+    actor_ids = sorted(vehicles, key=int)
+    # relative_transform(object_pose, lidar_pose) = inv(T_lidar) @ T_object; invert once.
+    world_to_lidar = np.linalg.inv(pose_to_matrix(lidar_pose))
+    corners_lidar = np.stack([
+        _vehicle_corners(vehicles[actor_id], world_to_lidar) for actor_id in actor_ids])
+    boxes = corners_to_boxes(corners_lidar, order)
+    keep = corners_in_range_mask(boxes_to_corners_3d(boxes, order), limit_range, min_corners=8)
+    return np.asarray([int(a) for a in actor_ids], dtype=np.int64)[keep], boxes[keep]
+
+
+def _vehicle_corners(vehicle: dict, world_to_lidar: np.ndarray) -> np.ndarray:
+    """(8, 3) box corners of one vehicle in the lidar frame given by ``world_to_lidar`` (4, 4)."""
+    object_to_lidar = world_to_lidar @ pose_to_matrix(_vehicle_pose(vehicle))
+    corners_object = extent_corners(vehicle["extent"])
+    return corners_object @ object_to_lidar[:3, :3].T + object_to_lidar[:3, 3]
+
+
+def _gt_union(vehicle_dicts: list, ego_pose, exclude_ids: set, gt_range, order: str):
+    """Union of the boxes of several CAVs' ``vehicles``, all projected with the ego pose.
+
+    The first CAV listing an actor wins (ego first); returns (ids (M,), boxes (M, 7)) sorted by id.
+    """
+    boxes_by_id = {}
+    for vehicles in vehicle_dicts:
+        ids, boxes = vehicles_to_boxes(vehicles, ego_pose, gt_range, order)
+        for actor_id, box in zip(ids.tolist(), boxes):
+            if actor_id not in exclude_ids and actor_id not in boxes_by_id:
+                boxes_by_id[actor_id] = box
+    sorted_ids = sorted(boxes_by_id)
+    if not sorted_ids:
+        return np.zeros(0, dtype=np.int64), np.zeros((0, 7), dtype=np.float64)
+    return (np.asarray(sorted_ids, dtype=np.int64),
+            np.stack([boxes_by_id[actor_id] for actor_id in sorted_ids]))
+
+
+# ------------------------------------------------------------------------------------ layout
+
+def _cav_sort_key(cav_id: str):
+    """String sort, except negative ids (infrastructure units) go last."""
+    is_infrastructure = cav_id.startswith("-") and cav_id[1:].isdigit()
+    return (is_infrastructure, cav_id)
+
+
+def _timestamp_sort_key(timestamp: str):
+    # Numeric first so that unpadded names ("99", "100") still come in frame order.
+    return (int(timestamp), timestamp)
+
+
+def _sorted_subfolders(folder: Path) -> list[str]:
+    with os.scandir(folder) as entries:
+        return sorted(e.name for e in entries if e.is_dir() and not e.name.startswith("."))
+
+
+@dataclass
+class _CavFolder:
+    """Files of one CAV folder: name -> (size, mtime_ns) for yaml, names only for pcd."""
+    path: Path
+    yaml_stats: dict
+    pcd_names: set
+
+    @classmethod
+    def scan(cls, path: Path) -> "_CavFolder":
+        yaml_stats, pcd_names = {}, set()
+        with os.scandir(path) as entries:
+            for entry in entries:
+                stem, _, suffix = entry.name.rpartition(".")
+                if not stem.isdigit() or not entry.is_file():
+                    continue
+                if suffix == "yaml":
+                    stat = entry.stat()
+                    yaml_stats[stem] = (stat.st_size, stat.st_mtime_ns)
+                elif suffix == "pcd":
+                    pcd_names.add(stem)
+        return cls(path, yaml_stats, pcd_names)
+
+    def require(self, timestamps: list, ego_path: Path) -> None:
+        """Raise naming this folder when it lacks a yaml or pcd of one of ``timestamps``."""
+        for timestamp in timestamps:
+            if timestamp not in self.yaml_stats:
+                raise _format_error(self.path, f"missing {timestamp}.yaml "
+                                               f"(the ego folder {ego_path} has it)")
+            if timestamp not in self.pcd_names:
+                raise _format_error(self.path, f"missing {timestamp}.pcd")
+
+
+@dataclass
+class _ScenarioLayout:
+    name: str
+    cav_ids: list            # ego first, infrastructure last
+    timestamps: list         # the ego's, sorted
+    cav_folders: dict        # cav_id -> _CavFolder
+
+
+def _scan_scenario(scenario_dir: Path) -> _ScenarioLayout:
+    cav_ids = sorted(_sorted_subfolders(scenario_dir), key=_cav_sort_key)
+    if not cav_ids:
+        raise _format_error(scenario_dir, "scenario folder has no CAV folders")
+    cav_folders = {cav_id: _CavFolder.scan(scenario_dir / cav_id) for cav_id in cav_ids}
+    ego_folder = cav_folders[cav_ids[0]]
+    timestamps = sorted(ego_folder.yaml_stats, key=_timestamp_sort_key)
+    if not timestamps:
+        raise _format_error(ego_folder.path, "ego folder has no <timestamp>.yaml files")
+    for cav_id in cav_ids:
+        cav_folders[cav_id].require(timestamps, ego_folder.path)
+    return _ScenarioLayout(scenario_dir.name, cav_ids, timestamps, cav_folders)
+
+
+def _scan_split(split_dir: Path) -> list[_ScenarioLayout]:
+    if not split_dir.is_dir():
+        raise _format_error(split_dir, "split folder not found")
+    scenario_names = _sorted_subfolders(split_dir)
+    if not scenario_names:
+        raise _format_error(split_dir, "split folder contains no scenario folders")
+    return [_scan_scenario(split_dir / name) for name in scenario_names]
+
+
+def _layout_fingerprint(layouts: list[_ScenarioLayout]) -> str:
+    """Hash of every yaml the index uses (relative path, size, mtime): changes invalidate it."""
+    digest = hashlib.sha1()
+    for layout in layouts:
+        for cav_id in layout.cav_ids:
+            stats = layout.cav_folders[cav_id].yaml_stats
+            for timestamp in layout.timestamps:
+                size, mtime_ns = stats[timestamp]
+                digest.update(f"{layout.name}/{cav_id}/{timestamp} {size} {mtime_ns}\n".encode())
+    return digest.hexdigest()
+
+
+# ------------------------------------------------------------------------------- index cache
+
+def _cache_root(cache_dir) -> Path:
+    return Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+
+
+def _index_cache_path(cache_dir, split_dir: Path) -> Path:
+    """One file per split folder (keyed by its absolute path); its content says if it is fresh."""
+    key = hashlib.sha1(str(split_dir.resolve()).encode()).hexdigest()[:20]
+    return _cache_root(cache_dir) / "opv2v_index" / f"{split_dir.name}_{key}.json"
+
+
+_PAIRS_TAG = "__pairs__"
+
+
+def _to_json_safe(value):
+    """Encode yaml data for JSON without losing key types: dicts whose keys are not all strings
+    (actor ids are ints) become ``{"__pairs__": [[key, value], ...]}``."""
+    if isinstance(value, dict):
+        if all(isinstance(k, str) for k in value) and _PAIRS_TAG not in value:
+            return {k: _to_json_safe(v) for k, v in value.items()}
+        return {_PAIRS_TAG: [[k, _to_json_safe(v)] for k, v in value.items()]}
+    if isinstance(value, list):
+        return [_to_json_safe(v) for v in value]
+    return value
+
+
+def _from_json_object(obj: dict):
+    if len(obj) == 1 and _PAIRS_TAG in obj:
+        return {key: value for key, value in obj[_PAIRS_TAG]}
+    return obj
+
+
+def _read_index_cache(cache_path: Path, fingerprint: str):
+    """Frames ``{scenario: {cav_id: [params per timestamp]}}`` or None when absent/stale."""
+    try:
+        with open(cache_path, "r", encoding="utf-8") as handle:
+            cached = json.load(handle, object_hook=_from_json_object)
+    except (OSError, ValueError):
+        return None
+    if cached.get("version") != INDEX_CACHE_VERSION or cached.get("fingerprint") != fingerprint:
+        return None
+    return cached["frames"]
+
+
+def _write_index_cache(cache_path: Path, fingerprint: str, frames: dict) -> None:
+    """Write atomically (temp file + rename) so concurrent readers never see half a file."""
+    payload = {"version": INDEX_CACHE_VERSION, "fingerprint": fingerprint,
+               "frames": _to_json_safe(frames)}
+    try:
+        text = json.dumps(payload, separators=(",", ":"))
+        cache_path.parent.mkdir(parents=True, exist_ok=True)
+        handle, temp_name = tempfile.mkstemp(dir=cache_path.parent, suffix=".tmp")
+    except (OSError, TypeError, ValueError) as exc:
+        # A cache is an optimisation: an unwritable folder or a yaml value JSON cannot hold
+        # (e.g. a date) must not stop training.
+        logger.warning("OPV2V index cache not written to %s: %s", cache_path, exc)
+        return
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as out:
+            out.write(text)
+        os.replace(temp_name, cache_path)
+    except OSError as exc:
+        logger.warning("OPV2V index cache not written to %s: %s", cache_path, exc)
+        if os.path.exists(temp_name):
+            os.remove(temp_name)
+
+
+def _parse_frames(split_dir: Path, layouts: list[_ScenarioLayout]) -> dict:
+    """Parse every (scenario, cav, timestamp) yaml once: {scenario: {cav_id: [params, ...]}}."""
+    total = sum(len(layout.cav_ids) * len(layout.timestamps) for layout in layouts)
+    frames = {}
+    with tqdm(total=total, desc=f"indexing {split_dir.name}", unit="frame",
+              disable=total <= PROGRESS_MIN_FRAMES, leave=False) as progress:
+        for layout in layouts:
+            frames[layout.name] = {}
+            for cav_id in layout.cav_ids:
+                folder = split_dir / layout.name / cav_id
+                frames[layout.name][cav_id] = [load_frame_yaml(folder / f"{timestamp}.yaml")
+                                               for timestamp in layout.timestamps]
+                progress.update(len(layout.timestamps))
+    return frames
+
+
+def _copy_tree(value):
+    """Copy of parsed yaml (dicts/lists; leaves are immutable) so callers may mutate freely."""
+    if isinstance(value, dict):
+        return {k: _copy_tree(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_copy_tree(v) for v in value]
+    return value
+
+
+# ------------------------------------------------------------------------------------ split
+
+@dataclass
+class SampleInfo:
+    """One sample: a (scenario, timestamp) and the CAVs used, ego first."""
+    split_dir: Path
+    scenario: str
+    timestamp: str
+    ego_id: str
+    cav_ids: list = field(default_factory=list)
+
+
+class OPV2VSplit:
+    """Index of one split folder (``train``, ``validate`` or ``test``) of OPV2V-format data.
+
+    Args:
+        split_dir: folder holding the scenario folders.
+        com_range: CAVs whose lidar is farther than this (m, 2-D) from the ego's are dropped.
+        max_cav: at most this many CAVs per sample (ego included), after the range test.
+        cache_dir: cache folder (None: ``default_cache_dir()``); clouds go to ``<cache_dir>/pcd``,
+            the index to ``<cache_dir>/opv2v_index``. Never the data folder.
+        use_point_cache: load clouds through PointCloudCache (.npy) instead of parsing the PCD.
+        index_cache: persist the parsed yaml of the split as JSON and reuse it when unchanged.
+    """
+
+    def __init__(self, split_dir, com_range: float = 70.0, max_cav: int = 5, cache_dir=None,
+                 use_point_cache: bool = True, index_cache: bool = True):
+        if max_cav < 1:
+            raise ValueError(f"max_cav must be >= 1, got {max_cav}")
+        self.split_dir = Path(split_dir)
+        self.com_range = float(com_range)
+        self.max_cav = int(max_cav)
+        layouts = _scan_split(self.split_dir)
+        self._frames = self._load_frames(layouts, cache_dir, index_cache)
+        self._cav_order = {layout.name: layout.cav_ids for layout in layouts}
+        self._timestamps = {layout.name: layout.timestamps for layout in layouts}
+        self._timestamp_pos = {layout.name: {ts: i for i, ts in enumerate(layout.timestamps)}
+                               for layout in layouts}
+        self._samples = [info for layout in layouts for info in self._scenario_samples(layout)]
+        self._point_cache = (PointCloudCache(_cache_root(cache_dir) / "pcd")
+                             if use_point_cache else None)
+
+    def _load_frames(self, layouts, cache_dir, index_cache: bool) -> dict:
+        if not index_cache:
+            return _parse_frames(self.split_dir, layouts)
+        fingerprint = _layout_fingerprint(layouts)
+        cache_path = _index_cache_path(cache_dir, self.split_dir)
+        frames = _read_index_cache(cache_path, fingerprint)
+        if frames is None:
+            frames = _parse_frames(self.split_dir, layouts)
+            _write_index_cache(cache_path, fingerprint, frames)
+        return frames
+
+    def _scenario_samples(self, layout: _ScenarioLayout) -> list[SampleInfo]:
+        frames = self._frames[layout.name]
+        samples = []
+        for position, timestamp in enumerate(layout.timestamps):
+            ego_pose = frames[layout.cav_ids[0]][position]["lidar_pose"]
+            in_range = [cav_id for cav_id in layout.cav_ids
+                        if _planar_distance(frames[cav_id][position]["lidar_pose"], ego_pose)
+                        <= self.com_range]
+            samples.append(SampleInfo(self.split_dir, layout.name, timestamp,
+                                      layout.cav_ids[0], in_range[:self.max_cav]))
+        return samples
+
+    def __len__(self) -> int:
+        return len(self._samples)
+
+    def info(self, index: int) -> SampleInfo:
+        return self._samples[index]
+
+    @property
+    def scenarios(self) -> list[str]:
+        return list(self._cav_order)
+
+    def timestamps(self, scenario: str) -> list[str]:
+        """Sorted timestamps of ``scenario`` (those of its ego folder)."""
+        return list(self._timestamps[scenario])
+
+    def load_cav_frame(self, scenario: str, cav_id: str, timestamp: str) -> dict:
+        """One CAV at one timestamp.
+
+        Returns {"points": (N, 4) float32 [x, y, z, intensity] in its lidar frame (own-body points
+        still present), "lidar_pose": (6,) float64, "vehicles": {actor_id: ...},
+        "params": the full yaml mapping (a private copy)}.
+        """
+        params = _copy_tree(self._frame_params(scenario, cav_id, timestamp))
+        pcd_path = self.split_dir / scenario / cav_id / f"{timestamp}.pcd"
+        points = self._point_cache.load(pcd_path) if self._point_cache else read_pcd(pcd_path)
+        return {"points": points,
+                "lidar_pose": np.asarray(params["lidar_pose"], dtype=np.float64),
+                "vehicles": params["vehicles"],
+                "params": params}
+
+    def _frame_params(self, scenario: str, cav_id: str, timestamp: str) -> dict:
+        try:
+            position = self._timestamp_pos[scenario][timestamp]
+            return self._frames[scenario][cav_id][position]
+        except KeyError:
+            where = f"{scenario}/{cav_id}/{timestamp}"
+            raise KeyError(f"no frame {where} in {self.split_dir}") from None
+
+    def load_sample(self, index: int, gt_range=DEFAULT_GT_RANGE, order: str = "hwl") -> dict:
+        """Everything of sample ``index`` before any fusion-specific processing.
+
+        Returns {"info": SampleInfo, "cavs": {cav_id: {"points", "lidar_pose", "vehicles",
+        "params", "T_to_ego": (4, 4) float64 cav-lidar -> ego-lidar}}, "gt_ids": (M,) int64,
+        "gt_boxes": (M, 7) float64 in the ego lidar frame}. GT is the union over the used CAVs'
+        ``vehicles`` projected with the ego pose, deduplicated by actor id, sorted by id.
+        """
+        info = self._samples[index]
+        cavs = {cav_id: self.load_cav_frame(info.scenario, cav_id, info.timestamp)
+                for cav_id in info.cav_ids}
+        ego_pose = cavs[info.ego_id]["lidar_pose"]
+        for cav in cavs.values():
+            cav["T_to_ego"] = relative_transform(cav["lidar_pose"], ego_pose)
+        # A CAV is never its own GT, and should another CAV's yaml list it, it is not a target.
+        cav_actor_ids = {int(cav_id) for cav_id in info.cav_ids if _is_int_text(cav_id)}
+        gt_ids, gt_boxes = _gt_union([cav["vehicles"] for cav in cavs.values()], ego_pose,
+                                     cav_actor_ids, gt_range, order)
+        return {"info": info, "cavs": cavs, "gt_ids": gt_ids, "gt_boxes": gt_boxes}
+
+
+def _planar_distance(pose_a, pose_b) -> float:
+    return math.hypot(float(pose_a[0]) - float(pose_b[0]), float(pose_a[1]) - float(pose_b[1]))
+
+
+def _is_int_text(text: str) -> bool:
+    return text.lstrip("-").isdigit()

@@ -1,0 +1,16 @@
+"""The synthetic cooperative world: a town, traffic, CAVs with ray-cast LiDARs, OPV2V files.
+
+Entry points: :func:`generate_dataset` (what ``tools/generate_synthetic.py`` runs), the presets,
+and the building blocks for hand-made scenes (``Scene``, ``Building``, ``Vehicle``,
+``cast_lidar``, ``visible_vehicles``).
+"""
+from opencood.data.synthetic.lidar import GROUND_ID, LidarConfig, cast_lidar
+from opencood.data.synthetic.presets import PRESETS, Preset, get_preset
+from opencood.data.synthetic.world import (Building, Scene, TownConfig, Vehicle, World,
+                                           build_world)
+from opencood.data.synthetic.writer import (OutputDirError, format_summary, generate_dataset,
+                                            visible_vehicles)
+
+__all__ = ["GROUND_ID", "LidarConfig", "cast_lidar", "PRESETS", "Preset", "get_preset",
+           "Building", "Scene", "TownConfig", "Vehicle", "World", "build_world",
+           "OutputDirError", "format_summary", "generate_dataset", "visible_vehicles"]

@@ -1,0 +1,502 @@
+"""The synthetic town: a street grid with buildings, parked cars, moving traffic and CAVs.
+
+World frame: metres, ground plane z = 0, yaw in degrees about +z measured from +x (the CARLA pose
+convention of ``opencood.ops.transforms``). Traffic keeps to the right of its direction of travel
+(right of heading (dx, dy) is (dy, -dx)). Every vehicle moves at constant speed along a route of
+straight street segments; at a turn the corner is cut by one diagonal segment so the heading
+changes in two 45-degree steps instead of one 90-degree jump. Vehicles never overlap: each new
+one is checked against all earlier ones at every frame (separating-axis test on footprints).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import numpy as np
+
+# kind -> (length range, width range, height range, share of traffic). Truck height stays below
+# 2.8 m: with the lidar 1.9 m up, taller boxes would poke above the z = 1 m top of the default
+# evaluation range and be dropped from every ground truth.
+VEHICLE_KINDS = {
+    "car": ((4.2, 4.9), (1.8, 2.0), (1.4, 1.6), 0.72),
+    "van": ((5.2, 5.8), (2.0, 2.2), (2.0, 2.3), 0.18),
+    "truck": ((8.0, 10.0), (2.4, 2.6), (2.5, 2.75), 0.10),
+}
+CAV_SIZE = (4.6, 1.9, 1.5)            # l, w, h of every CAV (fits OPV2V's own-body box)
+LIDAR_MOUNT_X = -0.5                  # lidar sits 0.5 m behind the car centre, as in OPV2V
+LIDAR_HEIGHT = (1.85, 1.95)           # above the ground, drawn per CAV
+LIDAR_TILT_DEG = 0.15                 # max |roll|, |pitch| of the lidar per frame (road camber)
+_ONE_KMH = 1.0 / 3.6                  # m/s
+
+
+@dataclass(frozen=True)
+class TownConfig:
+    """Street grid, buildings and traffic of one scenario (lengths in metres, speeds km/h)."""
+
+    blocks_x: int = 4                      # blocks along x (nodes = blocks + 1)
+    blocks_y: int = 4
+    block_size: tuple = (45.0, 75.0)       # street-centre spacing range, drawn per row/column
+    lanes_per_direction: int = 1
+    lane_width: float = 3.5
+    parking_width: float = 2.5
+    sidewalk_width: float = 2.5
+    open_block_prob: float = 0.1           # blocks left empty (plazas, parks)
+    building_frontage: tuple = (10.0, 28.0)
+    building_depth: tuple = (10.0, 22.0)
+    building_height: tuple = (6.0, 30.0)
+    building_setback: tuple = (0.0, 1.5)
+    building_gap_prob: float = 0.25        # chance of a gap (alley, driveway) after a building
+    building_gap: tuple = (3.0, 9.0)
+    parked_occupancy: float = 0.55         # chance a curb slot holds a parked vehicle
+    moving_vehicles: int = 30              # moving traffic (CAVs not included)
+    traffic_radius: float = 80.0           # moving traffic starts within this of the focus point
+    speed_kmh: tuple = (20.0, 40.0)
+    cavs: tuple = (2, 4)                   # inclusive range of CAVs per scenario
+    cav_radius: float = 40.0               # other CAVs start within this of the ego
+    cav_min_gap: float = 8.0               # ... and at least this far from it
+    cav_other_street_prob: float = 0.7     # chance a CAV must drive on another street than the
+                                           # ego: crossing streets are where cooperation pays
+
+    @property
+    def half_street(self) -> float:
+        """Centre line to the building line (lanes, parking lane, sidewalk)."""
+        return self.lanes_per_direction * self.lane_width + self.parking_width + \
+            self.sidewalk_width
+
+
+@dataclass(frozen=True)
+class Building:
+    """An axis-free box standing on the ground; ids are negative (see lidar.GROUND_ID)."""
+
+    building_id: int
+    x: float
+    y: float
+    half_length: float
+    half_width: float
+    height: float
+    yaw_deg: float = 0.0
+    reflectivity: float = 0.3
+
+
+@dataclass(frozen=True)
+class Vehicle:
+    """A vehicle at one instant: origin (x, y) on the ground at the box centre's footprint."""
+
+    actor_id: int
+    x: float
+    y: float
+    yaw_deg: float
+    extent: tuple                          # half length, half width, half height
+    speed_kmh: float = 0.0
+    reflectivity: float = 0.5
+    kind: str = "car"
+
+
+@dataclass
+class Scene:
+    """Everything a LiDAR can hit at one instant (besides the ground)."""
+
+    buildings: list = field(default_factory=list)
+    vehicles: list = field(default_factory=list)
+
+    @cached_property
+    def _arrays(self):
+        rows = [(b.x, b.y, b.height / 2, b.half_length, b.half_width, b.height / 2,
+                 np.radians(b.yaw_deg), b.building_id, b.reflectivity) for b in self.buildings]
+        rows += [(v.x, v.y, v.extent[2], *v.extent, np.radians(v.yaw_deg), v.actor_id,
+                  v.reflectivity) for v in self.vehicles]
+        table = np.asarray(rows, dtype=np.float64).reshape(-1, 9)
+        return (table[:, 0:3], table[:, 3:6], table[:, 6], table[:, 7].astype(np.int64),
+                table[:, 8])
+
+    def box_arrays(self):
+        """centers (K, 3), half_sizes (K, 3), yaws_rad (K,), ids (K,) int64, reflectivity (K,)."""
+        return self._arrays
+
+
+# ---------------------------------------------------------------------------------------------
+# Street grid and routes
+
+@dataclass(frozen=True)
+class StreetGrid:
+    """Street centre lines: x = xs[i] (running along y) and y = ys[j] (running along x)."""
+
+    xs: np.ndarray
+    ys: np.ndarray
+
+    def node(self, i, j) -> np.ndarray:
+        return np.array([self.xs[i], self.ys[j]], dtype=np.float64)
+
+    def inside(self, i, j) -> bool:
+        return 0 <= i < len(self.xs) and 0 <= j < len(self.ys)
+
+
+def make_grid(town: TownConfig, rng: np.random.Generator) -> StreetGrid:
+    """Street grid centred on the origin with block sizes drawn from ``town.block_size``."""
+    def axis(blocks):
+        pitches = rng.uniform(*town.block_size, size=blocks)
+        nodes = np.concatenate([[0.0], np.cumsum(pitches)])
+        return nodes - nodes[-1] / 2
+    return StreetGrid(xs=axis(town.blocks_x), ys=axis(town.blocks_y))
+
+
+_DIRECTIONS = ((1, 0), (0, 1), (-1, 0), (0, -1))
+
+
+def _right_of(direction) -> np.ndarray:
+    return np.array([direction[1], -direction[0]], dtype=np.float64)
+
+
+@dataclass(frozen=True)
+class Route:
+    """A polyline (P, 2) followed at constant speed, parameterised by arc length."""
+
+    points: np.ndarray
+
+    @cached_property
+    def cumulative(self) -> np.ndarray:
+        steps = np.linalg.norm(np.diff(self.points, axis=0), axis=1)
+        return np.concatenate([[0.0], np.cumsum(steps)])
+
+    def pose_at(self, arc) -> np.ndarray:
+        """Poses (n, 3) [x, y, yaw_deg] at arc lengths ``arc`` (n,), clamped to the route."""
+        arc = np.clip(np.asarray(arc, dtype=np.float64), 0.0, self.cumulative[-1])
+        seg = np.clip(np.searchsorted(self.cumulative, arc, side="right") - 1, 0,
+                      len(self.points) - 2)
+        start, end = self.points[seg], self.points[seg + 1]
+        length = self.cumulative[seg + 1] - self.cumulative[seg]
+        frac = (arc - self.cumulative[seg]) / np.maximum(length, 1e-9)
+        xy = start + (end - start) * frac[:, None]
+        yaw = np.degrees(np.arctan2(end[:, 1] - start[:, 1], end[:, 0] - start[:, 0]))
+        return np.concatenate([xy, yaw[:, None]], axis=1)
+
+
+def _next_direction(grid, i, j, direction, rng):
+    """Straight (likely), left or right at node (i, j); never a U-turn or off the grid."""
+    left = (-direction[1], direction[0])
+    right = (direction[1], -direction[0])
+    options = [(d, w) for d, w in ((direction, 0.6), (left, 0.2), (right, 0.2))
+               if grid.inside(i + d[0], j + d[1])]
+    weights = np.array([w for _, w in options])
+    return options[rng.choice(len(options), p=weights / weights.sum())][0]
+
+
+def random_route(grid, start_node, direction, lane_offset, min_length, rng,
+                 corner_cut=3.0) -> Route:
+    """Route from ``start_node`` towards ``direction`` in the lane ``lane_offset`` right of the
+    centre line, turning at random, until it is at least ``min_length`` long."""
+    i, j = start_node
+    points = [grid.node(i, j) + _right_of(direction) * lane_offset]
+    length = 0.0
+    while True:
+        i, j = i + direction[0], j + direction[1]
+        here = grid.node(i, j) + _right_of(direction) * lane_offset
+        length += np.linalg.norm(here - points[-1])
+        if length >= min_length:
+            points.append(here)
+            return Route(np.asarray(points))
+        new_direction = _next_direction(grid, i, j, direction, rng)
+        if new_direction != direction:
+            corner = grid.node(i, j) + (_right_of(direction) + _right_of(new_direction)) * \
+                lane_offset
+            points.append(corner - np.asarray(direction) * corner_cut)
+            points.append(corner + np.asarray(new_direction) * corner_cut)
+            length += 2 * corner_cut  # close enough for a length budget
+            direction = new_direction
+
+
+def street_segments(grid):
+    """Every (start_node, direction) pair whose next node is on the grid."""
+    return [((i, j), d) for i in range(len(grid.xs)) for j in range(len(grid.ys))
+            for d in _DIRECTIONS if grid.inside(i + d[0], j + d[1])]
+
+
+# ---------------------------------------------------------------------------------------------
+# Buildings
+
+def _block_side_buildings(x0, x1, y_front, depth_sign, max_depth, town, rng, along_x, next_id):
+    """Buildings along one side of a block: frontage walks from x0 to x1 on the line y_front."""
+    buildings = []
+    u = x0
+    while x1 - u > 4.0:
+        frontage = min(rng.uniform(*town.building_frontage), x1 - u)
+        depth = min(rng.uniform(*town.building_depth), max_depth)
+        setback = rng.uniform(*town.building_setback)
+        height = rng.uniform(*town.building_height)
+        along = u + frontage / 2
+        across = y_front + depth_sign * (setback + depth / 2)
+        x, y = (along, across) if along_x else (across, along)
+        half_l, half_w = (frontage / 2, depth / 2) if along_x else (depth / 2, frontage / 2)
+        buildings.append(Building(next_id - len(buildings), float(x), float(y), float(half_l),
+                                  float(half_w), float(height),
+                                  reflectivity=float(rng.uniform(0.2, 0.45))))
+        u += frontage
+        if rng.random() < town.building_gap_prob:
+            u += rng.uniform(*town.building_gap)
+    return buildings
+
+
+def place_buildings(grid, town: TownConfig, rng) -> list:
+    """Buildings lining the four sides of each block; some blocks are left open."""
+    buildings = []
+    hs = town.half_street
+    for i in range(len(grid.xs) - 1):
+        for j in range(len(grid.ys) - 1):
+            if rng.random() < town.open_block_prob:
+                continue
+            x0, x1 = grid.xs[i] + hs, grid.xs[i + 1] - hs
+            y0, y1 = grid.ys[j] + hs, grid.ys[j + 1] - hs
+            sides = ((x0, x1, y0, +1, True), (x0, x1, y1, -1, True),
+                     (y0, y1, x0, +1, False), (y0, y1, x1, -1, False))
+            for start, end, front, sign, along_x in sides:
+                max_depth = ((y1 - y0) if along_x else (x1 - x0)) / 2
+                next_id = -2 - len(buildings)
+                buildings += _block_side_buildings(start, end, front, sign, max_depth, town,
+                                                   rng, along_x, next_id)
+    return buildings
+
+
+# ---------------------------------------------------------------------------------------------
+# Vehicles
+
+@dataclass
+class Track:
+    """One vehicle over the scenario: poses (F, 3) [x, y, yaw_deg] at every frame."""
+
+    actor_id: int
+    kind: str
+    extent: tuple                          # half length, half width, half height
+    reflectivity: float
+    speed_kmh: float
+    poses: np.ndarray
+    route: Route | None = None
+    start_arc: float = 0.0
+
+    def vehicle_at(self, frame: int) -> Vehicle:
+        x, y, yaw = self.poses[frame]
+        return Vehicle(self.actor_id, float(x), float(y), float(yaw), self.extent,
+                       self.speed_kmh, self.reflectivity, self.kind)
+
+    def future_poses(self, frame, dt, horizons) -> np.ndarray:
+        """Poses (len(horizons), 3) ``horizons`` seconds after ``frame``."""
+        if self.route is None:
+            return np.repeat(self.poses[frame][None], len(horizons), axis=0)
+        arc = self.start_arc + self.speed_kmh * _ONE_KMH * (frame * dt + np.asarray(horizons))
+        return self.route.pose_at(arc)
+
+
+def sample_kind(rng, kinds=VEHICLE_KINDS) -> str:
+    names = list(kinds)
+    shares = np.array([kinds[k][3] for k in names])
+    return names[rng.choice(len(names), p=shares / shares.sum())]
+
+
+def sample_extent(kind, rng) -> tuple:
+    length, width, height = (rng.uniform(*r) for r in VEHICLE_KINDS[kind][:3])
+    return (float(length / 2), float(width / 2), float(height / 2))
+
+
+def _footprint(poses, extents):
+    """Corners (..., 4, 2) and unit axes (..., 2, 2) of footprints; poses (..., 3), extents
+    (..., 2) half length / width."""
+    yaw = np.radians(poses[..., 2])
+    heading = np.stack([np.cos(yaw), np.sin(yaw)], axis=-1)
+    normal = np.stack([-np.sin(yaw), np.cos(yaw)], axis=-1)
+    signs = np.array([[1, 1], [1, -1], [-1, -1], [-1, 1]], dtype=np.float64)
+    offsets = (signs[:, 0, None] * extents[..., None, 0:1] * heading[..., None, :]
+               + signs[:, 1, None] * extents[..., None, 1:2] * normal[..., None, :])
+    return poses[..., None, :2] + offsets, np.stack([heading, normal], axis=-2)
+
+
+def footprints_overlap(poses_new, extent_new, poses_old, extents_old, margin=0.4) -> bool:
+    """Whether a new vehicle (poses (F, 3), extent (3,)) touches any old one (poses (F, K, 3),
+    extents (K, 3)) at any frame, footprints grown by ``margin``: separating-axis test."""
+    if poses_old.shape[1] == 0:
+        return False
+    grow = np.array([margin, margin])
+    corners_a, axes_a = _footprint(poses_new[:, None], np.asarray(extent_new[:2]) + grow)
+    corners_b, axes_b = _footprint(poses_old, np.asarray(extents_old)[:, :2] + grow)
+    corners_a = np.broadcast_to(corners_a, corners_b.shape)
+    axes = np.concatenate([np.broadcast_to(axes_a, axes_b.shape), axes_b], axis=-2)  # F,K,4,2
+    proj_a = np.einsum("fkac,fkpc->fkap", axes, corners_a)
+    proj_b = np.einsum("fkac,fkpc->fkap", axes, corners_b)
+    separated = (proj_a.max(-1) < proj_b.min(-1)) | (proj_b.max(-1) < proj_a.min(-1))
+    return bool((~separated.any(axis=-1)).any())
+
+
+class TrackSet:
+    """Accepted tracks plus stacked poses for fast overlap tests."""
+
+    def __init__(self, frames):
+        self.tracks = []
+        self._poses = np.zeros((frames, 0, 3))
+        self._extents = np.zeros((0, 3))
+
+    def try_add(self, track: Track) -> bool:
+        if footprints_overlap(track.poses, track.extent, self._poses, self._extents):
+            return False
+        self.add(track)
+        return True
+
+    def add(self, track: Track):
+        self.tracks.append(track)
+        self._poses = np.concatenate([self._poses, track.poses[:, None]], axis=1)
+        self._extents = np.concatenate([self._extents, np.asarray(track.extent)[None]], axis=0)
+
+
+def _curb_vehicles(start, end, line_point, direction, yaw_deg, town, rng):
+    """Parked (kind, extent, x, y) along one curb from arc ``start`` to ``end``."""
+    parked = []
+    u = start + rng.uniform(0.0, 3.0)
+    while True:
+        if rng.random() >= town.parked_occupancy:
+            u += rng.uniform(5.0, 8.0)
+            if u > end:
+                return parked
+            continue
+        kind = sample_kind(rng)
+        extent = sample_extent(kind, rng)
+        if u + 2 * extent[0] > end:
+            return parked
+        xy = line_point + direction * (u + extent[0])
+        parked.append((kind, extent, float(xy[0]), float(xy[1]), yaw_deg))
+        u += 2 * extent[0] + rng.uniform(0.8, 2.5)
+
+
+def place_parked(grid, town: TownConfig, frames, rng, next_id) -> list:
+    """Static tracks for vehicles parked along both curbs of every street segment."""
+    tracks = []
+    curb = town.lanes_per_direction * town.lane_width + town.parking_width / 2
+    margin = town.half_street + 2.0        # keep crossings clear
+    for (i, j), d in street_segments(grid):
+        if d not in ((1, 0), (0, 1)):      # each segment once; both curbs below
+            continue
+        a, b = grid.node(i, j), grid.node(i + d[0], j + d[1])
+        direction = (b - a) / np.linalg.norm(b - a)
+        seg_len = float(np.linalg.norm(b - a))
+        for side, yaw_offset in ((-1.0, 0.0), (1.0, 180.0)):   # right curb faces along d
+            line_point = a + _right_of(d) * curb * -side
+            yaw = float(np.degrees(np.arctan2(direction[1], direction[0])) + yaw_offset)
+            for kind, extent, x, y, yaw_deg in _curb_vehicles(
+                    margin, seg_len - margin, line_point, direction, yaw, town, rng):
+                poses = np.repeat([[x, y, yaw_deg]], frames, axis=0)
+                tracks.append(Track(next_id(), kind, extent, float(rng.uniform(0.35, 0.85)),
+                                    0.0, poses))
+    return tracks
+
+
+def sample_moving_track(grid, town, frames, dt, center, radius, rng, kind=None,
+                        extent=None) -> Track:
+    """A vehicle driving a random route from a street segment whose middle lies within
+    ``radius`` of ``center`` (actor id 0: set by the caller)."""
+    segments = street_segments(grid)
+    middles = np.array([(grid.node(*n) + grid.node(n[0] + d[0], n[1] + d[1])) / 2
+                        for n, d in segments])
+    near = np.flatnonzero(np.linalg.norm(middles - center, axis=1) <= radius)
+    pool = near if len(near) else np.arange(len(segments))
+    node, direction = segments[pool[rng.integers(len(pool))]]
+    lane = rng.integers(town.lanes_per_direction)
+    lane_offset = (lane + 0.5) * town.lane_width
+    seg_len = float(np.linalg.norm(grid.node(node[0] + direction[0], node[1] + direction[1])
+                                   - grid.node(*node)))
+    start_arc = rng.uniform(town.half_street, seg_len - town.half_street)
+    speed_kmh = float(rng.uniform(*town.speed_kmh))
+    duration = (frames - 1) * dt + 3.0     # margin for plan_trajectory's look-ahead
+    route = random_route(grid, node, direction, lane_offset,
+                         start_arc + speed_kmh * _ONE_KMH * duration + 1.0, rng)
+    kind = kind or sample_kind(rng)
+    extent = extent or sample_extent(kind, rng)
+    arcs = start_arc + speed_kmh * _ONE_KMH * dt * np.arange(frames)
+    return Track(0, kind, extent, float(rng.uniform(0.35, 0.85)), speed_kmh,
+                 route.pose_at(arcs), route, float(start_arc))
+
+
+@dataclass
+class World:
+    """One scenario: static buildings, vehicle tracks, CAVs (ego first) and their lidar poses."""
+
+    grid: StreetGrid
+    buildings: list
+    tracks: list
+    cav_ids: list                          # ascending; the first is the ego (OPV2V sorts ids)
+    lidar_poses: dict                      # cav id -> (F, 6) [x, y, z, roll, yaw, pitch]
+    frames: int
+    dt: float
+
+    def track(self, actor_id) -> Track:
+        return next(t for t in self.tracks if t.actor_id == actor_id)
+
+    def scene_at(self, frame: int) -> Scene:
+        return Scene(self.buildings, [t.vehicle_at(frame) for t in self.tracks])
+
+
+def street_of(grid, pose) -> tuple:
+    """(axis, index) of the street a pose [x, y, yaw_deg] drives along: axis 0 = a street of
+    constant y (running along x), 1 = constant x."""
+    yaw = np.radians(pose[2])
+    if abs(np.cos(yaw)) >= abs(np.sin(yaw)):
+        return 0, int(np.argmin(np.abs(grid.ys - pose[1])))
+    return 1, int(np.argmin(np.abs(grid.xs - pose[0])))
+
+
+def _place_cavs(grid, town, frames, dt, focus, track_set, rng, attempts=400):
+    """CAV tracks: the first near ``focus``, the others within ``cav_radius`` of it, most of
+    them on other streets than the first."""
+    cav_extent = tuple(s / 2 for s in CAV_SIZE)
+    n_cavs = int(rng.integers(town.cavs[0], town.cavs[1] + 1))
+    cavs = []
+    for _ in range(attempts):
+        if len(cavs) == n_cavs:
+            break
+        center = focus if not cavs else cavs[0].poses[0, :2]
+        radius = town.block_size[1] if not cavs else town.cav_radius + town.block_size[1] / 2
+        other_street = rng.random() < town.cav_other_street_prob
+        track = sample_moving_track(grid, town, frames, dt, center, radius, rng, "car",
+                                    cav_extent)
+        if cavs:
+            gap = np.linalg.norm(track.poses[0, :2] - cavs[0].poses[0, :2])
+            if not town.cav_min_gap <= gap <= town.cav_radius:
+                continue
+            same = street_of(grid, track.poses[0]) == street_of(grid, cavs[0].poses[0])
+            if other_street and same:
+                continue
+        if track_set.try_add(track):
+            cavs.append(track)
+    return cavs
+
+
+def _lidar_poses(track: Track, rng) -> np.ndarray:
+    """(F, 6) lidar poses of a CAV: mount offset, per-CAV height, small per-frame tilt."""
+    yaw = np.radians(track.poses[:, 2])
+    x = track.poses[:, 0] + LIDAR_MOUNT_X * np.cos(yaw)
+    y = track.poses[:, 1] + LIDAR_MOUNT_X * np.sin(yaw)
+    z = np.full_like(x, rng.uniform(*LIDAR_HEIGHT))
+    roll, pitch = rng.uniform(-LIDAR_TILT_DEG, LIDAR_TILT_DEG, size=(2, len(x)))
+    return np.stack([x, y, z, roll, track.poses[:, 2], pitch], axis=1)
+
+
+def build_world(town: TownConfig, frames: int, dt: float, rng: np.random.Generator) -> World:
+    """A whole scenario from ``rng``: grid, buildings, parked cars, CAVs, moving traffic."""
+    grid = make_grid(town, rng)
+    buildings = place_buildings(grid, town, rng)
+    id_pool = iter(rng.permutation(np.arange(1000, 10000)).tolist())   # 4-digit actor ids
+    track_set = TrackSet(frames)
+    for track in place_parked(grid, town, frames, rng, lambda: next(id_pool)):
+        track_set.add(track)                # curb slots never overlap by construction
+    focus = grid.node(int(rng.integers(1, len(grid.xs) - 1)),
+                      int(rng.integers(1, len(grid.ys) - 1)))
+    cavs = _place_cavs(grid, town, frames, dt, focus, track_set, rng)
+    # The ego is the first CAV folder in string order: give it the smallest id.
+    for track, cav_id in zip(cavs, sorted(next(id_pool) for _ in cavs)):
+        track.actor_id = cav_id
+    added = 0
+    for _ in range(town.moving_vehicles * 10):
+        if added == town.moving_vehicles:
+            break
+        track = sample_moving_track(grid, town, frames, dt, focus, town.traffic_radius, rng)
+        if track_set.try_add(track):
+            track.actor_id = next(id_pool)
+            added += 1
+    lidar_poses = {t.actor_id: _lidar_poses(t, rng) for t in cavs}
+    return World(grid, buildings, track_set.tracks, [t.actor_id for t in cavs], lidar_poses,
+                 frames, dt)

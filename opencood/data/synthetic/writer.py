@@ -1,0 +1,293 @@
+"""Write synthetic scenarios as OPV2V files and summarise what was generated.
+
+Layout (DESIGN §2): ``<out>/<split>/<scenario>/<cav_id>/<ts>.pcd|.yaml`` plus
+``<out>/generation.yaml`` (preset, seed, summary). Every scenario draws from its own
+``SeedSequence((seed, split, index))``, so the files depend on the seed only, never on the number
+of worker processes or the order in which workers finish.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import multiprocessing
+import os
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import yaml
+from tqdm import tqdm
+
+from opencood.data.opv2v import vehicles_to_boxes
+from opencood.data.pcd import write_pcd
+from opencood.data.synthetic.lidar import cast_lidar
+from opencood.data.synthetic.presets import Preset, get_preset
+from opencood.data.synthetic.world import World, build_world
+
+SPLITS = ("train", "validate", "test")
+FIRST_TIMESTAMP = (30, 120)               # first frame number drawn in this range (x 2)
+PLAN_HORIZONS_S = (0.5, 1.0, 1.5, 2.0, 2.5)
+POSE_NOISE_STD = (0.05, 0.05, 0.0, 0.0, 0.2, 0.0)   # predicted_ego_pos: localisation error
+
+
+class OutputDirError(OSError):
+    """The output folder cannot be used (not writable, or already holds a data set)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Naming and seeding
+
+def scenario_seed(seed: int, split: str, index: int) -> np.random.SeedSequence:
+    """Independent stream of scenario ``index`` of ``split``."""
+    return np.random.SeedSequence([int(seed), SPLITS.index(split), int(index)])
+
+
+def scenario_name(seed: int, global_index: int, jitter_rng: np.random.Generator) -> str:
+    """OPV2V-style ``YYYY_MM_DD_HH_MM_SS``: a seed-dependent day, one 37-minute slot per
+    scenario (so names never collide) and a random second inside the first 10 minutes of it."""
+    day = int(np.random.SeedSequence(int(seed)).generate_state(1)[0] % 365)
+    start = datetime.datetime(2021, 1, 1, 8, 0, 0) + datetime.timedelta(days=day)
+    offset = datetime.timedelta(minutes=37 * global_index,
+                                seconds=int(jitter_rng.integers(0, 600)))
+    return (start + offset).strftime("%Y_%m_%d_%H_%M_%S")
+
+
+def _plain(value):
+    """Tuples -> lists and numpy scalars -> Python numbers, recursively, for yaml."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, np.ndarray)):
+        return [_plain(v) for v in value]
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def _rounded(values, digits=6) -> list:
+    return [round(float(v), digits) for v in values]
+
+
+def _wrap_deg(angle: float) -> float:
+    """Wrap degrees into (-180, 180]."""
+    wrapped = (float(angle) + 180.0) % 360.0 - 180.0
+    return 180.0 if wrapped == -180.0 else wrapped
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-frame content
+
+def vehicle_entry(vehicle) -> dict:
+    """The OPV2V ``vehicles`` entry of a world Vehicle (origin on the ground, box above it)."""
+    half_l, half_w, half_h = vehicle.extent
+    return {"location": _rounded([vehicle.x, vehicle.y, 0.0]),
+            "center": _rounded([0.0, 0.0, half_h]),
+            "extent": _rounded([half_l, half_w, half_h]),
+            "angle": _rounded([0.0, _wrap_deg(vehicle.yaw_deg), 0.0]),
+            "speed": round(float(vehicle.speed_kmh), 4)}
+
+
+def visible_vehicles(hit_ids, vehicles, cav_ids) -> dict:
+    """``vehicles`` entry of one CAV's frame: every non-CAV vehicle hit by at least one point.
+
+    hit_ids (N,): object id per point of the CAV's cloud; vehicles: world Vehicles of the frame;
+    cav_ids: ids of all CAVs of the scenario (never listed, DESIGN §2).
+    Returns {actor_id (int): entry}, sorted by id.
+    """
+    hit = set(np.unique(np.asarray(hit_ids)).tolist())
+    excluded = {int(c) for c in cav_ids}
+    return {int(v.actor_id): vehicle_entry(v) for v in sorted(vehicles, key=lambda v: v.actor_id)
+            if v.actor_id in hit and v.actor_id not in excluded}
+
+
+def frame_params(world: World, cav_id: int, frame: int, vehicles: dict, rng) -> dict:
+    """The yaml mapping of one CAV at one frame."""
+    track = world.track(cav_id)
+    x, y, yaw = track.poses[frame]
+    true_pose = np.array([x, y, 0.0, 0.0, yaw, 0.0])
+    predicted = true_pose + rng.normal(0.0, POSE_NOISE_STD)
+    plan = track.future_poses(frame, world.dt, PLAN_HORIZONS_S)
+    lidar_pose = world.lidar_poses[cav_id][frame]
+    return {
+        "lidar_pose": _rounded(list(lidar_pose[:4]) + [_wrap_deg(lidar_pose[4]), lidar_pose[5]]),
+        "true_ego_pos": _rounded(list(true_pose[:4]) + [_wrap_deg(yaw), 0.0]),
+        "predicted_ego_pos": _rounded(list(predicted[:4]) + [_wrap_deg(predicted[4]), 0.0]),
+        "ego_speed": round(float(track.speed_kmh), 4),
+        "plan_trajectory": [_rounded([px, py, track.speed_kmh], 4) for px, py, _ in plan],
+        "vehicles": vehicles,
+    }
+
+
+def write_frame(cav_dir: Path, timestamp: str, points_lidar: np.ndarray, params: dict):
+    """``<cav_dir>/<timestamp>.pcd`` (reference ascii layout) and ``.yaml``."""
+    write_pcd(cav_dir / f"{timestamp}.pcd", points_lidar, intensity_field="rgb", data="ascii")
+    # The pure-Python dumper: its output is the same with or without libyaml installed.
+    text = yaml.dump(params, Dumper=yaml.SafeDumper, default_flow_style=False, sort_keys=True)
+    (cav_dir / f"{timestamp}.yaml").write_text(text)
+
+
+# ---------------------------------------------------------------------------------------------
+# Statistics of one sample, with the reader's own GT rules
+
+def sample_visibility(world: World, frame: int, visible: dict, preset: Preset) -> dict:
+    """Counts for one (scenario, frame) sample, ego = world.cav_ids[0].
+
+    gt: vehicles in the ego's eval range seen by some CAV within com_range (the sample's GT);
+    invisible: those of them the ego has no return from; in_range: all non-CAV vehicles in the
+    eval range; unseen: those in range that no CAV in range sees.
+    """
+    ego_id = world.cav_ids[0]
+    ego_pose = world.lidar_poses[ego_id][frame]
+    in_com = [c for c in world.cav_ids
+              if np.hypot(*(world.lidar_poses[c][frame][:2] - ego_pose[:2])) <= preset.com_range]
+    gt = set()
+    for cav_id in in_com[:5]:
+        gt |= set(vehicles_to_boxes(visible[cav_id], ego_pose, preset.eval_range)[0].tolist())
+    everyone = {int(t.actor_id): vehicle_entry(t.vehicle_at(frame)) for t in world.tracks
+                if t.actor_id not in world.cav_ids}
+    in_range = set(vehicles_to_boxes(everyone, ego_pose, preset.eval_range)[0].tolist())
+    return {"gt": len(gt), "invisible": len(gt - set(visible[ego_id])),
+            "in_range": len(in_range), "unseen": len(in_range - gt)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Scenarios and the data set
+
+def generate_scenario(out_dir, preset: Preset, seed: int, split: str, index: int,
+                      global_index: int) -> dict:
+    """Build, scan and write one scenario; returns its statistics."""
+    world_seq, lidar_seq, name_seq = scenario_seed(seed, split, index).spawn(3)
+    name_rng = np.random.default_rng(name_seq)
+    name = scenario_name(seed, global_index, name_rng)
+    first_ts = 2 * int(name_rng.integers(*FIRST_TIMESTAMP))
+    world = build_world(preset.town, preset.frames, preset.frame_dt,
+                        np.random.default_rng(world_seq))
+    lidar_rng = np.random.default_rng(lidar_seq)
+    scenario_dir = Path(out_dir) / split / name
+    for cav_id in world.cav_ids:
+        (scenario_dir / str(cav_id)).mkdir(parents=True, exist_ok=True)
+    stats = {"split": split, "name": name, "cavs": len(world.cav_ids), "frames": preset.frames,
+             "points": 0, "gt": 0, "invisible": 0, "in_range": 0, "unseen": 0}
+    for frame in range(preset.frames):
+        timestamp = f"{first_ts + preset.timestamp_step * frame:06d}"
+        scene = world.scene_at(frame)
+        visible = {}
+        for cav_id in world.cav_ids:
+            points_lidar, hit_ids = cast_lidar(scene, world.lidar_poses[cav_id][frame],
+                                               preset.lidar, lidar_rng, exclude_ids=[cav_id])
+            visible[cav_id] = visible_vehicles(hit_ids, scene.vehicles, world.cav_ids)
+            params = frame_params(world, cav_id, frame, visible[cav_id], lidar_rng)
+            write_frame(scenario_dir / str(cav_id), timestamp, points_lidar, params)
+            stats["points"] += len(points_lidar)
+        for key, count in sample_visibility(world, frame, visible, preset).items():
+            stats[key] += count
+    return stats
+
+
+def _scenario_job(job):
+    return generate_scenario(*job)
+
+
+def _prepare_out_dir(out_dir: Path, overwrite: bool):
+    """Create ``out_dir``; refuse to mix with an earlier data set unless ``overwrite``."""
+    existing = [out_dir / s for s in SPLITS if (out_dir / s).exists()]
+    if existing and not overwrite:
+        raise OutputDirError(f"{out_dir} already holds generated data ({existing[0].name}/); "
+                             "choose another folder or pass overwrite=True (--overwrite)")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for path in existing:
+            shutil.rmtree(path)
+        probe = out_dir / ".write_test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise OutputDirError(f"cannot write the synthetic data set to {out_dir}: "
+                             f"{exc.strerror or exc}") from exc
+
+
+def _summarise(preset: Preset, seed: int, results: list) -> dict:
+    """Scenario statistics -> the data set summary (plain Python, yaml friendly)."""
+    cavs = [r["cavs"] for r in results]
+    cav_frames = sum(r["cavs"] * r["frames"] for r in results)
+    samples = sum(r["frames"] for r in results)
+    total = {k: sum(r[k] for r in results) for k in ("points", "gt", "invisible", "in_range",
+                                                       "unseen")}
+    return {
+        "preset": preset.name,
+        "seed": int(seed),
+        "scenarios": {s: sum(r["split"] == s for r in results) for s in SPLITS},
+        "frames_per_scenario": preset.frames,
+        "samples": {s: sum(r["frames"] for r in results if r["split"] == s) for s in SPLITS},
+        "cavs_per_scenario": {"min": min(cavs), "max": max(cavs),
+                              "mean": round(float(np.mean(cavs)), 3)},
+        "mean_points_per_frame": round(total["points"] / max(cav_frames, 1), 1),
+        "eval_range": list(preset.eval_range),
+        "gt_per_sample": round(total["gt"] / max(samples, 1), 2),
+        "invisible_to_ego_share": round(total["invisible"] / max(total["gt"], 1), 4),
+        "unseen_by_all_share": round(total["unseen"] / max(total["in_range"], 1), 4),
+    }
+
+
+def format_summary(summary: dict) -> str:
+    """Human-readable lines of a summary."""
+    s = summary
+    return "\n".join([
+        f"synthetic data set '{s['preset']}' (seed {s['seed']})",
+        "  scenarios: " + ", ".join(f"{k} {v}" for k, v in s["scenarios"].items())
+        + f"; {s['frames_per_scenario']} frames each",
+        f"  CAVs per scenario: {s['cavs_per_scenario']['min']}-{s['cavs_per_scenario']['max']}"
+        f" (mean {s['cavs_per_scenario']['mean']})",
+        f"  mean points per frame: {s['mean_points_per_frame']:.0f}",
+        f"  GT vehicles per sample (eval range {s['eval_range']}): {s['gt_per_sample']}",
+        f"  GT invisible to the ego (seen only by other CAVs): "
+        f"{100 * s['invisible_to_ego_share']:.1f}%",
+        f"  vehicles in range seen by no CAV: {100 * s['unseen_by_all_share']:.1f}%",
+    ])
+
+
+def generate_dataset(out_dir, preset="small", seed: int = 0, workers: int = 1,
+                     progress: bool = True, overwrite: bool = False) -> dict:
+    """Generate a whole synthetic OPV2V-format data set and return its summary.
+
+    out_dir gets ``train/``, ``validate/``, ``test/`` and ``generation.yaml``. ``preset`` is a
+    name (see presets.PRESETS) or a Preset. Same seed -> byte-identical files, for any
+    ``workers``. The returned summary also holds ``seconds`` (not written to disk).
+    """
+    preset = get_preset(preset) if isinstance(preset, str) else preset
+    if int(seed) < 0:
+        raise ValueError(f"seed must be >= 0, got {seed}")
+    out_dir = Path(out_dir)
+    _prepare_out_dir(out_dir, overwrite)
+    jobs, global_index = [], 0
+    for split in SPLITS:
+        for index in range(preset.scenarios.get(split, 0)):
+            jobs.append((str(out_dir), preset, int(seed), split, index, global_index))
+            global_index += 1
+    started = time.perf_counter()
+    results = _run_jobs(jobs, workers, progress)
+    summary = _summarise(preset, seed, results)
+    record = {"preset": preset.name, "seed": int(seed),
+              "preset_config": _plain(dataclasses.asdict(preset)), "summary": summary}
+    (out_dir / "generation.yaml").write_text(
+        yaml.dump(_plain(record), Dumper=yaml.SafeDumper, default_flow_style=False))
+    return {**summary, "seconds": round(time.perf_counter() - started, 2)}
+
+
+def _run_jobs(jobs, workers: int, progress: bool) -> list:
+    """Run scenario jobs in order, in ``workers`` processes; results keep the job order."""
+    if workers <= 1 or len(jobs) <= 1:
+        with tqdm(total=len(jobs), unit="scenario", desc="synthetic", disable=not progress) as bar:
+            return [_tick(bar, _scenario_job(job)) for job in jobs]
+    # fork where possible: workers inherit the imported modules instead of re-importing them.
+    # The pool is made before the bar so that no tqdm monitor thread exists at fork time.
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    with multiprocessing.get_context(method).Pool(min(workers, len(jobs))) as pool:
+        with tqdm(total=len(jobs), unit="scenario", desc="synthetic", disable=not progress) as bar:
+            return [_tick(bar, result)
+                    for result in pool.imap(_scenario_job, jobs, chunksize=1)]
+
+
+def _tick(bar, result):
+    bar.update()
+    return result

@@ -1,0 +1,1 @@
+"""Training and evaluation engine: optimiser/schedule builders and the training loop."""

@@ -1,0 +1,191 @@
+"""``tools/eval.py``: evaluate a checkpoint of a run (DESIGN §7).
+
+    python tools/eval.py --model_dir RUN [--checkpoint FILE] [--fusion_method no|early|late|intermediate]
+                         [--split validate|test] [--save_vis] [--no-ema]
+                         [--pose_noise STD ...] [--latency FRAMES ...]
+
+and the same under torchrun: each rank evaluates an unpadded shard, detections are gathered to
+rank 0, and AP is computed once. Results go to ``RUN/eval_<split>_<fusion>[_<setting>].yaml``, a
+printed table and TensorBoard.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+from typing import Dict, List
+
+import torch
+import yaml
+
+from opencood.config import ConfigError, apply_overrides, load_config
+from opencood.data.collate import collate_samples
+from opencood.data.datasets import build_dataset
+from opencood.data.pipeline import BatchPreparer
+from opencood.eval.inference import evaluate_loader
+from opencood.models.build import build_model
+from opencood.utils import dist as dist_utils
+from opencood.utils.checkpoint import CheckpointError, check_state_dict_compatible, load_checkpoint
+from opencood.utils.samplers import InferenceSampler
+
+logger = logging.getLogger("opencood")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="Evaluate a trained run (AP in BEV).")
+    parser.add_argument("--model_dir", required=True, help="run folder written by tools/train.py")
+    parser.add_argument("--checkpoint", help="checkpoint file (default RUN/best.pth, else last.pth)")
+    parser.add_argument("--fusion_method", choices=["no", "early", "late", "intermediate"],
+                        help="fusion strategy at test time (default: the run's)")
+    parser.add_argument("--split", default="test", choices=["validate", "test"])
+    parser.add_argument("--save_vis", action="store_true", help="BEV pictures in RUN/vis/")
+    parser.add_argument("--vis_count", type=int, default=10, help="pictures with --save_vis")
+    parser.add_argument("--no-ema", dest="use_ema", action="store_false",
+                        help="evaluate the raw weights even if the checkpoint has EMA weights")
+    parser.add_argument("--pose_noise", type=float, nargs="*", default=[],
+                        help="sweep: pose noise std (m for x/y, deg for yaw) of non-ego agents")
+    parser.add_argument("--latency", type=int, nargs="*", default=[],
+                        help="sweep: latency in frames of non-ego agents")
+    parser.add_argument("--batch_size", type=int, default=2)
+    parser.add_argument("--num_workers", type=int, default=2)
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="KEY=VALUE", help="override a key of the run's config")
+    return parser.parse_args(argv)
+
+
+def pick_checkpoint(run_dir: Path, explicit: str | None) -> Path:
+    if explicit:
+        return Path(explicit)
+    for name in ("best.pth", "last.pth"):
+        if (run_dir / name).exists():
+            return run_dir / name
+    raise CheckpointError(f"{run_dir}: no best.pth or last.pth in the run folder "
+                          f"(give --checkpoint FILE)")
+
+
+def load_eval_model(cfg: Dict, checkpoint_path: Path, use_ema: bool, device) -> torch.nn.Module:
+    """Model with the checkpoint's EMA weights (if present and wanted) or raw weights."""
+    checkpoint = load_checkpoint(checkpoint_path)
+    if "model" not in checkpoint:
+        raise CheckpointError(f"{checkpoint_path}: not a training checkpoint (no 'model' entry)")
+    model = build_model(cfg["model"])
+    state = checkpoint["model"]
+    if use_ema and checkpoint.get("ema"):
+        state = checkpoint["ema"]["module"]
+    check_state_dict_compatible(model, state, checkpoint_path)
+    model.load_state_dict(state)
+    return model.to(device).eval()
+
+
+def settings_to_run(args) -> List[Dict]:
+    """[{"tag": "", "overrides": [...]}, ...]: the clean setting, then each sweep value."""
+    runs = [{"tag": "", "overrides": []}]
+    for std in args.pose_noise:
+        runs.append({"tag": f"noise{std:g}", "overrides": [
+            "wild_setting.loc_err=true", f"wild_setting.xyz_std={std}",
+            f"wild_setting.yaw_std={std}"]})
+    for frames in args.latency:
+        runs.append({"tag": f"latency{frames}", "overrides": [
+            f"wild_setting.latency_frames={frames}"]})
+    return runs
+
+
+def format_table(name: str, metrics: Dict) -> str:
+    lines = [f"{name}",
+             f"{'':>10} {'AP@0.3':>8} {'AP@0.5':>8} {'AP@0.7':>8} {'#GT':>6}",
+             f"{'overall':>10} {metrics['ap_30']:8.4f} {metrics['ap_50']:8.4f} "
+             f"{metrics['ap_70']:8.4f} {metrics['num_gt']:6d}"]
+    for bin_name, row in metrics["distance"].items():
+        lines.append(f"{bin_name + ' m':>10} {row['ap_30']:8.4f} {row['ap_50']:8.4f} "
+                     f"{row['ap_70']:8.4f} {row['num_gt']:6d}")
+    lines.append(f"bytes per agent per frame {metrics['bytes_per_agent']:.0f}, "
+                 f"{metrics['frames_per_s']:.2f} frames/s, {metrics['num_frames']} frames")
+    return "\n".join(lines)
+
+
+def vis_callback(run_dir: Path, tag: str, count: int, bev_range):
+    """on_sample hook drawing the first ``count`` samples of this rank to RUN/vis/."""
+    from opencood.eval.vis import draw_detection_sample
+    out_dir = run_dir / "vis"
+    out_dir.mkdir(exist_ok=True)
+    drawn = {"n": 0}
+
+    def on_sample(key, batch, row, boxes, scores):
+        if drawn["n"] >= count:
+            return
+        name = "_".join(str(k) for k in key) + (f"_{tag}" if tag else "") + ".png"
+        draw_detection_sample(out_dir / name, batch, row, boxes, scores, bev_range)
+        drawn["n"] += 1
+
+    return on_sample
+
+
+def evaluate_setting(cfg, args, run_dir, model, device, setting) -> Dict | None:
+    cfg_run = apply_overrides(cfg, setting["overrides"], source="eval sweep", allow_new=True)
+    fusion = args.fusion_method or cfg_run["fusion"]["core_method"]
+    dataset = build_dataset(cfg_run, args.split, train=False, fusion_method=fusion)
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_size=args.batch_size, collate_fn=collate_samples,
+        sampler=InferenceSampler(len(dataset)), num_workers=args.num_workers)
+    preparer = BatchPreparer.from_config(cfg_run, device)
+    on_sample = None
+    if args.save_vis:
+        on_sample = vis_callback(run_dir, setting["tag"], args.vis_count,
+                                 cfg_run["preprocess"]["cav_lidar_range"])
+    metrics = evaluate_loader(model, loader, preparer, cfg_run, device, fusion, on_sample)
+    if metrics is None:
+        return None
+    name = f"eval_{args.split}_{fusion}" + (f"_{setting['tag']}" if setting["tag"] else "")
+    metrics["name"] = name
+    (run_dir / f"{name}.yaml").write_text(yaml.safe_dump(_plain(metrics), sort_keys=False))
+    return metrics
+
+
+def _plain(value):
+    """Numpy/tensor scalars -> python numbers, for yaml.safe_dump."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if hasattr(value, "item"):
+        return value.item()
+    return value
+
+
+def evaluate(args) -> List[Dict]:
+    run_dir = Path(args.model_dir)
+    config_path = run_dir / "config.yaml"
+    if not config_path.exists():
+        raise ConfigError(f"{config_path}: not found; --model_dir must be a run folder "
+                          f"written by tools/train.py")
+    cfg = load_config(config_path, args.overrides)
+    with dist_utils.distributed_session(
+            backend=(cfg.get("distributed") or {}).get("backend")) as info:
+        dist_utils.setup_logging(None, info.rank)
+        checkpoint_path = pick_checkpoint(run_dir, args.checkpoint)
+        model = load_eval_model(cfg, checkpoint_path, args.use_ema, info.device)
+        logger.info("evaluating %s on %s", checkpoint_path, args.split)
+        results = []
+        writer = None
+        if dist_utils.is_main_process():
+            from torch.utils.tensorboard import SummaryWriter
+            writer = SummaryWriter(log_dir=str(run_dir))
+        for setting in settings_to_run(args):
+            metrics = evaluate_setting(cfg, args, run_dir, model, info.device, setting)
+            if metrics is None:
+                continue
+            print(format_table(metrics["name"], metrics), flush=True)
+            for key in ("ap_30", "ap_50", "ap_70"):
+                writer.add_scalar(f"{metrics['name']}/{key}", metrics[key], 0)
+            results.append(metrics)
+        if writer is not None:
+            writer.close()
+        return results
+
+
+def main(argv=None) -> List[Dict]:
+    args = parse_args(argv)
+    try:
+        return evaluate(args)
+    except (ConfigError, CheckpointError) as error:
+        raise SystemExit(f"error: {error}") from None

@@ -1,0 +1,402 @@
+"""``tools/train.py``: distributed training, top to bottom (DESIGN §6).
+
+    torchrun --nproc_per_node=N tools/train.py --hypes_yaml X.yaml [--model_dir RUN] [--set k=v]
+
+The same command runs with plain ``python`` (one process), under SLURM (``srun``), on CPU (gloo)
+and on GPU (nccl).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import random
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Dict
+
+import numpy as np
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from opencood.config import ConfigError, load_config, save_config
+from opencood.data.collate import collate_samples, seed_worker
+from opencood.data.datasets import build_dataset
+from opencood.data.pipeline import BatchPreparer
+from opencood.engine.loop import (NonFiniteLossError, group_micro_batches, optimizer_step,
+                                  validation_loss)
+from opencood.engine.optim import build_optimizer, build_scheduler
+from opencood.eval.inference import evaluate_loader
+from opencood.losses import build_loss
+from opencood.models.build import build_model
+from opencood.utils import dist as dist_utils
+from opencood.utils.batching import describe_batch, split_global_batch
+from opencood.utils.checkpoint import (CheckpointError, capture_rng_state,
+                                       check_state_dict_compatible, load_checkpoint,
+                                       restore_rng_state, save_checkpoint)
+from opencood.utils.ema import ModelEMA
+from opencood.utils.init import init_weights
+from opencood.utils.samplers import InferenceSampler, build_train_sampler
+
+logger = logging.getLogger("opencood")
+
+AMP_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+              "fp16": torch.float16, "float16": torch.float16}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="Train a cooperative detector (OPV2V format).")
+    parser.add_argument("--hypes_yaml", "-y", help="experiment config (yaml)")
+    parser.add_argument("--model_dir", help="run folder to resume (or to create)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="KEY=VALUE", help="override a config key, e.g. optimizer.lr=1e-3")
+    parser.add_argument("--runs_root", default="runs", help="where new run folders are made")
+    args = parser.parse_args(argv)
+    if not args.hypes_yaml and not args.model_dir:
+        parser.error("give --hypes_yaml (new run) or --model_dir (resume)")
+    return args
+
+
+# -- configuration and run folder ------------------------------------------------------------
+
+def resolve_config(args) -> Dict:
+    """Config from --hypes_yaml, else the run folder's saved config.yaml (resume)."""
+    if args.hypes_yaml:
+        return load_config(args.hypes_yaml, args.overrides)
+    saved = Path(args.model_dir) / "config.yaml"
+    if not saved.exists():
+        raise ConfigError(f"{saved}: not found; --model_dir without --hypes_yaml must be a run "
+                          f"folder written by tools/train.py")
+    return load_config(saved, args.overrides)
+
+
+def make_run_dir(cfg: Dict, args) -> Path:
+    """Rank 0 picks (and creates) the run folder; every rank gets the same path."""
+    run_dir = None
+    if dist_utils.is_main_process():
+        if args.model_dir:
+            run_dir = Path(args.model_dir)
+        else:
+            stamp = datetime.now().strftime("%Y_%m_%d_%H_%M_%S")
+            run_dir = Path(args.runs_root) / f"{cfg['name']}_{stamp}"
+        run_dir.mkdir(parents=True, exist_ok=True)
+    return Path(dist_utils.broadcast_object(str(run_dir) if run_dir else None))
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def configure_cuda(cfg: Dict) -> None:
+    perf = cfg.get("performance", {})
+    if torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = bool(perf.get("tf32", True))
+        torch.backends.cudnn.allow_tf32 = bool(perf.get("tf32", True))
+        torch.backends.cudnn.benchmark = bool(perf.get("cudnn_benchmark", True))
+
+
+def amp_settings(cfg: Dict, device: torch.device):
+    """(autocast dtype or None, GradScaler). fp16 needs a scaler; bf16 does not."""
+    amp_cfg = cfg.get("amp", {}) or {}
+    if not amp_cfg.get("enabled", False):
+        return None, torch.amp.GradScaler(device.type, enabled=False)
+    name = str(amp_cfg.get("dtype", "bf16"))
+    if name not in AMP_DTYPES:
+        raise ConfigError(f"amp.dtype {name!r} is unknown; use bf16 or fp16")
+    dtype = AMP_DTYPES[name]
+    use_scaler = dtype == torch.float16 and device.type == "cuda"
+    return dtype, torch.amp.GradScaler(device.type, enabled=use_scaler)
+
+
+# -- data ------------------------------------------------------------------------------------
+
+def build_loaders(cfg: Dict, info: dist_utils.DistInfo, micro_batch: int, seed: int):
+    train_set = build_dataset(cfg, "train", train=True)
+    val_set = build_dataset(cfg, "validate", train=False) if cfg.get("validate_dir") else None
+    loss_set = val_set
+    if val_set is not None and cfg["fusion"]["core_method"] == "late":
+        # Late fusion trains per CAV: its validation loss is per CAV too (AP uses whole samples).
+        loss_set = build_dataset(cfg, "validate", train=False, per_cav=True)
+    batch_sampler, train_sampler = build_train_sampler(
+        len(train_set), micro_batch, info.rank, info.world_size, seed=seed)
+    workers = int(cfg.get("train_params", {}).get("num_workers", 2))
+    train_loader = torch.utils.data.DataLoader(
+        train_set, batch_sampler=batch_sampler, num_workers=workers,
+        collate_fn=collate_samples, worker_init_fn=seed_worker,
+        pin_memory=info.device.type == "cuda", generator=torch.Generator())
+    val_loaders = None
+    if val_set is not None:
+        val_loaders = tuple(
+            torch.utils.data.DataLoader(
+                dataset, batch_size=micro_batch,
+                sampler=InferenceSampler(len(dataset), info.rank, info.world_size),
+                num_workers=workers, collate_fn=collate_samples, worker_init_fn=seed_worker)
+            for dataset in (loss_set, val_set))
+    return train_set, train_loader, train_sampler, val_loaders
+
+
+# -- model -----------------------------------------------------------------------------------
+
+def prepare_model(cfg: Dict, info: dist_utils.DistInfo, checkpoint: Dict | None, ckpt_path):
+    """build -> init -> SyncBN (CUDA, world > 1) -> device -> load -> EMA -> DDP (DESIGN §6.4)."""
+    model = build_model(cfg["model"])
+    init_cfg = cfg.get("init", {}) or {}
+    init_weights(model, method=init_cfg.get("method", "xavier_uniform"),
+                 cls_prior=float(init_cfg.get("cls_prior", 0.01)))
+    if info.device.type == "cuda" and info.world_size > 1:
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    model.to(info.device)
+    if checkpoint is not None:
+        check_state_dict_compatible(model, checkpoint["model"], ckpt_path)
+        model.load_state_dict(checkpoint["model"])
+    ema = None
+    ema_cfg = cfg.get("ema", {}) or {}
+    if ema_cfg.get("enabled", False):
+        ema = ModelEMA(model, decay=float(ema_cfg.get("decay", 0.999)),
+                       tau=float(ema_cfg.get("tau", 200)))
+        if checkpoint is not None and checkpoint.get("ema") is not None:
+            ema.load_state_dict(checkpoint["ema"])
+    model_without_ddp = model
+    if info.distributed:
+        dist_cfg = cfg.get("distributed", {}) or {}
+        model = DistributedDataParallel(
+            model, device_ids=[info.device.index] if info.device.type == "cuda" else None,
+            find_unused_parameters=bool(dist_cfg.get("find_unused_parameters", False)),
+            gradient_as_bucket_view=True)
+    return model, model_without_ddp, ema
+
+
+def make_loss_fn(preparer: BatchPreparer, criterion):
+    """loss_fn(model, batch) -> (loss, per-term floats, samples): the detection step."""
+
+    def loss_fn(model, batch):
+        inputs, targets = preparer(batch)
+        outputs = model(inputs)
+        loss, terms = criterion(outputs, targets)
+        terms = {name: float(value) for name, value in terms.items()}
+        return loss, terms, len(batch["record_len"])
+
+    return loss_fn
+
+
+# -- checkpoints -----------------------------------------------------------------------------
+
+def training_state(model_without_ddp, ema, optimizer, scheduler, scaler, epoch: int, step: int,
+                   best_val: float, cfg: Dict, seed: int) -> Dict:
+    return {
+        "model": model_without_ddp.state_dict(),
+        "ema": ema.state_dict() if ema is not None else None,
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "scaler": scaler.state_dict(),
+        "epoch": epoch, "step": step, "best_val_loss": best_val,
+        "sampler": {"seed": seed, "epoch": epoch},
+        "rng": capture_rng_state(),
+        "config": cfg,
+    }
+
+
+def save_run_checkpoints(run_dir: Path, state: Dict, epoch: int, save_freq: int,
+                         is_best: bool) -> None:
+    """Rank 0 only: last.pth always, epoch_N.pth every save_freq epochs, best.pth when best."""
+    if not dist_utils.is_main_process():
+        return
+    save_checkpoint(run_dir / "last.pth", state)
+    if save_freq and epoch % save_freq == 0:
+        save_checkpoint(run_dir / f"epoch_{epoch}.pth", state)
+    if is_best:
+        save_checkpoint(run_dir / "best.pth", state)
+
+
+def find_resume_checkpoint(run_dir: Path):
+    path = run_dir / "last.pth"
+    return (path, load_checkpoint(path)) if path.exists() else (None, None)
+
+
+# -- logging ---------------------------------------------------------------------------------
+
+class ScalarLogger:
+    """TensorBoard scalars on rank 0 (no-op elsewhere)."""
+
+    def __init__(self, run_dir: Path):
+        self.writer = None
+        if dist_utils.is_main_process():
+            from torch.utils.tensorboard import SummaryWriter
+            self.writer = SummaryWriter(log_dir=str(run_dir))
+
+    def scalars(self, values: Dict[str, float], step: int, prefix: str) -> None:
+        if self.writer is None:
+            return
+        for name, value in values.items():
+            if value is not None and math.isfinite(float(value)):
+                self.writer.add_scalar(f"{prefix}/{name}", float(value), step)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.flush()
+            self.writer.close()
+
+
+def progress_bar(total: int, epoch: int):
+    if not dist_utils.is_main_process():
+        return None
+    from tqdm import tqdm
+    return tqdm(total=total, desc=f"epoch {epoch}", unit="step", dynamic_ncols=True, leave=False)
+
+
+def log_model_summary(model, preparer, loader) -> None:
+    """Parameters and forward FLOPs of one real batch, at training start (rank 0)."""
+    if not dist_utils.is_main_process():
+        return
+    from opencood.utils.model_stats import format_model_summary
+    try:
+        batch = next(iter(loader))
+        inputs, _ = preparer(batch, with_targets=False)
+        logger.info("model: %s", format_model_summary(model, inputs))
+    except StopIteration:
+        logger.warning("model summary skipped: the training loader is empty")
+
+
+# -- the run ---------------------------------------------------------------------------------
+
+def validate(model_for_eval, val_loaders, loss_fn, info, amp_dtype, cfg, epoch, preparer):
+    """Validation loss (exact over ranks) every epoch; AP every ``eval_freq`` epochs.
+
+    Returns ({"loss", and "ap_30/50/70" on rank 0 when computed}, samples in the loss).
+    """
+    loss_loader, ap_loader = val_loaders
+    loss, count = validation_loss(model_for_eval, loss_loader, loss_fn, info.device, amp_dtype)
+    results = {"loss": loss}
+    eval_freq = int(cfg["train_params"].get("eval_freq", 1))
+    if epoch % eval_freq == 0:
+        metrics = evaluate_loader(model_for_eval, ap_loader, preparer, cfg, info.device)
+        if metrics is not None:
+            results.update({k: metrics[k] for k in ("ap_30", "ap_50", "ap_70")})
+    return results, count
+
+
+def train(cfg: Dict, args, info: dist_utils.DistInfo) -> Dict:
+    run_dir = make_run_dir(cfg, args)
+    dist_utils.setup_logging(run_dir, info.rank)
+    seed = int(cfg.get("seed", 0))
+    seed_everything(seed)
+    configure_cuda(cfg)
+    ckpt_path, checkpoint = find_resume_checkpoint(run_dir)
+    if dist_utils.is_main_process() and checkpoint is None:
+        save_config(cfg, run_dir / "config.yaml")
+
+    train_params = cfg["train_params"]
+    micro, accum = split_global_batch(int(train_params["batch_size"]), info.world_size,
+                                      train_params.get("max_micro_batch"))
+    logger.info("run folder %s | %s | device %s, backend %s", run_dir,
+                describe_batch(micro, info.world_size, accum), info.device, info.backend)
+
+    train_set, train_loader, train_sampler, val_loaders = build_loaders(cfg, info, micro, seed)
+    steps_per_epoch = len(train_loader) // accum
+    if steps_per_epoch == 0:
+        raise ConfigError(f"train_params.batch_size {train_params['batch_size']} is larger than "
+                          f"the training split ({len(train_set)} samples over "
+                          f"{info.world_size} ranks)")
+    epochs = int(train_params["epoches"])
+
+    model, model_without_ddp, ema = prepare_model(cfg, info, checkpoint, ckpt_path)
+    preparer = BatchPreparer.from_config(cfg, info.device)
+    criterion = build_loss(cfg["loss"]).to(info.device)
+    loss_fn = make_loss_fn(preparer, criterion)
+    optimizer = build_optimizer(model_without_ddp.parameters(), cfg["optimizer"])
+    scheduler = build_scheduler(optimizer, cfg.get("lr_scheduler", {}),
+                                epochs * steps_per_epoch, steps_per_epoch)
+    amp_dtype, scaler = amp_settings(cfg, info.device)
+
+    start_epoch, step, best_val = 1, 0, math.inf
+    if checkpoint is not None:
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        scheduler.load_state_dict(checkpoint["scheduler"])
+        scaler.load_state_dict(checkpoint["scaler"])
+        start_epoch, step = int(checkpoint["epoch"]) + 1, int(checkpoint["step"])
+        best_val = float(checkpoint.get("best_val_loss", math.inf))
+        restore_rng_state(checkpoint["rng"])
+        logger.info("resumed from %s at epoch %d (step %d)", ckpt_path, start_epoch - 1, step)
+    else:
+        log_model_summary(model_without_ddp, preparer, train_loader)
+
+    scalars = ScalarLogger(run_dir)
+    save_freq = int(train_params.get("save_freq", 1))
+    grad_clip = train_params.get("grad_clip")
+    history = {}
+    try:
+        for epoch in range(start_epoch, epochs + 1):
+            train_sampler.set_epoch(epoch)
+            train_set.set_epoch(epoch)
+            # The loader's generator seeds its workers: a function of (seed, epoch) only, so a
+            # resumed run draws exactly what an uninterrupted one would.
+            train_loader.generator.manual_seed(seed * 100003 + epoch)
+            model.train()
+            bar = progress_bar(steps_per_epoch, epoch)
+            epoch_start, epoch_samples = time.perf_counter(), 0
+            for micro_batches in group_micro_batches(train_loader, accum):
+                step_start = time.perf_counter()
+                stats = optimizer_step(model, micro_batches, loss_fn, optimizer, scaler,
+                                       info.device, amp_dtype, grad_clip,
+                                       where=f"epoch {epoch} step {step + 1}")
+                scheduler.step()
+                if ema is not None:
+                    ema.update(model_without_ddp)
+                step += 1
+                global_samples = stats["samples"] * info.world_size
+                epoch_samples += global_samples
+                stats["samples_per_s"] = global_samples / max(1e-9, time.perf_counter() - step_start)
+                stats["lr"] = optimizer.param_groups[0]["lr"]
+                stats.pop("samples")
+                scalars.scalars(stats, step, "train")
+                if bar is not None:
+                    bar.set_postfix(loss=f"{stats['loss']:.3f}", lr=f"{stats['lr']:.2e}",
+                                    sps=f"{stats['samples_per_s']:.1f}")
+                    bar.update(1)
+            if bar is not None:
+                bar.close()
+            elapsed = time.perf_counter() - epoch_start
+            logger.info("epoch %d/%d: loss %.4f, lr %.2e, %.1f samples/s", epoch, epochs,
+                        stats["loss"], stats["lr"], epoch_samples / max(elapsed, 1e-9))
+
+            is_best = False
+            if val_loaders is not None:
+                if ema is not None:
+                    ema.broadcast_from(0)
+                eval_model = ema.module if ema is not None else model_without_ddp
+                results, count = validate(eval_model, val_loaders, loss_fn, info, amp_dtype,
+                                          cfg, epoch, preparer)
+                scalars.scalars(results, step, "val")
+                is_best = results["loss"] < best_val
+                best_val = min(best_val, results["loss"])
+                history[epoch] = results
+                logger.info("epoch %d validation (%d samples): %s", epoch, count,
+                            ", ".join(f"{k} {v:.4f}" for k, v in results.items()))
+            state = training_state(model_without_ddp, ema, optimizer, scheduler, scaler, epoch,
+                                   step, best_val, cfg, seed)
+            save_run_checkpoints(run_dir, state, epoch, save_freq, is_best)
+            dist_utils.barrier()
+    finally:
+        scalars.close()
+    return {"run_dir": str(run_dir), "history": history, "step": step}
+
+
+def main(argv=None) -> Dict:
+    args = parse_args(argv)
+    try:
+        cfg = resolve_config(args)
+    except ConfigError as error:
+        raise SystemExit(f"error: {error}") from None
+    dist_cfg = cfg.get("distributed", {}) or {}
+    with dist_utils.distributed_session(backend=dist_cfg.get("backend"),
+                                        timeout_minutes=float(dist_cfg.get("timeout_minutes",
+                                                                           30))) as info:
+        try:
+            return train(cfg, args, info)
+        except (ConfigError, CheckpointError, NonFiniteLossError) as error:
+            logging.getLogger("opencood").error("%s", error)
+            raise SystemExit(f"error: {error}") from None

@@ -1,0 +1,33 @@
+"""BEV pictures of evaluated samples: every agent's points in the ego frame, GT and detections."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Dict
+
+import torch
+
+from opencood.ops.transforms import apply_transform_torch
+from opencood.utils.vis_bev import render_bev, save_image
+
+
+def sample_agent_points(batch: Dict, row: int) -> Dict[str, torch.Tensor]:
+    """{"agent k": (N_k, 4) points in the ego frame} for batch element ``row``."""
+    record_len = batch["record_len"].tolist()
+    first = sum(record_len[:row])
+    points_by_agent = {}
+    for position, agent in enumerate(range(first, first + record_len[row])):
+        points = batch["points"][batch["agent_index"] == agent]
+        if batch.get("points_in_agent_frame", False):
+            points = apply_transform_torch(points, batch["transforms_to_ego"][agent])
+        points_by_agent["ego" if position == 0 else f"cav {position}"] = points
+    return points_by_agent
+
+
+def draw_detection_sample(path: Path, batch: Dict, row: int, boxes: torch.Tensor,
+                          scores: torch.Tensor, bev_range) -> None:
+    """Write one PNG over ``bev_range``: points coloured per agent, GT green, detections red."""
+    points_by_agent = sample_agent_points(batch, row)
+    gt = batch["gt_boxes"][row][batch["gt_mask"][row]]
+    image = render_bev({k: v.numpy() for k, v in points_by_agent.items()}, bev_range,
+                       gt_boxes=gt.numpy(), pred_boxes=boxes.numpy(), pixels_per_meter=5.0)
+    save_image(path, image)

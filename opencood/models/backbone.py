@@ -1,0 +1,89 @@
+"""Multi-scale 2-D BEV backbone (PointPillars / OpenCOOD ``BaseBEVBackbone``)."""
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch import nn
+
+from opencood.registry import BACKBONES
+
+# fuse_fn(features (N_agents, C, H, W), record_len (B,)) -> (B, C, H, W)
+FuseFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def conv_bn_relu(in_channels: int, out_channels: int, stride: int = 1) -> list:
+    # eps/momentum as OpenPCDet/OpenCOOD, so checkpoints and training dynamics carry over.
+    return [nn.Conv2d(in_channels, out_channels, 3, stride=stride, padding=1, bias=False),
+            nn.BatchNorm2d(out_channels, eps=1e-3, momentum=0.01), nn.ReLU()]
+
+
+def make_down_block(in_channels: int, out_channels: int, stride: int, num_convs: int):
+    """One strided conv, then ``num_convs`` stride-1 convs; output size ceil(in / stride)."""
+    layers = conv_bn_relu(in_channels, out_channels, stride)
+    for _ in range(num_convs):
+        layers += conv_bn_relu(out_channels, out_channels)
+    return nn.Sequential(*layers)
+
+
+def make_up_block(in_channels: int, out_channels: int, stride: float) -> nn.Sequential:
+    """Brings one scale to the common output stride: transposed conv up, or strided conv down."""
+    if stride >= 1:
+        stride = int(round(stride))
+        conv = nn.ConvTranspose2d(in_channels, out_channels, stride, stride=stride, bias=False)
+    else:
+        down = int(round(1 / stride))
+        conv = nn.Conv2d(in_channels, out_channels, down, stride=down, bias=False)
+    return nn.Sequential(conv, nn.BatchNorm2d(out_channels, eps=1e-3, momentum=0.01), nn.ReLU())
+
+
+@BACKBONES.register("base_bev_backbone")
+class BaseBEVBackbone(nn.Module):
+    """Down blocks at strides s0, s0*s1, ...; each scale is brought back to a common stride by an
+    up block and the results are concatenated along channels.
+
+    With layer_strides [2, 2, 2] and upsample_strides [1, 2, 4] the output stride is 2:
+    (N, C_in, ny, nx) -> (N, sum(num_upsample_filters), ny/2, nx/2) (ny, nx divisible by 8).
+    """
+
+    def __init__(self, in_channels: int, layer_nums: Sequence[int], layer_strides: Sequence[int],
+                 num_filters: Sequence[int], upsample_strides: Sequence[float],
+                 num_upsample_filters: Sequence[int]):
+        super().__init__()
+        lengths = {len(layer_nums), len(layer_strides), len(num_filters),
+                   len(upsample_strides), len(num_upsample_filters)}
+        if len(lengths) != 1:
+            raise ValueError("layer_nums, layer_strides, num_filters, upsample_strides and "
+                             "num_upsample_filter must all have one entry per scale")
+        channels_in = [in_channels, *num_filters[:-1]]
+        self.blocks = nn.ModuleList(
+            make_down_block(c_in, c_out, stride, n)
+            for c_in, c_out, stride, n in zip(channels_in, num_filters, layer_strides, layer_nums))
+        self.deblocks = nn.ModuleList(
+            make_up_block(c_in, c_out, stride)
+            for c_in, c_out, stride in zip(num_filters, num_upsample_filters, upsample_strides))
+        self.scale_channels = tuple(num_filters)
+        self.out_channels = int(sum(num_upsample_filters))
+
+    @classmethod
+    def from_config(cls, args: dict, in_channels: int) -> "BaseBEVBackbone":
+        # OpenCOOD spells the last key in the singular; accept both.
+        up_filters = args.get("num_upsample_filter", args.get("num_upsample_filters"))
+        return cls(in_channels, args["layer_nums"], args["layer_strides"], args["num_filters"],
+                   args["upsample_strides"], up_filters)
+
+    def forward(self, spatial_features: torch.Tensor, fuse_fn: Optional[FuseFn] = None,
+                record_len: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """(N_agents, C_in, ny, nx) -> (N_agents, C_out, H, W), or (B, C_out, H, W) with fuse_fn.
+
+        ``fuse_fn`` (multi-scale fusion, as OpenCOOD's AttFuse) merges each scale's per-agent
+        features into one map per sample before its up block; the unfused per-agent features
+        continue to the next down block, so every agent's backbone stays independent.
+        """
+        x = spatial_features
+        upsampled = []
+        for block, deblock in zip(self.blocks, self.deblocks):
+            x = block(x)
+            scale_features = fuse_fn(x, record_len) if fuse_fn is not None else x
+            upsampled.append(deblock(scale_features))
+        return torch.cat(upsampled, dim=1)

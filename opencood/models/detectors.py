@@ -1,0 +1,147 @@
+"""PointPillars detectors: single-agent (no / early / late fusion) and intermediate fusion.
+
+Input ``batch`` (tensors on the model's device):
+  voxel_features (P, M, 4), voxel_num_points (P,), voxel_coords (P, 4) [agent, z, y, x] with the
+  agents of a sample consecutive and the ego first; record_len (B,) agents per sample;
+  optional shared_points (B,) and num_agents_sent (B,) for early fusion's byte count.
+Output dict: cls_preds (B, A, H, W), reg_preds (B, 7A, H, W), dir_preds (B, 2A, H, W),
+  comm_bytes (B,) float, and for where2comm conf_preds (N_agents, A, H, W) with
+  conf_sample_index (N_agents,) (the sample each confidence map belongs to).
+H, W = (ny, nx) / backbone output stride (2 for layer_strides [2, 2, 2], upsample [1, 2, 4]).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from opencood.models.backbone import BaseBEVBackbone
+from opencood.models.fusion import FusionModule, agent_slots
+from opencood.models.heads import AnchorHead
+from opencood.models.pillar_vfe import PillarVFE
+from opencood.models.scatter import PointPillarScatter
+from opencood.registry import FUSIONS, MODELS
+
+POINT_BYTES = 16  # x, y, z, intensity as fp32: what early fusion sends per point
+
+
+def build_pillar_parts(args: dict):
+    """yaml model args -> (vfe, scatter, backbone, head), widths chained from one to the next."""
+    from opencood.ops.voxelize import grid_size
+
+    nx, ny, _ = grid_size(args["lidar_range"], args["voxel_size"])
+    vfe = PillarVFE.from_config(args.get("pillar_vfe", {}), args["voxel_size"],
+                                args["lidar_range"])
+    scatter = PointPillarScatter.from_config(args["point_pillar_scatter"], nx=nx, ny=ny)
+    if scatter.num_features != vfe.out_channels:
+        raise ValueError(f"point_pillar_scatter.num_features ({scatter.num_features}) must equal "
+                         f"the last pillar_vfe filter ({vfe.out_channels})")
+    backbone = BaseBEVBackbone.from_config(args["base_bev_backbone"], scatter.num_features)
+    head = AnchorHead.from_config(args, backbone.out_channels)
+    return vfe, scatter, backbone, head
+
+
+def encode_agents(vfe: PillarVFE, scatter: PointPillarScatter, batch: dict) -> torch.Tensor:
+    """Pillars of every agent -> (N_agents, C, ny, nx) BEV canvases."""
+    pillar_features = vfe(batch["voxel_features"], batch["voxel_num_points"],
+                          batch["voxel_coords"])
+    return scatter(pillar_features, batch["voxel_coords"], batch["record_len"])
+
+
+def early_fusion_bytes(batch: dict, batch_size: int, device) -> torch.Tensor:
+    """(B,) bytes per sending agent: shared points x 16 B, split over the senders if known."""
+    shared_points = batch.get("shared_points")
+    if shared_points is None:
+        return torch.zeros(batch_size, dtype=torch.float32, device=device)
+    comm_bytes = shared_points.to(device=device, dtype=torch.float32) * POINT_BYTES
+    senders = batch.get("num_agents_sent")
+    if senders is not None:
+        comm_bytes = comm_bytes / senders.to(device=device, dtype=torch.float32).clamp(min=1)
+    return comm_bytes
+
+
+@MODELS.register("point_pillar")
+class PointPillar(nn.Module):
+    """Single-agent PointPillars, used for no fusion (ego points), early fusion (all agents'
+    points merged at the ego) and late fusion (each CAV run as its own sample): every
+    ``record_len`` entry must be 1. comm_bytes: early fusion's shared points x 16 B when the
+    batch has ``shared_points``, else 0 (late fusion's boxes are counted by the post-processor).
+    """
+
+    def __init__(self, vfe: PillarVFE, scatter: PointPillarScatter, backbone: BaseBEVBackbone,
+                 head: AnchorHead):
+        super().__init__()
+        self.vfe, self.scatter, self.backbone, self.head = vfe, scatter, backbone, head
+
+    @classmethod
+    def from_config(cls, args: dict) -> "PointPillar":
+        return cls(*build_pillar_parts(args))
+
+    def forward(self, batch: dict) -> dict:
+        record_len = batch["record_len"]
+        canvas = encode_agents(self.vfe, self.scatter, batch)
+        if canvas.shape[0] != record_len.shape[0]:
+            raise ValueError("point_pillar is single-agent: every record_len entry must be 1 "
+                             "(merge points for early fusion, one sample per CAV for late)")
+        outputs = self.head(self.backbone(canvas))
+        outputs["comm_bytes"] = early_fusion_bytes(batch, record_len.shape[0], canvas.device)
+        return outputs
+
+
+@MODELS.register("point_pillar_intermediate")
+class PointPillarIntermediate(nn.Module):
+    """PointPillars with per-agent BEV features fused at the ego by a FUSIONS module.
+
+    ``stage`` is where fusion happens: "scatter" (on the pillar canvas, before the backbone),
+    "multiscale" (on every backbone scale before its up block) or "backbone" (on the backbone
+    output, before the head); the bytes reported are those of the maps fused there, summed over
+    scales for "multiscale".
+    """
+
+    def __init__(self, vfe: PillarVFE, scatter: PointPillarScatter, backbone: BaseBEVBackbone,
+                 head: AnchorHead, fusion: FusionModule, stage: Optional[str] = None):
+        super().__init__()
+        stage = stage or fusion.default_stage
+        if stage not in fusion.supported_stages:
+            raise ValueError(f"{type(fusion).__name__} cannot fuse at stage {stage!r}; "
+                             f"supported: {', '.join(fusion.supported_stages)}")
+        self.vfe, self.scatter, self.backbone, self.head = vfe, scatter, backbone, head
+        self.fusion = fusion
+        self.stage = stage
+
+    @classmethod
+    def from_config(cls, args: dict) -> "PointPillarIntermediate":
+        vfe, scatter, backbone, head = build_pillar_parts(args)
+        fusion_cfg = args["fusion"]
+        fusion_cls = FUSIONS.get(fusion_cfg["core_method"])
+        fusion = fusion_cls.from_config(fusion_cfg.get("args") or {},
+                                        in_channels=backbone.out_channels,
+                                        num_anchors=head.num_anchors)
+        return cls(vfe, scatter, backbone, head, fusion, stage=fusion_cfg.get("stage"))
+
+    def fuse_features(self, canvas: torch.Tensor, record_len: torch.Tensor):
+        """(N_agents, C, ny, nx) -> (B, C_out, H, W), list of FusionResult (one per fusion)."""
+        results = []
+
+        def fuse(features, lengths):
+            results.append(self.fusion(features, lengths))
+            return results[-1].features
+
+        if self.stage == "scatter":
+            return self.backbone(fuse(canvas, record_len)), results
+        if self.stage == "multiscale":
+            return self.backbone(canvas, fuse_fn=fuse, record_len=record_len), results
+        return fuse(self.backbone(canvas), record_len), results
+
+    def forward(self, batch: dict) -> dict:
+        record_len = batch["record_len"]
+        canvas = encode_agents(self.vfe, self.scatter, batch)
+        fused, results = self.fuse_features(canvas, record_len)
+        outputs = self.head(fused)
+        outputs["comm_bytes"] = torch.stack([r.comm_bytes for r in results]).sum(dim=0)
+        for result in results:
+            outputs.update(result.aux)
+        if "conf_preds" in outputs:
+            outputs["conf_sample_index"] = agent_slots(record_len, canvas.shape[0])[0]
+        return outputs

@@ -1,0 +1,229 @@
+"""Intermediate-fusion modules: per-agent BEV maps -> one map per sample, at the ego.
+
+Every module takes ``features`` (N_agents, C, H, W), where the agents of a sample are consecutive
+with the ego first, and ``record_len`` (B,) agents per sample, and returns a ``FusionResult``:
+the fused (B, C, H, W) map, ``comm_bytes`` (B,) — bytes one non-ego agent transmits for this map,
+averaged over the sample's non-ego agents, 0 for a sample with the ego alone — and auxiliary
+outputs for the loss. The non-ego maps are already in the ego frame (points were projected before
+pillarisation, OpenCOOD's ``proj_first``), so fusion is per BEV location with no warping.
+
+Agents are padded to (B, L, C, H, W) with a validity mask (L = most agents in any sample) so a
+whole batch is fused at once, with no Python loop over samples.
+
+Where each module is applied (the detector's ``stage``) decides what is transmitted:
+``attfuse`` fuses every backbone scale (OpenCOOD AttFuse), so an agent sends every scale's map;
+``fcooper`` max-fuses the scattered pillar canvas (F-Cooper's voxel-feature fusion), so it sends
+that canvas; ``where2comm`` fuses the backbone output and sends only its selected cells.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional
+
+import torch
+from torch import nn
+
+from opencood.models.heads import prior_bias
+from opencood.registry import FUSIONS
+
+STAGES = ("scatter", "multiscale", "backbone")
+FP32_BYTES = 4
+
+
+class FusionResult(NamedTuple):
+    features: torch.Tensor      # (B, C, H, W)
+    comm_bytes: torch.Tensor    # (B,) float
+    aux: dict                   # extra outputs for the loss, e.g. where2comm confidence logits
+
+
+def agent_slots(record_len: torch.Tensor, num_agents: int):
+    """-> sample index (N,), slot within the sample (N,), 0 for the ego."""
+    samples = torch.arange(record_len.shape[0], device=record_len.device)
+    sample_index = torch.repeat_interleave(samples, record_len, output_size=num_agents)
+    first_agent = torch.cumsum(record_len, 0) - record_len
+    slot = torch.arange(num_agents, device=record_len.device) - first_agent[sample_index]
+    return sample_index, slot
+
+
+def pad_by_sample(features: torch.Tensor, record_len: torch.Tensor):
+    """(N, C, H, W) -> zero-padded (B, L, C, H, W) and (B, L) bool mask of real agents."""
+    sample_index, slot = agent_slots(record_len, features.shape[0])
+    max_agents = int(record_len.max())
+    shape = (record_len.shape[0], max_agents)
+    padded = features.new_zeros(*shape, *features.shape[1:])
+    padded = padded.index_put((sample_index, slot), features)
+    is_real = torch.zeros(shape, dtype=torch.bool, device=features.device)
+    is_real[sample_index, slot] = True
+    return padded, is_real
+
+
+def ego_attention(padded: torch.Tensor, attend: torch.Tensor) -> torch.Tensor:
+    """Scaled dot-product attention per BEV cell with the ego as the only query.
+
+    padded (B, L, C, H, W), attend (B, L, H, W) bool (the ego slot always True) -> (B, C, H, W).
+    Equals the ego row of full self-attention across agents (OpenCOOD AttFuse), without
+    computing the rows that would be thrown away.
+    """
+    ego = padded[:, :1]
+    scores = (padded * ego).sum(dim=2) / math.sqrt(padded.shape[2])
+    weights = torch.softmax(scores.masked_fill(~attend, float("-inf")), dim=1)
+    return (weights.unsqueeze(2) * padded).sum(dim=1)
+
+
+def masked_max(padded: torch.Tensor, attend: torch.Tensor) -> torch.Tensor:
+    """Element-wise max over the agents allowed by ``attend`` (B, L, H, W) -> (B, C, H, W)."""
+    return padded.masked_fill(~attend.unsqueeze(2), float("-inf")).amax(dim=1)
+
+
+def dense_comm_bytes(features: torch.Tensor, record_len: torch.Tensor,
+                     bytes_per_value: int) -> torch.Tensor:
+    """Every non-ego agent sends its whole (C, H, W) map: -> (B,) float, 0 when alone."""
+    map_bytes = float(features[0].numel() * bytes_per_value)
+    return (record_len > 1).to(torch.float32) * map_bytes
+
+
+def mean_over_non_ego(per_agent: torch.Tensor, record_len: torch.Tensor) -> torch.Tensor:
+    """(N,) per-agent values -> (B,) mean over each sample's non-ego agents (0 if none)."""
+    sample_index, slot = agent_slots(record_len, per_agent.shape[0])
+    totals = torch.zeros(record_len.shape[0], dtype=torch.float32, device=per_agent.device)
+    totals = totals.index_add(0, sample_index, per_agent.float() * (slot > 0))
+    return totals / (record_len - 1).clamp(min=1).to(torch.float32)
+
+
+class FusionModule(nn.Module):
+    """Base: ``default_stage`` is where the detector applies it unless the yaml says otherwise."""
+
+    default_stage = "backbone"
+    supported_stages = STAGES
+
+    def __init__(self, bytes_per_value: int = FP32_BYTES):
+        super().__init__()
+        self.bytes_per_value = bytes_per_value
+
+
+@FUSIONS.register("attfuse")
+class AttFusion(FusionModule):
+    """OpenCOOD AttFuse: per-location self-attention across agents, the ego's row kept.
+    Parameter-free; by default applied at every backbone scale."""
+
+    default_stage = "multiscale"
+
+    @classmethod
+    def from_config(cls, args: dict, in_channels: int, num_anchors: int) -> "AttFusion":
+        return cls(bytes_per_value=args.get("bytes_per_value", FP32_BYTES))
+
+    def forward(self, features: torch.Tensor, record_len: torch.Tensor) -> FusionResult:
+        padded, is_real = pad_by_sample(features, record_len)
+        attend = is_real[:, :, None, None].expand(-1, -1, *features.shape[2:])
+        fused = ego_attention(padded, attend)
+        return FusionResult(fused, dense_comm_bytes(features, record_len, self.bytes_per_value),
+                            {})
+
+
+@FUSIONS.register("fcooper")
+class SpatialMaxFusion(FusionModule):
+    """F-Cooper: element-wise max over agents. Parameter-free; by default applied to the
+    scattered pillar canvas (voxel-feature fusion), ``stage: backbone`` gives F-Cooper's
+    spatial-feature fusion as OpenCOOD implements it."""
+
+    default_stage = "scatter"
+
+    @classmethod
+    def from_config(cls, args: dict, in_channels: int, num_anchors: int) -> "SpatialMaxFusion":
+        return cls(bytes_per_value=args.get("bytes_per_value", FP32_BYTES))
+
+    def forward(self, features: torch.Tensor, record_len: torch.Tensor) -> FusionResult:
+        padded, is_real = pad_by_sample(features, record_len)
+        attend = is_real[:, :, None, None].expand(-1, -1, *features.shape[2:])
+        fused = masked_max(padded, attend)
+        return FusionResult(fused, dense_comm_bytes(features, record_len, self.bytes_per_value),
+                            {})
+
+
+@FUSIONS.register("where2comm")
+class Where2comm(FusionModule):
+    """Where2comm: non-ego agents send only the cells where they see something.
+
+    Each agent's confidence map is sigmoid(max over anchors of a 1x1 conv). A non-ego agent sends
+    the cells with confidence > ``threshold``, and at most
+    k = floor(max_bytes_per_agent / (C * bytes_per_value)) of them, the most confident first
+    (``max_bytes_per_agent`` None = no budget, 0 = send nothing). The ego fuses its own map (never
+    masked) with what it received, by attention or max over the sent cells only, so with nothing
+    sent the output is exactly the ego's map.
+
+    The cell selection is a hard, non-differentiable choice. Sent features are multiplied by a
+    straight-through gate (value exactly 1, gradient that of the confidence), and the confidence
+    logits are returned as ``conf_preds`` for the loss to supervise with the anchor labels, so the
+    confidence conv gets a gradient even when nothing is sent (DDP without unused parameters).
+    Applied to the backbone output only (the confidence must be on the anchor grid for that loss).
+    """
+
+    supported_stages = ("backbone",)
+
+    def __init__(self, in_channels: int, num_anchors: int, threshold: float = 0.01,
+                 max_bytes_per_agent: Optional[float] = None, fusion_mode: str = "attention",
+                 bytes_per_value: int = FP32_BYTES, cls_prior: float = 0.01):
+        super().__init__(bytes_per_value)
+        if fusion_mode not in ("attention", "max"):
+            raise ValueError(f"where2comm fusion_mode must be 'attention' or 'max', "
+                             f"got {fusion_mode!r}")
+        if max_bytes_per_agent is not None and max_bytes_per_agent < 0:
+            raise ValueError(f"max_bytes_per_agent must be >= 0 or None, got {max_bytes_per_agent}")
+        self.in_channels = in_channels
+        self.threshold = threshold
+        self.max_bytes_per_agent = max_bytes_per_agent
+        self.fusion_mode = fusion_mode
+        self.conf_conv = nn.Conv2d(in_channels, num_anchors, 1)
+        self.reset_cls_prior(cls_prior)
+
+    @classmethod
+    def from_config(cls, args: dict, in_channels: int, num_anchors: int) -> "Where2comm":
+        return cls(in_channels, num_anchors, threshold=args.get("threshold", 0.01),
+                   max_bytes_per_agent=args.get("max_bytes_per_agent"),
+                   fusion_mode=args.get("fusion_mode", "attention"),
+                   bytes_per_value=args.get("bytes_per_value", FP32_BYTES))
+
+    @torch.no_grad()
+    def reset_cls_prior(self, prior: float) -> None:
+        """The confidence is a classification score: same prior as the head (``init_weights``)."""
+        self.conf_conv.bias.fill_(prior_bias(prior))
+
+    @property
+    def max_cells_per_agent(self) -> Optional[int]:
+        if self.max_bytes_per_agent is None:
+            return None
+        return int(self.max_bytes_per_agent // (self.in_channels * self.bytes_per_value))
+
+    def select_cells(self, confidence: torch.Tensor, is_ego: torch.Tensor) -> torch.Tensor:
+        """confidence (N, H, W) in [0, 1], is_ego (N,) -> (N, H, W) bool cells sent/kept."""
+        flat = confidence.flatten(1)
+        chosen = flat > self.threshold
+        max_cells = self.max_cells_per_agent
+        if max_cells is not None and max_cells < flat.shape[1]:
+            in_top_k = torch.zeros_like(chosen)
+            if max_cells > 0:
+                # -1 is below every sigmoid value, so cells under the threshold rank last.
+                ranked = flat.masked_fill(~chosen, -1.0)
+                top_index = ranked.topk(max_cells, dim=1).indices
+                in_top_k = in_top_k.scatter(1, top_index, True)
+            chosen = chosen & in_top_k
+        return (chosen | is_ego.unsqueeze(1)).view_as(confidence)
+
+    def forward(self, features: torch.Tensor, record_len: torch.Tensor) -> FusionResult:
+        conf_logits = self.conf_conv(features)                      # (N, A, H, W)
+        confidence = torch.sigmoid(conf_logits.amax(dim=1))        # (N, H, W)
+        _, slot = agent_slots(record_len, features.shape[0])
+        is_ego = slot == 0
+        sent = self.select_cells(confidence.detach(), is_ego)
+        # Straight-through: forward value is exactly the hard mask, gradient is d(confidence).
+        gate = sent.to(features.dtype) + (confidence - confidence.detach())
+        gate = torch.where(is_ego[:, None, None], torch.ones_like(gate), gate)
+        padded, is_real = pad_by_sample(features * gate.unsqueeze(1), record_len)
+        padded_sent, _ = pad_by_sample(sent.unsqueeze(1), record_len)
+        attend = padded_sent.squeeze(2) & is_real[:, :, None, None]
+        fuse = ego_attention if self.fusion_mode == "attention" else masked_max
+        fused = fuse(padded, attend)
+        cells_sent = sent.flatten(1).sum(dim=1)
+        bytes_per_agent = cells_sent * (self.in_channels * self.bytes_per_value)
+        comm_bytes = mean_over_non_ego(bytes_per_agent, record_len)
+        return FusionResult(fused, comm_bytes, {"conf_preds": conf_logits})

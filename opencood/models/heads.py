@@ -1,0 +1,48 @@
+"""Anchor-based detection head: per-cell class score, box residuals and direction bin."""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from opencood.registry import HEADS
+
+BOX_CODE_SIZE = 7  # [x, y, z, h, w, l, yaw] residuals
+
+
+def prior_bias(prior: float) -> float:
+    """Bias whose sigmoid is ``prior``: -log((1 - pi) / pi) (RetinaNet), so the focal loss of the
+    many negatives does not swamp the first steps."""
+    return -math.log((1.0 - prior) / prior)
+
+
+@HEADS.register("anchor_head")
+class AnchorHead(nn.Module):
+    """(B, C, H, W) -> cls (B, A, H, W), reg (B, 7A, H, W), dir (B, 2A, H, W).
+
+    Channel layout: reg channel ``a * 7 + k`` is code k of anchor a, so
+    ``reg.permute(0, 2, 3, 1).reshape(B, H * W * A, 7)`` lines up with anchors laid out
+    (H, W, A, 7); the same holds for cls (1 per anchor) and dir (2 per anchor).
+    """
+
+    def __init__(self, in_channels: int, num_anchors: int = 2, cls_prior: float = 0.01):
+        super().__init__()
+        self.num_anchors = num_anchors
+        self.cls_conv = nn.Conv2d(in_channels, num_anchors, 1)
+        self.reg_conv = nn.Conv2d(in_channels, BOX_CODE_SIZE * num_anchors, 1)
+        self.dir_conv = nn.Conv2d(in_channels, 2 * num_anchors, 1)
+        self.reset_cls_prior(cls_prior)
+
+    @classmethod
+    def from_config(cls, args: dict, in_channels: int) -> "AnchorHead":
+        return cls(in_channels, num_anchors=args.get("anchor_number", 2))
+
+    @torch.no_grad()
+    def reset_cls_prior(self, prior: float) -> None:
+        """Called by ``init_weights`` after the generic initialisation."""
+        self.cls_conv.bias.fill_(prior_bias(prior))
+
+    def forward(self, features: torch.Tensor) -> dict:
+        return {"cls_preds": self.cls_conv(features), "reg_preds": self.reg_conv(features),
+                "dir_preds": self.dir_conv(features)}

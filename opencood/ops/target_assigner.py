@@ -1,0 +1,162 @@
+"""Anchor target assignment and the shared flattening/decoding of detection-head outputs.
+
+Matching uses BEV IoU of the axis-aligned rectangles enclosing the rotated boxes ("standup"
+boxes), as PointPillars and OpenCOOD do: cheap, and good enough to pick which anchors learn.
+Everything is batched over the samples (GT padded to ``Mmax`` with a mask) and follows the device
+of ``gt_boxes``.
+
+Head layout (the contract with the models): ``cls_preds`` (B, A, H, W), ``reg_preds``
+(B, 7*A, H, W) with channel ``a * 7 + k`` holding code ``k`` of anchor ``a``, ``dir_preds``
+(B, bins*A, H, W) likewise; anchor ``n = (i_y * W + i_x) * A + a`` of
+``anchors.reshape(-1, 7)`` (anchors (H, W, A, 7)) lines up with :func:`flatten_predictions`.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from opencood.ops.box_coder import ResidualBoxCoder
+
+
+def standup_bev(boxes: torch.Tensor) -> torch.Tensor:
+    """Boxes (..., 7) ``[x, y, z, h, w, l, yaw]`` -> (..., 4) ``[xmin, ymin, xmax, ymax]`` of the
+    axis-aligned rectangle enclosing the rotated BEV box."""
+    cos, sin = torch.cos(boxes[..., 6]).abs(), torch.sin(boxes[..., 6]).abs()
+    half_l, half_w = boxes[..., 5] / 2, boxes[..., 4] / 2
+    half_x = cos * half_l + sin * half_w
+    half_y = sin * half_l + cos * half_w
+    x, y = boxes[..., 0], boxes[..., 1]
+    return torch.stack([x - half_x, y - half_y, x + half_x, y + half_y], dim=-1)
+
+
+def standup_iou(anchor_rects: torch.Tensor, gt_rects: torch.Tensor) -> torch.Tensor:
+    """anchor_rects (N, 4), gt_rects (B, M, 4) -> IoU (B, N, M); zero-area GT give 0.
+
+    Memory is a few (B, N, M) float tensors; keep ``M`` (padded GT) small.
+    """
+    a = anchor_rects[None, :, None, :]                                   # (1, N, 1, 4)
+    g = gt_rects[:, None, :, :]                                          # (B, 1, M, 4)
+    overlap_x = (torch.minimum(a[..., 2], g[..., 2]) - torch.maximum(a[..., 0], g[..., 0]))
+    overlap_y = (torch.minimum(a[..., 3], g[..., 3]) - torch.maximum(a[..., 1], g[..., 1]))
+    intersection = overlap_x.clamp_(min=0).mul_(overlap_y.clamp_(min=0))
+    area_a = (a[..., 2] - a[..., 0]) * (a[..., 3] - a[..., 1])
+    area_g = (g[..., 2] - g[..., 0]) * (g[..., 3] - g[..., 1])
+    union = (area_a + area_g) - intersection
+    return intersection.div_(union.clamp_(min=torch.finfo(union.dtype).tiny))
+
+
+def _forced_anchor_per_anchor(iou: torch.Tensor, gt_mask: torch.Tensor) -> torch.Tensor:
+    """iou (B, N, M), gt_mask (B, M) -> (B, N) int64: the GT that claims this anchor as its
+    best anchor, or -1.
+
+    Each valid GT with a non-zero best IoU claims its best anchor (first one on ties). When
+    several GTs claim the same anchor the one with the highest IoU wins (lowest index on ties);
+    resolving this on the small (B, M, M) table first keeps the scatter free of duplicate
+    writes, hence deterministic on CUDA.
+    """
+    batch, num_anchors, num_gt = iou.shape
+    best_iou, best_anchor = iou.max(dim=1)                               # (B, M)
+    claims = gt_mask & (best_iou > 0)
+    same_anchor = best_anchor[:, :, None] == best_anchor[:, None, :]    # (B, M, M') m vs m'
+    gt_order = torch.arange(num_gt, device=iou.device)
+    other_beats = (best_iou[:, None, :] > best_iou[:, :, None]) | (
+        (best_iou[:, None, :] == best_iou[:, :, None]) & (gt_order[None, :] < gt_order[:, None]))
+    beaten = (same_anchor & claims[:, None, :] & other_beats).any(dim=2)
+    wins = claims & ~beaten
+    # Losers write into a spare column num_anchors that is cut off afterwards.
+    target_column = torch.where(wins, best_anchor, torch.full_like(best_anchor, num_anchors))
+    forced = torch.full((batch, num_anchors + 1), -1, dtype=torch.int64, device=iou.device)
+    forced.scatter_(1, target_column, gt_order.expand(batch, num_gt).contiguous())
+    return forced[:, :num_anchors]
+
+
+def assign_targets(anchors: torch.Tensor, gt_boxes: torch.Tensor, gt_mask: torch.Tensor,
+                   pos_iou: float = 0.6, neg_iou: float = 0.45,
+                   box_coder: Optional[ResidualBoxCoder] = None) -> Dict[str, torch.Tensor]:
+    """Label anchors and build regression/direction targets for a padded batch of GT boxes.
+
+    Args:
+        anchors: (H, W, A, 7) (or any (..., 7)), flattened to N = H*W*A anchors.
+        gt_boxes: (B, Mmax, 7) ``[x, y, z, h, w, l, yaw]``, padded rows arbitrary.
+        gt_mask: (B, Mmax) bool, True for real boxes.
+        pos_iou / neg_iou: positive if max standup IoU >= pos_iou, negative if < neg_iou, else
+            ignored. Each GT also makes its best anchor positive (if that IoU > 0), regressing to
+            that GT even when the anchor overlaps another GT more.
+        box_coder: defaults to ``ResidualBoxCoder()``.
+
+    Returns a dict on ``gt_boxes.device``:
+        ``labels`` (B, N) int64 in {-1 ignore, 0 negative, 1 positive};
+        ``reg_targets`` (B, N, 7) encoded boxes, exactly 0 where not positive;
+        ``dir_targets`` (B, N) int64 direction bin of the matched GT, 0 where not positive;
+        ``reg_weights`` (B, N) float, 1 for positives else 0;
+        ``num_positives`` (B,) int64;
+        ``matched_gt`` (B, N) int64 index into Mmax of the GT a positive regresses to, else -1.
+    """
+    box_coder = box_coder or ResidualBoxCoder()
+    anchors_flat = anchors.reshape(-1, 7).to(device=gt_boxes.device, dtype=gt_boxes.dtype)
+    gt_mask = gt_mask.to(device=gt_boxes.device, dtype=torch.bool)
+    if gt_boxes.shape[1] == 0:                       # keep max() over GT well defined
+        gt_boxes = gt_boxes.new_zeros((gt_boxes.shape[0], 1, 7))
+        gt_mask = gt_mask.new_zeros((gt_boxes.shape[0], 1))
+
+    iou = standup_iou(standup_bev(anchors_flat), standup_bev(gt_boxes))
+    iou = iou.masked_fill_(~gt_mask[:, None, :], 0.0)                    # (B, N, M)
+    max_iou, best_gt = iou.max(dim=2)                                     # (B, N)
+    forced_gt = _forced_anchor_per_anchor(iou, gt_mask)
+    forced = forced_gt >= 0
+    positive = forced | (max_iou >= pos_iou)
+    negative = ~positive & (max_iou < neg_iou)
+    matched_gt = torch.where(forced, forced_gt, best_gt)
+
+    matched_boxes = torch.gather(
+        gt_boxes, 1, matched_gt[..., None].expand(-1, -1, 7))             # (B, N, 7)
+    # Non-positives encode the anchor against itself: exact zeros, no log(0) of padded rows.
+    target_boxes = torch.where(positive[..., None], matched_boxes, anchors_flat[None])
+    labels = torch.full_like(matched_gt, -1)
+    labels = labels.masked_fill(negative, 0).masked_fill(positive, 1)
+    dir_targets = box_coder.direction_targets(target_boxes[..., 6]).masked_fill(~positive, 0)
+    return {
+        "labels": labels,
+        "reg_targets": box_coder.encode(target_boxes, anchors_flat[None]),
+        "dir_targets": dir_targets,
+        "reg_weights": positive.to(gt_boxes.dtype),
+        "num_positives": positive.sum(dim=1),
+        "matched_gt": matched_gt.masked_fill(~positive, -1),
+    }
+
+
+def flatten_predictions(cls_preds: torch.Tensor, reg_preds: torch.Tensor,
+                        dir_preds: Optional[torch.Tensor], num_anchors: int
+                        ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """Head maps -> per-anchor rows lined up with ``anchors.reshape(-1, 7)``.
+
+    cls_preds (B, A, H, W), reg_preds (B, 7*A, H, W), dir_preds (B, bins*A, H, W) or None
+    -> cls (B, N), reg (B, N, 7), dir (B, N, bins) or None, with N = H*W*A.
+    """
+    batch, _, height, width = cls_preds.shape
+    num = height * width * num_anchors
+    cls = cls_preds.permute(0, 2, 3, 1).reshape(batch, num)
+    reg = reg_preds.permute(0, 2, 3, 1).reshape(batch, num, -1)
+    direction = None
+    if dir_preds is not None:
+        direction = dir_preds.permute(0, 2, 3, 1).reshape(batch, num, -1)
+    return cls, reg, direction
+
+
+def decode_predictions(cls_preds: torch.Tensor, reg_preds: torch.Tensor,
+                       dir_preds: Optional[torch.Tensor], anchors: torch.Tensor,
+                       box_coder: ResidualBoxCoder, score_threshold: float
+                       ) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """Head maps (see :func:`flatten_predictions`) + anchors (H, W, A, 7) -> per batch element
+    ``(boxes (K, 7), scores (K,))`` with sigmoid score > score_threshold, direction applied.
+    Decoding runs in the anchors' dtype (float32 even under AMP). NMS is done elsewhere."""
+    num_anchors = anchors.shape[-2]
+    cls, reg, direction = flatten_predictions(cls_preds, reg_preds, dir_preds, num_anchors)
+    anchors_flat = anchors.reshape(-1, 7).to(device=reg.device)
+    boxes = box_coder.decode(reg.to(anchors_flat.dtype), anchors_flat[None])
+    if direction is not None:
+        boxes = box_coder.apply_direction(boxes, direction)
+    scores = torch.sigmoid(cls.to(anchors_flat.dtype))
+    keep = scores > score_threshold
+    return [(boxes[b][keep[b]], scores[b][keep[b]]) for b in range(cls.shape[0])]

@@ -1,0 +1,155 @@
+"""Fusion datasets, augmentation, pose noise, latency, collate and loader determinism."""
+import numpy as np
+import pytest
+import torch
+
+from opencood.data.augment import augment_sample
+from opencood.data.collate import collate_samples, seed_worker
+from opencood.data.datasets import (EarlyFusionDataset, IntermediateFusionDataset,
+                                    LateFusionDataset, NoFusionDataset, build_dataset)
+from opencood.data.wild import WildSetting
+from opencood.ops.transforms import points_in_boxes_mask
+from tests.opv2v_factory import write_simple_split
+
+RANGE = [-60.0, -60.0, -3.0, 60.0, 60.0, 1.0]  # square: rotated cars stay inside
+AUGMENT = [{"NAME": "random_world_flip", "ALONG_AXIS_LIST": ["x", "y"]},
+           {"NAME": "random_world_rotation", "WORLD_ROT_ANGLE": [-3.1416, 3.1416]},
+           {"NAME": "random_world_scaling", "WORLD_SCALE_RANGE": [0.9, 1.1]}]
+
+
+@pytest.fixture(scope="module")
+def road(tmp_path_factory):
+    return write_simple_split(tmp_path_factory.mktemp("road") / "train", num_cavs=5, spacing=8.0)
+
+
+def make(cls, split_dir, **kwargs):
+    kwargs.setdefault("lidar_range", RANGE)
+    kwargs.setdefault("gt_range", RANGE)
+    return cls(split_dir, cache_dir=split_dir.parent / "cache", **kwargs)
+
+
+def test_augmentation_keeps_points_inside_their_boxes():
+    rng = np.random.default_rng(0)
+    boxes = np.array([[5.0, 2.0, -1.0, 1.5, 2.0, 4.5, 0.3],
+                      [-10.0, -4.0, -0.8, 1.6, 1.8, 4.0, -2.0]])
+    inside = [b[:3] + rng.uniform(-0.5, 0.5, (20, 3)) * [1, 1, 0.5] for b in boxes]
+    cloud_a = np.concatenate([np.c_[inside[0], np.ones(20)], rng.uniform(-30, 30, (50, 4))])
+    cloud_b = np.c_[inside[1], np.zeros(20)]
+    before = [points_in_boxes_mask(c, boxes) for c in (cloud_a, cloud_b)]
+    assert before[0][0].sum() >= 20 and before[1][1].sum() == 20
+    for seed in range(10):
+        (aug_a, aug_b), aug_boxes, params = augment_sample(
+            [cloud_a.astype(np.float32), cloud_b.astype(np.float32)], boxes, AUGMENT,
+            np.random.default_rng(seed))
+        after = [points_in_boxes_mask(c, aug_boxes, margin=1e-4) for c in (aug_a, aug_b)]
+        np.testing.assert_array_equal(after[0], before[0])
+        np.testing.assert_array_equal(after[1], before[1])
+        assert np.all(np.abs(aug_boxes[:, 6]) <= np.pi + 1e-9)
+    assert "rotation" in params and "scale" in params
+
+
+def test_augmented_dataset_boxes_contain_the_car_points(road):
+    dataset = make(EarlyFusionDataset, road, train=True, augment_cfg=AUGMENT)
+    for epoch in range(3):
+        dataset.set_epoch(epoch)
+        sample = dataset[1]
+        inside = points_in_boxes_mask(sample["agent_points"][0], sample["gt_boxes"], margin=0.05)
+        # Every GT car is one cluster of points from each of the 5 CAVs (30 points each).
+        assert len(sample["gt_boxes"]) == 4
+        assert (inside.sum(axis=1) == 5 * 30).all()
+
+
+@pytest.mark.parametrize("num_cavs", [1, 2, 3, 4, 5])
+def test_collate_shapes_with_1_to_5_cavs(road, num_cavs):
+    dataset = make(IntermediateFusionDataset, road, max_cav=num_cavs)
+    batch = collate_samples([dataset[0], dataset[2]])
+    assert batch["record_len"].tolist() == [num_cavs, num_cavs]
+    assert batch["transforms_to_ego"].shape == (2 * num_cavs, 4, 4)
+    assert batch["points"].shape == (2 * num_cavs * 4 * 30, 4)
+    assert batch["agent_index"].unique().tolist() == list(range(2 * num_cavs))
+    assert batch["gt_boxes"].shape == (2, 4, 7) and batch["gt_mask"].all()
+    assert batch["sample_keys"][1][1] == "000004"
+
+
+def test_no_early_late_agent_counts(road):
+    assert make(NoFusionDataset, road)[0]["agent_ids"] == ["1000"]
+    early = make(EarlyFusionDataset, road)[0]
+    assert len(early["agent_points"]) == 1 and early["shared_points"] == 4 * 4 * 30
+    late_test = make(LateFusionDataset, road)[0]
+    assert len(late_test["agent_points"]) == 5
+    late_train = make(LateFusionDataset, road, train=True)
+    assert len(late_train) == 3 * 5
+    one_cav = late_train[7]                           # sample 1, CAV "1002" in its own frame
+    assert one_cav["sample_key"] == ("2021_01_01_00_00_00", "000002", "1002")
+    np.testing.assert_allclose(one_cav["gt_boxes"][:, 0],
+                               np.array([5.0, 17.0, 29.0, 41.0]) - 16.0, atol=1e-4)
+
+
+def test_pose_noise_changes_non_ego_transforms_only(road):
+    clean = make(IntermediateFusionDataset, road)[0]
+    noisy_ds = make(IntermediateFusionDataset, road,
+                    wild=WildSetting(seed=3, loc_err=True, xyz_std=0.5, yaw_std=1.0))
+    noisy = noisy_ds[0]
+    np.testing.assert_array_equal(noisy["transforms_to_ego"][0], np.eye(4, dtype=np.float32))
+    for agent in range(1, 5):
+        assert not np.allclose(noisy["transforms_to_ego"][agent], clean["transforms_to_ego"][agent])
+    np.testing.assert_array_equal(noisy["agent_points"][0], clean["agent_points"][0])
+    np.testing.assert_array_equal(noisy["gt_boxes"], clean["gt_boxes"])
+    # Reproducible: the same seed repeats the draws, another seed does not.
+    np.testing.assert_array_equal(noisy_ds[0]["transforms_to_ego"], noisy["transforms_to_ego"])
+    other = make(IntermediateFusionDataset, road,
+                 wild=WildSetting(seed=4, loc_err=True, xyz_std=0.5, yaw_std=1.0))[0]
+    assert not np.allclose(other["transforms_to_ego"][1], noisy["transforms_to_ego"][1])
+
+
+def test_latency_delays_non_ego_points(road):
+    fresh = make(IntermediateFusionDataset, road)
+    delayed = make(IntermediateFusionDataset, road, wild=WildSetting(latency_frames=1))
+    now, late = delayed[2], fresh[1]
+    np.testing.assert_array_equal(delayed[2]["agent_points"][0], fresh[2]["agent_points"][0])
+    for agent in range(1, 5):   # non-ego clouds come from timestamp 000002 instead of 000004
+        np.testing.assert_array_equal(now["agent_points"][agent], late["agent_points"][agent])
+    np.testing.assert_array_equal(now["gt_boxes"], fresh[2]["gt_boxes"])
+    # At the first frame the delay is clamped to the first frame.
+    np.testing.assert_array_equal(delayed[0]["agent_points"][1], fresh[0]["agent_points"][1])
+
+
+def _loader(dataset, seed):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.utils.data.DataLoader(dataset, batch_size=2, shuffle=True, num_workers=2,
+                                       collate_fn=collate_samples, worker_init_fn=seed_worker,
+                                       generator=generator)
+
+
+def test_same_seed_same_batches(road):
+    def run(seed, epoch):
+        dataset = make(IntermediateFusionDataset, road, train=True, augment_cfg=AUGMENT, seed=7)
+        dataset.set_epoch(epoch)
+        return [(b["sample_keys"], b["points"]) for b in _loader(dataset, seed)]
+
+    first, again, next_epoch = run(0, 0), run(0, 0), run(0, 1)
+    for (keys_a, pts_a), (keys_b, pts_b) in zip(first, again):
+        assert keys_a == keys_b and torch.equal(pts_a, pts_b)
+    assert not all(torch.equal(a[1], b[1]) for a, b in zip(first, next_epoch)
+                   if a[0] == b[0] and a[1].shape == b[1].shape)
+
+
+def test_empty_cloud_and_no_vehicles_frames_load(tmp_path):
+    split = write_simple_split(tmp_path / "train", num_cavs=2, empty_cloud_at="000000",
+                               no_vehicles_at="000002")
+    dataset = make(IntermediateFusionDataset, split, train=True, augment_cfg=AUGMENT)
+    empty, no_gt = dataset[0], dataset[1]
+    assert empty["agent_points"][0].shape == (0, 4)
+    assert no_gt["gt_boxes"].shape == (0, 7)
+    batch = collate_samples([empty, no_gt])
+    assert batch["gt_mask"].sum() == len(empty["gt_boxes"])
+
+
+def test_build_dataset_errors_are_clear(road):
+    cfg = {"fusion": {"core_method": "intermediate"}, "root_dir": str(road)}
+    with pytest.raises(ValueError, match="validate_dir"):
+        build_dataset(cfg, "validate", train=False)
+    with pytest.raises(KeyError, match="registered dataset"):
+        build_dataset(cfg, "train", train=True, fusion_method="mid")
+    with pytest.raises(ValueError, match="unknown augmentation 'flip'"):
+        make(EarlyFusionDataset, road, train=True, augment_cfg=[{"NAME": "flip"}])
