@@ -59,7 +59,10 @@ def test_small_anchor_grid_and_config():
 
 def random_boxes(count, dtype, seed):
     generator = torch.Generator().manual_seed(seed)
-    rand = lambda *shape: torch.rand(*shape, generator=generator, dtype=torch.float64)
+
+    def rand(*shape):
+        return torch.rand(*shape, generator=generator, dtype=torch.float64)
+
     centre = (rand(count, 3) - 0.5) * torch.tensor([281.6, 80.0, 4.0], dtype=torch.float64)
     size = 0.5 + 5 * rand(count, 3)
     yaw = (rand(count, 1) - 0.5) * 4 * math.pi

@@ -103,6 +103,17 @@ def test_hand_made_cloud():
     assert torch.equal(out["voxel_features"], expected)
 
 
+def test_last_cell_absorbs_float_slack_and_non_finite_points_are_dropped():
+    # 8.0004 m is 8 voxels within the grid tolerance; x = 8.0002 is inside the range but
+    # floor(8.0002 / 1) = 8 is past the grid: it belongs to the last cell, x_idx 7.
+    points = torch.tensor([[8.0002, 0.5, 0.0, 0.1], [float("nan"), 0.5, 0.0, 0.2],
+                           [float("inf"), 0.5, 0.0, 0.3], [1e30, 0.5, 0.0, 0.4]])
+    out = pillarize(points, torch.zeros(4, dtype=torch.int64), [0, 0, -3, 8.0004, 8, 1],
+                    [1, 1, 4], max_points_per_pillar=2)
+    assert out["voxel_coords"].tolist() == [[0, 0, 0, 7]]
+    assert out["voxel_num_points"].tolist() == [1]
+
+
 def test_max_pillars_keeps_first_pillars_in_key_order_per_batch_element():
     points = torch.tensor([[2.5, 3.5, 0.0, 0.1], [0.5, 0.5, 0.0, 0.2], [7.5, 7.5, 0.0, 0.3],
                            [1.5, 0.5, 0.0, 0.4]])

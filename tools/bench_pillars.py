@@ -1,6 +1,6 @@
 """Time pillarisation and target assignment at the OPV2V geometry (DESIGN §2).
 
-    python tools/bench_pillars.py [--agents 3] [--points 100000] [--pillars 16000] [--repeats 10]
+    python tools/bench_pillars.py [--agents 3] [--points 100000] [--pillars 16000] [--threads 1]
 
 Per agent the cloud has ``--points`` points in exactly ``--pillars`` non-empty pillars (one point
 in each, the rest piled onto them with skewed weights so some pillars overflow 32 points, as near
@@ -80,7 +80,8 @@ def reference_pillarize(points, batch_index):
 
 
 def median_ms(function, repeats, device):
-    """Median wall time of ``function()`` in ms after one warm-up call."""
+    """Median wall time of ``function()`` in ms after one warm-up call (the median, not the
+    mean, so a burst of load from other processes on a shared machine does not dominate)."""
     synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     function()
     synchronize()
@@ -96,7 +97,10 @@ def median_ms(function, repeats, device):
 def random_gt(batch, count, seed):
     """(batch, count, 7) car-sized boxes inside the range."""
     generator = torch.Generator().manual_seed(seed)
-    rand = lambda *shape: torch.rand(*shape, generator=generator)
+
+    def rand(*shape):
+        return torch.rand(*shape, generator=generator)
+
     centre = (rand(batch, count, 2) - 0.5) * torch.tensor([270.0, 70.0])
     z = torch.full((batch, count, 1), -1.0)
     hwl = torch.tensor([1.5, 1.8, 4.2]) + rand(batch, count, 3) * torch.tensor([0.5, 0.4, 1.5])
@@ -138,7 +142,11 @@ def main():
     parser.add_argument("--pillars", type=int, default=16_000, help="non-empty, per agent")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--reference-points", type=int, default=20_000)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads for torch; 1 gives stable numbers on a busy machine")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     devices = [torch.device("cpu")]
     if torch.cuda.is_available():

@@ -21,6 +21,7 @@ import yaml
 from opencood.config import ConfigError, apply_overrides, load_config
 from opencood.data.collate import collate_samples
 from opencood.data.datasets import build_dataset
+from opencood.data.opv2v import OPV2VFormatError
 from opencood.data.pipeline import BatchPreparer
 from opencood.eval.inference import evaluate_loader
 from opencood.models.build import build_model
@@ -75,6 +76,19 @@ def load_eval_model(cfg: Dict, checkpoint_path: Path, use_ema: bool, device) -> 
     check_state_dict_compatible(model, state, checkpoint_path)
     model.load_state_dict(state)
     return model.to(device).eval()
+
+
+def check_fusion_fits_model(model: torch.nn.Module, fusion: str, model_name: str) -> None:
+    """Late fusion runs a single-agent model on each CAV; intermediate needs a fusing model."""
+    fuses_agents = getattr(model, "fusion", None) is not None
+    if fusion == "late" and fuses_agents:
+        raise ConfigError(f"fusion method 'late' needs a single-agent model (point_pillar); this "
+                          f"run's model {model_name!r} fuses agents itself: use --fusion_method "
+                          f"intermediate (or no), or evaluate a run trained for late fusion")
+    if fusion == "intermediate" and not fuses_agents:
+        raise ConfigError(f"fusion method 'intermediate' needs a model with a fusion module; this "
+                          f"run's model {model_name!r} is single-agent: use --fusion_method "
+                          f"late, early or no")
 
 
 def settings_to_run(args) -> List[Dict]:
@@ -164,6 +178,8 @@ def evaluate(args) -> List[Dict]:
         dist_utils.setup_logging(None, info.rank)
         checkpoint_path = pick_checkpoint(run_dir, args.checkpoint)
         model = load_eval_model(cfg, checkpoint_path, args.use_ema, info.device)
+        check_fusion_fits_model(model, args.fusion_method or cfg["fusion"]["core_method"],
+                                cfg["model"]["core_method"])
         logger.info("evaluating %s on %s", checkpoint_path, args.split)
         results = []
         writer = None
@@ -187,5 +203,5 @@ def main(argv=None) -> List[Dict]:
     args = parse_args(argv)
     try:
         return evaluate(args)
-    except (ConfigError, CheckpointError) as error:
+    except (ConfigError, CheckpointError, OPV2VFormatError) as error:
         raise SystemExit(f"error: {error}") from None

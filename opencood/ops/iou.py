@@ -77,7 +77,8 @@ def _edge_crossings(poly_a: torch.Tensor, dist_a_to_b: torch.Tensor, tolerance: 
     safe_gap = torch.where(crosses, dist_start - dist_end, torch.ones_like(dist_start))
     along = dist_start / safe_gap                                            # in [0, 1] if crosses
     # (P, i, j, k): distance of crossing (i, j) to B's edge k.
-    dist_cross = dist_start[:, :, None, :] + along[..., None] * (dist_end - dist_start)[:, :, None, :]
+    slope = (dist_end - dist_start)[:, :, None, :]
+    dist_cross = dist_start[:, :, None, :] + along[..., None] * slope
     inside_b = (dist_cross >= -tolerance[:, None, None, None]).all(dim=-1)
     direction_a = poly_a.roll(-1, dims=1) - poly_a
     points = poly_a[:, :, None, :] + along[..., None] * direction_a[:, :, None, :]
@@ -126,12 +127,14 @@ def _intersection_area_flat(poly_a: torch.Tensor, poly_b: torch.Tensor) -> torch
 
 
 def _to_float_tensor(array):
-    """numpy/torch -> (floating torch tensor, was_numpy)."""
+    """numpy/torch -> (torch tensor of at least float32 precision, was_numpy)."""
     is_numpy = isinstance(array, np.ndarray)
     # torch cannot wrap negative-stride views (e.g. reversed vertex order): copy those.
     tensor = torch.as_tensor(np.ascontiguousarray(array) if is_numpy else array)
-    if not tensor.is_floating_point():
-        tensor = tensor.to(torch.get_default_dtype())
+    # Integers and half precision (AMP outputs) go to float32: a 16-bit eps of ~1e-3 would make
+    # the inside tolerance centimetres wide.
+    if not tensor.is_floating_point() or torch.finfo(tensor.dtype).bits < 32:
+        tensor = tensor.to(torch.float32)
     return tensor, is_numpy
 
 
@@ -236,7 +239,8 @@ def boxes_bev_iou(boxes_a, boxes_b, order: str = "hwl", pairs_per_chunk: int = P
     iou = bev_a.areas.new_zeros(num_a, num_b)
     rows_per_block = max(1, pairs_per_chunk // max(num_b, 1))
     for row_start in range(0, num_a, rows_per_block):
-        idx_a, idx_b = _overlap_candidates(bev_a, bev_b, slice(row_start, row_start + rows_per_block))
+        rows = slice(row_start, row_start + rows_per_block)
+        idx_a, idx_b = _overlap_candidates(bev_a, bev_b, rows)
         for start in range(0, idx_a.shape[0], pairs_per_chunk):
             chunk_a = idx_a[start:start + pairs_per_chunk]
             chunk_b = idx_b[start:start + pairs_per_chunk]
@@ -244,18 +248,45 @@ def boxes_bev_iou(boxes_a, boxes_b, order: str = "hwl", pairs_per_chunk: int = P
     return iou.numpy() if is_numpy else iou
 
 
+def _circles_meet(bev_a: _BevBoxes, bev_b: _BevBoxes, idx_a: torch.Tensor,
+                  idx_b: torch.Tensor) -> torch.Tensor:
+    """(P,) bool: do the bounding circles of the listed pairs meet (slack for rounding)?"""
+    gap = bev_a.centres[idx_a] - bev_b.centres[idx_b]
+    reach = (bev_a.radii[idx_a] + bev_b.radii[idx_b]) * (1.0 + _CIRCLE_SLACK)
+    return (gap * gap).sum(dim=1) <= reach * reach
+
+
+def boxes_bev_iou_pairs(boxes_a, boxes_b, idx_a, idx_b, order: str = "hwl",
+                        pairs_per_chunk: int = PAIRS_PER_CHUNK):
+    """Rotated BEV IoU of listed pairs (a sparse slice of the full matrix).
+
+    boxes_a (N, 7), boxes_b (M, 7), idx_a (P,), idx_b (P,) integer indices -> (P,) with
+    ``out[k] = IoU(boxes_a[idx_a[k]], boxes_b[idx_b[k]])``. Corners are built once per box, not
+    once per pair, so many frames' pairs can be evaluated in one call.
+    """
+    bev_a, bev_b, is_numpy = _prepare(boxes_a, boxes_b, order)
+    device = bev_a.areas.device
+    idx_a = torch.as_tensor(idx_a, dtype=torch.long, device=device).reshape(-1)
+    idx_b = torch.as_tensor(idx_b, dtype=torch.long, device=device).reshape(-1)
+    if idx_a.shape != idx_b.shape:
+        raise ValueError(f"idx_a and idx_b differ in length: {idx_a.shape[0]} vs {idx_b.shape[0]}")
+    iou = bev_a.areas.new_zeros(idx_a.shape[0])
+    # The circle test costs a few bytes per pair, so it runs on larger blocks than the clipping.
+    filter_block = pairs_per_chunk * 8
+    for block_start in range(0, idx_a.shape[0], filter_block):
+        block_a = idx_a[block_start:block_start + filter_block]
+        block_b = idx_b[block_start:block_start + filter_block]
+        near = torch.nonzero(_circles_meet(bev_a, bev_b, block_a, block_b), as_tuple=True)[0]
+        for start in range(0, near.shape[0], pairs_per_chunk):
+            chunk = near[start:start + pairs_per_chunk]
+            iou[block_start + chunk] = _pair_iou(bev_a, bev_b, block_a[chunk], block_b[chunk])
+    return iou.numpy() if is_numpy else iou
+
+
 def boxes_bev_iou_aligned(boxes_a, boxes_b, order: str = "hwl",
                           pairs_per_chunk: int = PAIRS_PER_CHUNK):
     """Rotated BEV IoU of row-aligned pairs: boxes_a (N, 7), boxes_b (N, 7) -> (N,)."""
-    bev_a, bev_b, is_numpy = _prepare(boxes_a, boxes_b, order)
-    if bev_a.areas.shape[0] != bev_b.areas.shape[0]:
-        raise ValueError(f"aligned IoU needs equal counts; got {bev_a.areas.shape[0]} and "
-                         f"{bev_b.areas.shape[0]}")
-    gap = torch.linalg.vector_norm(bev_a.centres - bev_b.centres, dim=1)
-    reach = (bev_a.radii + bev_b.radii) * (1.0 + _CIRCLE_SLACK)
-    candidates = torch.nonzero(gap <= reach, as_tuple=True)[0]
-    iou = bev_a.areas.new_zeros(bev_a.areas.shape[0])
-    for start in range(0, candidates.shape[0], pairs_per_chunk):
-        chunk = candidates[start:start + pairs_per_chunk]
-        iou[chunk] = _pair_iou(bev_a, bev_b, chunk, chunk)
-    return iou.numpy() if is_numpy else iou
+    if len(boxes_a) != len(boxes_b):
+        raise ValueError(f"aligned IoU needs equal counts; got {len(boxes_a)} and {len(boxes_b)}")
+    rows = np.arange(len(boxes_a))
+    return boxes_bev_iou_pairs(boxes_a, boxes_b, rows, rows, order, pairs_per_chunk)

@@ -47,35 +47,32 @@ def grid_size(lidar_range: Sequence[float], voxel_size: Sequence[float]) -> Tupl
     return tuple(sizes)
 
 
-def _cell_indices(xyz: torch.Tensor, lidar_range, voxel_size, grid) -> Tuple[torch.Tensor,
-                                                                                 torch.Tensor]:
-    """xyz (N, 3) -> (cell (N, 3) int64 [x, y, z] index, inside (N,) bool).
+def _point_keys(points: torch.Tensor, batch_index: torch.Tensor, lidar_range, voxel_size,
+                grid) -> Tuple[torch.Tensor, int]:
+    """points (N, C), batch_index (N,) -> (keys (N,), number of points inside the range).
 
-    Float64 makes the boundary decisions match a plain-Python reference and the same on every
-    device (float32 points convert exactly).
+    ``key = ((b * nz + z) * ny + y) * nx + x``; points outside the range get a key past every
+    pillar, so a sort puts them last. Cell indices come from float64 arithmetic on the float32
+    coordinates (exact conversion), so boundary decisions match a plain-Python reference and
+    are the same on every device. Keys are int32 when they fit (CPU sorts those ~3x faster).
     """
-    xyz64 = xyz.to(torch.float64)
-    low = torch.tensor(lidar_range[:3], dtype=torch.float64, device=xyz.device)
-    high = torch.tensor(lidar_range[3:6], dtype=torch.float64, device=xyz.device)
-    size = torch.tensor(voxel_size[:3], dtype=torch.float64, device=xyz.device)
-    inside = ((xyz64 >= low) & (xyz64 < high)).all(dim=1)
-    cell = torch.floor((xyz64 - low) / size).to(torch.int64)
-    last_cell = torch.tensor(grid, dtype=torch.int64, device=xyz.device) - 1
-    return torch.minimum(cell, last_cell), inside
-
-
-def _linear_keys(batch_index: torch.Tensor, cell: torch.Tensor, inside: torch.Tensor,
-                 grid) -> torch.Tensor:
-    """(N,) key ``((b * nz + z) * ny + y) * nx + x``; points outside the range get a key past
-    every pillar, so a sort puts them last. int32 when it fits (CPU sorts it ~3x faster)."""
-    nx, ny, nz = grid
-    keys = ((batch_index * nz + cell[:, 2]) * ny + cell[:, 1]) * nx + cell[:, 0]
+    batch_index = batch_index.to(torch.int64)
+    keys = batch_index
+    inside = torch.ones_like(batch_index, dtype=torch.bool)
+    for axis in (2, 1, 0):                       # z, y, x: most to least significant
+        coord = points[:, axis].to(torch.float64)
+        low, high = float(lidar_range[axis]), float(lidar_range[axis + 3])
+        inside &= (coord >= low) & (coord < high)
+        # Clamped in float before the integer cast: a point a rounding error below ``high``
+        # may land on index n, and far-away points must not overflow the cast.
+        cell = torch.floor((coord - low) / float(voxel_size[axis])).clamp_(0, grid[axis] - 1)
+        keys = keys * grid[axis] + cell.to(torch.int64)
     num_batches = int(batch_index.max()) + 1 if batch_index.numel() else 1
-    outside_key = num_batches * nx * ny * nz
-    keys = torch.where(inside, keys, torch.full_like(keys, outside_key))
+    outside_key = num_batches * grid[0] * grid[1] * grid[2]
+    keys = keys.masked_fill_(~inside, outside_key)
     if outside_key < 2 ** 31:
         keys = keys.to(torch.int32)
-    return keys
+    return keys, int(inside.sum())
 
 
 def _keys_to_coords(keys: torch.Tensor, grid) -> torch.Tensor:
@@ -114,6 +111,24 @@ def _empty_output(points: torch.Tensor, max_points: int) -> Dict[str, torch.Tens
     }
 
 
+def _slots_of_kept_points(points_per_pillar: torch.Tensor, keep_pillar: Optional[torch.Tensor],
+                          num_points: int, max_points: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Sorted points grouped in pillars of sizes (P,) -> (kept (K,) positions in the sorted
+    order, slot (K,) = output pillar * max_points + rank in pillar)."""
+    pillar_of_point = torch.repeat_interleave(
+        torch.arange(points_per_pillar.numel(), device=points_per_pillar.device),
+        points_per_pillar, output_size=num_points)
+    rank = _rank_in_group(points_per_pillar, num_points)
+    keep = rank < max_points
+    output_pillar = pillar_of_point
+    if keep_pillar is not None:
+        keep &= keep_pillar.index_select(0, pillar_of_point)
+        output_pillar = (torch.cumsum(keep_pillar, dim=0) - 1).index_select(0, pillar_of_point)
+    kept = torch.nonzero(keep).squeeze(1)
+    slot = output_pillar.index_select(0, kept) * max_points + rank.index_select(0, kept)
+    return kept, slot
+
+
 def pillarize(points: torch.Tensor, batch_index: torch.Tensor, lidar_range: Sequence[float],
               voxel_size: Sequence[float], max_points_per_pillar: int = 32,
               max_pillars: Optional[int] = None) -> Dict[str, torch.Tensor]:
@@ -133,37 +148,31 @@ def pillarize(points: torch.Tensor, batch_index: torch.Tensor, lidar_range: Sequ
         ``voxel_coords`` (P, 4) int64 ``[batch_index, z_idx, y_idx, x_idx]``, sorted.
     """
     grid = grid_size(lidar_range, voxel_size)
-    cell, inside = _cell_indices(points[:, :3], lidar_range, voxel_size, grid)
-    keys = _linear_keys(batch_index.to(torch.int64), cell, inside, grid)
-    num_inside = int(inside.sum())
+    keys, num_inside = _point_keys(points, batch_index, lidar_range, voxel_size, grid)
     if num_inside == 0:
         return _empty_output(points, max_points_per_pillar)
 
     # A stable sort keeps input order inside each pillar, which decides who is "first";
     # points outside the range sort last and are cut off.
     order = torch.argsort(keys, stable=True)[:num_inside]
-    pillar_keys, points_per_pillar = torch.unique_consecutive(keys[order], return_counts=True)
-    point_pillar = torch.repeat_interleave(
-        torch.arange(pillar_keys.numel(), device=keys.device), points_per_pillar,
-        output_size=num_inside)
-    point_rank = _rank_in_group(points_per_pillar, num_inside)
-
-    keep_pillar = torch.ones_like(pillar_keys, dtype=torch.bool)
+    pillar_keys, points_per_pillar = torch.unique_consecutive(keys.index_select(0, order),
+                                                              return_counts=True)
+    keep_pillar = None
     if max_pillars is not None:
         keep_pillar = _first_pillars_per_batch(pillar_keys, grid, max_pillars)
-    new_pillar_id = torch.cumsum(keep_pillar, dim=0) - 1
-    kept = torch.nonzero((point_rank < max_points_per_pillar) & keep_pillar[point_pillar])
-    kept = kept.squeeze(1)
+    kept, slot = _slots_of_kept_points(points_per_pillar, keep_pillar, num_inside,
+                                       max_points_per_pillar)
+    if keep_pillar is not None:
+        pillar_keys, points_per_pillar = pillar_keys[keep_pillar], points_per_pillar[keep_pillar]
 
-    num_pillars = int(new_pillar_id[-1]) + 1
-    features = points.new_zeros((num_pillars, max_points_per_pillar, points.shape[1]))
-    # Every (pillar, rank) slot is written at most once, so the scatter is deterministic.
-    features[new_pillar_id[point_pillar[kept]], point_rank[kept]] = points[order[kept]]
+    num_pillars, channels = pillar_keys.numel(), points.shape[1]
+    features = points.new_zeros((num_pillars * max_points_per_pillar, channels))
+    # Every slot is written at most once, so the scatter is deterministic on every device.
+    features.index_copy_(0, slot, points.index_select(0, order.index_select(0, kept)))
     return {
-        "voxel_features": features,
-        "voxel_num_points": points_per_pillar[keep_pillar].clamp(max=max_points_per_pillar)
-                                                          .to(torch.int32),
-        "voxel_coords": _keys_to_coords(pillar_keys[keep_pillar], grid),
+        "voxel_features": features.view(num_pillars, max_points_per_pillar, channels),
+        "voxel_num_points": points_per_pillar.clamp(max=max_points_per_pillar).to(torch.int32),
+        "voxel_coords": _keys_to_coords(pillar_keys, grid),
     }
 
 
