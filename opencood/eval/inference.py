@@ -84,6 +84,16 @@ def detections_per_sample(outputs: Dict, inputs: Dict, preparer, settings: Dict,
     return results
 
 
+def late_model_inputs(inputs: Dict) -> Dict:
+    """Late fusion runs the single-agent model on every agent's own cloud: each agent is its
+    own sample for the model (record_len all ones); ``inputs`` keeps the per-sample record_len
+    that groups the agents' boxes afterwards."""
+    num_agents = int(inputs["record_len"].sum())
+    model_inputs = {k: v for k, v in inputs.items() if k != "shared_points"}
+    model_inputs["record_len"] = inputs["record_len"].new_ones(num_agents)
+    return model_inputs
+
+
 @torch.no_grad()
 def run_inference(model, loader, preparer, cfg: Dict, device, fusion_method: str | None = None,
                   on_sample=None) -> Dict:
@@ -100,7 +110,7 @@ def run_inference(model, loader, preparer, cfg: Dict, device, fusion_method: str
     for batch in loader:
         start = time.perf_counter()
         inputs, _ = preparer(batch, with_targets=False)
-        outputs = model(inputs)
+        outputs = model(late_model_inputs(inputs) if late else inputs)
         results = detections_per_sample(outputs, inputs, preparer, settings, late)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -127,7 +137,10 @@ def gather_results(local: Dict, expected_frames: int) -> Dict | None:
         return None
     merged = APAccumulator.from_state_dict(gathered[0]["state"])
     for other in gathered[1:]:
-        merged.merge(other["state"])   # refuses a sample key seen twice
+        try:
+            merged.merge(other["state"])   # refuses a sample key seen twice
+        except ValueError as error:
+            raise RuntimeError(f"evaluation gathered a sample from two ranks: {error}") from None
     frames = sum(g["frames"] for g in gathered)
     if frames != expected_frames or len(merged) != expected_frames:
         raise RuntimeError(f"evaluation gathered {frames} frames ({len(merged)} distinct) but the "
