@@ -8,15 +8,16 @@
 * A split with no GT at all has AP 0.0 by definition (recall is undefined; reporting 0 keeps the
   table numeric and never flatters a model).
 
-The accumulator keeps only plain per-frame records (scores, distances, matched GT indices), so
+The accumulator's state is plain per-frame records (scores, distances, matched GT indices), so
 per-rank accumulators can be gathered (``state_dict`` -> ``all_gather_object``) and merged.
+Frames are matched in batches: one IoU call covers the detection-GT pairs of many frames.
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from opencood.ops.iou import boxes_bev_iou
+from opencood.ops.iou import boxes_bev_iou_pairs
 
 
 def voc_ap(recall, precision) -> float:
@@ -49,34 +50,66 @@ def greedy_match(iou: np.ndarray, scores: np.ndarray, thresholds: np.ndarray) ->
     """Match one frame's detections to its GT, for every threshold at once.
 
     iou (K, G), scores (K,), thresholds (T,) -> (T, K) int64 index of the matched GT, -1 for a
-    false positive. Detections are visited by descending score (ties: lower index first).
+    false positive. Detections are visited by descending score (ties: lower index first); each
+    takes the free GT with the highest IoU (ties: lower GT index) if that IoU >= the threshold.
     """
-    num_det, num_gt = iou.shape
-    matched = np.full((thresholds.shape[0], num_det), -1, dtype=np.int64)
-    if num_det == 0 or num_gt == 0:
-        return matched
-    visit_order = np.argsort(-scores, kind="stable")
-    # A detection below the lowest threshold against every GT is an FP everywhere: skip it.
-    can_match = iou.max(axis=1) >= thresholds.min()
-    taken = np.zeros((thresholds.shape[0], num_gt), dtype=bool)
-    threshold_rows = np.arange(thresholds.shape[0])
-    for det in visit_order[can_match[visit_order]]:
-        free_iou = np.where(taken, -1.0, iou[det][None, :])                  # (T, G)
-        best_gt = free_iou.argmax(axis=1)
-        hit = free_iou[threshold_rows, best_gt] >= thresholds
-        matched[hit, det] = best_gt[hit]
-        taken[threshold_rows[hit], best_gt[hit]] = True
+    matched = np.full((thresholds.shape[0], iou.shape[0]), -1, dtype=np.int64)
+    # Only pairs above the lowest threshold can ever match: usually a handful per frame, so the
+    # sequential greedy walk runs over short Python lists instead of numpy rows.
+    det_ids, gt_ids = np.nonzero(iou >= thresholds.min())
+    values = iou[det_ids, gt_ids]
+    by_det_then_iou = np.lexsort((gt_ids, -values, det_ids))
+    options: dict[int, list] = {}
+    for det, gt, value in zip(det_ids[by_det_then_iou].tolist(), gt_ids[by_det_then_iou].tolist(),
+                              values[by_det_then_iou].tolist()):
+        options.setdefault(det, []).append((gt, value))
+    taken = [set() for _ in range(thresholds.shape[0])]
+    for det in np.argsort(-scores, kind="stable").tolist():
+        for level, threshold in enumerate(thresholds.tolist()):
+            for gt, value in options.get(det, ()):
+                if value < threshold:
+                    break                       # sorted by IoU: nothing free is high enough
+                if gt not in taken[level]:
+                    matched[level, det] = gt
+                    taken[level].add(gt)
+                    break
     return matched
 
 
-def _as_boxes(boxes, name: str) -> torch.Tensor:
-    """(K, 7) float64 tensor (device kept); an empty input of any shape becomes (0, 7)."""
-    boxes = torch.as_tensor(boxes)
+def frame_iou_tables(pred_per_frame: list, gt_per_frame: list, order: str = "hwl") -> list:
+    """IoU tables of many frames in one batched call.
+
+    pred_per_frame[f] (K_f, 7), gt_per_frame[f] (G_f, 7) float64 numpy -> list of (K_f, G_f).
+    Only detection-GT pairs of the same frame are listed; the IoU op skips the (many) pairs whose
+    bounding circles do not meet, so the cost is per overlapping pair, not per frame.
+    """
+    det_counts = np.array([p.shape[0] for p in pred_per_frame], dtype=np.int64)
+    gt_counts = np.array([g.shape[0] for g in gt_per_frame], dtype=np.int64)
+    gt_count_of_det = np.repeat(gt_counts, det_counts)                        # (D,)
+    first_gt_of_det = np.repeat(np.cumsum(gt_counts) - gt_counts, det_counts)
+    first_pair_of_det = np.cumsum(gt_count_of_det) - gt_count_of_det
+    num_pairs = int(gt_count_of_det.sum())
+    # Pair p of detection d is GT (first_gt_of_det[d] + p - first_pair_of_det[d]): row-major
+    # (K_f, G_f) blocks, frame after frame.
+    det_of_pair = np.repeat(np.arange(det_counts.sum()), gt_count_of_det)
+    gt_of_pair = np.arange(num_pairs) + np.repeat(first_gt_of_det - first_pair_of_det,
+                                                  gt_count_of_det)
+    flat_iou = boxes_bev_iou_pairs(np.concatenate(pred_per_frame + [np.zeros((0, 7))]),
+                                   np.concatenate(gt_per_frame + [np.zeros((0, 7))]),
+                                   det_of_pair, gt_of_pair, order)
+    block_ends = np.cumsum(det_counts * gt_counts)
+    blocks = np.split(flat_iou, block_ends[:-1])
+    return [block.reshape(k, g) for block, k, g in zip(blocks, det_counts, gt_counts)]
+
+
+def _as_boxes(boxes, name: str) -> np.ndarray:
+    """(K, 7) float64 numpy copy; an empty input of any shape becomes (0, 7)."""
+    boxes = torch.as_tensor(boxes).detach()
     if boxes.numel() == 0:
-        return torch.zeros(0, 7, dtype=torch.float64, device=boxes.device)
+        return np.zeros((0, 7))
     if boxes.ndim != 2 or boxes.shape[1] != 7:
         raise ValueError(f"{name} must be (K, 7); got {tuple(boxes.shape)}")
-    return boxes.to(torch.float64)
+    return boxes.to("cpu", torch.float64).numpy().copy()
 
 
 def _sorted_keys(keys: list) -> list:
@@ -85,6 +118,11 @@ def _sorted_keys(keys: list) -> list:
         return sorted(keys)
     except TypeError:
         return sorted(keys, key=lambda key: (type(key).__name__, repr(key)))
+
+
+def _concat(arrays: list) -> np.ndarray:
+    """np.concatenate that also accepts an empty list (-> float64 (0,))."""
+    return np.concatenate(arrays + [np.zeros(0)])
 
 
 def _key_name(threshold: float) -> str:
@@ -108,48 +146,65 @@ class APAccumulator:
     """
 
     def __init__(self, iou_thresholds=(0.3, 0.5, 0.7), distance_bins=((0, 30), (30, 50), (50, 100)),
-                 order: str = "hwl"):
+                 order: str = "hwl", match_batch_frames: int = 256):
         self.iou_thresholds = tuple(float(t) for t in iou_thresholds)
         self.distance_bins = tuple((float(low), float(high)) for low, high in distance_bins)
         self.order = order
-        self._frames: list[dict] = []
+        self.match_batch_frames = match_batch_frames
+        self._frames: list[dict] = []       # matched records, plain data
+        self._pending: list[dict] = []      # frames added but not matched yet (boxes kept)
         self._keys: set = set()
 
     def __len__(self) -> int:
-        return len(self._frames)
+        return len(self._frames) + len(self._pending)
 
     def add_frame(self, pred_boxes, pred_scores, gt_boxes, sample_key=None) -> None:
-        """Match one frame: pred_boxes (K, 7), pred_scores (K,), gt_boxes (G, 7), in the ego frame.
+        """Add one frame: pred_boxes (K, 7), pred_scores (K,), gt_boxes (G, 7), in the ego frame.
 
-        Tensors (any device) or numpy. IoU is computed on the predictions' device in float64.
+        Tensors (any device) or numpy; copied to CPU float64. Matching runs in batches of
+        ``match_batch_frames`` frames (one IoU call for all of them: per-frame calls would be
+        dominated by op overhead), and at the latest on ``compute``/``state_dict``/``merge``.
         """
         pred = _as_boxes(pred_boxes, "pred_boxes")
-        gt = _as_boxes(gt_boxes, "gt_boxes").to(pred.device)
+        gt = _as_boxes(gt_boxes, "gt_boxes")
         scores = torch.as_tensor(pred_scores).detach().reshape(-1).to("cpu", torch.float64).numpy()
         if scores.shape[0] != pred.shape[0]:
             raise ValueError(f"{pred.shape[0]} boxes but {scores.shape[0]} scores")
-        iou = boxes_bev_iou(pred, gt, self.order).cpu().numpy()
-        pred_xy, gt_xy = pred[:, :2].cpu().numpy(), gt[:, :2].cpu().numpy()
-        record = {
-            "key": sample_key,
-            "scores": scores,
-            "det_distance": np.hypot(pred_xy[:, 0], pred_xy[:, 1]),
-            "gt_distance": np.hypot(gt_xy[:, 0], gt_xy[:, 1]),
-            "matched_gt": greedy_match(iou, scores, np.asarray(self.iou_thresholds)),
-        }
-        self._append(record)
+        self._register_key(sample_key)
+        self._pending.append({"key": sample_key, "pred_boxes": pred, "scores": scores.copy(),
+                              "gt_boxes": gt})
+        if len(self._pending) >= self.match_batch_frames:
+            self._match_pending()
 
-    def _append(self, record: dict) -> None:
-        key = record["key"]
-        if key is not None:
-            if key in self._keys:
-                raise ValueError(f"sample {key!r} was already added; each sample counts once")
-            self._keys.add(key)
-        self._frames.append(record)
+    def _match_pending(self) -> None:
+        """Turn pending frames into matched records (their boxes are dropped)."""
+        if not self._pending:
+            return
+        tables = frame_iou_tables([f["pred_boxes"] for f in self._pending],
+                                  [f["gt_boxes"] for f in self._pending], self.order)
+        thresholds = np.asarray(self.iou_thresholds)
+        for frame, iou in zip(self._pending, tables):
+            pred_xy, gt_xy = frame["pred_boxes"][:, :2], frame["gt_boxes"][:, :2]
+            self._frames.append({
+                "key": frame["key"],
+                "scores": frame["scores"],
+                "det_distance": np.hypot(pred_xy[:, 0], pred_xy[:, 1]),
+                "gt_distance": np.hypot(gt_xy[:, 0], gt_xy[:, 1]),
+                "matched_gt": greedy_match(iou, frame["scores"], thresholds),
+            })
+        self._pending = []
+
+    def _register_key(self, key) -> None:
+        if key is None:
+            return
+        if key in self._keys:
+            raise ValueError(f"sample {key!r} was already added; each sample counts once")
+        self._keys.add(key)
 
     # ---- plain-data state, for gathering across ranks ------------------------------------------
     def state_dict(self) -> dict:
         """Plain lists/floats/ints only: safe to pickle, gather, or dump as JSON (if keys are)."""
+        self._match_pending()
         frames = [{"key": f["key"], "scores": f["scores"].tolist(),
                    "det_distance": f["det_distance"].tolist(),
                    "gt_distance": f["gt_distance"].tolist(),
@@ -160,15 +215,18 @@ class APAccumulator:
 
     @classmethod
     def from_state_dict(cls, state: dict) -> "APAccumulator":
-        accumulator = cls(state["iou_thresholds"], state["distance_bins"], state.get("order", "hwl"))
+        accumulator = cls(state["iou_thresholds"], state["distance_bins"],
+                          state.get("order", "hwl"))
         accumulator._merge_frames(state["frames"])
         return accumulator
 
     def merge(self, other) -> "APAccumulator":
         """Add the frames of another accumulator (or its ``state_dict``) to this one, in place."""
+        self._match_pending()           # keeps insertion order for frames without a key
         state = other.state_dict() if isinstance(other, APAccumulator) else other
         same_thresholds = tuple(float(t) for t in state["iou_thresholds"]) == self.iou_thresholds
-        same_bins = tuple(tuple(map(float, b)) for b in state["distance_bins"]) == self.distance_bins
+        bins = tuple((float(low), float(high)) for low, high in state["distance_bins"])
+        same_bins = bins == self.distance_bins
         if not (same_thresholds and same_bins):
             raise ValueError("cannot merge accumulators with different thresholds or bins")
         self._merge_frames(state["frames"])
@@ -177,8 +235,11 @@ class APAccumulator:
     def _merge_frames(self, frames: list) -> None:
         num_thresholds = len(self.iou_thresholds)
         for frame in frames:
-            self._append({
-                "key": frame["key"],
+            # A JSON round trip turns tuple keys such as (scenario, timestamp) into lists.
+            key = tuple(frame["key"]) if isinstance(frame["key"], list) else frame["key"]
+            self._register_key(key)
+            self._frames.append({
+                "key": key,
                 "scores": np.asarray(frame["scores"], dtype=np.float64),
                 "det_distance": np.asarray(frame["det_distance"], dtype=np.float64),
                 "gt_distance": np.asarray(frame["gt_distance"], dtype=np.float64),
@@ -193,33 +254,37 @@ class APAccumulator:
         return [keyed[k] for k in _sorted_keys(list(keyed))] + unkeyed
 
     def _flatten(self) -> dict:
-        """All detections of the split, sorted globally by (-score, frame rank, index)."""
+        """All detections of the split in global score order.
+
+        -> is_tp (T, D) bool and bin_distance (T, D) in that order, gt_distance (G,).
+        Order: descending score, then frame rank (sorted sample key), then index in the frame.
+        """
         frames = self._frames_in_tie_order()
-        num_thresholds = len(self.iou_thresholds)
-        gt_offsets = np.cumsum([0] + [f["gt_distance"].shape[0] for f in frames])
-        empty = np.zeros(0)
-        scores = np.concatenate([f["scores"] for f in frames] + [empty])
-        frame_rank = np.concatenate([np.full(f["scores"].shape[0], r) for r, f in enumerate(frames)]
-                                    + [empty])
-        det_index = np.concatenate([np.arange(f["scores"].shape[0]) for f in frames] + [empty])
-        det_distance = np.concatenate([f["det_distance"] for f in frames] + [empty])
-        gt_distance = np.concatenate([f["gt_distance"] for f in frames] + [empty])
-        # Matched GT as an index into the split-wide GT list (-1 stays -1).
-        matched = np.concatenate(
-            [np.where(f["matched_gt"] >= 0, f["matched_gt"] + offset, -1)
-             for f, offset in zip(frames, gt_offsets)] + [np.zeros((num_thresholds, 0))], axis=1
-        ).astype(np.int64)
+        scores = _concat([f["scores"] for f in frames])
+        frame_rank = _concat([np.full(f["scores"].shape[0], r) for r, f in enumerate(frames)])
+        det_index = _concat([np.arange(f["scores"].shape[0]) for f in frames])
+        det_distance = _concat([f["det_distance"] for f in frames])
+        gt_distance = _concat([f["gt_distance"] for f in frames])
         order = np.lexsort((det_index, frame_rank, -scores))
-        matched = matched[:, order]
+        matched = self._split_wide_matches(frames)[:, order]                   # (T, D)
         # The distance that places a detection in a bin: its GT's if a TP, its own if an FP.
         # The appended 0 is what index -1 (an FP) reads, so the lookup also works with no GT.
         matched_gt_distance = np.append(gt_distance, 0.0)[matched]
         bin_distance = np.where(matched >= 0, matched_gt_distance, det_distance[order][None, :])
         return {"is_tp": matched >= 0, "bin_distance": bin_distance, "gt_distance": gt_distance}
 
+    def _split_wide_matches(self, frames: list) -> np.ndarray:
+        """Per-frame matched GT indices -> (T, D) indices into the split's GT list, -1 for FP."""
+        gt_offsets = np.cumsum([0] + [f["gt_distance"].shape[0] for f in frames])
+        shifted = [np.where(f["matched_gt"] >= 0, f["matched_gt"] + offset, -1)
+                   for f, offset in zip(frames, gt_offsets)]
+        empty = np.zeros((len(self.iou_thresholds), 0), dtype=np.int64)
+        return np.concatenate(shifted + [empty], axis=1).astype(np.int64)
+
     def compute(self) -> dict:
         """-> {"ap_30": float, ..., "num_gt", "num_det", "num_frames",
         "distance": {"0-30": {"ap_30": float, ..., "num_gt": int}, ...}}."""
+        self._match_pending()
         flat = self._flatten()
         result = {}
         for t, threshold in enumerate(self.iou_thresholds):

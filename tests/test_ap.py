@@ -1,0 +1,185 @@
+"""VOC AP, greedy matching and the AP accumulator against hand-computed values."""
+import itertools
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from opencood.eval.ap import APAccumulator, greedy_match, voc_ap
+
+
+def cars(*xy):
+    """Axis-aligned 2 x 4 boxes (w=2, l=4, yaw 0) at the given (x, y) -> (K, 7) hwl array.
+
+    Two such boxes shifted by d along x share (4 - d) x 2: IoU 1 (d=0), 7/9 (0.5), 0.6 (1),
+    1/3 (2).
+    """
+    rows = [[x, y, 0.0, 1.5, 2.0, 4.0, 0.0] for x, y in xy]
+    return np.array(rows, dtype=np.float64).reshape(-1, 7)
+
+
+def test_voc_ap_by_hand():
+    # recall [0.5, 0.5, 1.0], precision [1, 0.5, 2/3] -> padded recall [0, .5, .5, 1, 1],
+    # precision [0, 1, .5, 2/3, 0] -> envelope [1, 1, 2/3, 2/3, 0];
+    # AP = 0.5 * 1 + 0.5 * 2/3 = 5/6.
+    assert voc_ap([0.5, 0.5, 1.0], [1.0, 0.5, 2 / 3]) == pytest.approx(5 / 6, abs=1e-12)
+    assert voc_ap([], []) == 0.0
+
+
+def test_greedy_match_takes_highest_free_iou():
+    # Detection 1 has the higher score, so it picks first: GT 1 (0.6 beats 0.35). Detection 0
+    # then finds GT 1 taken and matches GT 0 at 0.35 if the threshold allows it.
+    iou = np.array([[0.35, 0.55],
+                    [0.35, 0.60]])
+    matched = greedy_match(iou, np.array([0.4, 0.9]), np.array([0.3, 0.5, 0.7]))
+    assert matched.tolist() == [[0, 1],      # IoU 0.3: both TP
+                                [-1, 1],     # IoU 0.5: only GT 0 is left, at 0.35 -> FP
+                                [-1, -1]]    # IoU 0.7: nothing reaches it
+
+
+# Three frames (hand-made; ego distance in brackets):
+#   "a": GT g1 (10, 0) [10], g2 (49.5, 0) [49.5], g3 (60, 0) [60]
+#        d1 (10, 0)   s=.90  IoU 1 with g1            -> TP everywhere
+#        d3 (10.5, 0) s=.80  IoU 7/9 with g1, taken   -> FP everywhere   [own 10.5]
+#        d2 (51.5, 0) s=.60  IoU 1/3 with g2          -> TP @.3, FP @.5/.7 [own 51.5]
+#        d5 (50.5, 0) s=.55  IoU 0.6 with g2          -> FP @.3 (g2 taken by d2), TP @.5,
+#                                                        FP @.7 [own 50.5]
+#        d6 (60, 0)   s=.40  IoU 1 with g3            -> TP everywhere
+#   "b": no GT;  d4 (20, 0) s=.70 and d7 (20, 10) s=.50 -> FP [own 20 and 22.36]
+#   "c": GT g4 (-5, 0) [5]; no detections             -> a miss
+FRAMES = {
+    "a": (cars((10, 0), (10.5, 0), (51.5, 0), (50.5, 0), (60, 0)),
+          np.array([0.90, 0.80, 0.60, 0.55, 0.40]),
+          cars((10, 0), (49.5, 0), (60, 0))),
+    "b": (cars((20, 0), (20, 10)), np.array([0.70, 0.50]), cars()),
+    "c": (cars(), np.zeros(0), cars((-5, 0))),
+}
+
+# Global order d1 .9, d3 .8, d4 .7, d2 .6, d5 .55, d7 .5, d6 .4; 4 GT.
+# @0.3: TP pattern 1 0 0 1 0 0 1 -> precision 1 .5 .33 .5 .4 .33 3/7, recall .25 .25 .25 .5 .5
+#       .5 .75; envelope at the recall steps: 1, .5, 3/7 ->
+#       AP = .25*1 + .25*.5 + .25*3/7 = 27/56 = 0.48214
+# @0.5: TP pattern 1 0 0 0 1 0 1 -> precision 1 .5 .33 .25 .4 .33 3/7; recall steps at ranks
+#       1, 5, 7 with envelope 1, 3/7, 3/7 -> AP = .25 + .25*3/7 + .25*3/7 = 13/28 = 0.46429
+# @0.7: TP pattern 1 0 0 0 0 0 1 -> AP = .25*1 + .25*(2/7) = 9/28 = 0.32143
+EXPECTED_AP = {"ap_30": 27 / 56, "ap_50": 13 / 28, "ap_70": 9 / 28}
+
+# Per distance (TP -> its GT's bin, FP -> its own centre's bin):
+#   0-30:   GT g1, g4 (2); dets d1 TP, d3, d4, d7 FP at every threshold -> AP = .5 * 1 = 0.5
+#   30-50:  GT g2 (1); @.3 only d2 (TP) -> 1.0; @.5 only d5 (TP) -> 1.0; @.7 no dets -> 0.0
+#   50-100: GT g3 (1); @.3 d5 FP (.55), d6 TP (.4) -> precision .5 at recall 1 -> 0.5;
+#           @.5 d2 FP, d6 TP -> 0.5; @.7 d2, d5 FP, d6 TP -> 1/3
+EXPECTED_DISTANCE = {
+    "0-30": {"ap_30": 0.5, "ap_50": 0.5, "ap_70": 0.5, "num_gt": 2},
+    "30-50": {"ap_30": 1.0, "ap_50": 1.0, "ap_70": 0.0, "num_gt": 1},
+    "50-100": {"ap_30": 0.5, "ap_50": 0.5, "ap_70": 1 / 3, "num_gt": 1},
+}
+
+
+def accumulate(keys, as_torch=False):
+    accumulator = APAccumulator()
+    for key in keys:
+        pred, scores, gt = FRAMES[key]
+        if as_torch:
+            pred, scores, gt = (torch.from_numpy(a).float() for a in (pred, scores, gt))
+        accumulator.add_frame(pred, scores, gt, sample_key=key)
+    return accumulator
+
+
+def assert_results_equal(result, expected_ap, expected_distance):
+    for name, value in expected_ap.items():
+        assert result[name] == pytest.approx(value, abs=1e-12), name
+    for bin_name, row in expected_distance.items():
+        for name, value in row.items():
+            assert result["distance"][bin_name][name] == pytest.approx(value, abs=1e-12), \
+                (bin_name, name)
+
+
+def test_hand_made_split():
+    result = accumulate("abc").compute()
+    assert_results_equal(result, EXPECTED_AP, EXPECTED_DISTANCE)
+    assert (result["num_gt"], result["num_det"], result["num_frames"]) == (4, 7, 3)
+
+
+def test_torch_float32_inputs_give_the_same_result():
+    assert_results_equal(accumulate("abc", as_torch=True).compute(), EXPECTED_AP, EXPECTED_DISTANCE)
+
+
+@pytest.mark.parametrize("batch_frames", [1, 2])
+def test_matching_batch_size_does_not_matter(batch_frames):
+    # Frames are matched in batches of one IoU call; batch edges must not change anything.
+    accumulator = APAccumulator(match_batch_frames=batch_frames)
+    for key in "abc":
+        accumulator.add_frame(*FRAMES[key], sample_key=key)
+    assert_results_equal(accumulator.compute(), EXPECTED_AP, EXPECTED_DISTANCE)
+
+
+def test_frame_order_does_not_matter():
+    reference = accumulate("abc").compute()
+    for order in itertools.permutations("abc"):
+        assert accumulate(order).compute() == reference
+
+
+def test_score_ties_broken_by_sample_key_not_insertion_order():
+    # One TP and one FP with the same score in two frames. TP ranked first: precision 1 at
+    # recall .5 -> AP .5; FP first: precision .5 at recall .5 -> AP .25.
+    def run(tp_key, fp_key, insertion):
+        accumulator = APAccumulator()
+        frames = {tp_key: (cars((0, 0)), cars((0, 0))), fp_key: (cars((0, 0)), cars((30, 0)))}
+        for key in insertion(list(frames)):
+            pred, gt = frames[key]
+            accumulator.add_frame(pred, np.array([0.5]), gt, sample_key=key)
+        return accumulator.compute()["ap_50"]
+
+    for insertion in (lambda keys: keys, lambda keys: keys[::-1]):
+        assert run("s1", "s2", insertion) == pytest.approx(0.5)
+        assert run("s2", "s1", insertion) == pytest.approx(0.25)
+
+
+def test_merge_equals_single_accumulator():
+    reference = accumulate("abc").compute()
+    rank0, rank1 = accumulate("ca"), accumulate("b")
+    assert rank0.merge(rank1).compute() == reference
+    # The gathered form is plain data: it survives a JSON round trip.
+    state = json.loads(json.dumps(accumulate("b").state_dict()))
+    assert accumulate("ac").merge(state).compute() == reference
+    assert APAccumulator.from_state_dict(json.loads(json.dumps(
+        accumulate("abc").state_dict()))).compute() == reference
+
+
+def test_merge_refuses_duplicates_and_mismatched_settings():
+    with pytest.raises(ValueError, match="already added"):
+        accumulate("ab").merge(accumulate("b"))
+    with pytest.raises(ValueError, match="thresholds or bins"):
+        APAccumulator(iou_thresholds=(0.5,)).merge(accumulate("a"))
+
+
+def test_no_gt_at_all_gives_zero():
+    accumulator = APAccumulator()
+    accumulator.add_frame(cars((0, 0)), np.array([0.9]), cars())
+    accumulator.add_frame(np.zeros((0, 7)), np.zeros(0), np.zeros((0, 7)))
+    result = accumulator.compute()
+    assert (result["ap_30"], result["ap_50"], result["ap_70"]) == (0.0, 0.0, 0.0)
+    assert result["num_gt"] == 0 and result["distance"]["0-30"]["num_gt"] == 0
+    assert APAccumulator().compute()["ap_50"] == 0.0
+
+
+def test_bad_shapes_are_rejected():
+    with pytest.raises(ValueError, match="scores"):
+        APAccumulator().add_frame(cars((0, 0)), np.array([0.5, 0.4]), cars())
+    with pytest.raises(ValueError, match=r"\(K, 7\)"):
+        APAccumulator().add_frame(np.zeros((2, 8)), np.zeros(2), cars())
+
+
+def test_tuple_sample_keys_survive_json_gather():
+    # (scenario, timestamp) keys come back from JSON as lists; merging must restore them so the
+    # duplicate check and the tie order still work.
+    rank0, rank1 = APAccumulator(), APAccumulator()
+    rank0.add_frame(cars((0, 0)), np.array([0.5]), cars((0, 0)), sample_key=("s1", "000068"))
+    rank1.add_frame(cars((0, 0)), np.array([0.5]), cars((30, 0)), sample_key=("s1", "000070"))
+    gathered = json.loads(json.dumps(rank1.state_dict()))
+    # Same tie as above: the TP frame ("000068") sorts first -> AP 0.5.
+    assert rank0.merge(gathered).compute()["ap_50"] == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="already added"):
+        rank0.merge(json.loads(json.dumps(rank1.state_dict())))
