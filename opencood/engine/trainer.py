@@ -121,8 +121,11 @@ def build_loaders(cfg: Dict, info: dist_utils.DistInfo, micro_batch: int, seed: 
     if val_set is not None and cfg["fusion"]["core_method"] == "late":
         # Late fusion trains per CAV: its validation loss is per CAV too (AP uses whole samples).
         loss_set = build_dataset(cfg, "validate", train=False, per_cav=True)
-    batch_sampler, train_sampler = build_train_sampler(
-        len(train_set), micro_batch, info.rank, info.world_size, seed=seed)
+    try:  # same length on every rank, so every rank fails alike
+        batch_sampler, train_sampler = build_train_sampler(
+            len(train_set), micro_batch, info.rank, info.world_size, seed=seed)
+    except ValueError as error:
+        raise ConfigError(f"train_params.batch_size: {error}") from None
     workers = int(cfg.get("train_params", {}).get("num_workers", 2))
     train_loader = torch.utils.data.DataLoader(
         train_set, batch_sampler=batch_sampler, num_workers=workers,
@@ -253,12 +256,19 @@ def log_model_summary(model, preparer, loader) -> None:
     if not dist_utils.is_main_process():
         return
     from opencood.utils.model_stats import format_model_summary
+    # The FLOP count runs a forward in training mode, which would move BatchNorm running
+    # statistics (on rank 0 only): logging must not change the model, so buffers are restored.
+    saved_buffers = [(buffer, buffer.detach().clone()) for buffer in model.buffers()]
     try:
         batch = next(iter(loader))
         inputs, _ = preparer(batch, with_targets=False)
         logger.info("model: %s", format_model_summary(model, inputs))
     except StopIteration:
         logger.warning("model summary skipped: the training loader is empty")
+    finally:
+        with torch.no_grad():
+            for buffer, saved in saved_buffers:
+                buffer.copy_(saved)
 
 
 # -- the run ---------------------------------------------------------------------------------
@@ -280,6 +290,12 @@ def validate(model_for_eval, val_loaders, loss_fn, info, amp_dtype, cfg, epoch, 
 
 
 def train(cfg: Dict, args, info: dist_utils.DistInfo) -> Dict:
+    train_params = cfg["train_params"]
+    try:  # before any file is written; every rank fails alike, so none waits in a collective
+        micro, accum = split_global_batch(int(train_params["batch_size"]), info.world_size,
+                                          train_params.get("max_micro_batch"))
+    except ValueError as error:
+        raise ConfigError(f"train_params.batch_size: {error}") from None
     run_dir = make_run_dir(cfg, args)
     dist_utils.setup_logging(run_dir, info.rank)
     seed = int(cfg.get("seed", 0))
@@ -289,9 +305,6 @@ def train(cfg: Dict, args, info: dist_utils.DistInfo) -> Dict:
     if dist_utils.is_main_process() and checkpoint is None:
         save_config(cfg, run_dir / "config.yaml")
 
-    train_params = cfg["train_params"]
-    micro, accum = split_global_batch(int(train_params["batch_size"]), info.world_size,
-                                      train_params.get("max_micro_batch"))
     logger.info("run folder %s | %s | device %s, backend %s", run_dir,
                 describe_batch(micro, info.world_size, accum), info.device, info.backend)
 

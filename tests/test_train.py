@@ -1,0 +1,578 @@
+"""tools/train.py end to end (DESIGN §6): real runs of ``opencood.engine.trainer.main`` on tiny
+OPV2V-format data, single process and 2 gloo ranks on CPU.
+
+Spawned ranks each import torch (seconds on a loaded machine), so all 2-rank runs share one
+session (``two_rank_runs``) whose parts are checked by separate tests.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import shutil
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from opencood.engine import trainer
+from opencood.engine.optim import build_optimizer, build_scheduler, lr_factor
+from opencood.utils import dist as dist_utils
+from opencood.utils.checkpoint import load_checkpoint
+from opencood.utils.dist import DistInfo
+from dist_helpers import free_port, run_on_ranks
+from opv2v_factory import write_simple_split
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CONFIG_DIR = REPO_ROOT / "hypes_yaml" / "synthetic"
+SMOKE_YAML = CONFIG_DIR / "smoke.yaml"
+FUSION_CONFIGS = sorted(path.stem for path in CONFIG_DIR.glob("point_pillar_*.yaml"))
+# attfuse is smoke.yaml's own base: the 2-rank end-to-end run trains it.
+FAST_DDP_CONFIGS = ["point_pillar_where2comm", "point_pillar_early_fusion"]
+SLOW_DDP_CONFIGS = [name for name in FUSION_CONFIGS
+                    if name not in FAST_DDP_CONFIGS + ["point_pillar_attfuse"]]
+TRAIN_SCALARS = ("loss", "lr", "grad_norm", "samples_per_s")
+VAL_SCALARS = ("loss", "ap_50")
+CPU = torch.device("cpu")
+
+
+@contextlib.contextmanager
+def _preserved_opencood_logger():
+    """In-process trainer.main runs reconfigure the "opencood" logger (file handler, no
+    propagation); put it back so later tests (caplog included) see the usual logger."""
+    log = logging.getLogger("opencood")
+    handlers, level, propagate = list(log.handlers), log.level, log.propagate
+    try:
+        yield
+    finally:
+        for handler in list(log.handlers):
+            if handler not in handlers:
+                log.removeHandler(handler)
+                handler.close()
+        for handler in handlers:
+            if handler not in log.handlers:
+                log.addHandler(handler)
+        log.setLevel(level)
+        log.propagate = propagate
+
+
+@pytest.fixture(autouse=True)
+def _restore_process_state(monkeypatch):
+    """Undo what an in-process run changes globally: the logger, and on GPU machines the TF32
+    and cudnn.benchmark switches that configure_cuda sets from the yaml."""
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", torch.backends.cudnn.benchmark)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", torch.backends.cudnn.allow_tf32)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32",
+                        torch.backends.cuda.matmul.allow_tf32)
+    with _preserved_opencood_logger():
+        yield
+
+
+@pytest.fixture
+def cpu_only(monkeypatch):
+    """In-process runs of the CPU contract stay on CPU on a machine with a GPU, too (the spawned
+    ranks of dist_helpers hide GPUs themselves)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+def _stamps(count):
+    return tuple(f"{2 * i:06d}" for i in range(count))
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory) -> Path:
+    """train16 (2 steps of global batch 8), train4 (2 steps of batch 2), validate3, test2."""
+    root = tmp_path_factory.mktemp("synthetic")
+    for split, count in (("train16", 16), ("train4", 4), ("validate3", 3), ("test2", 2)):
+        write_simple_split(root / split, num_cavs=2, timestamps=_stamps(count))
+    return root
+
+
+def data_args(root: Path, train="train4", validate="validate3"):
+    return ["--set", f"root_dir={root / train}",
+            "--set", f"validate_dir={root / validate}" if validate else "validate_dir=null",
+            "--set", f"test_dir={root / 'test2'}"]
+
+
+def fusion_yaml(folder: Path, name: str) -> Path:
+    """``name``'s config with the smoke geometry (smoke.yaml's body on top of it)."""
+    smoke = yaml.safe_load(SMOKE_YAML.read_text())
+    smoke["_base_"] = str(CONFIG_DIR / f"{name}.yaml")
+    smoke["name"] = name
+    path = folder / f"{name}_smoke.yaml"
+    path.write_text(yaml.safe_dump(smoke))
+    return path
+
+
+# ----------------------------------------------------------------------------------------------
+# 2-rank session
+# ----------------------------------------------------------------------------------------------
+
+def _describe_prepared_model(model, bare, info) -> dict:
+    """What prepare_model built, as plain data for the test process."""
+    from torch.nn.parallel import DistributedDataParallel
+    is_ddp = isinstance(model, DistributedDataParallel)
+    return {
+        "device": str(info.device), "backend": info.backend, "is_ddp": is_ddp,
+        "find_unused_parameters": model.find_unused_parameters if is_ddp else None,
+        "gradient_as_bucket_view": model.gradient_as_bucket_view if is_ddp else None,
+        "device_ids": model.device_ids if is_ddp else None,
+        "wraps_bare_model": (model.module is bare) if is_ddp else (model is bare),
+        "sync_bn": sum(isinstance(m, torch.nn.SyncBatchNorm) for m in bare.modules()),
+        "plain_bn": sum(isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+                        and not isinstance(m, torch.nn.SyncBatchNorm) for m in bare.modules()),
+        "param_devices": sorted({str(p.device) for p in bare.parameters()}),
+    }
+
+
+def _main_on_rank(rank, world_size, port, argv):
+    """trainer.main as torchrun would start it on ``rank``, with spies on what it writes and on
+    the model it prepares."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    written = []  # files this rank's trainer asked to write (both ranks share the folder)
+    prepared = {}
+    save_checkpoint, save_config = trainer.save_checkpoint, trainer.save_config
+    prepare_model = trainer.prepare_model
+
+    def checkpoint_spy(path, state):
+        written.append(Path(path).name)
+        return save_checkpoint(path, state)
+
+    def config_spy(cfg, path):
+        written.append(Path(path).name)
+        return save_config(cfg, path)
+
+    def prepare_spy(cfg, info, checkpoint, ckpt_path):
+        model, bare, ema = prepare_model(cfg, info, checkpoint, ckpt_path)
+        prepared.update(_describe_prepared_model(model, bare, info))
+        return model, bare, ema
+
+    trainer.save_checkpoint, trainer.save_config = checkpoint_spy, config_spy
+    trainer.prepare_model = prepare_spy
+    try:
+        return {"result": trainer.main(argv), "written": written, "model": prepared}
+    except SystemExit as error:
+        return {"exit": str(error.code), "written": written}
+    except BaseException:  # reported by the test that owns this part
+        return {"error": traceback.format_exc()}
+    finally:
+        trainer.save_checkpoint, trainer.save_config = save_checkpoint, save_config
+        trainer.prepare_model = prepare_model
+
+
+def _two_rank_body(rank, world_size, jobs):
+    return {name: _main_on_rank(rank, world_size, port, argv) for name, port, argv in jobs}
+
+
+def _session_jobs(root: Path, work: Path, configs):
+    jobs = [
+        # First: an error run, so its log line cannot land in the end-to-end run's train.log.
+        ("bad_split", ["--hypes_yaml", str(SMOKE_YAML), "--runs_root", str(work / "bad_split"),
+                       "--set", "train_params.batch_size=3", *data_args(root)]),
+        ("end_to_end", ["--hypes_yaml", str(SMOKE_YAML), "--model_dir", str(work / "e2e"),
+                        "--set", "train_params.batch_size=8",
+                        "--set", "train_params.max_micro_batch=2",
+                        "--set", "train_params.epoches=2", "--set", "train_params.eval_freq=1",
+                        "--set", "train_params.save_freq=1",
+                        *data_args(root, train="train16")]),
+    ]
+    for name in configs:
+        jobs.append((name, ["--hypes_yaml", str(fusion_yaml(work, name)),
+                            "--runs_root", str(work / name),
+                            "--set", "train_params.batch_size=2",
+                            "--set", "train_params.max_micro_batch=1",
+                            "--set", "train_params.epoches=1",
+                            *data_args(root, validate=None)]))
+    return [(name, free_port(), argv) for name, argv in jobs]
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(data_root, tmp_path_factory):
+    work = tmp_path_factory.mktemp("runs_2rank")
+    results = run_on_ranks(_two_rank_body, world_size=2, init_group=False, timeout_s=300,
+                           args=(_session_jobs(data_root, work, FAST_DDP_CONFIGS),))
+    return work, results
+
+
+def _finished(results, name):
+    outcomes = [rank_results[name] for rank_results in results]
+    for rank, outcome in enumerate(outcomes):
+        if "error" in outcome or "exit" in outcome:
+            pytest.fail(f"{name}: rank {rank} failed:\n{outcome.get('error') or outcome['exit']}")
+    return [outcome["result"] for outcome in outcomes]
+
+
+def test_two_rank_run_writes_exactly_the_expected_files(two_rank_runs):
+    work, results = two_rank_runs
+    ranks = _finished(results, "end_to_end")
+    run_dir = work / "e2e"
+    assert all(Path(rank["run_dir"]) == run_dir for rank in ranks)
+    names = sorted(path.name for path in run_dir.iterdir())
+    events = [name for name in names if name.startswith("events.out.tfevents.")]
+    assert len(events) == 1, names  # rank 0's writer only
+    assert sorted(set(names) - set(events)) == sorted(
+        ["config.yaml", "train.log", "last.pth", "epoch_1.pth", "epoch_2.pth", "best.pth"])
+    assert all(path.is_file() for path in run_dir.iterdir())  # no folders, no temp files left
+    written = [rank_results["end_to_end"]["written"] for rank_results in results]
+    assert written[1] == []  # rank 1 writes nothing, not even identical copies
+    assert written[0][:4] == ["config.yaml", "last.pth", "epoch_1.pth", "best.pth"]
+    assert written[0].count("last.pth") == 2 and written[0].count("config.yaml") == 1
+
+    last = load_checkpoint(run_dir / "last.pth")
+    assert last["epoch"] == 2 and last["step"] == 4  # 16 samples / global batch 8, 2 epochs
+    assert not any(key.startswith("module.") for key in last["model"])  # model_without_ddp
+    assert all(tensor.device.type == "cpu" for tensor in last["model"].values())
+    assert ranks[0]["step"] == ranks[1]["step"] == 4
+    # Validation loss is all-reduced: the same number on both ranks; AP lives on rank 0.
+    assert ranks[0]["history"][2]["loss"] == ranks[1]["history"][2]["loss"]
+    assert "ap_50" in ranks[0]["history"][2]
+
+
+def test_train_log_states_the_batch_split(two_rank_runs):
+    work, _ = two_rank_runs
+    log = (work / "e2e" / "train.log").read_text()
+    assert "global batch 8 = micro 2 x world 2 x accum 2" in log
+    assert "backend gloo" in log
+    assert "[rank 1]" not in log  # only rank 0 writes the log file
+    assert "epoch 2 validation (3 samples)" in log  # each sample once across ranks
+
+
+def test_tensorboard_holds_the_promised_scalars(two_rank_runs):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    work, _ = two_rank_runs
+    accumulator = EventAccumulator(str(work / "e2e"))
+    accumulator.Reload()
+    assert {f"train/{n}" for n in TRAIN_SCALARS} | {f"val/{n}" for n in VAL_SCALARS} <= set(
+        accumulator.Tags()["scalars"])
+    for name in TRAIN_SCALARS:
+        steps = [event.step for event in accumulator.Scalars(f"train/{name}")]
+        assert steps == [1, 2, 3, 4], f"train/{name}"
+    for name in VAL_SCALARS:
+        steps = [event.step for event in accumulator.Scalars(f"val/{name}")]
+        assert steps == [2, 4], f"val/{name}"  # eval_freq 1: after each epoch's last step
+    lrs = [event.value for event in accumulator.Scalars("train/lr")]
+    assert lrs[1] > lrs[0] and lrs[3] < lrs[1]  # warm-up epoch, then cosine decay
+    assert all(event.value > 0 for event in accumulator.Scalars("train/samples_per_s"))
+
+
+def test_impossible_global_batch_fails_on_every_rank(two_rank_runs):
+    work, results = two_rank_runs
+    for rank, outcome in enumerate(rank_results["bad_split"] for rank_results in results):
+        assert "exit" in outcome, f"rank {rank}: {outcome}"
+        message = outcome["exit"]
+        assert message.startswith("error: ") and "\n" not in message
+        assert "global batch 3 cannot be split over world size 2" in message
+        assert "2 or 4" in message  # the fix is named
+    assert not (work / "bad_split").exists()  # failed before writing a run folder
+
+
+def test_trainer_wraps_ddp_without_unused_parameter_search(two_rank_runs):
+    """DESIGN §6.4/6.10: the model the 2-rank run trained was DDP-wrapped with
+    find_unused_parameters off and gradient_as_bucket_view on, around model_without_ddp;
+    on CPU, BatchNorm stays plain (SyncBN is for CUDA)."""
+    _, results = two_rank_runs
+    _finished(results, "end_to_end")
+    for rank_results in results:
+        seen = rank_results["end_to_end"]["model"]
+        assert seen["is_ddp"] and seen["wraps_bare_model"]
+        assert seen["find_unused_parameters"] is False
+        assert seen["gradient_as_bucket_view"] is True
+        assert seen["device_ids"] is None and seen["backend"] == "gloo"
+        assert seen["sync_bn"] == 0 and seen["plain_bn"] > 0
+        assert seen["param_devices"] == ["cpu"]
+
+
+@pytest.mark.parametrize("name", FAST_DDP_CONFIGS)
+def test_fusion_config_trains_under_ddp(two_rank_runs, name):
+    """Two optimiser steps per rank: DDP without find_unused_parameters raises at the second
+    forward if the first backward left a parameter without gradient."""
+    _, results = two_rank_runs
+    ranks = _finished(results, name)
+    expected_steps = 4 if "late" in name else 2  # late fusion trains on (sample, CAV) pairs
+    assert [rank["step"] for rank in ranks] == [expected_steps] * 2
+
+
+@pytest.mark.slow
+def test_remaining_fusion_configs_train_under_ddp(data_root, tmp_path):
+    results = run_on_ranks(_two_rank_body, world_size=2, init_group=False, timeout_s=300,
+                           args=(_session_jobs(data_root, tmp_path, SLOW_DDP_CONFIGS)[2:],))
+    for name in SLOW_DDP_CONFIGS:
+        ranks = _finished(results, name)
+        expected_steps = 4 if "late" in name else 2
+        assert [rank["step"] for rank in ranks] == [expected_steps] * 2, name
+
+
+# ----------------------------------------------------------------------------------------------
+# Single process
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", FUSION_CONFIGS)
+def test_every_parameter_receives_a_gradient(name, data_root, tmp_path):
+    from opencood.config import load_config
+    from opencood.data.collate import collate_samples
+    from opencood.data.datasets import build_dataset
+    from opencood.data.pipeline import BatchPreparer
+    from opencood.losses import build_loss
+    cfg = load_config(fusion_yaml(tmp_path, name),
+                      [arg for arg in data_args(data_root, validate=None) if arg != "--set"])
+    info = DistInfo(0, 1, 0, False, None, CPU)
+    model, model_without_ddp, _ = trainer.prepare_model(cfg, info, None, None)
+    assert model is model_without_ddp  # no DDP wrapper in one process
+    dataset = build_dataset(cfg, "train", train=True)
+    loss_fn = trainer.make_loss_fn(BatchPreparer.from_config(cfg, CPU),
+                                   build_loss(cfg["loss"]))
+    loss, _, count = loss_fn(model, collate_samples([dataset[0], dataset[1]]))
+    loss.backward()
+    assert count == 2 and torch.isfinite(loss)
+    missing = [key for key, param in model.named_parameters() if param.grad is None]
+    assert not missing, f"{name}: parameters without gradient: {missing}"
+
+
+def test_model_summary_does_not_change_the_model(data_root):
+    from opencood.config import load_config
+    from opencood.data.pipeline import BatchPreparer
+    cfg = load_config(SMOKE_YAML, [arg for arg in data_args(data_root, validate=None)
+                                   if arg != "--set"])
+    info = DistInfo(0, 1, 0, False, None, CPU)
+    _, loader, _, _ = trainer.build_loaders(cfg, info, micro_batch=2, seed=0)
+    model, _, _ = trainer.prepare_model(cfg, info, None, None)
+    before = {key: value.clone() for key, value in model.state_dict().items()}
+    assert any("running_mean" in key for key in before)  # the summary's forward would move them
+    trainer.log_model_summary(model, BatchPreparer.from_config(cfg, CPU), loader)
+    changed = [key for key, value in model.state_dict().items()
+               if not torch.equal(value, before[key])]
+    assert not changed
+    assert model.training
+
+
+def _resume_args(root: Path):
+    return ["--set", "train_params.epoches=4", "--set", "train_params.eval_freq=4",
+            "--set", "ema.enabled=true", "--set", "ema.tau=2",
+            "--set", "train_params.save_freq=2", *data_args(root)]
+
+
+def _interrupted_copy(run_dir: Path, epoch: int, target: Path) -> Path:
+    """The folder a job killed right after epoch ``epoch`` leaves: config.yaml and last.pth."""
+    target.mkdir()
+    shutil.copy(run_dir / "config.yaml", target / "config.yaml")
+    shutil.copy(run_dir / f"epoch_{epoch}.pth", target / "last.pth")
+    return target
+
+
+def _assert_same_training_state(resumed: dict, straight: dict):
+    assert resumed["epoch"] == straight["epoch"] == 4
+    assert resumed["step"] == straight["step"] == 8
+    for key, value in straight["model"].items():
+        assert torch.equal(resumed["model"][key], value), key
+    opt_resumed, opt_straight = resumed["optimizer"], straight["optimizer"]
+    assert opt_resumed["param_groups"] == opt_straight["param_groups"]
+    for index, state in opt_straight["state"].items():
+        for name, value in state.items():
+            assert torch.equal(opt_resumed["state"][index][name], value), (index, name)
+    assert resumed["scheduler"] == straight["scheduler"]
+    assert resumed["best_val_loss"] == straight["best_val_loss"]
+    assert resumed["ema"]["updates"] == straight["ema"]["updates"] == 8
+    for key, value in straight["ema"]["module"].items():
+        assert torch.equal(resumed["ema"]["module"][key], value), f"ema {key}"
+    assert torch.equal(resumed["rng"]["torch"], straight["rng"]["torch"])
+
+
+@pytest.fixture(scope="module")
+def straight_run(data_root, tmp_path_factory):
+    """4 epochs without interruption (0 loader workers)."""
+    run_dir = tmp_path_factory.mktemp("straight") / "run"
+    with pytest.MonkeyPatch.context() as patch, _preserved_opencood_logger():
+        patch.setattr(torch.cuda, "is_available", lambda: False)
+        result = trainer.main(["--hypes_yaml", str(SMOKE_YAML), "--model_dir", str(run_dir),
+                               *_resume_args(data_root)])
+    return run_dir, result, load_checkpoint(run_dir / "last.pth")
+
+
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
+def test_resume_matches_uninterrupted_training(straight_run, tmp_path, workers, cpu_only):
+    """2 epochs + resume (--model_dir) for 2 more == 4 epochs straight. The resumed part may use
+    loader workers: they are seeded per epoch and samples depend on (seed, epoch, index) only."""
+    straight_dir, straight, straight_state = straight_run
+    initial = load_checkpoint(straight_dir / "epoch_2.pth")
+    assert initial["epoch"] == 2
+    assert any(not torch.equal(value, straight_state["model"][key])
+               for key, value in initial["model"].items())  # epochs 3-4 did train
+
+    resume_dir = _interrupted_copy(straight_dir, 2, tmp_path / "resumed")
+    resumed = trainer.main(["--model_dir", str(resume_dir),
+                            "--set", f"train_params.num_workers={workers}"])
+    assert resumed["step"] == 8
+    assert sorted(resumed["history"]) == [3, 4]  # only the missing epochs ran
+    assert resumed["history"][4] == straight["history"][4]
+    _assert_same_training_state(load_checkpoint(resume_dir / "last.pth"), straight_state)
+    assert "resumed from" in (resume_dir / "train.log").read_text()
+
+
+def test_slurm_environment_runs_a_one_rank_process_group(data_root, tmp_path, monkeypatch,
+                                                         cpu_only):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    monkeypatch.setenv("SLURM_LOCALID", "0")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "localhost")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    seen = {}
+    original_train = trainer.train
+
+    def spy(cfg, args, info):
+        seen.update(initialized=dist_utils.is_dist_initialized(), info=info)
+        return original_train(cfg, args, info)
+
+    monkeypatch.setattr(trainer, "train", spy)
+    result = trainer.main(["--hypes_yaml", str(SMOKE_YAML), "--model_dir", str(tmp_path / "run"),
+                           "--set", "train_params.epoches=1",
+                           *data_args(data_root, validate=None)])
+    assert seen["initialized"]
+    info = seen["info"]
+    assert (info.rank, info.world_size, info.local_rank, info.distributed, info.backend) == \
+        (0, 1, 0, True, "gloo")
+    assert result["step"] == 2
+    assert "micro 2 x world 1 x accum 1" in (tmp_path / "run" / "train.log").read_text()
+    assert not dist_utils.is_dist_initialized()  # the session destroyed its group
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line and configuration errors
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("content", [None, "train_params: [unclosed\n"], ids=["missing", "invalid"])
+def test_broken_yaml_gives_a_one_line_error(tmp_path, content):
+    path = tmp_path / "broken.yaml"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit) as raised:
+        trainer.main(["--hypes_yaml", str(path), "--runs_root", str(tmp_path / "runs")])
+    message = str(raised.value.code)
+    assert message.startswith("error: ") and "\n" not in message
+    assert str(path) in message
+    assert not (tmp_path / "runs").exists()
+
+
+def test_batch_larger_than_the_split_is_a_one_line_error(data_root, tmp_path, cpu_only):
+    with pytest.raises(SystemExit) as raised:
+        trainer.main(["--hypes_yaml", str(SMOKE_YAML), "--model_dir", str(tmp_path / "run"),
+                      "--set", "train_params.batch_size=8",
+                      "--set", "train_params.max_micro_batch=8",
+                      *data_args(data_root, validate=None)])
+    message = str(raised.value.code)
+    assert message.startswith("error: ") and "\n" not in message
+    assert "4 samples" in message and "micro-batch of 8" in message
+
+
+def test_model_dir_without_config_is_a_one_line_error(tmp_path):
+    with pytest.raises(SystemExit, match=r"^error: .*config\.yaml: not found"):
+        trainer.main(["--model_dir", str(tmp_path)])
+
+
+# ----------------------------------------------------------------------------------------------
+# Learning-rate schedules
+# ----------------------------------------------------------------------------------------------
+
+def test_cosine_with_warmup_hand_values():
+    cfg = {"core_method": "cosine", "warmup_epochs": 1, "warmup_start_ratio": 0.1,
+           "min_lr_ratio": 0.2}
+    # 4 steps per epoch, 3 epochs: warm-up steps 0-3, cosine over the remaining 8 steps.
+    factors = [lr_factor(step, 12, 4, cfg) for step in range(13)]
+    warmup = [0.1, 0.325, 0.55, 0.775]
+    cosine = [0.2 + 0.8 * 0.5 * (1 + math.cos(math.pi * k / 8)) for k in range(9)]
+    assert factors == pytest.approx(warmup + cosine, abs=1e-12)
+    assert factors[4] == pytest.approx(1.0) and factors[8] == pytest.approx(0.6)
+    assert factors[12] == pytest.approx(0.2)
+    assert lr_factor(40, 12, 4, cfg) == pytest.approx(0.2)  # clamped past the end
+
+
+def test_multistep_with_warmup_hand_values():
+    cfg = {"core_method": "multistep", "warmup_epochs": 0.5, "warmup_start_ratio": 0.0,
+           "step_size": [2, 3], "gamma": 0.5}
+    factors = [lr_factor(step, 20, 4, cfg) for step in range(16)]
+    expected = [0.0, 0.5] + [1.0] * 6 + [0.5] * 4 + [0.25] * 4  # milestones at steps 8 and 12
+    assert factors == pytest.approx(expected, abs=1e-12)
+
+
+def test_constant_and_unknown_schedules():
+    assert lr_factor(7, 10, 2, {"core_method": "constant"}) == 1.0
+    assert lr_factor(0, 10, 2, {}) == 1.0
+    with pytest.raises(ValueError, match="lr_scheduler.core_method 'poly' is unknown"):
+        build_scheduler(build_optimizer([torch.nn.Parameter(torch.zeros(1))],
+                                        {"core_method": "SGD", "lr": 0.1}),
+                        {"core_method": "poly"}, 10, 2)
+
+
+def test_scheduler_steps_per_optimiser_step():
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = build_optimizer([param], {"core_method": "AdamW", "lr": 0.5,
+                                          "args": {"weight_decay": 0.0}})
+    scheduler = build_scheduler(optimizer, {"core_method": "cosine", "warmup_epochs": 1,
+                                            "warmup_start_ratio": 0.5, "min_lr_ratio": 0.0}, 4, 2)
+    lrs = []
+    for _ in range(4):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert lrs == pytest.approx([0.25, 0.375, 0.5, 0.25])
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-12)
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU (run where a GPU is lent; skipped on CPU-only machines)
+# ----------------------------------------------------------------------------------------------
+
+def _cuda_main_on_rank(rank, world_size, visible_devices, port, argv):
+    # dist_helpers hides GPUs from its ranks; nothing has touched CUDA yet, so undo that here.
+    if visible_devices is None:
+        os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+    else:
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
+    return _main_on_rank(rank, world_size, port, argv)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif("not torch.cuda.is_available()", reason="needs a CUDA GPU")
+def test_two_rank_cuda_run_with_sync_batchnorm(data_root, tmp_path):
+    """2 ranks on CUDA: nccl with 2+ GPUs, else gloo with CUDA tensors on one shared GPU."""
+    gpus = torch.cuda.device_count()
+    backend = "nccl" if gpus >= 2 else "gloo"
+    argv = ["--hypes_yaml", str(SMOKE_YAML), "--model_dir", str(tmp_path / "run"),
+            "--set", "train_params.epoches=1",  # global batch 2: micro 1 x world 2, 2 steps
+            "--set", f"distributed.backend={backend}", *data_args(data_root)]
+    results = run_on_ranks(_cuda_main_on_rank, world_size=2, init_group=False, timeout_s=300,
+                           args=(os.environ.get("CUDA_VISIBLE_DEVICES"), free_port(), argv))
+    for rank, outcome in enumerate(results):
+        assert "result" in outcome, f"rank {rank}: {outcome.get('error') or outcome.get('exit')}"
+        seen = outcome["model"]
+        expected_device = f"cuda:{rank if gpus >= 2 else 0}"
+        assert seen["device"] == expected_device and seen["backend"] == backend
+        assert seen["param_devices"] == [expected_device]
+        assert seen["sync_bn"] > 0 and seen["plain_bn"] == 0  # every BatchNorm converted
+        assert seen["is_ddp"] and seen["device_ids"] == [int(expected_device[-1])]
+        assert outcome["result"]["step"] == 2
+    assert results[0]["result"]["history"][1]["loss"] == results[1]["result"]["history"][1]["loss"]
+    last = load_checkpoint(tmp_path / "run" / "last.pth")
+    assert all(t.device.type == "cpu" for t in last["model"].values())  # loads without a GPU
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif("not torch.cuda.is_available()", reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_amp_training_on_cuda(data_root, tmp_path, dtype):
+    result = trainer.main(["--hypes_yaml", str(SMOKE_YAML), "--model_dir", str(tmp_path / "run"),
+                           "--set", "train_params.epoches=1", "--set", "amp.enabled=true",
+                           "--set", f"amp.dtype={dtype}", *data_args(data_root)])
+    assert result["step"] == 2
+    assert math.isfinite(result["history"][1]["loss"])
+    last = load_checkpoint(tmp_path / "run" / "last.pth")
+    if dtype == "fp16":  # fp16 needs a loss scale, saved for resuming; bf16 does not
+        assert last["scaler"].get("scale", 0) > 0
+    else:
+        assert not last["scaler"]
+    assert all(t.dtype != torch.float16 for t in last["model"].values())
