@@ -153,3 +153,40 @@ def test_build_dataset_errors_are_clear(road):
         build_dataset(cfg, "train", train=True, fusion_method="mid")
     with pytest.raises(ValueError, match="unknown augmentation 'flip'"):
         make(EarlyFusionDataset, road, train=True, augment_cfg=[{"NAME": "flip"}])
+
+
+@pytest.mark.parametrize("config", ["point_pillar_attfuse", "point_pillar_early_fusion",
+                                    "point_pillar_where2comm"])
+def test_empty_cloud_and_no_vehicles_train_a_step(tmp_path, config):
+    """An empty ego cloud and a frame without vehicles go through pillars, targets, the model
+    and the loss with a finite loss and finite gradients."""
+    from opencood.config import load_config
+    from opencood.data.pipeline import BatchPreparer
+    from opencood.losses import build_loss
+    from opencood.models.build import build_model
+
+    split = write_simple_split(tmp_path / "train", num_cavs=2, empty_cloud_at="000000",
+                               no_vehicles_at="000002")
+    cfg = load_config(f"hypes_yaml/synthetic/{config}.yaml", [
+        f"root_dir={split}", "preprocess.cav_lidar_range=[-25.6, -12.8, -3, 25.6, 12.8, 1]",
+        "postprocess.gt_range=[-25.6, -12.8, -3, 25.6, 12.8, 3]"])
+    dataset = build_dataset_for_test(cfg, split)
+    empty, no_gt = dataset[0], dataset[1]
+    if config == "point_pillar_early_fusion":
+        # early fusion merges the other CAV's points into the ego cloud: empty the merged one
+        empty["agent_points"] = [np.zeros((0, 4), np.float32)]
+    batch = collate_samples([empty, no_gt])
+    preparer = BatchPreparer.from_config(cfg, "cpu")
+    model = build_model(cfg["model"])
+    criterion = build_loss(cfg["loss"])
+    inputs, targets = preparer(batch)
+    assert (targets["labels"][1] == 1).sum() == 0        # no vehicles: no positive anchor
+    loss, _ = criterion(model(inputs), targets)
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def build_dataset_for_test(cfg, split):
+    from opencood.data.datasets import build_dataset
+    return build_dataset(cfg, "train", train=False, cache_dir=split.parent / "cache")

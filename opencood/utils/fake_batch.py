@@ -1,0 +1,62 @@
+"""Synthetic collated batches at a config's geometry, for profiling and benchmarks (no data set).
+
+Points are spread over ``pillars_per_agent`` random BEV cells of the config's pillar grid, so the
+pillar count (what the encoder and scatter cost depends on) is controlled directly.
+"""
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+
+from opencood.ops.voxelize import grid_size
+
+
+def fake_collated_batch(cfg: Dict, batch_size: int = 2, agents_per_sample: int = 3,
+                        pillars_per_agent: int = 16000, points_per_pillar: int = 6,
+                        max_gt: int = 20, single_agent: bool = False,
+                        seed: int = 0) -> Dict:
+    """A batch in the layout of ``opencood.data.collate.collate_samples``.
+
+    single_agent: one agent per sample (no/early/late fusion models), else
+    ``agents_per_sample`` agents (intermediate fusion).
+    """
+    generator = torch.Generator().manual_seed(seed)
+    lidar_range = cfg["preprocess"]["cav_lidar_range"]
+    voxel = cfg["preprocess"]["args"]["voxel_size"]
+    nx, ny, _ = grid_size(lidar_range, voxel)
+    agents = 1 if single_agent else agents_per_sample
+    total_agents = batch_size * agents
+    cells = min(pillars_per_agent, nx * ny)
+    clouds, agent_index = [], []
+    for agent in range(total_agents):
+        flat = torch.randperm(nx * ny, generator=generator)[:cells]
+        cell_x = (flat % nx).repeat_interleave(points_per_pillar).double()
+        cell_y = (flat // nx).repeat_interleave(points_per_pillar).double()
+        count = cell_x.shape[0]
+        jitter = torch.rand(count, 2, generator=generator, dtype=torch.float64)
+        x = lidar_range[0] + (cell_x + jitter[:, 0]) * voxel[0]
+        y = lidar_range[1] + (cell_y + jitter[:, 1]) * voxel[1]
+        z = torch.empty(count, dtype=torch.float64).uniform_(lidar_range[2], lidar_range[5] - 1e-3,
+                                                              generator=generator)
+        intensity = torch.rand(count, generator=generator, dtype=torch.float64)
+        clouds.append(torch.stack([x, y, z, intensity], dim=1).float())
+        agent_index.append(torch.full((count,), agent, dtype=torch.int64))
+    gt_boxes = torch.zeros(batch_size, max_gt, 7)
+    gt_boxes[..., 0] = torch.empty(batch_size, max_gt).uniform_(lidar_range[0] + 5,
+                                                                lidar_range[3] - 5,
+                                                                generator=generator)
+    gt_boxes[..., 1] = torch.empty(batch_size, max_gt).uniform_(lidar_range[1] + 5,
+                                                                lidar_range[4] - 5,
+                                                                generator=generator)
+    gt_boxes[..., 2:7] = torch.tensor([-1.0, 1.56, 1.6, 3.9, 0.0])
+    return {
+        "points": torch.cat(clouds), "agent_index": torch.cat(agent_index),
+        "record_len": torch.full((batch_size,), agents, dtype=torch.int64),
+        "transforms_to_ego": torch.eye(4).repeat(total_agents, 1, 1),
+        "gt_boxes": gt_boxes, "gt_mask": torch.ones(batch_size, max_gt, dtype=torch.bool),
+        "shared_points": torch.zeros(batch_size, dtype=torch.int64),
+        "sample_keys": [(f"fake_{i}", "000000") for i in range(batch_size)],
+        "gt_ids": [torch.arange(max_gt).numpy() for _ in range(batch_size)],
+        "points_in_agent_frame": False,
+    }
