@@ -88,12 +88,13 @@ class BevCanvas:
         corners = boxes_to_bev_corners(boxes, order)                       # (M, 4, 2)
         for box_corners in corners:
             pixels = self.to_pixels(box_corners)
+            # LINE_8, not anti-aliased: box edges keep their exact colour (easy to read, test).
             cv2.polylines(self.image, [pixels.reshape(-1, 1, 2)], True, color, thickness,
-                          cv2.LINE_AA)
+                          cv2.LINE_8)
             center = self.to_pixels(box_corners.mean(axis=0))[0]
             front = self.to_pixels(box_corners[:2].mean(axis=0))[0]   # corners 0,1: front edge
             cv2.line(self.image, tuple(int(v) for v in center), tuple(int(v) for v in front),
-                     color, thickness, cv2.LINE_AA)
+                     color, thickness, cv2.LINE_8)
 
     def draw_marker(self, xy, color, label: str | None = None):
         """A ringed dot at metric ``xy`` with an optional text label."""

@@ -18,9 +18,9 @@ import numpy as np
 # 2.8 m: with the lidar 1.9 m up, taller boxes would poke above the z = 1 m top of the default
 # evaluation range and be dropped from every ground truth.
 VEHICLE_KINDS = {
-    "car": ((4.2, 4.9), (1.8, 2.0), (1.4, 1.6), 0.72),
-    "van": ((5.2, 5.8), (2.0, 2.2), (2.0, 2.3), 0.18),
-    "truck": ((8.0, 10.0), (2.4, 2.6), (2.5, 2.75), 0.10),
+    "car": ((4.2, 4.9), (1.8, 2.0), (1.4, 1.6), 0.60),
+    "van": ((5.2, 5.8), (2.0, 2.2), (2.0, 2.3), 0.25),
+    "truck": ((8.0, 10.0), (2.4, 2.6), (2.5, 2.75), 0.15),
 }
 CAV_SIZE = (4.6, 1.9, 1.5)            # l, w, h of every CAV (fits OPV2V's own-body box)
 LIDAR_MOUNT_X = -0.5                  # lidar sits 0.5 m behind the car centre, as in OPV2V
@@ -47,15 +47,19 @@ class TownConfig:
     building_setback: tuple = (0.0, 1.5)
     building_gap_prob: float = 0.25        # chance of a gap (alley, driveway) after a building
     building_gap: tuple = (3.0, 9.0)
-    parked_occupancy: float = 0.55         # chance a curb slot holds a parked vehicle
+    parked_occupancy: float = 0.7          # chance a curb slot holds a parked vehicle
     moving_vehicles: int = 30              # moving traffic (CAVs not included)
     traffic_radius: float = 80.0           # moving traffic starts within this of the focus point
     speed_kmh: tuple = (20.0, 40.0)
     cavs: tuple = (2, 4)                   # inclusive range of CAVs per scenario
+    ego_focus_distance: tuple = (12.0, 35.0)   # the ego starts this far from the focus
+                                           # intersection (and at least the lower bound from any
+                                           # other): near a crossing, not inside it, so the
+                                           # crossing street is partly hidden from the ego
     cav_radius: float = 40.0               # other CAVs start within this of the ego
     cav_min_gap: float = 8.0               # ... and at least this far from it
-    cav_other_street_prob: float = 0.7     # chance a CAV must drive on another street than the
-                                           # ego: crossing streets are where cooperation pays
+    cav_other_street_prob: float = 0.7     # chance a CAV must drive on a street no earlier CAV
+                                           # is on: crossing streets are where cooperation pays
 
     @property
     def half_street(self) -> float:
@@ -66,7 +70,7 @@ class TownConfig:
 
 @dataclass(frozen=True)
 class Building:
-    """An axis-free box standing on the ground; ids are negative (see lidar.GROUND_ID)."""
+    """A box standing on the ground, turned by yaw_deg; ids are negative (below lidar.GROUND_ID)."""
 
     building_id: int
     x: float
@@ -311,8 +315,15 @@ def _footprint(poses, extents):
 def footprints_overlap(poses_new, extent_new, poses_old, extents_old, margin=0.4) -> bool:
     """Whether a new vehicle (poses (F, 3), extent (3,)) touches any old one (poses (F, K, 3),
     extents (K, 3)) at any frame, footprints grown by ``margin``: separating-axis test."""
-    if poses_old.shape[1] == 0:
+    extents_old = np.asarray(extents_old).reshape(-1, 3)
+    # Bounding circles first: only vehicles that ever come close need the exact test.
+    distance = np.linalg.norm(poses_old[..., :2] - poses_new[:, None, :2], axis=-1)   # (F, K)
+    reach = np.hypot(*extent_new[:2]) + np.hypot(extents_old[:, 0], extents_old[:, 1]) \
+        + 2 * margin
+    close = (distance <= reach).any(axis=0)
+    if not close.any():
         return False
+    poses_old, extents_old = poses_old[:, close], extents_old[close]
     grow = np.array([margin, margin])
     corners_a, axes_a = _footprint(poses_new[:, None], np.asarray(extent_new[:2]) + grow)
     corners_b, axes_b = _footprint(poses_old, np.asarray(extents_old)[:, :2] + grow)
@@ -439,9 +450,15 @@ def street_of(grid, pose) -> tuple:
     return 1, int(np.argmin(np.abs(grid.xs - pose[0])))
 
 
+def _distance_to_nodes(grid, xy) -> float:
+    """Distance from ``xy`` to the nearest intersection centre."""
+    nodes = np.stack(np.meshgrid(grid.xs, grid.ys, indexing="ij"), axis=-1).reshape(-1, 2)
+    return float(np.linalg.norm(nodes - np.asarray(xy)[None], axis=1).min())
+
+
 def _place_cavs(grid, town, frames, dt, focus, track_set, rng, attempts=400):
     """CAV tracks: the first near ``focus``, the others within ``cav_radius`` of it, most of
-    them on other streets than the first."""
+    them on streets no earlier CAV drives on (they see what the others cannot)."""
     cav_extent = tuple(s / 2 for s in CAV_SIZE)
     n_cavs = int(rng.integers(town.cavs[0], town.cavs[1] + 1))
     cavs = []
@@ -453,12 +470,17 @@ def _place_cavs(grid, town, frames, dt, focus, track_set, rng, attempts=400):
         other_street = rng.random() < town.cav_other_street_prob
         track = sample_moving_track(grid, town, frames, dt, center, radius, rng, "car",
                                     cav_extent)
-        if cavs:
+        if not cavs:
+            low, high = town.ego_focus_distance
+            if not low <= np.linalg.norm(track.poses[0, :2] - focus) <= high or \
+                    _distance_to_nodes(grid, track.poses[0, :2]) < low:
+                continue
+        else:
             gap = np.linalg.norm(track.poses[0, :2] - cavs[0].poses[0, :2])
             if not town.cav_min_gap <= gap <= town.cav_radius:
                 continue
-            same = street_of(grid, track.poses[0]) == street_of(grid, cavs[0].poses[0])
-            if other_street and same:
+            taken = {street_of(grid, cav.poses[0]) for cav in cavs}
+            if other_street and street_of(grid, track.poses[0]) in taken:
                 continue
         if track_set.try_add(track):
             cavs.append(track)

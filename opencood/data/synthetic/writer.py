@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import multiprocessing
-import os
 import shutil
 import time
 from pathlib import Path
@@ -29,6 +28,11 @@ SPLITS = ("train", "validate", "test")
 FIRST_TIMESTAMP = (30, 120)               # first frame number drawn in this range (x 2)
 PLAN_HORIZONS_S = (0.5, 1.0, 1.5, 2.0, 2.5)
 POSE_NOISE_STD = (0.05, 0.05, 0.0, 0.0, 0.2, 0.0)   # predicted_ego_pos: localisation error
+
+
+# libyaml's emitter is faster; for our block-style mappings of numbers its output is the same
+# text as the pure-Python one (checked byte for byte), so files do not depend on it.
+_DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 
 
 class OutputDirError(OSError):
@@ -121,25 +125,26 @@ def frame_params(world: World, cav_id: int, frame: int, vehicles: dict, rng) -> 
 def write_frame(cav_dir: Path, timestamp: str, points_lidar: np.ndarray, params: dict):
     """``<cav_dir>/<timestamp>.pcd`` (reference ascii layout) and ``.yaml``."""
     write_pcd(cav_dir / f"{timestamp}.pcd", points_lidar, intensity_field="rgb", data="ascii")
-    # The pure-Python dumper: its output is the same with or without libyaml installed.
-    text = yaml.dump(params, Dumper=yaml.SafeDumper, default_flow_style=False, sort_keys=True)
+    text = yaml.dump(params, Dumper=_DUMPER, default_flow_style=False, sort_keys=True)
     (cav_dir / f"{timestamp}.yaml").write_text(text)
 
 
 # ---------------------------------------------------------------------------------------------
 # Statistics of one sample, with the reader's own GT rules
 
-def sample_visibility(world: World, frame: int, visible: dict, preset: Preset) -> dict:
-    """Counts for one (scenario, frame) sample, ego = world.cav_ids[0].
+def sample_visibility(world: World, frame: int, visible: dict, lidar_poses: dict,
+                      preset: Preset) -> dict:
+    """Counts for one (scenario, frame) sample, ego = world.cav_ids[0]; ``lidar_poses``:
+    {cav_id: pose as written to the yaml}, so the counts are what a reader of the files gets.
 
     gt: vehicles in the ego's eval range seen by some CAV within com_range (the sample's GT);
     invisible: those of them the ego has no return from; in_range: all non-CAV vehicles in the
     eval range; unseen: those in range that no CAV in range sees.
     """
     ego_id = world.cav_ids[0]
-    ego_pose = world.lidar_poses[ego_id][frame]
+    ego_pose = np.asarray(lidar_poses[ego_id])
     in_com = [c for c in world.cav_ids
-              if np.hypot(*(world.lidar_poses[c][frame][:2] - ego_pose[:2])) <= preset.com_range]
+              if np.hypot(*(np.asarray(lidar_poses[c][:2]) - ego_pose[:2])) <= preset.com_range]
     gt = set()
     for cav_id in in_com[:5]:
         gt |= set(vehicles_to_boxes(visible[cav_id], ego_pose, preset.eval_range)[0].tolist())
@@ -153,15 +158,22 @@ def sample_visibility(world: World, frame: int, visible: dict, preset: Preset) -
 # ---------------------------------------------------------------------------------------------
 # Scenarios and the data set
 
+def rebuild_world(preset: Preset, seed: int, split: str, index: int) -> World:
+    """The World of scenario ``index`` of ``split``, exactly as ``generate_dataset`` built it
+    (tests use it to check the files against the full scene)."""
+    world_seq = scenario_seed(seed, split, index).spawn(3)[0]
+    return build_world(preset.town, preset.frames, preset.frame_dt,
+                       np.random.default_rng(world_seq))
+
+
 def generate_scenario(out_dir, preset: Preset, seed: int, split: str, index: int,
                       global_index: int) -> dict:
     """Build, scan and write one scenario; returns its statistics."""
-    world_seq, lidar_seq, name_seq = scenario_seed(seed, split, index).spawn(3)
+    _, lidar_seq, name_seq = scenario_seed(seed, split, index).spawn(3)
     name_rng = np.random.default_rng(name_seq)
     name = scenario_name(seed, global_index, name_rng)
     first_ts = 2 * int(name_rng.integers(*FIRST_TIMESTAMP))
-    world = build_world(preset.town, preset.frames, preset.frame_dt,
-                        np.random.default_rng(world_seq))
+    world = rebuild_world(preset, seed, split, index)
     lidar_rng = np.random.default_rng(lidar_seq)
     scenario_dir = Path(out_dir) / split / name
     for cav_id in world.cav_ids:
@@ -171,15 +183,16 @@ def generate_scenario(out_dir, preset: Preset, seed: int, split: str, index: int
     for frame in range(preset.frames):
         timestamp = f"{first_ts + preset.timestamp_step * frame:06d}"
         scene = world.scene_at(frame)
-        visible = {}
+        visible, written_poses = {}, {}
         for cav_id in world.cav_ids:
             points_lidar, hit_ids = cast_lidar(scene, world.lidar_poses[cav_id][frame],
                                                preset.lidar, lidar_rng, exclude_ids=[cav_id])
             visible[cav_id] = visible_vehicles(hit_ids, scene.vehicles, world.cav_ids)
             params = frame_params(world, cav_id, frame, visible[cav_id], lidar_rng)
+            written_poses[cav_id] = params["lidar_pose"]
             write_frame(scenario_dir / str(cav_id), timestamp, points_lidar, params)
             stats["points"] += len(points_lidar)
-        for key, count in sample_visibility(world, frame, visible, preset).items():
+        for key, count in sample_visibility(world, frame, visible, written_poses, preset).items():
             stats[key] += count
     return stats
 

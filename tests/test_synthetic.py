@@ -1,0 +1,313 @@
+"""Synthetic world: ray casting on hand-made geometry, visibility lists, generator files."""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+import yaml
+
+from opencood.data.opv2v import OPV2VSplit, vehicles_to_boxes
+from opencood.data.pcd import read_pcd
+from opencood.data.synthetic import (GROUND_ID, Building, LidarConfig, OutputDirError, Scene,
+                                     Vehicle, cast_lidar, generate_dataset, get_preset,
+                                     visible_vehicles)
+from opencood.data.synthetic.world import footprints_overlap
+from opencood.data.synthetic.writer import SPLITS, rebuild_world
+from opencood.ops.transforms import apply_transform, pose_to_matrix
+from opencood.utils.vis_bev import AGENT_COLORS, GT_COLOR, BevCanvas
+
+NOISELESS = LidarConfig(beams=16, fov_deg=(-25.0, 5.0), azimuth_steps=360, max_range=60.0,
+                        range_noise_std=0.0, dropout=0.0)
+CAR = (2.3, 0.95, 0.75)                     # half length, width, height
+LIDAR_HEIGHT = 1.9
+
+
+def _lidar_pose(x, y, yaw_deg=0.0):
+    return [x, y, LIDAR_HEIGHT, 0.0, yaw_deg, 0.0]
+
+
+def _scan(scene, pose, cfg=NOISELESS, seed=0, exclude=()):
+    return cast_lidar(scene, pose, cfg, np.random.default_rng(seed), exclude_ids=exclude)
+
+
+# ------------------------------------------------------------------------------ ray casting
+
+def test_vertical_ray_hits_ground_below_the_lidar():
+    cfg = dataclasses.replace(NOISELESS, beams=1, fov_deg=(-90.0, -90.0), azimuth_steps=1)
+    points, ids = _scan(Scene(), [3.0, -2.0, 1.7, 0.0, 0.0, 0.0], cfg)
+    assert points.shape == (1, 4) and ids.tolist() == [GROUND_ID]
+    np.testing.assert_allclose(points[0, :3], [0.0, 0.0, -1.7], atol=1e-5)
+
+
+def test_slanted_ray_hits_ground_at_hand_computed_range():
+    # 30 degrees down from 1.7 m: the ground is 1.7 / sin(30) = 3.4 m along the ray.
+    cfg = dataclasses.replace(NOISELESS, beams=1, fov_deg=(-30.0, -30.0), azimuth_steps=8)
+    points, ids = _scan(Scene(), [0.0, 0.0, 1.7, 0.0, 0.0, 0.0], cfg)
+    assert len(points) == 8 and (ids == GROUND_ID).all()
+    np.testing.assert_allclose(np.linalg.norm(points[:, :3], axis=1), 3.4, rtol=1e-5)
+    np.testing.assert_allclose(points[:, 2], -1.7, atol=1e-5)
+
+
+def test_wall_in_front_returns_points_at_its_distance():
+    # A building face at x = 12 (centre 14, half length 2); a rotated one whose face is at y = 9.
+    front = Building(-2, 14.0, 0.0, half_length=2.0, half_width=6.0, height=8.0)
+    side = Building(-3, 0.0, 10.0, half_length=4.0, half_width=1.0, height=8.0, yaw_deg=0.0)
+    # Rotated by 90 degrees: 4 m half length along y, 1 m along x, so its face is at x = -19
+    # (unrotated it would be at x = -16).
+    side_rotated = Building(-4, -20.0, 0.0, half_length=4.0, half_width=1.0, height=8.0,
+                            yaw_deg=90.0)
+    points, ids = _scan(Scene([front, side, side_rotated]), _lidar_pose(0.0, 0.0))
+    on_front, on_side, on_rotated = points[ids == -2], points[ids == -3], points[ids == -4]
+    assert len(on_front) > 20 and len(on_side) > 5 and len(on_rotated) > 5
+    np.testing.assert_allclose(on_front[:, 0], 12.0, atol=1e-4)
+    np.testing.assert_allclose(on_side[:, 1], 9.0, atol=1e-4)
+    np.testing.assert_allclose(on_rotated[:, 0], -19.0, atol=1e-4)
+    assert on_front[:, 2].max() < 8.0 - LIDAR_HEIGHT + 1e-4
+
+
+def test_lidar_pose_rotates_the_returned_frame():
+    wall = Building(-2, 0.0, 14.0, half_length=6.0, half_width=2.0, height=8.0)
+    points, ids = _scan(Scene([wall]), _lidar_pose(0.0, 0.0, yaw_deg=90.0))
+    # The wall is straight ahead (lidar x) when the lidar faces +y (yaw 90).
+    np.testing.assert_allclose(points[ids == -2, 0], 12.0, atol=1e-4)
+
+
+def test_dropout_one_gives_no_points():
+    cfg = dataclasses.replace(NOISELESS, dropout=1.0)
+    points, ids = _scan(Scene(), _lidar_pose(0.0, 0.0), cfg)
+    assert points.shape == (0, 4) and ids.shape == (0,)
+
+
+def test_range_limit_is_respected():
+    wall = Building(-2, 16.0, 0.0, half_length=1.0, half_width=6.0, height=8.0)
+    cfg = dataclasses.replace(NOISELESS, max_range=10.0)
+    points, ids = _scan(Scene([wall]), _lidar_pose(0.0, 0.0), cfg)
+    assert len(points) > 0 and not (ids == -2).any()
+    assert np.linalg.norm(points[:, :3], axis=1).max() <= 10.0 + 1e-4
+
+
+def test_own_body_is_excluded_and_scan_is_deterministic():
+    own = Vehicle(7, 0.0, 0.0, 0.0, CAR)        # the lidar sits 1.9 m up, above its roof
+    scene = Scene([], [own])
+    _, ids_with_body = _scan(scene, _lidar_pose(0.0, 0.0))
+    assert (ids_with_body == 7).sum() > 0
+    noisy = dataclasses.replace(NOISELESS, range_noise_std=0.05, dropout=0.2)
+    first = _scan(scene, _lidar_pose(0.0, 0.0), noisy, seed=3, exclude=[7])
+    again = _scan(scene, _lidar_pose(0.0, 0.0), noisy, seed=3, exclude=[7])
+    other = _scan(scene, _lidar_pose(0.0, 0.0), noisy, seed=4, exclude=[7])
+    assert not (first[1] == 7).any()
+    np.testing.assert_array_equal(first[0], again[0])
+    assert first[0].shape != other[0].shape or not np.array_equal(first[0], other[0])
+    assert ((first[0][:, 3] >= 0) & (first[0][:, 3] <= 1)).all()
+
+
+# ------------------------------------------------------------------------- visibility lists
+
+def test_building_hides_a_car_from_one_cav_but_not_the_other():
+    cav_a = Vehicle(1001, 0.0, 0.0, 0.0, CAR)
+    cav_b = Vehicle(1002, 10.0, -20.0, 0.0, CAR)
+    car_c = Vehicle(2001, 30.0, 0.0, 150.0, CAR)     # oblique: a yaw sign error shows
+    wall = Building(-2, 15.0, 0.0, half_length=2.0, half_width=10.0, height=10.0)
+    scene = Scene([wall], [cav_a, cav_b, car_c])
+    cav_ids = [1001, 1002]
+    points_a, ids_a = _scan(scene, _lidar_pose(0.0, 0.0), exclude=[1001])
+    points_b, ids_b = _scan(scene, _lidar_pose(10.0, -20.0), exclude=[1002])
+    listed_a = visible_vehicles(ids_a, scene.vehicles, cav_ids)
+    listed_b = visible_vehicles(ids_b, scene.vehicles, cav_ids)
+    assert (ids_a == 1002).any() and 1002 not in listed_a       # CAVs are never listed
+    assert not (ids_a == 2001).any() and 2001 not in listed_a   # behind the wall
+    assert (ids_b == 2001).any() and list(listed_b) == [2001]
+    entry = listed_b[2001]
+    assert entry["location"] == [30.0, 0.0, 0.0] and entry["center"] == [0.0, 0.0, 0.75]
+    assert entry["extent"] == list(CAR) and entry["angle"] == [0.0, 150.0, 0.0]
+    # B's points labelled as C really lie in C's box (world frame).
+    on_c = apply_transform(points_b[ids_b == 2001], pose_to_matrix(_lidar_pose(10.0, -20.0)))
+    assert _inside_box(on_c, entry, margin=1e-3).all()
+
+
+def test_footprint_overlap_test():
+    extent = (2.0, 1.0, 0.75)
+    poses_old = np.array([[[0.0, 0.0, 0.0]]])
+    assert footprints_overlap(np.array([[3.5, 0.0, 0.0]]), extent, poses_old, [extent], 0.0)
+    assert not footprints_overlap(np.array([[4.5, 0.0, 0.0]]), extent, poses_old, [extent], 0.0)
+    # Rotated 90 degrees next to it: touches only once the margin grows the boxes.
+    beside = np.array([[3.2, 0.0, 90.0]])
+    assert not footprints_overlap(beside, extent, poses_old, [extent], 0.0)
+    assert footprints_overlap(beside, extent, poses_old, [extent], 0.2)
+    # Overlap at a later frame counts.
+    moving = np.array([[10.0, 0.0, 0.0], [3.0, 0.0, 0.0]])
+    assert footprints_overlap(moving, extent, np.repeat(poses_old, 2, axis=0), [extent], 0.0)
+
+
+# ------------------------------------------------------------------------------- generator
+
+def _inside_box(points_world, entry, margin):
+    """(N,) bool: points (N, 3+) world frame inside the yaml vehicle box grown by margin."""
+    box_pose = [l + c for l, c in zip(entry["location"], entry["center"])] + list(entry["angle"])
+    local = apply_transform(points_world[:, :3].astype(np.float64),
+                            np.linalg.inv(pose_to_matrix(box_pose)))
+    return (np.abs(local) <= np.asarray(entry["extent"]) + margin).all(axis=1)
+
+
+def _all_files(root: Path) -> dict:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory):
+    out = tmp_path_factory.mktemp("syn_tiny")
+    summary = generate_dataset(out, preset="tiny", seed=0, workers=1, progress=False)
+    return out, summary
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("OPENCOOD_CACHE", str(tmp_path / "cache"))
+
+
+def test_layout_and_summary(tiny_data):
+    out, summary = tiny_data
+    preset = get_preset("tiny")
+    for split in SPLITS:
+        scenarios = sorted((out / split).iterdir())
+        assert len(scenarios) == preset.scenarios[split]
+        for scenario in scenarios:
+            assert len(scenario.name) == 19 and scenario.name.count("_") == 5
+            cavs = sorted(scenario.iterdir())
+            assert 2 <= len(cavs) <= 3 and all(c.name.isdigit() and len(c.name) == 4
+                                               for c in cavs)
+            stamps = sorted(p.stem for p in cavs[0].glob("*.pcd"))
+            assert len(stamps) == preset.frames and all(len(s) == 6 for s in stamps)
+            assert np.diff([int(s) for s in stamps]).tolist() == [2] * (preset.frames - 1)
+            header = (cavs[0] / f"{stamps[0]}.pcd").read_text().split("DATA ascii\n")[0]
+            assert "FIELDS x y z rgb" in header and "TYPE F F F U" in header
+    record = yaml.safe_load((out / "generation.yaml").read_text())
+    assert record["preset"] == "tiny" and record["seed"] == 0
+    assert summary["scenarios"] == preset.scenarios
+    assert summary["mean_points_per_frame"] > 1000
+
+
+def test_same_seed_same_bytes_any_workers_other_seed_differs(tiny_data, tmp_path):
+    out, _ = tiny_data
+    again = tmp_path / "again"
+    generate_dataset(again, preset="tiny", seed=0, workers=2, progress=False)
+    assert _all_files(again) == _all_files(out)
+    one_scenario = dataclasses.replace(get_preset("tiny"), scenarios={"train": 1})
+    other = tmp_path / "other"
+    generate_dataset(other, preset=one_scenario, seed=1, workers=1, progress=False)
+    ours = {k: v for k, v in _all_files(out).items() if k.startswith("train")}
+    theirs = {k: v for k, v in _all_files(other).items() if k.startswith("train")}
+    assert sorted(ours) != sorted(theirs)
+    assert set(ours.values()).isdisjoint(theirs.values())
+
+
+def test_vehicle_lists_match_the_clouds(tiny_data):
+    """Every listed vehicle has a point in its box; every non-CAV vehicle with one is listed."""
+    out, _ = tiny_data
+    preset = get_preset("tiny")
+    checked = 0
+    for split in SPLITS:
+        world = rebuild_world(preset, 0, split, 0)
+        scenario = next((out / split).iterdir())
+        assert sorted(int(c.name) for c in scenario.iterdir()) == world.cav_ids
+        for frame, pcd in enumerate(sorted((scenario / str(world.cav_ids[0])).glob("*.pcd"))):
+            for cav_id in world.cav_ids:
+                folder = scenario / str(cav_id)
+                params = yaml.safe_load((folder / f"{pcd.stem}.yaml").read_text())
+                points = apply_transform(read_pcd(folder / pcd.name).astype(np.float64),
+                                         pose_to_matrix(params["lidar_pose"]))
+                for actor_id, entry in params["vehicles"].items():
+                    # 0.1 m: the range noise (std 2 cm) may push a surface point just outside.
+                    assert _inside_box(points, entry, margin=0.1).any(), (cav_id, actor_id)
+                for track in world.tracks:
+                    vehicle = track.vehicle_at(frame)
+                    if vehicle.actor_id in world.cav_ids:
+                        assert vehicle.actor_id not in params["vehicles"]
+                        continue
+                    entry = {"location": [vehicle.x, vehicle.y, 0.0],
+                             "center": [0.0, 0.0, vehicle.extent[2]],
+                             "extent": list(vehicle.extent), "angle": [0, vehicle.yaw_deg, 0]}
+                    if _inside_box(points, entry, margin=-0.05).any():
+                        assert vehicle.actor_id in params["vehicles"], (cav_id, track.actor_id)
+                checked += len(params["vehicles"])
+    assert checked > 20
+
+
+def test_reader_reads_the_data_and_agrees_with_the_summary(tiny_data):
+    out, summary = tiny_data
+    preset = get_preset("tiny")
+    gt_total, invisible_total = 0, 0
+    for split in SPLITS:
+        data = OPV2VSplit(out / split)
+        assert len(data) == preset.scenarios[split] * preset.frames
+        for index in range(len(data)):
+            sample = data.load_sample(index, gt_range=preset.eval_range)
+            info = sample["info"]
+            assert info.ego_id == min(info.cav_ids, key=int) and len(info.cav_ids) >= 2
+            ego = sample["cavs"][info.ego_id]
+            assert ego["points"].shape[1] == 4 and len(ego["points"]) > 1000
+            np.testing.assert_allclose(ego["T_to_ego"], np.eye(4), atol=1e-9)
+            ego_ids = set(vehicles_to_boxes(ego["vehicles"], ego["lidar_pose"],
+                                            preset.eval_range)[0].tolist())
+            gt_total += len(sample["gt_ids"])
+            invisible_total += len(set(sample["gt_ids"].tolist()) - ego_ids)
+    assert gt_total > 0
+    assert summary["gt_per_sample"] == pytest.approx(gt_total / (3 * preset.frames), abs=0.01)
+    assert summary["invisible_to_ego_share"] == pytest.approx(invisible_total / gt_total,
+                                                              abs=1e-3)
+
+
+def test_bad_preset_and_bad_out_dir(tmp_path):
+    with pytest.raises(ValueError, match="tiny, small, opv2v"):
+        generate_dataset(tmp_path / "x", preset="huge")
+    blocker = tmp_path / "file.txt"
+    blocker.write_text("not a folder")
+    with pytest.raises(OutputDirError, match="cannot write"):
+        generate_dataset(blocker / "out", preset="tiny", progress=False)
+
+
+def test_refuses_to_mix_with_existing_data(tiny_data):
+    out, _ = tiny_data
+    with pytest.raises(OutputDirError, match="already holds"):
+        generate_dataset(out, preset="tiny", progress=False)
+
+
+# --------------------------------------------------------------------------- visualisation
+
+def test_bev_canvas_draws_boxes_and_points_where_they_are():
+    canvas = BevCanvas((-10, -5, 10, 5), pixels_per_meter=10)
+    assert canvas.image.shape == (100, 200, 3)
+    canvas.draw_points(np.array([[1.0, 2.0, 0.0]]), (255, 0, 0))
+    assert canvas.image[70, 110].tolist() == [255, 0, 0]           # row = (y+5)*10
+    canvas.draw_boxes(np.array([[0.0, 0.0, 0.0, 1.5, 2.0, 4.0, 0.0]]), GT_COLOR, thickness=1)
+    assert canvas.image[50, 120].tolist() == list(GT_COLOR)        # front edge at x = +2
+
+
+def _visualize_main():
+    """tools/ is not a package: load the script as a module."""
+    path = Path(__file__).resolve().parents[1] / "tools" / "visualize.py"
+    spec = importlib.util.spec_from_file_location("visualize_tool", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+def test_visualize_writes_png(tiny_data, tmp_path):
+    main = _visualize_main()
+    out, _ = tiny_data
+    png = tmp_path / "vis.png"
+    code = main(["--data", str(out / "train"), "--index", "1", "--out", str(png),
+                 "--range", "-30", "-20", "30", "20", "--ppm", "5"])
+    assert code == 0 and png.stat().st_size > 0
+    image = cv2.imread(str(png))
+    assert image.shape == (200, 300, 3)
+    assert (np.all(image == AGENT_COLORS[0], axis=2)).sum() > 100       # the ego's points
+    assert (np.all(image == AGENT_COLORS[1], axis=2)).sum() > 100       # another CAV's
+    assert (np.all(image == GT_COLOR, axis=2)).sum() > 20
+    assert main(["--data", str(out / "train"), "--index", "999", "--out", str(png)]) == 2
+    assert main(["--data", str(out / "missing"), "--index", "0", "--out", str(png)]) == 2
