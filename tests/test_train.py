@@ -576,3 +576,20 @@ def test_amp_training_on_cuda(data_root, tmp_path, dtype):
     else:
         assert not last["scaler"]
     assert all(t.dtype != torch.float16 for t in last["model"].values())
+
+
+def test_corrupt_pcd_in_a_worker_is_a_one_line_error(tmp_path):
+    """A file the loader cannot parse stops training with one line naming the file, even when
+    the error is raised inside a DataLoader worker process."""
+    from tests.opv2v_factory import write_simple_split
+    from opencood.engine.trainer import main
+
+    split = write_simple_split(tmp_path / "data" / "train", num_cavs=2)
+    broken = sorted(split.rglob("*.pcd"))[1]
+    broken.write_text("# .PCD v0.7\nFIELDS x y z\nnot a pcd\n")
+    with pytest.raises(SystemExit) as info:
+        main(["--hypes_yaml", "hypes_yaml/synthetic/smoke.yaml", "--model_dir",
+              str(tmp_path / "run"), "--set", f"root_dir={split}", "--set", "validate_dir=",
+              "--set", "train_params.num_workers=1", "--set", "train_params.epoches=1"])
+    message = str(info.value)
+    assert message.startswith("error: ") and str(broken) in message and "\n" not in message

@@ -23,6 +23,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from opencood.config import ConfigError, load_config, save_config
 from opencood.data.collate import collate_samples, seed_worker
+from opencood.data.opv2v import OPV2VFormatError
+from opencood.data.pcd import PcdError
 from opencood.data.datasets import build_dataset
 from opencood.data.pipeline import BatchPreparer
 from opencood.engine.loop import (NonFiniteLossError, group_micro_batches, optimizer_step,
@@ -410,6 +412,20 @@ def main(argv=None) -> Dict:
                                                                            30))) as info:
         try:
             return train(cfg, args, info)
-        except (ConfigError, CheckpointError, NonFiniteLossError) as error:
-            logging.getLogger("opencood").error("%s", error)
-            raise SystemExit(f"error: {error}") from None
+        except (ConfigError, CheckpointError, NonFiniteLossError, PcdError,
+                OPV2VFormatError) as error:
+            message = one_line(error)
+            logging.getLogger("opencood").error("%s", message)
+            raise SystemExit(f"error: {message}") from None
+
+
+def one_line(error: BaseException) -> str:
+    """The message of ``error`` on one line. An error raised in a DataLoader worker arrives
+    wrapped ("Caught PcdError in DataLoader worker process 0. Original Traceback ..."): its last
+    line is the original one-line message, naming the file."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if len(lines) <= 1:
+        return lines[0] if lines else type(error).__name__
+    last = lines[-1]
+    prefix = f"{type(error).__module__}.{type(error).__name__}: "
+    return last[len(prefix):] if last.startswith(prefix) else last
