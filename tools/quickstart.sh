@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # The README's first command: install, generate the `small` synthetic OPV2V data, train an
-# intermediate-fusion model (AttFuse) with torchrun, evaluate it and print the AP table.
+# intermediate-fusion model (F-Cooper) with torchrun, evaluate it and print the AP table.
 # CPU: 2 processes (gloo). GPUs: one process per visible GPU (nccl).
 # Environment knobs: CONFIG (yaml), RUN (run folder), DATA (data folder), EPOCHS.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-CONFIG=${CONFIG:-hypes_yaml/synthetic/point_pillar_attfuse.yaml}
+CONFIG=${CONFIG:-hypes_yaml/synthetic/point_pillar_fcooper.yaml}
 DATA=${DATA:-data/synthetic_small}
-RUN=${RUN:-runs/quickstart_attfuse}
+RUN=${RUN:-runs/quickstart_fcooper}
 
 python -m pip install -q -r requirements.txt
 python -m pip install -q -e . --no-deps

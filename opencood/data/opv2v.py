@@ -33,6 +33,7 @@ from opencood.ops.transforms import (
     pose_to_matrix,
     relative_transform,
 )
+from opencood.utils.dist import get_rank
 
 logger = logging.getLogger(__name__)
 
@@ -367,7 +368,8 @@ def _parse_frames(split_dir: Path, layouts: list[_ScenarioLayout]) -> dict:
     total = sum(len(layout.cav_ids) * len(layout.timestamps) for layout in layouts)
     frames = {}
     with tqdm(total=total, desc=f"indexing {split_dir.name}", unit="frame",
-              disable=total <= PROGRESS_MIN_FRAMES, leave=False) as progress:
+              disable=total <= PROGRESS_MIN_FRAMES or get_rank() != 0,
+              leave=False) as progress:
         for layout in layouts:
             frames[layout.name] = {}
             for cav_id in layout.cav_ids:
