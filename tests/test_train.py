@@ -593,3 +593,15 @@ def test_corrupt_pcd_in_a_worker_is_a_one_line_error(tmp_path):
               "--set", "train_params.num_workers=1", "--set", "train_params.epoches=1"])
     message = str(info.value)
     assert message.startswith("error: ") and str(broken) in message and "\n" not in message
+
+
+def test_amp_is_used_on_cuda_only():
+    """The opv2v yamls enable bf16 for GPUs; on CPU training stays fp32 (autocast there is
+    slower than fp32), and fp16 gets a GradScaler only on CUDA."""
+    from opencood.engine.trainer import amp_settings
+
+    cfg = {"amp": {"enabled": True, "dtype": "bf16"}}
+    dtype, scaler = amp_settings(cfg, torch.device("cpu"))
+    assert dtype is None and not scaler.is_enabled()
+    dtype, scaler = amp_settings({"amp": {"enabled": False}}, torch.device("cpu"))
+    assert dtype is None and not scaler.is_enabled()

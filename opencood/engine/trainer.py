@@ -104,6 +104,10 @@ def configure_cuda(cfg: Dict) -> None:
 def amp_settings(cfg: Dict, device: torch.device):
     """(autocast dtype or None, GradScaler). fp16 needs a scaler; bf16 does not."""
     amp_cfg = cfg.get("amp", {}) or {}
+    if amp_cfg.get("enabled", False) and device.type != "cuda":
+        # CPU autocast runs slower than fp32 for these convolutions: mixed precision is for GPUs.
+        logger.info("amp.enabled ignored on %s: mixed precision is used on CUDA only", device)
+        return None, torch.amp.GradScaler(device.type, enabled=False)
     if not amp_cfg.get("enabled", False):
         return None, torch.amp.GradScaler(device.type, enabled=False)
     name = str(amp_cfg.get("dtype", "bf16"))

@@ -24,7 +24,9 @@ def postprocess_settings(cfg: Dict) -> Dict:
     return {"score_threshold": float(post.get("target_args", {}).get("score_threshold", 0.2)),
             "nms_thresh": float(post.get("nms_thresh", 0.15)),
             "max_num": int(post.get("max_num", 100)),
-            "pre_nms_max": int(post.get("pre_nms_max", 1000)),
+            # Rotated NMS is quadratic in the candidates: an untrained model firing everywhere
+            # would otherwise spend seconds per frame on CPU.
+            "pre_nms_max": int(post.get("pre_nms_max", 500)),
             "order": post.get("order", "hwl")}
 
 

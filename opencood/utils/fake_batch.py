@@ -34,7 +34,8 @@ def fake_collated_batch(cfg: Dict, batch_size: int = 2, agents_per_sample: int =
         cell_x = (flat % nx).repeat_interleave(points_per_pillar).double()
         cell_y = (flat // nx).repeat_interleave(points_per_pillar).double()
         count = cell_x.shape[0]
-        jitter = torch.rand(count, 2, generator=generator, dtype=torch.float64)
+        # Kept off the cell edges, where float32 rounding could move a point to the next cell.
+        jitter = 0.05 + 0.9 * torch.rand(count, 2, generator=generator, dtype=torch.float64)
         x = lidar_range[0] + (cell_x + jitter[:, 0]) * voxel[0]
         y = lidar_range[1] + (cell_y + jitter[:, 1]) * voxel[1]
         z = torch.empty(count, dtype=torch.float64).uniform_(lidar_range[2], lidar_range[5] - 1e-3,

@@ -1,0 +1,278 @@
+"""Command-line tools: tools/bench.py (JSON figures) and tools/profile_model.py (params, FLOPs).
+
+The model's size is checked against counts derived by hand from the config's widths (below),
+which are first shown to agree exactly with what profile_model measures on the small configs,
+then evaluated at the OPV2V geometry (a full-size forward on CPU takes tens of seconds; the
+measured version of that check is marked slow).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from opv2v_factory import write_simple_split
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+TOOLS = REPO_ROOT / "tools"
+OPV2V_YAML = REPO_ROOT / "hypes_yaml" / "opv2v" / "point_pillar_attfuse.yaml"
+SMOKE_YAML = REPO_ROOT / "hypes_yaml" / "synthetic" / "smoke.yaml"
+SYNTHETIC_YAML = REPO_ROOT / "hypes_yaml" / "synthetic" / "point_pillar_attfuse.yaml"
+
+BENCH_FIGURES = {"pillarise", "targets", "train_step_model_only", "train_step_no_pillarise",
+                 "peak_gpu_memory", "ema_update", "eval_postprocess_per_frame",
+                 "eval_inference_per_frame", "dataloader", "train_step_end_to_end"}
+DATA_FIGURES = {"dataloader", "train_step_end_to_end"}
+
+# DESIGN §3: one training step of the OPV2V AttFuse model (704 x 200, batch 2, 3 CAVs).
+OPV2V_TRAIN_FLOPS = 0.88e12
+OPV2V_PARAMS = 6_585_876  # hand-derived below; profile_model prints it as 6.586 M
+
+
+def load_tool(name: str):
+    spec = importlib.util.spec_from_file_location(f"tool_{name}", TOOLS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def tool_env(tmp_path: Path) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
+    env["OPENCOOD_CACHE"] = str(tmp_path / "cache")
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
+
+def parse_json_lines(text: str) -> list:
+    lines = text.splitlines()
+    assert lines, "no output on stdout"
+    records = []
+    for line in lines:
+        record = json.loads(line)      # every stdout line is one JSON object
+        assert isinstance(record, dict) and "figure" in record, line
+        records.append(record)
+    return records
+
+
+# ----------------------------------------------------------------------------------------------
+# Hand-derived model size (PointPillars + BaseBEVBackbone + anchor head, AttFuse)
+# ----------------------------------------------------------------------------------------------
+
+def hand_model_counts(cfg: dict, batch: int, agents: int, pillars: int,
+                      points_per_pillar: int) -> tuple:
+    """(parameters, forward FLOPs) of the AttFuse PointPillars model, counted as
+    FlopCounterMode does: 2 per multiply-add of linear/conv layers (norms, activations, the
+    parameter-free attention and scatters are not counted).
+
+    VFE: one Linear(10 -> C, no bias) + BN on every real point. Backbone per agent: scale i has
+    a stride-s_i 3x3 conv c_{i-1} -> c_i and n_i 3x3 convs c_i -> c_i (no bias, + BN), at
+    ceil(H / prod s) x ceil(W / prod s). AttFuse fuses each scale to one map per sample, so the
+    up blocks (transposed conv, kernel = stride = u_i, + BN) and the head (three 1x1 convs with
+    bias: A scores, 7A residuals, 2A direction bins) run once per sample.
+    """
+    args = cfg["model"]["args"]
+    (vfe_channels,) = args["pillar_vfe"]["num_filters"]
+    backbone = args["base_bev_backbone"]
+    lidar_range = cfg["preprocess"]["cav_lidar_range"]
+    voxel = cfg["preprocess"]["args"]["voxel_size"]
+    nx = round((lidar_range[3] - lidar_range[0]) / voxel[0])
+    ny = round((lidar_range[4] - lidar_range[1]) / voxel[1])
+    max_points = cfg["preprocess"]["args"]["max_points_per_voxel"]
+    num_anchors = len(cfg["postprocess"]["anchor_args"]["r"])
+    point_channels = 4 + 6
+    num_agents = batch * agents
+
+    params = point_channels * vfe_channels + 2 * vfe_channels
+    points = num_agents * min(pillars, nx * ny) * min(points_per_pillar, max_points)
+    flops = 2 * points * point_channels * vfe_channels
+
+    channels_in, height, width = args["point_pillar_scatter"]["num_features"], ny, nx
+    for convs, stride, channels, up_stride, up_channels in zip(
+            backbone["layer_nums"], backbone["layer_strides"], backbone["num_filters"],
+            backbone["upsample_strides"], backbone["num_upsample_filter"]):
+        height, width = math.ceil(height / stride), math.ceil(width / stride)
+        down_macs = 9 * channels_in * channels + convs * 9 * channels * channels
+        params += down_macs + (1 + convs) * 2 * channels
+        flops += num_agents * 2 * height * width * down_macs
+        up_macs = channels * up_channels * up_stride * up_stride
+        params += up_macs + 2 * up_channels
+        flops += batch * 2 * height * width * up_macs
+        channels_in = channels
+    head_in = sum(backbone["num_upsample_filter"])
+    head_out = num_anchors * (1 + 7 + 2)
+    params += head_in * head_out + head_out
+    flops += batch * 2 * (ny // 2) * (nx // 2) * head_in * head_out
+    return params, flops
+
+
+@pytest.mark.parametrize("yaml_path,pillars", [(SMOKE_YAML, 300), (SYNTHETIC_YAML, 2000)])
+def test_profile_model_matches_hand_counts(yaml_path, pillars, capsys):
+    from opencood.config import load_config
+    profile_model = load_tool("profile_model")
+    total, flops = profile_model.main(["--hypes_yaml", str(yaml_path), "--pillars", str(pillars)])
+    params, hand_flops = hand_model_counts(load_config(yaml_path), batch=2, agents=3,
+                                           pillars=pillars, points_per_pillar=6)
+    assert total == params
+    assert flops == hand_flops
+    out = capsys.readouterr().out
+    assert f"parameters: {params / 1e6:.3f} M" in out
+    assert f"forward: {hand_flops / 1e9:.2f} GFLOPs" in out
+
+
+def test_opv2v_attfuse_size_matches_design():
+    """DESIGN §3: 6.586 M parameters and 0.88 TFLOP per training step (3 x forward)."""
+    from opencood.config import load_config
+    from opencood.models.build import build_model
+    from opencood.utils.model_stats import count_parameters
+    cfg = load_config(OPV2V_YAML)
+    params, flops = hand_model_counts(cfg, batch=2, agents=3, pillars=16000,
+                                      points_per_pillar=6)
+    assert params == OPV2V_PARAMS
+    assert count_parameters(build_model(cfg["model"])) == (OPV2V_PARAMS, OPV2V_PARAMS)
+    assert f"{params / 1e6:.3f}" == "6.586"
+    assert abs(3 * flops - OPV2V_TRAIN_FLOPS) <= 0.10 * OPV2V_TRAIN_FLOPS, 3 * flops
+
+
+@pytest.mark.slow
+def test_profile_model_opv2v_full_geometry(capsys):
+    """The measured version of the check above: a full-size forward on CPU (tens of seconds)."""
+    from opencood.config import load_config
+    profile_model = load_tool("profile_model")
+    total, flops = profile_model.main(["--hypes_yaml", str(OPV2V_YAML)])
+    out = capsys.readouterr().out
+    assert "parameters: 6.586 M" in out
+    assert total == OPV2V_PARAMS
+    assert abs(3 * flops - OPV2V_TRAIN_FLOPS) <= 0.10 * OPV2V_TRAIN_FLOPS, 3 * flops
+    assert flops == hand_model_counts(load_config(OPV2V_YAML), batch=2, agents=3,
+                                      pillars=16000, points_per_pillar=6)[1]
+
+
+# ----------------------------------------------------------------------------------------------
+# tools/bench.py
+# ----------------------------------------------------------------------------------------------
+
+def check_figure(record: dict) -> None:
+    if "skipped" in record:
+        assert record["skipped"]
+        return
+    assert "error" not in record, record
+    assert record["device"] == "cpu"
+    if record["figure"] == "peak_gpu_memory":
+        return
+    assert record["ms"] > 0, record
+    for key in ("batch_per_gpu", "agents", "amp", "grid"):
+        assert key in record, (key, record)
+    if record["figure"] != "dataloader":
+        assert record["pillars_per_agent"] > 0, record
+
+
+def test_bench_quick_cpu_prints_only_json_lines(tmp_path):
+    result = subprocess.run([sys.executable, str(TOOLS / "bench.py"), "--quick", "--device", "cpu"],
+                            cwd=REPO_ROOT, env=tool_env(tmp_path), capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr
+    records = parse_json_lines(result.stdout)
+    by_name = {record["figure"]: record for record in records}
+    assert len(by_name) == len(records), "a figure was printed twice"
+    assert set(by_name) == BENCH_FIGURES
+    for record in records:
+        check_figure(record)
+    for name in DATA_FIGURES:
+        assert "--data" in by_name[name]["skipped"]
+    assert "CUDA" in by_name["peak_gpu_memory"]["skipped"]
+    step = by_name["train_step_model_only"]
+    assert {"pillarise", "targets", "forward", "backward", "optimizer_step"} <= set(
+        step["includes"])
+    assert not {"pillarise", "targets"} & set(by_name["train_step_no_pillarise"]["includes"])
+    assert step["grid"] == "64x32" and step["batch_per_gpu"] == 2 and step["agents"] == 3
+    assert step["amp"] == "off"
+    assert 0 < by_name["ema_update"]["share_of_step_pct"] < 100
+    post = by_name["eval_postprocess_per_frame"]
+    # The synthetic head maps decode to boxes on the GT: NMS keeps about one per object.
+    assert post["ap_50"] > 0.9
+    assert post["ms"] == pytest.approx(post["decode_nms_ms"] + post["ap_ms"], abs=2e-3)
+    assert "INFO" in result.stderr       # logs go to stderr
+
+
+def test_bench_with_a_data_folder(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("OPENCOOD_CACHE", str(tmp_path / "cache"))
+    root = tmp_path / "opv2v"
+    write_simple_split(root / "train", num_cavs=3,
+                       timestamps=("000000", "000002", "000004", "000006"))
+    bench = load_tool("bench")
+    records = bench.main(["--quick", "--device", "cpu", "--steps", "1", "--warmup", "1",
+                          "--data", str(root), "--num_workers", "0"])
+    printed = parse_json_lines(capsys.readouterr().out)
+    assert printed == json.loads(json.dumps(records))
+    by_name = {record["figure"]: record for record in records}
+    assert set(by_name) == BENCH_FIGURES
+    for record in records:
+        check_figure(record)
+    loader = by_name["dataloader"]
+    assert loader["samples_per_s"] > 0 and loader["num_workers"] == 0
+    assert loader["dataset_samples"] == 4 and loader["agents"] == 3
+    end_to_end = by_name["train_step_end_to_end"]
+    assert end_to_end["agents"] == 3           # measured on the real batches
+    assert "data_wait" in end_to_end["includes"]
+    assert 0 <= end_to_end["data_wait_ms"] <= end_to_end["ms"]
+
+
+def test_bench_errors_are_one_line(tmp_path):
+    result = subprocess.run([sys.executable, str(TOOLS / "bench.py"), "--hypes_yaml",
+                             str(tmp_path / "missing.yaml"), "--device", "cpu"],
+                            cwd=REPO_ROOT, env=tool_env(tmp_path), capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode != 0
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "missing.yaml" in lines[0]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--data", "{tmp}/no_such_folder"], "no such folder"),
+    (["--data", "{tmp}"], "no OPV2V frames"),
+    (["--steps", "0"], "--steps"),
+])
+def test_bench_rejects_bad_arguments_before_measuring(tmp_path, capsys, argv, message):
+    bench = load_tool("bench")
+    argv = [arg.replace("{tmp}", str(tmp_path)) for arg in argv]
+    with pytest.raises(SystemExit) as excinfo:
+        bench.main(["--quick", "--device", "cpu", *argv])
+    text = str(excinfo.value.code)
+    assert text.startswith("error: ") and message in text and "\n" not in text
+    assert capsys.readouterr().out == ""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
+def test_bench_cuda_without_cuda_is_an_error(capsys):
+    bench = load_tool("bench")
+    with pytest.raises(SystemExit) as excinfo:
+        bench.main(["--quick", "--device", "cuda"])
+    assert str(excinfo.value.code).startswith("error: --device cuda")
+    assert capsys.readouterr().out == ""
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bench_quick_on_cuda_reports_memory_and_amp(capsys):
+    bench = load_tool("bench")
+    records = bench.main(["--quick", "--device", "cuda", "--set", "amp.enabled=true",
+                          "--set", "amp.dtype=bf16"])
+    parse_json_lines(capsys.readouterr().out)
+    by_name = {record["figure"]: record for record in records}
+    assert set(by_name) == BENCH_FIGURES
+    for record in records:
+        assert "error" not in record, record
+    assert by_name["peak_gpu_memory"]["mib"] > 0
+    assert by_name["train_step_model_only"]["device"] == "cuda"
+    assert by_name["train_step_model_only"]["amp"] == "bf16"
+    assert by_name["pillarise"]["amp"] == "off"
+    assert by_name["eval_postprocess_per_frame"]["ap_50"] > 0.9
