@@ -18,6 +18,7 @@ A failing rank re-raises in the test with the rank's traceback; a hung collectiv
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import pickle
 import socket
@@ -47,6 +48,12 @@ def _rank_main(rank: int, fn: Callable, world_size: int, args: tuple, work_dir: 
                                 timeout=datetime.timedelta(seconds=timeout_s))
     try:
         result = fn(rank, world_size, *args)
+        if init_group and dist.is_initialized():
+            # Objects holding the group (a DDP reducer in a reference cycle) must go, and every
+            # rank must be done communicating, before the group is destroyed: gloo aborts the
+            # process ("terminate called without an active exception") otherwise.
+            gc.collect()
+            dist.barrier()
     finally:
         if init_group and dist.is_initialized():
             dist.destroy_process_group()

@@ -196,6 +196,9 @@ def evaluate(args) -> List[Dict]:
             results.append(metrics)
         if writer is not None:
             writer.close()
+        # Rank 0 computes AP after the gather while the others are done: let every rank leave
+        # together so no rank tears the group down under another's feet.
+        dist_utils.barrier()
         return results
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import logging
 import os
 import re
@@ -377,6 +378,9 @@ def cleanup_distributed() -> None:
     """Destroy the process group (and the object-collective group) if one exists."""
     global _object_group, _local_rank
     if is_dist_initialized():
+        # A DDP reducer left in a reference cycle would otherwise be freed after the group is
+        # gone, which can abort the process at exit under gloo.
+        gc.collect()
         dist.destroy_process_group()
     _object_group = None
     _local_rank = 0
