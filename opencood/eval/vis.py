@@ -29,5 +29,5 @@ def draw_detection_sample(path: Path, batch: Dict, row: int, boxes: torch.Tensor
     points_by_agent = sample_agent_points(batch, row)
     gt = batch["gt_boxes"][row][batch["gt_mask"][row]]
     image = render_bev({k: v.numpy() for k, v in points_by_agent.items()}, bev_range,
-                       gt_boxes=gt.numpy(), pred_boxes=boxes.numpy(), pixels_per_meter=5.0)
+                       gt_boxes=gt.numpy(), pred_boxes=boxes.numpy(), pixels_per_meter=8.0)
     save_image(path, image)
