@@ -257,6 +257,10 @@ def test_tensorboard_holds_the_promised_scalars(two_rank_runs):
     lrs = [event.value for event in accumulator.Scalars("train/lr")]
     assert lrs[1] > lrs[0] and lrs[3] < lrs[1]  # warm-up epoch, then cosine decay
     assert all(event.value > 0 for event in accumulator.Scalars("train/samples_per_s"))
+    # A BEV picture of the first validation sample each time AP is computed.
+    pictures = accumulator.Images("val/bev")
+    assert [event.step for event in pictures] == [2, 4]
+    assert pictures[0].width > 100 and pictures[0].height > 50
 
 
 def test_impossible_global_batch_fails_on_every_rank(two_rank_runs):

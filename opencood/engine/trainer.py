@@ -244,6 +244,11 @@ class ScalarLogger:
             if value is not None and math.isfinite(float(value)):
                 self.writer.add_scalar(f"{prefix}/{name}", float(value), step)
 
+    def image(self, tag: str, image_bgr, step: int) -> None:
+        """A (H, W, 3) uint8 BGR picture (OpenCV order) as an RGB TensorBoard image."""
+        if self.writer is not None:
+            self.writer.add_image(tag, image_bgr[..., ::-1].copy(), step, dataformats="HWC")
+
     def close(self) -> None:
         if self.writer is not None:
             self.writer.flush()
@@ -279,20 +284,36 @@ def log_model_summary(model, preparer, loader) -> None:
 
 # -- the run ---------------------------------------------------------------------------------
 
+def first_sample_picture(cfg: Dict, pictures: list):
+    """on_sample hook: rank 0 renders its first validation sample (points, GT, detections)."""
+    if not dist_utils.is_main_process():
+        return None
+    from opencood.eval.vis import render_detection_sample
+
+    def on_sample(key, batch, row, boxes, scores):
+        if not pictures:
+            pictures.append(render_detection_sample(batch, row, boxes,
+                                                    cfg["preprocess"]["cav_lidar_range"]))
+
+    return on_sample
+
+
 def validate(model_for_eval, val_loaders, loss_fn, info, amp_dtype, cfg, epoch, preparer):
     """Validation loss (exact over ranks) every epoch; AP every ``eval_freq`` epochs.
 
-    Returns ({"loss", and "ap_30/50/70" on rank 0 when computed}, samples in the loss).
+    Returns ({"loss", and "ap_30/50/70" on rank 0 when computed}, samples in the loss,
+    [a BEV picture (H, W, 3) BGR of the first sample when AP was computed, on rank 0]).
     """
     loss_loader, ap_loader = val_loaders
     loss, count = validation_loss(model_for_eval, loss_loader, loss_fn, info.device, amp_dtype)
-    results = {"loss": loss}
+    results, pictures = {"loss": loss}, []
     eval_freq = int(cfg["train_params"].get("eval_freq", 1))
     if epoch % eval_freq == 0:
-        metrics = evaluate_loader(model_for_eval, ap_loader, preparer, cfg, info.device)
+        metrics = evaluate_loader(model_for_eval, ap_loader, preparer, cfg, info.device,
+                                  on_sample=first_sample_picture(cfg, pictures))
         if metrics is not None:
             results.update({k: metrics[k] for k in ("ap_30", "ap_50", "ap_70")})
-    return results, count
+    return results, count, pictures
 
 
 def train(cfg: Dict, args, info: dist_utils.DistInfo) -> Dict:
@@ -387,9 +408,11 @@ def train(cfg: Dict, args, info: dist_utils.DistInfo) -> Dict:
                 if ema is not None:
                     ema.broadcast_from(0)
                 eval_model = ema.module if ema is not None else model_without_ddp
-                results, count = validate(eval_model, val_loaders, loss_fn, info, amp_dtype,
-                                          cfg, epoch, preparer)
+                results, count, pictures = validate(eval_model, val_loaders, loss_fn, info,
+                                                    amp_dtype, cfg, epoch, preparer)
                 scalars.scalars(results, step, "val")
+                for picture in pictures:
+                    scalars.image("val/bev", picture, step)
                 is_best = results["loss"] < best_val
                 best_val = min(best_val, results["loss"])
                 history[epoch] = results

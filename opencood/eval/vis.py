@@ -23,11 +23,16 @@ def sample_agent_points(batch: Dict, row: int) -> Dict[str, torch.Tensor]:
     return points_by_agent
 
 
-def draw_detection_sample(path: Path, batch: Dict, row: int, boxes: torch.Tensor,
-                          scores: torch.Tensor, bev_range) -> None:
-    """Write one PNG over ``bev_range``: points coloured per agent, GT green, detections red."""
+def render_detection_sample(batch: Dict, row: int, boxes: torch.Tensor, bev_range):
+    """(H, W, 3) uint8 BGR picture over ``bev_range``: points coloured per agent, GT green,
+    detections red."""
     points_by_agent = sample_agent_points(batch, row)
     gt = batch["gt_boxes"][row][batch["gt_mask"][row]]
-    image = render_bev({k: v.numpy() for k, v in points_by_agent.items()}, bev_range,
-                       gt_boxes=gt.numpy(), pred_boxes=boxes.numpy(), pixels_per_meter=8.0)
-    save_image(path, image)
+    return render_bev({k: v.numpy() for k, v in points_by_agent.items()}, bev_range,
+                      gt_boxes=gt.numpy(), pred_boxes=boxes.numpy(), pixels_per_meter=8.0)
+
+
+def draw_detection_sample(path: Path, batch: Dict, row: int, boxes: torch.Tensor,
+                          scores: torch.Tensor, bev_range) -> None:
+    """Write :func:`render_detection_sample` as a PNG."""
+    save_image(path, render_detection_sample(batch, row, boxes, bev_range))
