@@ -609,3 +609,17 @@ def test_amp_is_used_on_cuda_only():
     assert dtype is None and not scaler.is_enabled()
     dtype, scaler = amp_settings({"amp": {"enabled": False}}, torch.device("cpu"))
     assert dtype is None and not scaler.is_enabled()
+
+
+def test_unknown_model_name_is_a_one_line_error_listing_models(tmp_path):
+    from tests.opv2v_factory import write_simple_split
+    from opencood.engine.trainer import main
+
+    split = write_simple_split(tmp_path / "data" / "train", num_cavs=2)
+    with pytest.raises(SystemExit) as info:
+        main(["--hypes_yaml", "hypes_yaml/synthetic/smoke.yaml", "--model_dir",
+              str(tmp_path / "run"), "--set", f"root_dir={split}", "--set", "validate_dir=",
+              "--set", "model.core_method=pointpillar"])
+    message = str(info.value)
+    assert message == ("error: unknown model 'pointpillar'; registered models: point_pillar, "
+                       "point_pillar_intermediate")

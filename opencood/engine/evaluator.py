@@ -24,7 +24,10 @@ from opencood.data.datasets import build_dataset
 from opencood.data.opv2v import OPV2VFormatError
 from opencood.data.pipeline import BatchPreparer
 from opencood.eval.inference import evaluate_loader
+from opencood.data.pcd import PcdError
+from opencood.engine.trainer import one_line
 from opencood.models.build import build_model
+from opencood.registry import RegistryError
 from opencood.utils import dist as dist_utils
 from opencood.utils.checkpoint import CheckpointError, check_state_dict_compatible, load_checkpoint
 from opencood.utils.samplers import InferenceSampler
@@ -206,5 +209,5 @@ def main(argv=None) -> List[Dict]:
     args = parse_args(argv)
     try:
         return evaluate(args)
-    except (ConfigError, CheckpointError, OPV2VFormatError) as error:
-        raise SystemExit(f"error: {error}") from None
+    except (ConfigError, CheckpointError, OPV2VFormatError, PcdError, RegistryError) as error:
+        raise SystemExit(f"error: {one_line(error)}") from None

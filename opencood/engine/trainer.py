@@ -33,6 +33,7 @@ from opencood.engine.optim import build_optimizer, build_scheduler
 from opencood.eval.inference import evaluate_loader
 from opencood.losses import build_loss
 from opencood.models.build import build_model
+from opencood.registry import RegistryError
 from opencood.utils import dist as dist_utils
 from opencood.utils.batching import describe_batch, split_global_batch
 from opencood.utils.checkpoint import (CheckpointError, capture_rng_state,
@@ -440,7 +441,7 @@ def main(argv=None) -> Dict:
         try:
             return train(cfg, args, info)
         except (ConfigError, CheckpointError, NonFiniteLossError, PcdError,
-                OPV2VFormatError) as error:
+                OPV2VFormatError, RegistryError) as error:
             message = one_line(error)
             logging.getLogger("opencood").error("%s", message)
             raise SystemExit(f"error: {message}") from None
