@@ -74,7 +74,8 @@ def test_collate_shapes_with_1_to_5_cavs(road, num_cavs):
 def test_no_early_late_agent_counts(road):
     assert make(NoFusionDataset, road)[0]["agent_ids"] == ["1000"]
     early = make(EarlyFusionDataset, road)[0]
-    assert len(early["agent_points"]) == 1 and early["shared_points"] == 4 * 4 * 30
+    # each of the 4 non-ego CAVs sent its 4 cars x 30 points
+    assert len(early["agent_points"]) == 1 and early["shared_points"] == 4 * 30
     late_test = make(LateFusionDataset, road)[0]
     assert len(late_test["agent_points"]) == 5
     late_train = make(LateFusionDataset, road, train=True)

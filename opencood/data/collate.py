@@ -8,7 +8,7 @@ Batch layout (CPU tensors; ``opencood.data.pipeline`` moves them and pillarises 
     transforms_to_ego (A, 4, 4) float32, A = sum(record_len)
     gt_boxes          (B, M_max, 7) float32, zero padded
     gt_mask           (B, M_max) bool
-    shared_points     (B,) int64
+    shared_points     (B,) int64   points each non-ego agent sent (early fusion)
     sample_keys       list of B keys (scenario, timestamp[, cav])
     gt_ids            list of B int64 arrays
     points_in_agent_frame  bool: clouds in their agent's own frame (late fusion) or the ego's

@@ -12,7 +12,8 @@ A sample is a dict::
     transforms_to_ego (n, 4, 4) float32              agent -> ego as used (noisy for non-ego)
     gt_boxes          (M, 7) float32 [x, y, z, h, w, l, yaw]
     gt_ids            (M,) int64
-    shared_points     int                            non-ego points the ego received (early)
+    shared_points     int                            points each non-ego agent sent, averaged
+                                                     over them (early fusion; else 0)
     points_in_agent_frame bool                       True when clouds are in their own agent's
                                                      frame (late fusion), else the ego frame
 
@@ -200,7 +201,8 @@ class EarlyFusionDataset(BaseFusionDataset):
         agents = loaded["agents"]
         clouds = _points_to_ego(agents)
         merged = np.concatenate(clouds, axis=0) if clouds else np.zeros((0, 4), np.float32)
-        shared = int(sum(len(c) for c in clouds[1:]))
+        # Bytes are reported per sending agent, so average over the non-ego agents.
+        shared = int(round(sum(len(c) for c in clouds[1:]) / max(1, len(clouds) - 1)))
         return self._finish(index, key, [agents[0]["cav_id"]], [merged], [np.eye(4)],
                             loaded["gt_boxes"], loaded["gt_ids"], shared_points=shared)
 
