@@ -21,7 +21,7 @@ import yaml
 _Dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 
 
-class _Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
+class YamlLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
     """Safe loader (libyaml when present) that also reads ``1e-3`` as a float.
 
     YAML 1.1, which PyYAML implements, requires a dot in a float, so ``lr: 1e-3`` would load as
@@ -29,7 +29,7 @@ class _Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
     """
 
 
-_Loader.add_implicit_resolver(
+YamlLoader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
     re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
     |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
@@ -51,7 +51,7 @@ def _read_yaml(path: Path) -> dict:
     except OSError as err:
         raise ConfigError(f"{path}: cannot read config ({err.strerror})") from None
     try:
-        data = yaml.load(text, Loader=_Loader)
+        data = yaml.load(text, Loader=YamlLoader)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -108,7 +108,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not key.strip() or any(not k for k in keys):
         raise ConfigError(f"--set {text!r}: empty key")
     try:
-        value = yaml.load(raw_value, Loader=_Loader) if raw_value.strip() else ""
+        value = yaml.load(raw_value, Loader=YamlLoader) if raw_value.strip() else ""
     except yaml.YAMLError:
         raise ConfigError(f"--set {text!r}: value is not valid yaml") from None
     return keys, value

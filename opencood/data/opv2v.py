@@ -15,7 +15,6 @@ import json
 import logging
 import math
 import os
-import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +23,7 @@ import numpy as np
 import yaml
 from tqdm import tqdm
 
+from opencood.config import YamlLoader
 from opencood.data.pcd import PointCloudCache, default_cache_dir, read_pcd
 from opencood.ops.transforms import (
     boxes_to_corners_3d,
@@ -55,24 +55,6 @@ def _format_error(path, problem: str) -> OPV2VFormatError:
 
 
 # --------------------------------------------------------------------------------------- yaml
-
-_BaseSafeLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-
-
-class _FrameLoader(_BaseSafeLoader):
-    """Safe loader (libyaml when present) that also reads ``1e-05`` as a float.
-
-    YAML 1.1 wants a dot in exponent floats; the reference registers the same resolver, so files
-    written by other tools read identically. A subclass keeps the global loaders untouched.
-    """
-
-
-_FrameLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-    list("-+0123456789"),
-)
-
 
 def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
@@ -131,7 +113,7 @@ def load_frame_yaml(path) -> dict:
     with open(path, "rb") as handle:
         text = handle.read()
     try:
-        params = yaml.load(text, Loader=_FrameLoader)
+        params = yaml.load(text, Loader=YamlLoader)
     except yaml.YAMLError as exc:
         raise _format_error(path, f"invalid yaml: {exc}") from None
     return _validate_frame(params, path)
