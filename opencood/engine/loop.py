@@ -102,8 +102,5 @@ def validation_loss(model: torch.nn.Module, loader, loss_fn: LossFn, device: tor
         loss_sum += float(loss) * batch_count
         count += int(batch_count)
     model.train(was_training)
-    totals = torch.tensor([loss_sum, float(count)], dtype=torch.float64,
-                          device=dist_utils.collective_device())
-    dist_utils.all_reduce_sum(totals)
-    total_loss, total_count = totals.tolist()
+    total_loss, total_count = dist_utils.sum_across_ranks(loss_sum, count)
     return (total_loss / total_count if total_count else float("nan")), int(total_count)

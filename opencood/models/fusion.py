@@ -101,43 +101,43 @@ class FusionModule(nn.Module):
         self.bytes_per_value = bytes_per_value
 
 
-@FUSIONS.register("attfuse")
-class AttFusion(FusionModule):
-    """OpenCOOD AttFuse: per-location self-attention across agents, the ego's row kept.
-    Parameter-free; by default applied at every backbone scale."""
+class DenseFusion(FusionModule):
+    """Parameter-free fusion of whole maps: every non-ego agent sends its full (C, H, W) map and
+    the ego combines the real agents of its sample per location with ``combine``."""
 
-    default_stage = "multiscale"
+    @staticmethod
+    def combine(padded: torch.Tensor, attend: torch.Tensor) -> torch.Tensor:
+        """padded (B, L, C, H, W), attend (B, L, H, W) bool -> (B, C, H, W)."""
+        raise NotImplementedError
 
     @classmethod
-    def from_config(cls, args: dict, in_channels: int, num_anchors: int) -> "AttFusion":
+    def from_config(cls, args: dict, in_channels: int, num_anchors: int) -> "DenseFusion":
         return cls(bytes_per_value=args.get("bytes_per_value", FP32_BYTES))
 
     def forward(self, features: torch.Tensor, record_len: torch.Tensor) -> FusionResult:
         padded, is_real = pad_by_sample(features, record_len)
         attend = is_real[:, :, None, None].expand(-1, -1, *features.shape[2:])
-        fused = ego_attention(padded, attend)
-        return FusionResult(fused, dense_comm_bytes(features, record_len, self.bytes_per_value),
-                            {})
+        return FusionResult(self.combine(padded, attend),
+                            dense_comm_bytes(features, record_len, self.bytes_per_value), {})
+
+
+@FUSIONS.register("attfuse")
+class AttFusion(DenseFusion):
+    """OpenCOOD AttFuse: per-location self-attention across agents, the ego's row kept.
+    Parameter-free; by default applied at every backbone scale."""
+
+    default_stage = "multiscale"
+    combine = staticmethod(ego_attention)
 
 
 @FUSIONS.register("fcooper")
-class SpatialMaxFusion(FusionModule):
+class SpatialMaxFusion(DenseFusion):
     """F-Cooper: element-wise max over agents. Parameter-free; by default applied to the
     scattered pillar canvas (voxel-feature fusion), ``stage: backbone`` gives F-Cooper's
     spatial-feature fusion as OpenCOOD implements it."""
 
     default_stage = "scatter"
-
-    @classmethod
-    def from_config(cls, args: dict, in_channels: int, num_anchors: int) -> "SpatialMaxFusion":
-        return cls(bytes_per_value=args.get("bytes_per_value", FP32_BYTES))
-
-    def forward(self, features: torch.Tensor, record_len: torch.Tensor) -> FusionResult:
-        padded, is_real = pad_by_sample(features, record_len)
-        attend = is_real[:, :, None, None].expand(-1, -1, *features.shape[2:])
-        fused = masked_max(padded, attend)
-        return FusionResult(fused, dense_comm_bytes(features, record_len, self.bytes_per_value),
-                            {})
+    combine = staticmethod(masked_max)
 
 
 @FUSIONS.register("where2comm")

@@ -158,6 +158,14 @@ def any_across_ranks(flag: bool) -> bool:
     return bool(flag_tensor.item())
 
 
+def sum_across_ranks(*values: float | int | torch.Tensor) -> tuple:
+    """Each scalar summed over all ranks, in float64, with one all-reduce -> tuple of floats."""
+    totals = torch.tensor([float(v) for v in values], dtype=torch.float64,
+                          device=collective_device())
+    all_reduce_sum(totals)
+    return tuple(totals.tolist())
+
+
 def reduce_mean_exact(loss_sum: float | torch.Tensor, count: int | float | torch.Tensor) -> float:
     """Exact mean over all ranks: sum(loss_sum) / sum(count).
 
@@ -165,10 +173,7 @@ def reduce_mean_exact(loss_sum: float | torch.Tensor, count: int | float | torch
     per-rank means instead would weight ranks with fewer samples (the unpadded validation shards
     differ by one) too much. Computed in float64 so large sums keep their precision.
     """
-    totals = torch.tensor([float(loss_sum), float(count)], dtype=torch.float64,
-                          device=collective_device())
-    all_reduce_sum(totals)
-    total_loss, total_count = totals.tolist()
+    total_loss, total_count = sum_across_ranks(loss_sum, count)
     if total_count <= 0:
         raise ValueError("reduce_mean_exact: the sample count summed over all ranks is 0, "
                          "so there is no mean (empty validation set?)")
