@@ -183,3 +183,50 @@ def test_tuple_sample_keys_survive_json_gather():
     assert rank0.merge(gathered).compute()["ap_50"] == pytest.approx(0.5)
     with pytest.raises(ValueError, match="already added"):
         rank0.merge(json.loads(json.dumps(rank1.state_dict())))
+
+
+def visibility_case() -> APAccumulator:
+    """GT A (x=0) seen by the ego (12 points), GT B (x=10) occluded (0 points); detections:
+    0.9 on A, 0.8 on nothing (x=30), 0.7 on B."""
+    accumulator = APAccumulator()
+    accumulator.add_frame(cars((0, 0), (30, 0), (10, 0)), np.array([0.9, 0.8, 0.7]),
+                          cars((0, 0), (10, 0)), sample_key=("s", "0"), gt_ego_points=[12, 0])
+    return accumulator
+
+
+def test_visibility_split_by_hand():
+    result = visibility_case().compute()
+    # Overall: TP, FP, TP over 2 GT -> AP 5/6 (test_voc_ap_by_hand).
+    assert result["ap_50"] == pytest.approx(5 / 6)
+    visible, occluded = result["visibility"]["ego-visible"], result["visibility"]["ego-occluded"]
+    assert (visible["num_gt"], occluded["num_gt"]) == (1, 1)
+    # Visible: the detection on B is ignored -> TP, FP over 1 GT: precision 1 at recall 1.
+    assert visible["ap_50"] == pytest.approx(1.0)
+    # Occluded: the detection on A is ignored -> FP, TP over 1 GT: precision 1/2 at recall 1.
+    assert occluded["ap_30"] == occluded["ap_50"] == occluded["ap_70"] == pytest.approx(0.5)
+
+
+def test_visibility_threshold_and_gather_round_trip():
+    state = json.loads(json.dumps(visibility_case().state_dict()))
+    assert APAccumulator.from_state_dict(state).compute() == visibility_case().compute()
+    # With 13 points needed to count as seen, A (12 points) is occluded too: 2 GT, AP 5/6.
+    strict = APAccumulator(visible_min_points=13)
+    strict.add_frame(cars((0, 0), (30, 0), (10, 0)), np.array([0.9, 0.8, 0.7]),
+                     cars((0, 0), (10, 0)), gt_ego_points=[12, 0])
+    rows = strict.compute()["visibility"]
+    assert rows["ego-occluded"]["num_gt"] == 2 and rows["ego-visible"]["num_gt"] == 0
+    assert rows["ego-occluded"]["ap_50"] == pytest.approx(5 / 6)
+    assert rows["ego-visible"]["ap_50"] == 0.0
+    with pytest.raises(ValueError, match="thresholds or bins"):
+        strict.merge(visibility_case())
+
+
+def test_visibility_needs_every_count():
+    # One frame without counts (as in training) -> no visibility rows rather than a wrong split.
+    accumulator = visibility_case()
+    accumulator.add_frame(cars((0, 0)), np.array([0.5]), cars((0, 0)), sample_key=("s", "1"))
+    assert "visibility" not in accumulator.compute()
+    assert "visibility" not in accumulate("abc").compute()
+    with pytest.raises(ValueError, match="gt_ego_points"):
+        APAccumulator().add_frame(cars((0, 0)), np.array([0.5]), cars((0, 0)),
+                                  gt_ego_points=[1, 2])

@@ -191,3 +191,15 @@ def test_empty_cloud_and_no_vehicles_train_a_step(tmp_path, config):
 def build_dataset_for_test(cfg, split):
     from opencood.data.datasets import build_dataset
     return build_dataset(cfg, "train", train=False, cache_dir=split.parent / "cache")
+
+
+def test_gt_ego_points_count_the_egos_own_returns(road):
+    # Every car is a 30-point cluster in each CAV's cloud (the road fixture), so the ego's count
+    # per GT box is 30, whatever the fusion method feeds the model; training skips it (-1).
+    for cls in (NoFusionDataset, EarlyFusionDataset, IntermediateFusionDataset, LateFusionDataset):
+        sample = make(cls, road, train=False)[1]
+        assert sample["gt_ego_points"].tolist() == [30] * len(sample["gt_boxes"]), cls.__name__
+        trained = make(cls, road, train=True)[1]
+        assert (trained["gt_ego_points"] == -1).all() and len(trained["gt_ego_points"]) > 0
+    batch = collate_samples([make(NoFusionDataset, road, train=False)[i] for i in (0, 2)])
+    assert [c.tolist() for c in batch["gt_ego_points"]] == [[30] * 4, [30] * 4]

@@ -301,12 +301,18 @@ def test_outputs_yaml_table_tensorboard_and_pictures(runs, reference, tmp_path, 
     assert all({"ap_30", "ap_50", "ap_70", "num_gt"} <= set(row)
                for row in saved["distance"].values())
     assert saved["bytes_per_agent"] > 0 and saved["frames_per_s"] > 0
+    # Every GT is either seen by the ego's own LiDAR or occluded for it.
+    groups = saved["visibility"]
+    assert set(groups) == {"ego-visible", "ego-occluded"}
+    assert groups["ego-visible"]["num_gt"] + groups["ego-occluded"]["num_gt"] == saved["num_gt"]
     assert _without_timing(saved) == {**_without_timing(reference.inter), "name": saved["name"]}
 
     assert "eval_test_intermediate" in printed and "AP@0.5" in printed
     overall = next(line for line in printed.splitlines() if line.strip().startswith("overall"))
     assert overall.split()[1:4] == [f"{metrics[k]:.4f}" for k in ("ap_30", "ap_50", "ap_70")]
     assert any(line.strip().startswith("0-30 m") for line in printed.splitlines())
+    occluded = next(line for line in printed.splitlines() if "ego-occluded" in line)
+    assert occluded.split()[-1] == str(groups["ego-occluded"]["num_gt"])
     assert f"{metrics['bytes_per_agent']:.0f}" in printed
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -10,6 +10,8 @@ from opencood.ops.transforms import (
     apply_transform,
     boxes_to_corners_3d,
     corners_to_boxes,
+    count_points_in_boxes,
+    points_in_boxes_mask,
     pose_to_matrix,
     relative_transform,
 )
@@ -125,3 +127,28 @@ def test_corners_to_boxes_inverts_boxes_to_corners_including_yaw_wrap(order):
     recovered = corners_to_boxes(boxes_to_corners_3d(boxes, order=order), order=order)
     np.testing.assert_allclose(recovered[:, :6], boxes[:, :6], atol=1e-9)
     np.testing.assert_allclose(_wrap(recovered[:, 6] - boxes[:, 6]), 0.0, atol=1e-9)
+
+
+def test_count_points_in_boxes_equals_the_mask_and_lifts_the_bottom():
+    rng = np.random.default_rng(3)
+    points = np.c_[rng.uniform(-20, 20, (20000, 2)), rng.uniform(-3, 1, 20000),
+                   np.zeros(20000)].astype(np.float32)
+    boxes = np.c_[rng.uniform(-20, 20, (30, 2)), rng.uniform(-1.5, -0.5, 30),
+                  rng.uniform(1.4, 2.0, 30), rng.uniform(1.6, 2.2, 30), rng.uniform(3.5, 6, 30),
+                  rng.uniform(-3, 3, 30)]
+    for order in ("hwl", "lwh"):
+        for margin in (0.0, 0.1):
+            expected = points_in_boxes_mask(points, boxes, order, margin).sum(axis=1)
+            np.testing.assert_array_equal(count_points_in_boxes(points, boxes, order, margin),
+                                          expected)
+    # Box z -1, h 1.5 (hwl): bottom face at -1.75. A point 5 cm above it is a ground return.
+    box = np.array([[0.0, 0.0, -1.0, 1.5, 2.0, 4.0, 0.0]])
+    low, high = [1.0, 0.5, -1.70, 0.0], [1.0, 0.5, -1.40, 0.0]
+    cloud = np.array([low, high, [9.0, 0.0, -1.0, 0.0]], dtype=np.float32)
+    assert count_points_in_boxes(cloud, box).tolist() == [2]
+    assert count_points_in_boxes(cloud, box, ground_clearance=0.25).tolist() == [1]
+    lwh_box = box[:, [0, 1, 2, 5, 4, 3, 6]].copy()
+    assert count_points_in_boxes(cloud, lwh_box, "lwh", ground_clearance=0.25).tolist() == [1]
+    assert lwh_box[0, 2] == -1.0 and lwh_box[0, 5] == 1.5   # the caller's boxes are untouched
+    assert count_points_in_boxes(cloud[:0], box).tolist() == [0]
+    assert count_points_in_boxes(cloud, np.zeros((0, 7))).shape == (0,)

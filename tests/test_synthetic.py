@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import yaml
 
+from opencood.data.datasets import NoFusionDataset
 from opencood.data.opv2v import OPV2VSplit, vehicles_to_boxes
 from opencood.data.pcd import read_pcd
 from opencood.data.synthetic import (GROUND_ID, Building, LidarConfig, OutputDirError, Scene,
@@ -260,6 +261,25 @@ def test_reader_reads_the_data_and_agrees_with_the_summary(tiny_data):
     assert summary["gt_per_sample"] == pytest.approx(gt_total / (3 * preset.frames), abs=0.01)
     assert summary["invisible_to_ego_share"] == pytest.approx(invisible_total / gt_total,
                                                               abs=1e-3)
+
+
+def test_ego_point_counts_agree_with_the_generators_visibility(tiny_data):
+    # The eval datasets count the ego's returns in each GT box (the AP visibility split); a car
+    # is occluded for the ego (0 returns) exactly when the generator left it out of the ego's
+    # `vehicles`, i.e. no ego ray hit it.
+    out, _ = tiny_data
+    preset = get_preset("tiny")
+    dataset = NoFusionDataset(out / "test", lidar_range=list(preset.eval_range),
+                              gt_range=list(preset.eval_range), train=False)
+    occluded = 0
+    for index in range(len(dataset)):
+        sample = dataset[index]
+        ego = dataset._load_agents(index)["agents"][0]
+        seen_by_ego = {int(actor) for actor in ego["vehicles"]}
+        for actor, count in zip(sample["gt_ids"].tolist(), sample["gt_ego_points"].tolist()):
+            assert (count > 0) == (actor in seen_by_ego), (index, actor, count)
+            occluded += count == 0
+    assert occluded > 0
 
 
 def test_bad_preset_and_bad_out_dir(tmp_path):

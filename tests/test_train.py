@@ -35,7 +35,7 @@ FAST_DDP_CONFIGS = ["point_pillar_where2comm", "point_pillar_early_fusion"]
 SLOW_DDP_CONFIGS = [name for name in FUSION_CONFIGS
                     if name not in FAST_DDP_CONFIGS + ["point_pillar_attfuse"]]
 TRAIN_SCALARS = ("loss", "lr", "grad_norm", "samples_per_s")
-VAL_SCALARS = ("loss", "ap_50")
+VAL_SCALARS = ("loss", "ap_50", "ap_50_ego_occluded")
 CPU = torch.device("cpu")
 
 

@@ -11,6 +11,7 @@ Batch layout (CPU tensors; ``opencood.data.pipeline`` moves them and pillarises 
     shared_points     (B,) int64   points each non-ego agent sent (early fusion)
     sample_keys       list of B keys (scenario, timestamp[, cav])
     gt_ids            list of B int64 arrays
+    gt_ego_points     list of B int64 arrays: ego points in each GT box (-1: not computed)
     points_in_agent_frame  bool: clouds in their agent's own frame (late fusion) or the ego's
 """
 from __future__ import annotations
@@ -50,6 +51,7 @@ def collate_samples(samples: List[Dict]) -> Dict:
         "shared_points": torch.tensor([s["shared_points"] for s in samples], dtype=torch.int64),
         "sample_keys": [tuple(s["sample_key"]) for s in samples],
         "gt_ids": [s["gt_ids"] for s in samples],
+        "gt_ego_points": [s["gt_ego_points"] for s in samples],
         "points_in_agent_frame": bool(samples[0].get("points_in_agent_frame", False)),
     }
 

@@ -12,6 +12,9 @@ A sample is a dict::
     transforms_to_ego (n, 4, 4) float32              agent -> ego as used (noisy for non-ego)
     gt_boxes          (M, 7) float32 [x, y, z, h, w, l, yaw]
     gt_ids            (M,) int64
+    gt_ego_points     (M,) int64                     ego LiDAR points inside each GT box (the
+                                                     ego's own returns: 0 = occluded for the
+                                                     ego); -1 in training, where it is not needed
     shared_points     int                            points each non-ego agent sent, averaged
                                                      over them (early fusion; else 0)
     points_in_agent_frame bool                       True when clouds are in their own agent's
@@ -37,7 +40,8 @@ import torch
 from opencood.data.augment import augment_sample, check_augment_config
 from opencood.data.opv2v import OPV2VSplit, remove_own_body_points, vehicles_to_boxes
 from opencood.data.wild import WildSetting, delayed_timestamp, noisy_pose
-from opencood.ops.transforms import apply_transform, points_in_range_mask, relative_transform
+from opencood.ops.transforms import (apply_transform, count_points_in_boxes, points_in_range_mask,
+                                     relative_transform)
 from opencood.registry import DATASETS
 
 DEFAULT_LIDAR_RANGE = [-140.8, -40.0, -3.0, 140.8, 40.0, 1.0]
@@ -45,6 +49,10 @@ DEFAULT_GT_RANGE = [-140.0, -40.0, -3.0, 140.0, 40.0, 1.0]
 
 # Purpose codes keep the augmentation and the noise streams independent of each other.
 _AUGMENT_STREAM, _NOISE_STREAM = 1, 2
+# Ego points in a GT box (its visibility to the ego): 0.1 m around the box takes in surface returns
+# that range noise put just outside; the bottom 0.25 m is left out, where ground returns beside
+# the wheels would make a car hidden from the ego look seen.
+VISIBILITY_MARGIN, GROUND_CLEARANCE = 0.1, 0.25   # metres
 
 
 def boxes_center_in_range(boxes: np.ndarray, limit_range) -> np.ndarray:
@@ -144,10 +152,20 @@ class BaseFusionDataset(torch.utils.data.Dataset):
                 "T_to_ego": relative_transform(reported_pose, ego_pose),
             })
         return {"info": info, "agents": agents, "gt_boxes": sample["gt_boxes"],
-                "gt_ids": sample["gt_ids"]}
+                "gt_ids": sample["gt_ids"],
+                "gt_ego_points": self._points_per_box(agents[0]["points"], sample["gt_boxes"])}
+
+    def _points_per_box(self, points: np.ndarray, boxes) -> np.ndarray:
+        """(M,) own points of the viewing agent inside each GT box (same frame), for the
+        ego-visible / ego-occluded AP split; skipped (-1) in training, where nothing reads it."""
+        boxes = np.asarray(boxes, np.float64).reshape(-1, 7)
+        if self.train:
+            return np.full(boxes.shape[0], -1, dtype=np.int64)
+        return count_points_in_boxes(points, boxes, self.order, margin=VISIBILITY_MARGIN,
+                                     ground_clearance=GROUND_CLEARANCE)
 
     def _finish(self, index: int, key, agent_ids, points_list, transforms, gt_boxes, gt_ids,
-                shared_points: int) -> Dict:
+                shared_points: int, gt_ego_points: np.ndarray) -> Dict:
         """Augment (one transform for all agents), crop points and boxes, cast dtypes."""
         points_list, gt_boxes, _ = augment_sample(points_list, np.asarray(gt_boxes, np.float64),
                                                   self.augment_cfg,
@@ -162,6 +180,7 @@ class BaseFusionDataset(torch.utils.data.Dataset):
             "transforms_to_ego": np.asarray(transforms, dtype=np.float32).reshape(-1, 4, 4),
             "gt_boxes": gt_boxes[keep].astype(np.float32).reshape(-1, 7),
             "gt_ids": np.asarray(gt_ids, dtype=np.int64)[keep],
+            "gt_ego_points": np.asarray(gt_ego_points, dtype=np.int64)[keep],
             "shared_points": int(shared_points),
             "points_in_agent_frame": self.points_in_agent_frame,
         }
@@ -184,7 +203,8 @@ class NoFusionDataset(BaseFusionDataset):
     def _build(self, index, key, loaded):
         ego = loaded["agents"][0]
         return self._finish(index, key, [ego["cav_id"]], [ego["points"]], [np.eye(4)],
-                            loaded["gt_boxes"], loaded["gt_ids"], shared_points=0)
+                            loaded["gt_boxes"], loaded["gt_ids"], shared_points=0,
+                            gt_ego_points=loaded["gt_ego_points"])
 
 
 def _points_to_ego(agents: List[Dict]) -> List[np.ndarray]:
@@ -204,7 +224,8 @@ class EarlyFusionDataset(BaseFusionDataset):
         # Bytes are reported per sending agent, so average over the non-ego agents.
         shared = int(round(sum(len(c) for c in clouds[1:]) / max(1, len(clouds) - 1)))
         return self._finish(index, key, [agents[0]["cav_id"]], [merged], [np.eye(4)],
-                            loaded["gt_boxes"], loaded["gt_ids"], shared_points=shared)
+                            loaded["gt_boxes"], loaded["gt_ids"], shared_points=shared,
+                            gt_ego_points=loaded["gt_ego_points"])
 
 
 @DATASETS.register("intermediate")
@@ -217,7 +238,8 @@ class IntermediateFusionDataset(BaseFusionDataset):
         agents = loaded["agents"]
         return self._finish(index, key, [a["cav_id"] for a in agents], _points_to_ego(agents),
                             [a["T_to_ego"] for a in agents], loaded["gt_boxes"],
-                            loaded["gt_ids"], shared_points=0)
+                            loaded["gt_ids"], shared_points=0,
+                            gt_ego_points=loaded["gt_ego_points"])
 
 
 @DATASETS.register("late")
@@ -254,13 +276,15 @@ class LateFusionDataset(BaseFusionDataset):
                                              self.gt_range, order=self.order)
         key = (info.scenario, info.timestamp, agent["cav_id"])
         return self._finish(index, key, [agent["cav_id"]], [agent["points"]], [np.eye(4)],
-                            gt_boxes, gt_ids, shared_points=0)
+                            gt_boxes, gt_ids, shared_points=0,
+                            gt_ego_points=self._points_per_box(agent["points"], gt_boxes))
 
     def _build(self, index, key, loaded):
         agents = loaded["agents"]
         return self._finish(index, key, [a["cav_id"] for a in agents],
                             [a["points"] for a in agents], [a["T_to_ego"] for a in agents],
-                            loaded["gt_boxes"], loaded["gt_ids"], shared_points=0)
+                            loaded["gt_boxes"], loaded["gt_ids"], shared_points=0,
+                            gt_ego_points=loaded["gt_ego_points"])
 
 
 def build_dataset(cfg: dict, split: str, train: bool, fusion_method: str | None = None,

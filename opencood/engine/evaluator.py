@@ -109,11 +109,13 @@ def settings_to_run(args) -> List[Dict]:
 
 def format_table(name: str, metrics: Dict) -> str:
     lines = [f"{name}",
-             f"{'':>10} {'AP@0.3':>8} {'AP@0.5':>8} {'AP@0.7':>8} {'#GT':>6}",
-             f"{'overall':>10} {metrics['ap_30']:8.4f} {metrics['ap_50']:8.4f} "
+             f"{'':>12} {'AP@0.3':>8} {'AP@0.5':>8} {'AP@0.7':>8} {'#GT':>6}",
+             f"{'overall':>12} {metrics['ap_30']:8.4f} {metrics['ap_50']:8.4f} "
              f"{metrics['ap_70']:8.4f} {metrics['num_gt']:6d}"]
-    for bin_name, row in metrics["distance"].items():
-        lines.append(f"{bin_name + ' m':>10} {row['ap_30']:8.4f} {row['ap_50']:8.4f} "
+    rows = [(f"{bin_name} m", row) for bin_name, row in metrics["distance"].items()]
+    rows += list(metrics.get("visibility", {}).items())
+    for row_name, row in rows:
+        lines.append(f"{row_name:>12} {row['ap_30']:8.4f} {row['ap_50']:8.4f} "
                      f"{row['ap_70']:8.4f} {row['num_gt']:6d}")
     lines.append(f"bytes per agent per frame {metrics['bytes_per_agent']:.0f}, "
                  f"{metrics['frames_per_s']:.2f} frames/s, {metrics['num_frames']} frames")

@@ -302,7 +302,8 @@ def first_sample_picture(cfg: Dict, pictures: list):
 def validate(model_for_eval, val_loaders, loss_fn, info, amp_dtype, cfg, epoch, preparer):
     """Validation loss (exact over ranks) every epoch; AP every ``eval_freq`` epochs.
 
-    Returns ({"loss", and "ap_30/50/70" on rank 0 when computed}, samples in the loss,
+    Returns ({"loss", and "ap_30/50/70", "ap_50_ego_occluded" on rank 0 when computed},
+    samples in the loss,
     [a BEV picture (H, W, 3) BGR of the first sample when AP was computed, on rank 0]).
     """
     loss_loader, ap_loader = val_loaders
@@ -314,6 +315,9 @@ def validate(model_for_eval, val_loaders, loss_fn, info, amp_dtype, cfg, epoch, 
                                   on_sample=first_sample_picture(cfg, pictures))
         if metrics is not None:
             results.update({k: metrics[k] for k in ("ap_30", "ap_50", "ap_70")})
+            if "visibility" in metrics:
+                # The cars only other agents see: the curve that shows cooperation working.
+                results["ap_50_ego_occluded"] = metrics["visibility"]["ego-occluded"]["ap_50"]
     return results, count, pictures
 
 

@@ -125,6 +125,16 @@ def _concat(arrays: list) -> np.ndarray:
     return np.concatenate(arrays + [np.zeros(0)])
 
 
+def _ego_points_or_unknown(gt_ego_points, num_gt: int) -> np.ndarray:
+    """(G,) int64 ego point counts; -1 (unknown) for every GT when ``gt_ego_points`` is None."""
+    if gt_ego_points is None:
+        return np.full(num_gt, -1, dtype=np.int64)
+    counts = np.asarray(torch.as_tensor(gt_ego_points).cpu(), dtype=np.int64).reshape(-1)
+    if counts.shape[0] != num_gt:
+        raise ValueError(f"{num_gt} GT boxes but {counts.shape[0]} gt_ego_points")
+    return counts
+
+
 def _key_name(threshold: float) -> str:
     return f"ap_{int(round(threshold * 100))}"
 
@@ -138,6 +148,12 @@ class APAccumulator:
     centre. Matching itself is done once against all GT of the frame, so a bin never turns a TP
     into an FP. GT beyond the last bin count only in the overall AP.
 
+    Visibility rule (when every frame was added with ``gt_ego_points``, the ego's own LiDAR
+    points inside each GT box): GT with fewer than ``visible_min_points`` are "ego-occluded",
+    the others "ego-visible" — the objects only cooperation can reveal, and the rest. A group's
+    AP counts its GT; a detection matched to a GT of the other group is ignored (neither TP nor
+    FP, as KITTI treats "don't care" objects); an unmatched detection is an FP in both groups.
+
     Ordering: detections with equal scores are ordered by (sample key, index in the frame), so
     the result does not depend on the order frames were added. Frames added without a
     ``sample_key`` come after keyed ones in insertion order (only ties among them can then
@@ -146,7 +162,8 @@ class APAccumulator:
     """
 
     def __init__(self, iou_thresholds=(0.3, 0.5, 0.7), distance_bins=((0, 30), (30, 50), (50, 100)),
-                 order: str = "hwl", match_batch_frames: int = 256):
+                 order: str = "hwl", match_batch_frames: int = 256, visible_min_points: int = 1):
+        self.visible_min_points = int(visible_min_points)
         self.iou_thresholds = tuple(float(t) for t in iou_thresholds)
         self.distance_bins = tuple((float(low), float(high)) for low, high in distance_bins)
         self.order = order
@@ -158,8 +175,10 @@ class APAccumulator:
     def __len__(self) -> int:
         return len(self._frames) + len(self._pending)
 
-    def add_frame(self, pred_boxes, pred_scores, gt_boxes, sample_key=None) -> None:
-        """Add one frame: pred_boxes (K, 7), pred_scores (K,), gt_boxes (G, 7), in the ego frame.
+    def add_frame(self, pred_boxes, pred_scores, gt_boxes, sample_key=None,
+                  gt_ego_points=None) -> None:
+        """Add one frame: pred_boxes (K, 7), pred_scores (K,), gt_boxes (G, 7), in the ego frame;
+        gt_ego_points (G,) ego points inside each GT box (None or negative: unknown).
 
         Tensors (any device) or numpy; copied to CPU float64. Matching runs in batches of
         ``match_batch_frames`` frames (one IoU call for all of them: per-frame calls would be
@@ -170,9 +189,10 @@ class APAccumulator:
         scores = torch.as_tensor(pred_scores).detach().reshape(-1).to("cpu", torch.float64).numpy()
         if scores.shape[0] != pred.shape[0]:
             raise ValueError(f"{pred.shape[0]} boxes but {scores.shape[0]} scores")
+        ego_points = _ego_points_or_unknown(gt_ego_points, gt.shape[0])
         self._register_key(sample_key)
         self._pending.append({"key": sample_key, "pred_boxes": pred, "scores": scores.copy(),
-                              "gt_boxes": gt})
+                              "gt_boxes": gt, "gt_ego_points": ego_points})
         if len(self._pending) >= self.match_batch_frames:
             self._match_pending()
 
@@ -190,6 +210,7 @@ class APAccumulator:
                 "scores": frame["scores"],
                 "det_distance": np.hypot(pred_xy[:, 0], pred_xy[:, 1]),
                 "gt_distance": np.hypot(gt_xy[:, 0], gt_xy[:, 1]),
+                "gt_ego_points": frame["gt_ego_points"],
                 "matched_gt": greedy_match(iou, frame["scores"], thresholds),
             })
         self._pending = []
@@ -208,15 +229,18 @@ class APAccumulator:
         frames = [{"key": f["key"], "scores": f["scores"].tolist(),
                    "det_distance": f["det_distance"].tolist(),
                    "gt_distance": f["gt_distance"].tolist(),
+                   "gt_ego_points": f["gt_ego_points"].tolist(),
                    "matched_gt": f["matched_gt"].tolist()} for f in self._frames]
         return {"iou_thresholds": list(self.iou_thresholds),
                 "distance_bins": [list(b) for b in self.distance_bins],
+                "visible_min_points": self.visible_min_points,
                 "order": self.order, "frames": frames}
 
     @classmethod
     def from_state_dict(cls, state: dict) -> "APAccumulator":
         accumulator = cls(state["iou_thresholds"], state["distance_bins"],
-                          state.get("order", "hwl"))
+                          state.get("order", "hwl"),
+                          visible_min_points=state.get("visible_min_points", 1))
         accumulator._merge_frames(state["frames"])
         return accumulator
 
@@ -227,8 +251,10 @@ class APAccumulator:
         same_thresholds = tuple(float(t) for t in state["iou_thresholds"]) == self.iou_thresholds
         bins = tuple((float(low), float(high)) for low, high in state["distance_bins"])
         same_bins = bins == self.distance_bins
-        if not (same_thresholds and same_bins):
-            raise ValueError("cannot merge accumulators with different thresholds or bins")
+        same_visibility = int(state.get("visible_min_points", 1)) == self.visible_min_points
+        if not (same_thresholds and same_bins and same_visibility):
+            raise ValueError("cannot merge accumulators with different thresholds or bins "
+                             "(or visible_min_points)")
         self._merge_frames(state["frames"])
         return self
 
@@ -243,6 +269,8 @@ class APAccumulator:
                 "scores": np.asarray(frame["scores"], dtype=np.float64),
                 "det_distance": np.asarray(frame["det_distance"], dtype=np.float64),
                 "gt_distance": np.asarray(frame["gt_distance"], dtype=np.float64),
+                "gt_ego_points": _ego_points_or_unknown(frame.get("gt_ego_points"),
+                                                        len(frame["gt_distance"])),
                 "matched_gt": np.asarray(frame["matched_gt"], dtype=np.int64).reshape(
                     num_thresholds, -1),
             })
@@ -256,7 +284,8 @@ class APAccumulator:
     def _flatten(self) -> dict:
         """All detections of the split in global score order.
 
-        -> is_tp (T, D) bool and bin_distance (T, D) in that order, gt_distance (G,).
+        -> is_tp (T, D) bool, matched (T, D) split-wide GT index (-1 for an FP) and bin_distance
+        (T, D) in that order; gt_distance (G,) and gt_ego_points (G,) over the split's GT.
         Order: descending score, then frame rank (sorted sample key), then index in the frame.
         """
         frames = self._frames_in_tie_order()
@@ -271,7 +300,10 @@ class APAccumulator:
         # The appended 0 is what index -1 (an FP) reads, so the lookup also works with no GT.
         matched_gt_distance = np.append(gt_distance, 0.0)[matched]
         bin_distance = np.where(matched >= 0, matched_gt_distance, det_distance[order][None, :])
-        return {"is_tp": matched >= 0, "bin_distance": bin_distance, "gt_distance": gt_distance}
+        gt_ego_points = np.concatenate([f["gt_ego_points"] for f in frames]
+                                       + [np.zeros(0, dtype=np.int64)])
+        return {"is_tp": matched >= 0, "matched": matched, "bin_distance": bin_distance,
+                "gt_distance": gt_distance, "gt_ego_points": gt_ego_points}
 
     def _split_wide_matches(self, frames: list) -> np.ndarray:
         """Per-frame matched GT indices -> (T, D) indices into the split's GT list, -1 for FP."""
@@ -283,7 +315,9 @@ class APAccumulator:
 
     def compute(self) -> dict:
         """-> {"ap_30": float, ..., "num_gt", "num_det", "num_frames",
-        "distance": {"0-30": {"ap_30": float, ..., "num_gt": int}, ...}}."""
+        "distance": {"0-30": {"ap_30": float, ..., "num_gt": int}, ...},
+        "visibility": {"ego-visible": {...}, "ego-occluded": {...}} (only when every GT's ego
+        point count is known)}."""
         self._match_pending()
         flat = self._flatten()
         result = {}
@@ -303,4 +337,26 @@ class APAccumulator:
                                                               int(gt_in_bin.sum()))
             row["num_gt"] = int(gt_in_bin.sum())
             result["distance"][f"{low:g}-{high:g}"] = row
+        visibility = self._visibility_rows(flat)
+        if visibility is not None:
+            result["visibility"] = visibility
         return result
+
+    def _visibility_rows(self, flat: dict) -> dict | None:
+        """AP of ego-visible and ego-occluded GT (class docstring), None if counts are unknown."""
+        ego_points = flat["gt_ego_points"]
+        if ego_points.shape[0] == 0 or (ego_points < 0).any():
+            return None
+        occluded = ego_points < self.visible_min_points
+        rows = {}
+        for name, in_group in (("ego-visible", ~occluded), ("ego-occluded", occluded)):
+            # Index -1 (an FP) reads the appended False: FPs are never "in the other group".
+            other_group = np.append(~in_group, False)[flat["matched"]]            # (T, D)
+            row = {}
+            for t, threshold in enumerate(self.iou_thresholds):
+                counted = ~other_group[t]
+                row[_key_name(threshold)] = ap_from_sorted_tp(flat["is_tp"][t][counted],
+                                                              int(in_group.sum()))
+            row["num_gt"] = int(in_group.sum())
+            rows[name] = row
+        return rows

@@ -120,7 +120,9 @@ def run_inference(model, loader, preparer, cfg: Dict, device, fusion_method: str
         for row, (boxes, scores, sent) in enumerate(results):
             gt = batch["gt_boxes"][row][batch["gt_mask"][row]]
             key = tuple(batch["sample_keys"][row])
-            accumulator.add_frame(boxes.float().cpu(), scores.float().cpu(), gt, sample_key=key)
+            ego_points = batch["gt_ego_points"][row] if "gt_ego_points" in batch else None
+            accumulator.add_frame(boxes.float().cpu(), scores.float().cpu(), gt, sample_key=key,
+                                  gt_ego_points=ego_points)
             bytes_sum += sent
             frames += 1
             if on_sample is not None:

@@ -59,5 +59,6 @@ def fake_collated_batch(cfg: Dict, batch_size: int = 2, agents_per_sample: int =
         "shared_points": torch.zeros(batch_size, dtype=torch.int64),
         "sample_keys": [(f"fake_{i}", "000000") for i in range(batch_size)],
         "gt_ids": [torch.arange(max_gt).numpy() for _ in range(batch_size)],
+        "gt_ego_points": [torch.full((max_gt,), -1).numpy() for _ in range(batch_size)],
         "points_in_agent_frame": False,
     }
