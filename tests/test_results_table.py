@@ -1,0 +1,278 @@
+"""tools/results_table.py: epochs from steps, the markdown table, --skip_existing, bad input, and
+one real train + eval run on tiny hand-made data."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from opv2v_factory import write_simple_split
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+TOOL = REPO_ROOT / "tools" / "results_table.py"
+SMOKE_YAML = REPO_ROOT / "hypes_yaml" / "synthetic" / "smoke.yaml"
+
+
+def _load_tool():
+    spec = importlib.util.spec_from_file_location("tool_results_table", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+rt = _load_tool()
+
+
+def _metrics(ap30, ap50, ap70, bytes_per_agent, visibility=None) -> dict:
+    metrics = {"ap_30": ap30, "ap_50": ap50, "ap_70": ap70, "num_gt": 992, "num_frames": 32,
+               "distance": {"0-30": {"ap_30": 0.8, "ap_50": 0.6, "ap_70": 0.2, "num_gt": 657}},
+               "frames_per_s": 17.5, "bytes_per_agent": bytes_per_agent,
+               "name": "eval_test_x"}
+    if visibility is not None:
+        metrics["visibility"] = visibility
+    return metrics
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    """train (4 samples x 2 CAVs), validate (2), test (2): the OPV2V layout --data expects."""
+    root = tmp_path_factory.mktemp("table_data")
+    for split, count in (("train", 4), ("validate", 2), ("test", 2)):
+        write_simple_split(root / split, num_cavs=2,
+                           timestamps=tuple(f"{2 * i:06d}" for i in range(count)))
+    return root
+
+
+@pytest.fixture(scope="module")
+def late_smoke_yaml(tmp_path_factory) -> Path:
+    """smoke.yaml turned into late fusion (single-agent model): trains per (sample, CAV)."""
+    path = tmp_path_factory.mktemp("late_cfg") / "late_smoke.yaml"
+    path.write_text(yaml.safe_dump({"_base_": str(SMOKE_YAML), "name": "late_smoke",
+                                    "fusion": {"core_method": "late"},
+                                    "model": {"core_method": "point_pillar",
+                                              "args": {"fusion": None}}}))
+    return path
+
+
+# -- epochs from steps ------------------------------------------------------------------------
+
+def test_steps_per_epoch_and_epochs_for_steps_hand_values():
+    # README: 112 samples, global batch 4 -> 28 steps/epoch; 3640 steps -> 130 epochs.
+    assert rt.steps_per_epoch(112, 4, world_size=2, max_micro_batch=4) == 28
+    assert rt.epochs_for_steps(3640, 28) == 130
+    # Late fusion: 368 (sample, CAV) examples -> 92 steps/epoch -> ceil(3640 / 92) = 40 epochs.
+    assert rt.steps_per_epoch(368, 4, world_size=2, max_micro_batch=4) == 92
+    assert rt.epochs_for_steps(3640, 92) == 40
+    # Accumulation does not change the count: batch 8 over 2 ranks, micro 2 -> accum 2.
+    assert rt.steps_per_epoch(112, 8, world_size=2, max_micro_batch=2) == 14
+    # Not divisible: the trainer drops the tail. 10 over 2 ranks = 5 each, micro 2 -> 2 steps.
+    assert rt.steps_per_epoch(10, 4, world_size=2) == 2
+    assert rt.epochs_for_steps(1, 28) == 1
+    assert rt.epochs_for_steps(29, 28) == 2
+    with pytest.raises(ValueError):
+        rt.steps_per_epoch(112, 4, world_size=3)
+    with pytest.raises(ValueError):
+        rt.epochs_for_steps(10, 0)
+
+
+def test_dry_run_plans_equal_steps_from_the_real_data_set(data_dir, late_smoke_yaml, tmp_path,
+                                                          capsys):
+    """4 samples x 2 CAVs, global batch 2 over 2 processes: smoke 2 steps/epoch, late 4."""
+    code = rt.main(["--configs", str(SMOKE_YAML), str(late_smoke_yaml), "--data", str(data_dir),
+                    "--runs_root", str(tmp_path / "runs"), "--steps", "8", "--nproc", "2",
+                    "--dry_run"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "smoke: 4 train examples, 2 steps/epoch -> 4 epochs, 8 steps" in out
+    assert "late_smoke: 8 train examples, 4 steps/epoch -> 2 epochs, 8 steps" in out
+    assert (f"--nproc_per_node=2 tools/train.py --hypes_yaml {SMOKE_YAML} --model_dir "
+            f"{tmp_path / 'runs' / 'smoke'} --set train_params.epoches=4 "
+            f"--set train_params.eval_freq=4 --set train_params.save_freq=4 "
+            f"--set root_dir={data_dir / 'train'}") in out
+    assert f"eval.py --model_dir {tmp_path / 'runs' / 'late_smoke'} --split test" in out
+    assert not (tmp_path / "runs").exists()
+
+
+def test_default_configs_are_the_six_models_of_the_preset_dir():
+    args = rt.parse_args(["--preset_dir", str(REPO_ROOT / "hypes_yaml" / "opv2v")])
+    paths = rt.config_paths(args)
+    assert [p.stem for p in paths] == list(rt.DEFAULT_MODELS)
+    assert all(p.is_file() and p.parent.name == "opv2v" for p in paths)
+    assert [p.parent.name for p in rt.config_paths(rt.parse_args([]))] == ["synthetic"] * 6
+
+
+# -- the table --------------------------------------------------------------------------------
+
+def _write_eval(folder: Path, name: str, metrics: dict) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / name).write_text(yaml.safe_dump(metrics, sort_keys=False))
+    return folder / name
+
+
+def test_table_from_eval_yaml_files(tmp_path):
+    late = _write_eval(tmp_path / "late", rt.eval_file_name("test", "late"),
+                       _metrics(0.6044106, 0.4646260, 0.1385834, 892.8333))
+    fcooper = _write_eval(tmp_path / "fc", rt.eval_file_name("test", "intermediate"),
+                          _metrics(0.7271, 0.5779, 0.2464, 1048576.0))
+    assert late.name == "eval_test_late.yaml"
+    rows = [{"model": "point_pillar_late_fusion", "fusion": "late", "epochs": 40, "steps": 3680,
+             "train_minutes": 10.62, "metrics": rt.read_yaml(late)},
+            {"model": "point_pillar_fcooper", "fusion": "intermediate", "epochs": 130,
+             "steps": 3640, "train_minutes": 14.2, "metrics": rt.read_yaml(fcooper)},
+            {"model": "point_pillar_attfuse", "fusion": "intermediate", "epochs": 130,
+             "steps": 3640, "train_minutes": None, "metrics": None}]
+    lines = rt.format_table(rows).splitlines()
+    assert lines[0] == ("| model | fusion | epochs | optimizer steps | AP@0.3 | AP@0.5 | AP@0.7 | "
+                        "bytes per agent | train minutes |")
+    assert lines[1] == "|" + " --- |" * 9
+    assert lines[2] == ("| `point_pillar_late_fusion` | late | 40 | 3,680 | 0.604 | 0.465 | "
+                        "0.139 | 893 | 10.6 |")
+    assert lines[3] == ("| `point_pillar_fcooper` | intermediate | 130 | 3,640 | 0.727 | 0.578 | "
+                        "0.246 | 1,048,576 | 14.2 |")
+    assert lines[4] == ("| `point_pillar_attfuse` | intermediate | 130 | 3,640 | failed | n/a | "
+                        "n/a | n/a | n/a |")
+    assert "ego-occluded" not in rt.format_table(rows)
+    rows[0]["resumed"] = True
+    assert rt.format_table(rows).splitlines()[2].endswith("| 893 | 10.6 (resumed) |")
+
+
+def test_occluded_column_present_only_with_visibility():
+    group = {"ap_30": 0.5, "ap_50": 0.25, "ap_70": 0.05, "num_gt": 120}
+    with_vis = _metrics(0.4, 0.2, 0.02, 1048576, visibility={"ego-occluded": group,
+                                                              "ego-visible": dict(group)})
+    other_groups = _metrics(0.3, 0.1, 0.01, 0, visibility={"ego-visible": group})
+    rows = [{"model": "a", "fusion": "intermediate", "epochs": 1, "steps": 28,
+             "train_minutes": 0.5, "metrics": with_vis},
+            {"model": "b", "fusion": "no", "epochs": 1, "steps": 28, "train_minutes": 0.4,
+             "metrics": other_groups}]
+    lines = rt.format_table(rows).splitlines()
+    assert lines[0] == ("| model | fusion | epochs | optimizer steps | AP@0.3 | AP@0.5 | AP@0.7 | "
+                        "AP@0.5 ego-occluded | bytes per agent | train minutes |")
+    assert lines[2] == ("| `a` | intermediate | 1 | 28 | 0.400 | 0.200 | 0.020 | 0.250 | "
+                        "1,048,576 | 0.5 |")
+    assert lines[3] == "| `b` | no | 1 | 28 | 0.300 | 0.100 | 0.010 | n/a | 0 | 0.4 |"
+    assert rt.occluded_ap50({"visibility": None}) is None
+    assert rt.occluded_ap50({"visibility": {"ego-occluded": {"num_gt": 0}}}) is None
+    assert "ego-occluded" not in rt.format_table(rows[1:])
+
+
+# -- --skip_existing, failures and bad input (no training) -------------------------------------
+
+def _no_subprocess(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"a subprocess was started: {args}")
+    monkeypatch.setattr(rt.subprocess, "call", refuse)
+
+
+def test_skip_existing_reads_prepared_runs_without_training(data_dir, late_smoke_yaml, tmp_path,
+                                                           monkeypatch, capsys):
+    _no_subprocess(monkeypatch)
+    root = tmp_path / "runs"
+    # smoke: a run folder as a previous results_table run leaves it (with its .run.yaml).
+    _write_eval(root / "smoke", "eval_test_intermediate.yaml",
+                _metrics(0.5, 0.25, 0.125, 12345.6))
+    (root / "smoke.run.yaml").write_text(yaml.safe_dump(
+        {"model": "smoke", "epochs": 7, "steps": 14, "train_minutes": 2.26,
+         "commands": ["torchrun ... smoke", "python tools/eval.py ... smoke"]}))
+    # late_smoke: a bare tools/train.py run folder: epochs from its config.yaml, steps computed.
+    _write_eval(root / "late_smoke", "eval_test_late.yaml", _metrics(0.75, 0.5, 0.25, 96))
+    (root / "late_smoke" / "config.yaml").write_text(yaml.safe_dump(
+        {"train_params": {"epoches": 3}}))
+    code = rt.main(["--configs", str(SMOKE_YAML), str(late_smoke_yaml), "--data", str(data_dir),
+                    "--runs_root", str(root), "--nproc", "2", "--skip_existing"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "smoke: eval_test_intermediate.yaml exists, not retrained" in out
+    table = (root / "results.md").read_text()
+    assert "| `smoke` | intermediate | 7 | 14 | 0.500 | 0.250 | 0.125 | 12,346 | 2.3 |" in table
+    assert "| `late_smoke` | late | 3 | 12 | 0.750 | 0.500 | 0.250 | 96 | n/a |" in table
+    assert "torchrun ... smoke" in table and "## Commands" in table
+    assert "| `smoke` | intermediate | 7 | 14 |" in out   # the table is printed too
+
+
+def test_failing_model_is_one_line_and_the_others_go_on(data_dir, late_smoke_yaml, tmp_path,
+                                                        monkeypatch, capsys):
+    calls = []
+
+    def fake_call(command, stdout, stderr):
+        calls.append(command)
+        if "train.py" in " ".join(command) and "late_smoke" not in " ".join(command):
+            return 1
+        if "eval.py" in " ".join(command):
+            _write_eval(Path(command[command.index("--model_dir") + 1]), "eval_test_late.yaml",
+                        _metrics(0.5, 0.25, 0.125, 64))
+        return 0
+
+    monkeypatch.setattr(rt.subprocess, "call", fake_call)
+    root = tmp_path / "runs"
+    code = rt.main(["--configs", str(SMOKE_YAML), str(late_smoke_yaml), "--data", str(data_dir),
+                    "--runs_root", str(root), "--epochs", "1", "--nproc", "2"])
+    captured = capsys.readouterr()
+    assert code == 1
+    errors = [line for line in captured.err.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: smoke: train exited with status 1; see {root / 'smoke.train.log'}"]
+    assert len(calls) == 3                            # smoke train; late_smoke train + eval
+    assert calls[0][0].endswith("torchrun") or calls[0][1:3] == ["-m", "torch.distributed.run"]
+    assert (root / "smoke.train.log").read_text().startswith("$ torchrun --standalone")
+    table = (root / "results.md").read_text()
+    assert "| `smoke` | intermediate | 1 | 2 | failed |" in table
+    assert "| `late_smoke` | late | 1 | 4 | 0.500 | 0.250 | 0.125 | 64 |" in table
+    assert yaml.safe_load((root / "late_smoke.run.yaml").read_text())["steps"] == 4
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--configs", "missing.yaml"], "error: missing.yaml: config file not found"),
+    (["--set", "train_params.nope=1"], "unknown key 'train_params.nope'"),
+    (["--data", "/no/such/folder"], "error: --data /no/such/folder: folder not found"),
+    (["--preset_dir", "/no/such/dir"], "error: --preset_dir /no/such/dir: folder not found"),
+])
+def test_bad_input_is_a_one_line_error(argv, message, tmp_path, monkeypatch, capsys):
+    _no_subprocess(monkeypatch)
+    code = rt.main(argv + ["--runs_root", str(tmp_path / "runs"), "--nproc", "2"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1 and err.startswith("error: ")
+    assert message in err
+
+
+def test_missing_training_folder_is_a_one_line_error(tmp_path, monkeypatch, capsys):
+    _no_subprocess(monkeypatch)
+    code = rt.main(["--configs", str(SMOKE_YAML), "--set", f"root_dir={tmp_path / 'none'}",
+                    "--runs_root", str(tmp_path / "runs"), "--nproc", "2"])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert f"training folder {tmp_path / 'none'} (root_dir) not found" in err
+
+
+# -- end to end -------------------------------------------------------------------------------
+
+def test_end_to_end_smoke_one_epoch(data_dir, tmp_path):
+    """The real command: torchrun tools/train.py then tools/eval.py, then results.md."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OPENCOOD_CACHE=str(tmp_path / "cache"),
+               OMP_NUM_THREADS="1")
+    root = tmp_path / "runs"
+    result = subprocess.run(
+        [sys.executable, str(TOOL), "--configs", str(SMOKE_YAML), "--data", str(data_dir),
+         "--runs_root", str(root), "--epochs", "1", "--nproc", "1"],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    logs = "".join(p.read_text()[-3000:] for p in sorted(root.glob("*.log")))
+    assert result.returncode == 0, result.stdout + result.stderr + logs
+    assert "smoke: 4 train examples, 2 steps/epoch -> 1 epochs, 2 steps" in result.stdout
+    assert (root / "smoke" / "eval_test_intermediate.yaml").is_file()
+    assert (root / "smoke" / "last.pth").is_file()
+    assert "tools/train.py" in (root / "smoke.train.log").read_text()
+    record = yaml.safe_load((root / "smoke.run.yaml").read_text())
+    assert record["epochs"] == 1 and record["steps"] == 2 and record["train_minutes"] > 0
+    metrics = yaml.safe_load((root / "smoke" / "eval_test_intermediate.yaml").read_text())
+    row = next(line for line in (root / "results.md").read_text().splitlines()
+               if line.startswith("| `smoke`"))
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    assert cells[:4] == ["`smoke`", "intermediate", "1", "2"]
+    assert cells[4:7] == [f"{metrics[k]:.3f}" for k in ("ap_30", "ap_50", "ap_70")]
+    assert cells[-2] == f"{round(metrics['bytes_per_agent']):,}"
+    assert row in result.stdout

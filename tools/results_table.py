@@ -1,0 +1,453 @@
+#!/usr/bin/env python
+"""Reproduce the README "Results" table in one command: train, evaluate, tabulate.
+
+    python tools/results_table.py [--configs A.yaml B.yaml ... | --preset_dir hypes_yaml/opv2v]
+        [--runs_root runs/table] [--steps N | --epochs N] [--nproc N] [--data DIR]
+        [--split test] [--set KEY=VALUE ...] [--skip_existing] [--dry_run]
+
+For each config (default: the six models of ``hypes_yaml/synthetic``) it runs
+``torchrun tools/train.py`` into ``RUNS_ROOT/<yaml stem>`` and then ``tools/eval.py`` on it, each
+logged to ``RUNS_ROOT/<stem>.train.log`` / ``.eval.log``. It then reads every run's
+``eval_<split>_<fusion>.yaml`` and writes ``RUNS_ROOT/results.md`` (the table and the commands).
+
+* ``--steps N`` gives every model the same number of optimizer steps (late fusion trains on one
+  example per (sample, CAV), so its epochs are longer): epochs = ceil(N / steps per epoch).
+* ``--epochs N`` gives every model N epochs; with neither, each config's own ``epoches``.
+* ``--skip_existing`` does not retrain a model whose run folder already holds its eval yaml.
+* ``--dry_run`` prints the plan and the commands and trains nothing.
+* A run folder that holds ``last.pth`` but no eval yaml is resumed by tools/train.py.
+* A failing model is reported on one line (with its log file); the others go on; the exit
+  status is then 1.
+
+Per-model bookkeeping (epochs, steps, minutes, commands) goes to ``RUNS_ROOT/<stem>.run.yaml``.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+from opencood.config import ConfigError, get_key, load_config  # noqa: E402
+
+DEFAULT_PRESET_DIR = REPO_ROOT / "hypes_yaml" / "synthetic"
+# The README's row order.
+DEFAULT_MODELS = ("point_pillar_no_fusion", "point_pillar_late_fusion",
+                  "point_pillar_early_fusion", "point_pillar_attfuse", "point_pillar_fcooper",
+                  "point_pillar_where2comm")
+OCCLUDED_GROUP = "ego-occluded"
+
+
+class TableError(Exception):
+    """Bad input for this tool; the message is one line."""
+
+
+# -- plain computations (unit-tested) ---------------------------------------------------------
+
+def steps_per_epoch(num_examples: int, global_batch: int, world_size: int = 1,
+                    max_micro_batch: Optional[int] = None) -> int:
+    """Optimizer steps of one epoch, exactly as ``opencood.engine.trainer`` counts them.
+
+    Each of ``world_size`` ranks gets ceil(N / world) indices, cut into micro-batches (an
+    incomplete one dropped), grouped ``accum`` at a time. When ``global_batch`` divides N this is
+    N / global_batch; otherwise the trainer drops the tail (the floor, not the ceiling).
+    """
+    from opencood.utils.batching import split_global_batch
+    micro, accum = split_global_batch(int(global_batch), int(world_size), max_micro_batch)
+    per_rank = -(-int(num_examples) // int(world_size))
+    return (per_rank // micro) // accum
+
+
+def epochs_for_steps(target_steps: int, epoch_steps: int) -> int:
+    """Fewest whole epochs reaching ``target_steps`` optimizer steps: ceil(target / per epoch)."""
+    if epoch_steps < 1:
+        raise ValueError(f"an epoch of {epoch_steps} steps cannot reach {target_steps} steps")
+    return max(1, math.ceil(int(target_steps) / int(epoch_steps)))
+
+
+def eval_file_name(split: str, fusion: str) -> str:
+    """Name of the clean-setting result tools/eval.py writes (see ``evaluate_setting``)."""
+    return f"eval_{split}_{fusion}.yaml"
+
+
+def occluded_ap50(metrics: Dict) -> Optional[float]:
+    """``visibility["ego-occluded"]["ap_50"]`` of an eval result, or None when absent."""
+    visibility = metrics.get("visibility")
+    if not isinstance(visibility, dict):
+        return None
+    group = visibility.get(OCCLUDED_GROUP)
+    if not isinstance(group, dict) or group.get("ap_50") is None:
+        return None
+    return float(group["ap_50"])
+
+
+def _number(value, digits: int = 3) -> str:
+    return "n/a" if value is None else f"{float(value):.{digits}f}"
+
+
+def _count(value) -> str:
+    return "n/a" if value is None else f"{int(round(float(value))):,}"
+
+
+def format_table(rows: Sequence[Dict]) -> str:
+    """Markdown table of result rows.
+
+    A row has ``model``, ``fusion``, ``epochs``, ``steps``, ``train_minutes`` (None: unknown),
+    ``metrics`` (an eval yaml's content, or None for a model that failed) and optionally
+    ``resumed`` (training went on from an earlier last.pth: its minutes are this session's).
+    The column "AP@0.5 ego-occluded" appears when at least one row's metrics have that group.
+    """
+    occluded = any(occluded_ap50(row.get("metrics") or {}) is not None for row in rows)
+    header = ["model", "fusion", "epochs", "optimizer steps", "AP@0.3", "AP@0.5", "AP@0.7"]
+    header += ["AP@0.5 ego-occluded"] if occluded else []
+    header += ["bytes per agent", "train minutes"]
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    for row in rows:
+        metrics = row.get("metrics") or {}
+        cells = [f"`{row['model']}`", str(row.get("fusion") or "n/a"), _count(row.get("epochs")),
+                 _count(row.get("steps"))]
+        cells += [_number(metrics.get(key)) for key in ("ap_30", "ap_50", "ap_70")]
+        if occluded:
+            cells.append(_number(occluded_ap50(metrics)))
+        minutes = _number(row.get("train_minutes"), 1)
+        minutes += " (resumed)" if row.get("resumed") else ""
+        cells += [_count(metrics.get("bytes_per_agent")), minutes]
+        if not row.get("metrics"):
+            cells[4] = "failed"
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def format_results_md(rows: Sequence[Dict], commands: Sequence[str], title: str) -> str:
+    """results.md: a title line, the table, then the exact commands in a code block."""
+    body = [f"# Results\n\n{title}\n", format_table(rows), "", "## Commands", "", "```bash"]
+    body += list(commands) + ["```", ""]
+    return "\n".join(body)
+
+
+# -- configs and data ------------------------------------------------------------------------
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--configs", nargs="+", help="model yamls (default: the six models of "
+                        "--preset_dir)")
+    parser.add_argument("--preset_dir", default=None,
+                        help=f"folder of the six model yamls (default {_rel(DEFAULT_PRESET_DIR)})")
+    parser.add_argument("--runs_root", default="runs/table", help="run folders, logs, results.md")
+    length = parser.add_mutually_exclusive_group()
+    length.add_argument("--steps", type=int, help="the same optimizer steps for every model")
+    length.add_argument("--epochs", type=int, help="the same epochs for every model")
+    parser.add_argument("--nproc", type=int, default=None,
+                        help="processes per model (default: CUDA devices, else 2)")
+    parser.add_argument("--data", help="data folder holding train/, validate/ and test/")
+    parser.add_argument("--split", default="test", choices=["validate", "test"])
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="KEY=VALUE", help="config override for every model")
+    parser.add_argument("--skip_existing", action="store_true",
+                        help="do not retrain a model whose run folder holds its eval yaml")
+    parser.add_argument("--dry_run", action="store_true",
+                        help="print the plan and the commands; train nothing")
+    args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    return args
+
+
+def _rel(path) -> str:
+    """``path`` relative to the working directory when it lies below it (for shown commands)."""
+    path = Path(path)
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def config_paths(args) -> List[Path]:
+    """The yamls to run: --configs, else the six default models of --preset_dir."""
+    if args.configs and args.preset_dir:
+        raise TableError("give --configs or --preset_dir, not both")
+    if args.configs:
+        paths = [Path(p) for p in args.configs]
+    else:
+        folder = Path(args.preset_dir) if args.preset_dir else Path(_rel(DEFAULT_PRESET_DIR))
+        if not folder.is_dir():
+            raise TableError(f"--preset_dir {folder}: folder not found")
+        paths = [folder / f"{name}.yaml" for name in DEFAULT_MODELS]
+    for path in paths:
+        if not path.is_file():
+            raise TableError(f"{path}: config file not found")
+    stems = [path.stem for path in paths]
+    duplicated = sorted({stem for stem in stems if stems.count(stem) > 1})
+    if duplicated:
+        raise TableError(f"two configs share the run name {duplicated[0]!r} (the yaml stem)")
+    return paths
+
+
+def data_overrides(data: Optional[str]) -> List[str]:
+    """--set overrides pointing the three splits at ``data``/{train,validate,test}."""
+    if not data:
+        return []
+    root = Path(data)
+    if not root.is_dir():
+        raise TableError(f"--data {data}: folder not found")
+    missing = [split for split in ("train", "validate", "test") if not (root / split).is_dir()]
+    if missing:
+        raise TableError(f"--data {data}: no {', '.join(missing)} folder in it")
+    return [f"root_dir={root / 'train'}", f"validate_dir={root / 'validate'}",
+            f"test_dir={root / 'test'}"]
+
+
+def count_train_examples(cfg: Dict, source: str) -> int:
+    """Training examples of one epoch (late fusion: one per (sample, CAV)), no model built."""
+    from opencood.data.datasets import build_dataset
+    from opencood.data.opv2v import OPV2VFormatError
+    from opencood.data.pcd import PcdError
+    from opencood.registry import RegistryError
+    train_dir = cfg.get("root_dir")
+    if not train_dir or not Path(train_dir).is_dir():
+        raise TableError(f"{source}: training folder {train_dir} (root_dir) not found; "
+                         f"generate it or pass --data DIR")
+    try:
+        return len(build_dataset(cfg, "train", train=True))
+    except (ValueError, OSError, OPV2VFormatError, PcdError, RegistryError) as error:
+        raise TableError(f"{source}: {str(error).splitlines()[0]}") from None
+
+
+def plan_model(path: Path, overrides: List[str], args, nproc: int) -> Dict:
+    """Name, fusion, examples, steps per epoch and epochs of one config (one-line errors)."""
+    try:
+        cfg = load_config(path, overrides)
+    except ConfigError as error:
+        raise TableError(str(error)) from None
+    params = cfg["train_params"]
+    examples = count_train_examples(cfg, str(path))
+    try:
+        epoch_steps = steps_per_epoch(examples, params["batch_size"], nproc,
+                                      params.get("max_micro_batch"))
+    except ValueError as error:
+        raise TableError(f"{path}: train_params.batch_size: {error}") from None
+    if epoch_steps < 1:
+        raise TableError(f"{path}: {examples} training examples give no full global batch of "
+                         f"{params['batch_size']} over {nproc} processes")
+    if args.steps is not None:
+        epochs = epochs_for_steps(args.steps, epoch_steps)
+    else:
+        epochs = args.epochs if args.epochs is not None else int(params["epoches"])
+    return {"model": path.stem, "config": path, "fusion": cfg["fusion"]["core_method"],
+            "examples": examples, "steps_per_epoch": epoch_steps, "epochs": epochs,
+            "steps": epochs * epoch_steps}
+
+
+# -- running ----------------------------------------------------------------------------------
+
+def resolve_program(command: List[str]) -> List[str]:
+    """``command`` with "torchrun"/"python" replaced by this interpreter's own (shown commands
+    keep the short names: they are what one types in this environment)."""
+    if command[0] == "python":
+        return [sys.executable] + command[1:]
+    if command[0] == "torchrun":
+        beside = Path(sys.executable).with_name("torchrun")
+        prefix = [str(beside)] if beside.exists() else [sys.executable, "-m",
+                                                          "torch.distributed.run"]
+        return prefix + command[1:]
+    return command
+
+
+def train_command(plan: Dict, run_dir: Path, nproc: int, overrides: List[str]) -> List[str]:
+    """The torchrun command training one model for ``plan["epochs"]`` epochs."""
+    epochs = plan["epochs"]
+    command = ["torchrun", "--standalone", f"--nproc_per_node={nproc}",
+                            _rel(REPO_ROOT / "tools" / "train.py"),
+                            "--hypes_yaml", str(plan["config"]), "--model_dir", str(run_dir),
+                            "--set", f"train_params.epoches={epochs}",
+                            "--set", f"train_params.eval_freq={epochs}",
+                            "--set", f"train_params.save_freq={epochs}"]
+    for override in overrides:
+        command += ["--set", override]
+    return command
+
+
+def eval_command(run_dir: Path, split: str) -> List[str]:
+    """The command evaluating one run on ``split``."""
+    return ["python", _rel(REPO_ROOT / "tools" / "eval.py"), "--model_dir", str(run_dir),
+            "--split", split]
+
+
+def run_logged(command: List[str], log_path: Path) -> tuple:
+    """Run ``command`` with stdout and stderr into ``log_path``; (return code, seconds)."""
+    start = time.perf_counter()
+    with open(log_path, "w") as log:
+        log.write("$ " + shlex.join(command) + "\n")
+        log.flush()
+        code = subprocess.call(resolve_program(command), stdout=log, stderr=subprocess.STDOUT)
+    return code, time.perf_counter() - start
+
+
+def read_yaml(path: Path) -> Optional[Dict]:
+    """A yaml mapping, or None when the file is absent or not a mapping."""
+    if not path.is_file():
+        return None
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError:
+        return None
+    return data if isinstance(data, dict) else None
+
+
+_START = time.perf_counter()
+
+
+def _elapsed() -> str:
+    """Minutes since this tool started, for the progress lines."""
+    return f"{(time.perf_counter() - _START) / 60:.1f} min"
+
+
+def train_and_eval(plan: Dict, args, nproc: int, overrides: List[str], tag: str) -> Dict:
+    """Train then evaluate one model; returns its bookkeeping record (``error`` on failure)."""
+    root = Path(args.runs_root)
+    run_dir = root / plan["model"]
+    commands = [train_command(plan, run_dir, nproc, overrides), eval_command(run_dir, args.split)]
+    record = {"model": plan["model"], "config": str(plan["config"]), "fusion": plan["fusion"],
+              "epochs": plan["epochs"], "steps": plan["steps"],
+              "train_examples": plan["examples"], "steps_per_epoch": plan["steps_per_epoch"],
+              "nproc": nproc, "commands": [shlex.join(c) for c in commands]}
+    if (run_dir / "last.pth").exists():
+        record["resumed"] = True
+        print(f"{tag} note: {run_dir} holds last.pth: tools/train.py resumes it (its train "
+              f"minutes count this session only)", flush=True)
+    print(f"{tag} training {plan['model']}: {plan['epochs']} epochs, {plan['steps']:,} steps",
+          flush=True)
+    for kind, command in zip(("train", "eval"), commands):
+        log_path = root / f"{plan['model']}.{kind}.log"
+        code, seconds = run_logged(command, log_path)
+        record[f"{kind}_minutes"] = seconds / 60
+        print(f"{tag} {plan['model']}: {kind} {'done' if code == 0 else 'FAILED'} in "
+              f"{seconds / 60:.1f} min ({_elapsed()} since the start)", flush=True)
+        if code != 0:
+            record["error"] = (f"error: {plan['model']}: {kind} exited with status {code}; "
+                               f"see {log_path}")
+            break
+    (root / f"{plan['model']}.run.yaml").write_text(yaml.safe_dump(record, sort_keys=False))
+    return record
+
+
+def existing_record(plan: Dict, args) -> Optional[Dict]:
+    """The record of a finished run under --skip_existing (None: it must be trained)."""
+    run_dir = Path(args.runs_root) / plan["model"]
+    if not (run_dir / eval_file_name(args.split, plan["fusion"])).is_file():
+        return None
+    saved = read_yaml(Path(args.runs_root) / f"{plan['model']}.run.yaml") or {}
+    saved.pop("error", None)              # the eval yaml is there: whatever failed, it is done
+    config = read_yaml(run_dir / "config.yaml") or {}
+    epochs = saved.get("epochs", get_key(config, "train_params.epoches", None))
+    steps = saved.get("steps")
+    if steps is None and epochs is not None:
+        steps = int(epochs) * plan["steps_per_epoch"]
+    return {**saved, "model": plan["model"], "fusion": plan["fusion"], "epochs": epochs,
+            "steps": steps, "skipped": True, "commands": saved.get("commands", [])}
+
+
+def table_row(record: Dict, args) -> Dict:
+    """A format_table row: the record plus its eval yaml (None when missing or failed)."""
+    run_dir = Path(args.runs_root) / record["model"]
+    metrics = None
+    if "error" not in record:
+        metrics = read_yaml(run_dir / eval_file_name(args.split, record["fusion"]))
+    return {"model": record["model"], "fusion": record["fusion"], "epochs": record.get("epochs"),
+            "steps": record.get("steps"), "train_minutes": record.get("train_minutes"),
+            "resumed": bool(record.get("resumed")), "metrics": metrics}
+
+
+# -- main -------------------------------------------------------------------------------------
+
+def plan_all(args) -> tuple:
+    """(plans, nproc, overrides) for every config, all checked before anything trains."""
+    if args.steps is not None and args.steps < 1 or args.epochs is not None and args.epochs < 1:
+        raise TableError("--steps and --epochs must be positive")
+    nproc = args.nproc or _default_nproc()
+    if nproc < 1:
+        raise TableError("--nproc must be positive")
+    overrides = data_overrides(args.data) + list(args.overrides)
+    plans = [plan_model(path, overrides, args, nproc) for path in config_paths(args)]
+    return plans, nproc, overrides
+
+
+def _default_nproc() -> int:
+    import torch
+    return torch.cuda.device_count() or 2
+
+
+def describe_plans(plans: List[Dict], args) -> str:
+    """One line per model: examples, steps per epoch, the chosen epochs and steps."""
+    how = (f"{args.steps:,} steps each" if args.steps is not None else
+           f"{args.epochs} epochs each" if args.epochs is not None else "each config's epochs")
+    lines = [f"plan ({how}):"]
+    for plan in plans:
+        lines.append(f"  {plan['model']}: {plan['examples']} train examples, "
+                     f"{plan['steps_per_epoch']} steps/epoch -> {plan['epochs']} epochs, "
+                     f"{plan['steps']:,} steps")
+    return "\n".join(lines)
+
+
+def run_all(args) -> int:
+    """Plan, train/evaluate (or reuse) every model, write results.md; the exit status."""
+    plans, nproc, overrides = plan_all(args)
+    print(describe_plans(plans, args), flush=True)
+    if args.dry_run:
+        for plan in plans:
+            run_dir = Path(args.runs_root) / plan["model"]
+            print(shlex.join(train_command(plan, run_dir, nproc, overrides)))
+            print(shlex.join(eval_command(run_dir, args.split)))
+        return 0
+    root = Path(args.runs_root)
+    root.mkdir(parents=True, exist_ok=True)
+    records = []
+    for index, plan in enumerate(plans, 1):
+        tag = f"[{index}/{len(plans)}]"
+        record = existing_record(plan, args) if args.skip_existing else None
+        if record is not None:
+            print(f"{tag} {plan['model']}: {eval_file_name(args.split, plan['fusion'])} exists, "
+                  f"not retrained", flush=True)
+        else:
+            record = train_and_eval(plan, args, nproc, overrides, tag)
+        if "error" in record:
+            print(record["error"], file=sys.stderr, flush=True)
+        records.append(record)
+    rows = [table_row(record, args) for record in records]
+    commands = [c for record in records for c in record.get("commands", [])]
+    title = (f"Split `{args.split}`, {nproc} process(es) per model; written by "
+             f"`{shlex.join(['python', _rel(__file__)] + args.argv)}` (`python` and `torchrun` "
+             f"are those of {sys.executable}).")
+    (root / "results.md").write_text(format_results_md(rows, commands, title))
+    print(format_table(rows))
+    print(f"written to {root / 'results.md'} ({_elapsed()} in all)")
+    failed = [r["model"] for r in records if "error" in r]
+    missing = [row for row in rows if row["metrics"] is None and row["model"] not in failed]
+    for row in missing:
+        print(f"error: {row['model']}: no {args.runs_root}/{row['model']}/"
+              f"{eval_file_name(args.split, row['fusion'])} to read", file=sys.stderr)
+    return 1 if failed or missing else 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        return run_all(args)
+    except TableError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
