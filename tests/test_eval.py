@@ -443,3 +443,27 @@ def test_perfect_detections_give_ap_one_through_gather():
     assert metrics["num_gt"] == metrics["num_det"] == 12
     for row in metrics["distance"].values():
         assert row["num_gt"] == 4 and (row["ap_30"], row["ap_50"], row["ap_70"]) == (1.0, 1.0, 1.0)
+
+
+def test_pictures_draw_ego_occluded_gt_in_their_own_colour():
+    from opencood.eval.vis import render_detection_sample
+    from opencood.utils.vis_bev import GT_COLOR, OCCLUDED_GT_COLOR, BevCanvas
+    boxes = torch.tensor([[[-10.0, 0.0, -1.0, 1.5, 2.0, 4.0, 0.0],
+                           [10.0, 0.0, -1.0, 1.5, 2.0, 4.0, 0.0]]])
+    batch = {"points": torch.zeros((0, 4)), "agent_index": torch.zeros(0, dtype=torch.int64),
+             "record_len": torch.tensor([1]), "transforms_to_ego": torch.eye(4)[None],
+             "gt_boxes": boxes, "gt_mask": torch.ones(1, 2, dtype=torch.bool),
+             "gt_ego_points": [np.array([7, 0])]}
+    bev_range = [-40, -20, -3, 40, 20, 1]
+    image = render_detection_sample(batch, 0, torch.zeros((0, 7)), bev_range)
+    canvas = BevCanvas(bev_range, pixels_per_meter=8.0)      # the picture's scale
+
+    def pixels(color, x):
+        """Pixels of ``color`` within 4 m of (x, 0)."""
+        col, row = canvas.to_pixels(np.array([[x, 0.0]]))[0]
+        window = image[row - 32:row + 33, col - 32:col + 33]
+        return int(np.all(window == color, axis=2).sum())
+
+    # The seen car (x = -10) is green, the occluded one (x = +10) lavender.
+    assert pixels(GT_COLOR, -10) > 20 and pixels(OCCLUDED_GT_COLOR, -10) == 0
+    assert pixels(OCCLUDED_GT_COLOR, 10) > 20 and pixels(GT_COLOR, 10) == 0

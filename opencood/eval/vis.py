@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Dict
 
+import numpy as np
 import torch
 
 from opencood.ops.transforms import apply_transform_torch
@@ -24,12 +25,16 @@ def sample_agent_points(batch: Dict, row: int) -> Dict[str, torch.Tensor]:
 
 
 def render_detection_sample(batch: Dict, row: int, boxes: torch.Tensor, bev_range):
-    """(H, W, 3) uint8 BGR picture over ``bev_range``: points coloured per agent, GT green,
-    detections red."""
+    """(H, W, 3) uint8 BGR picture over ``bev_range``: points coloured per agent, GT green (GT
+    with no ego return lavender, when the batch counts them), detections red."""
     points_by_agent = sample_agent_points(batch, row)
-    gt = batch["gt_boxes"][row][batch["gt_mask"][row]]
+    gt = batch["gt_boxes"][row][batch["gt_mask"][row]].numpy()
+    occluded = np.zeros(len(gt), dtype=bool)
+    if "gt_ego_points" in batch:
+        occluded = np.asarray(batch["gt_ego_points"][row]) == 0
     return render_bev({k: v.numpy() for k, v in points_by_agent.items()}, bev_range,
-                      gt_boxes=gt.numpy(), pred_boxes=boxes.numpy(), pixels_per_meter=8.0)
+                      gt_boxes=gt[~occluded], pred_boxes=boxes.numpy(), pixels_per_meter=8.0,
+                      occluded_gt_boxes=gt[occluded])
 
 
 def draw_detection_sample(path: Path, batch: Dict, row: int, boxes: torch.Tensor,

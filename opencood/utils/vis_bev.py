@@ -15,6 +15,7 @@ from opencood.ops.transforms import boxes_to_bev_corners
 AGENT_COLORS = [(255, 200, 0), (0, 200, 255), (255, 0, 255), (0, 255, 120), (80, 120, 255),
                 (255, 255, 255), (180, 180, 0), (0, 120, 255)]
 GT_COLOR = (0, 255, 0)
+OCCLUDED_GT_COLOR = (255, 140, 200)  # lavender: GT the ego's own LiDAR does not see
 PRED_COLOR = (0, 0, 255)
 GRID_COLOR = (45, 45, 45)
 TEXT_COLOR = (230, 230, 230)
@@ -123,11 +124,13 @@ class BevCanvas:
 
 def render_bev(points_by_agent: dict, bev_range, gt_boxes=None, pred_boxes=None,
                agent_positions: dict | None = None, pixels_per_meter: float = 10.0,
-               order: str = "hwl", grid_step: float = 10.0) -> np.ndarray:
+               order: str = "hwl", grid_step: float = 10.0,
+               occluded_gt_boxes=None) -> np.ndarray:
     """One BEV picture (H, W, 3) uint8 BGR.
 
     points_by_agent: {name: points (N, 2+) in the drawing frame}, coloured by insertion order.
     gt_boxes / pred_boxes: (M, 7) boxes in that frame (``order``), drawn green / red.
+    occluded_gt_boxes: (M, 7) GT boxes the ego does not see itself, drawn lavender.
     agent_positions: {name: (x, y)} marked with a dot in the agent's colour.
     """
     canvas = BevCanvas(bev_range, pixels_per_meter)
@@ -140,6 +143,9 @@ def render_bev(points_by_agent: dict, bev_range, gt_boxes=None, pred_boxes=None,
     if gt_boxes is not None:
         canvas.draw_boxes(gt_boxes, GT_COLOR, order)
         legend.append(("ground truth", GT_COLOR))
+    if occluded_gt_boxes is not None and len(occluded_gt_boxes):
+        canvas.draw_boxes(occluded_gt_boxes, OCCLUDED_GT_COLOR, order)
+        legend.append(("GT occluded for ego", OCCLUDED_GT_COLOR))
     if pred_boxes is not None:
         canvas.draw_boxes(pred_boxes, PRED_COLOR, order)
         legend.append(("prediction", PRED_COLOR))
