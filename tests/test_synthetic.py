@@ -331,3 +331,30 @@ def test_visualize_writes_png(tiny_data, tmp_path):
     assert (np.all(image == GT_COLOR, axis=2)).sum() > 20
     assert main(["--data", str(out / "train"), "--index", "999", "--out", str(png)]) == 2
     assert main(["--data", str(out / "missing"), "--index", "0", "--out", str(png)]) == 2
+
+
+def _generate_cli():
+    spec = importlib.util.spec_from_file_location(
+        "generate_synthetic", Path(__file__).resolve().parents[1] / "tools" / "generate_synthetic.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_generate_cli_resizes_a_preset(tmp_path, capsys):
+    cli = _generate_cli()
+    out = tmp_path / "data"
+    assert cli.main(["--out", str(out), "--preset", "tiny", "--frames", "2",
+                     "--scenarios", "1", "1", "2", "--quiet"]) == 0
+    for split, scenarios in (("train", 1), ("validate", 1), ("test", 2)):
+        assert len(OPV2VSplit(out / split)) == scenarios * 2, split
+    record = yaml.safe_load((out / "generation.yaml").read_text())
+    assert record["preset_config"]["frames"] == 2
+    assert record["preset_config"]["scenarios"] == {"train": 1, "validate": 1, "test": 2}
+    capsys.readouterr()
+    assert cli.main(["--out", str(tmp_path / "x"), "--preset", "tiny", "--frames", "0"]) == 2
+    assert cli.main(["--out", str(tmp_path / "x"), "--preset", "tiny",
+                     "--scenarios", "1", "0", "1"]) == 2
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert errors == ["error: --frames must be >= 1, got 0",
+                      "error: --scenarios needs >= 1 scenario per split, got [1, 0, 1]"]

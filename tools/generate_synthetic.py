@@ -3,14 +3,18 @@
 
     python tools/generate_synthetic.py --out DIR [--preset tiny|small|opv2v] [--seed N]
                                        [--workers N] [--overwrite]
+                                       [--frames N] [--scenarios TRAIN VALIDATE TEST]
 
 Writes DIR/{train,validate,test}/<scenario>/<cav_id>/<ts>.pcd|.yaml and DIR/generation.yaml,
-then prints a summary. Same seed -> identical files, whatever --workers.
+then prints a summary. Same seed -> identical files, whatever --workers. ``--frames`` and
+``--scenarios`` resize a preset (e.g. a lighter ``opv2v`` for a short GPU session); the sizes
+used are recorded in generation.yaml.
 """
 import argparse
+import dataclasses
 import sys
 
-from opencood.data.synthetic import PRESETS, format_summary, generate_dataset
+from opencood.data.synthetic import PRESETS, format_summary, generate_dataset, get_preset
 from opencood.data.synthetic.writer import OutputDirError
 
 
@@ -24,13 +28,32 @@ def parse_args(argv=None):
     parser.add_argument("--overwrite", action="store_true",
                         help="replace the splits of an earlier data set in --out")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--frames", type=int, help="frames per scenario (default: the preset's)")
+    parser.add_argument("--scenarios", type=int, nargs=3, metavar=("TRAIN", "VALIDATE", "TEST"),
+                        help="scenarios per split (default: the preset's)")
     return parser.parse_args(argv)
+
+
+def sized_preset(name: str, frames=None, scenarios=None):
+    """The preset ``name`` with its frames per scenario and scenarios per split replaced."""
+    preset = get_preset(name)
+    if frames is not None:
+        if frames < 1:
+            raise ValueError(f"--frames must be >= 1, got {frames}")
+        preset = dataclasses.replace(preset, frames=int(frames))
+    if scenarios is not None:
+        if min(scenarios) < 1:
+            raise ValueError(f"--scenarios needs >= 1 scenario per split, got {scenarios}")
+        preset = dataclasses.replace(preset, scenarios=dict(zip(("train", "validate", "test"),
+                                                                map(int, scenarios))))
+    return preset
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        summary = generate_dataset(args.out, preset=args.preset, seed=args.seed,
+        preset = sized_preset(args.preset, args.frames, args.scenarios)
+        summary = generate_dataset(args.out, preset=preset, seed=args.seed,
                                    workers=args.workers, progress=not args.quiet,
                                    overwrite=args.overwrite)
     except (ValueError, OutputDirError) as exc:
