@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import re
 from pathlib import Path
 
 import cv2
@@ -19,7 +20,7 @@ from opencood.data.synthetic import (GROUND_ID, Building, LidarConfig, OutputDir
 from opencood.data.synthetic.world import footprints_overlap
 from opencood.data.synthetic.writer import SPLITS, rebuild_world
 from opencood.ops.transforms import apply_transform, pose_to_matrix
-from opencood.utils.vis_bev import AGENT_COLORS, GT_COLOR, BevCanvas
+from opencood.utils.vis_bev import AGENT_COLORS, GT_COLOR, OCCLUDED_GT_COLOR, BevCanvas
 
 NOISELESS = LidarConfig(beams=16, fov_deg=(-25.0, 5.0), azimuth_steps=360, max_range=60.0,
                         range_noise_std=0.0, dropout=0.0)
@@ -317,7 +318,7 @@ def _visualize_main():
     return module.main
 
 
-def test_visualize_writes_png(tiny_data, tmp_path):
+def test_visualize_writes_png(tiny_data, tmp_path, capsys):
     main = _visualize_main()
     out, _ = tiny_data
     png = tmp_path / "vis.png"
@@ -329,6 +330,13 @@ def test_visualize_writes_png(tiny_data, tmp_path):
     assert (np.all(image == AGENT_COLORS[0], axis=2)).sum() > 100       # the ego's points
     assert (np.all(image == AGENT_COLORS[1], axis=2)).sum() > 100       # another CAV's
     assert (np.all(image == GT_COLOR, axis=2)).sum() > 20
+    # Test sample 0 of seed 0 has cars only the other CAV sees: drawn in their own colour.
+    capsys.readouterr()
+    assert main(["--data", str(out / "test"), "--index", "0", "--out", str(png),
+                 "--range", "-30", "-20", "30", "20", "--ppm", "5"]) == 0
+    occluded = int(re.search(r"\((\d+) occluded for the ego\)", capsys.readouterr().out)[1])
+    lavender = (np.all(cv2.imread(str(png)) == OCCLUDED_GT_COLOR, axis=2)).sum()
+    assert occluded >= 1 and lavender > 20 * occluded
     assert main(["--data", str(out / "train"), "--index", "999", "--out", str(png)]) == 2
     assert main(["--data", str(out / "missing"), "--index", "0", "--out", str(png)]) == 2
 

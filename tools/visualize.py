@@ -5,14 +5,15 @@
                               [--range XMIN YMIN XMAX YMAX] [--ppm 8]
 
 Each CAV's cloud (own-body points removed) is projected to the ego lidar frame and drawn in its
-own colour; GT boxes (union over the CAVs, as the reader builds them) in green; CAV positions
-are marked. x grows to the right, y downwards (the unmirrored top view of CARLA's frame).
+own colour; GT boxes (union over the CAVs, as the reader builds them) in green, or lavender when
+the ego has no LiDAR return inside (only other CAVs see them); CAV positions are marked. x grows to the right, y downwards (the unmirrored top view of CARLA's frame).
 """
 import argparse
 import sys
 from pathlib import Path
 
 
+from opencood.data.datasets import ego_points_per_box
 from opencood.data.opv2v import OPV2VSplit, remove_own_body_points
 from opencood.ops.transforms import apply_transform
 from opencood.utils.vis_bev import bev_range_2d, render_bev, save_image
@@ -35,7 +36,8 @@ def parse_args(argv=None):
 
 
 def sample_layers(split: OPV2VSplit, index: int, bev_range):
-    """Points per agent (ego frame), GT boxes (M, 7) and agent positions of one sample."""
+    """Points per agent (ego frame), GT boxes (M, 7), (M,) bool GT occluded for the ego, and
+    agent positions of one sample."""
     xmin, ymin, xmax, ymax = bev_range
     sample = split.load_sample(index, gt_range=[xmin, ymin, GT_Z_RANGE[0],
                                                 xmax, ymax, GT_Z_RANGE[1]])
@@ -46,7 +48,9 @@ def sample_layers(split: OPV2VSplit, index: int, bev_range):
         points_lidar = remove_own_body_points(cav["points"])
         points_by_agent[name] = apply_transform(points_lidar, cav["T_to_ego"])
         positions[name] = cav["T_to_ego"][:2, 3]
-    return points_by_agent, sample["gt_boxes"], positions
+    ego_points = remove_own_body_points(sample["cavs"][ego_id]["points"])
+    occluded = ego_points_per_box(ego_points, sample["gt_boxes"]) == 0
+    return points_by_agent, sample["gt_boxes"], occluded, positions
 
 
 def main(argv=None) -> int:
@@ -66,8 +70,9 @@ def main(argv=None) -> int:
         print(f"error: index {args.index} out of range: {data} has {len(split)} samples "
               f"(0..{len(split) - 1})", file=sys.stderr)
         return 2
-    points_by_agent, gt_boxes, positions = sample_layers(split, args.index, bev_range)
-    image = render_bev(points_by_agent, bev_range, gt_boxes=gt_boxes, agent_positions=positions,
+    points_by_agent, gt_boxes, occluded, positions = sample_layers(split, args.index, bev_range)
+    image = render_bev(points_by_agent, bev_range, gt_boxes=gt_boxes[~occluded],
+                       occluded_gt_boxes=gt_boxes[occluded], agent_positions=positions,
                        pixels_per_meter=args.ppm)
     try:
         save_image(args.out, image)
@@ -76,7 +81,7 @@ def main(argv=None) -> int:
         return 2
     info = split.info(args.index)
     print(f"{args.out}: {info.scenario} ts {info.timestamp}, {len(points_by_agent)} CAVs, "
-          f"{len(gt_boxes)} GT boxes, {sum(len(p) for p in points_by_agent.values())} points, "
+          f"{len(gt_boxes)} GT boxes ({int(occluded.sum())} occluded for the ego), {sum(len(p) for p in points_by_agent.values())} points, "
           f"{image.shape[1]}x{image.shape[0]} px")
     return 0
 

@@ -55,6 +55,13 @@ _AUGMENT_STREAM, _NOISE_STREAM = 1, 2
 VISIBILITY_MARGIN, GROUND_CLEARANCE = 0.1, 0.25   # metres
 
 
+def ego_points_per_box(points: np.ndarray, boxes: np.ndarray, order: str = "hwl") -> np.ndarray:
+    """(N, 3+) an agent's own points, (M, 7) boxes in its frame -> (M,) int64 returns inside each
+    box, with the visibility margins above; 0 means the agent does not see the box."""
+    return count_points_in_boxes(points, boxes, order, margin=VISIBILITY_MARGIN,
+                                 ground_clearance=GROUND_CLEARANCE)
+
+
 def boxes_center_in_range(boxes: np.ndarray, limit_range) -> np.ndarray:
     """(M, 7) -> (M,) bool: box centre inside the BEV part of ``limit_range`` (after augmenting)."""
     return ((boxes[:, 0] >= limit_range[0]) & (boxes[:, 0] <= limit_range[3])
@@ -161,8 +168,7 @@ class BaseFusionDataset(torch.utils.data.Dataset):
         boxes = np.asarray(boxes, np.float64).reshape(-1, 7)
         if self.train:
             return np.full(boxes.shape[0], -1, dtype=np.int64)
-        return count_points_in_boxes(points, boxes, self.order, margin=VISIBILITY_MARGIN,
-                                     ground_clearance=GROUND_CLEARANCE)
+        return ego_points_per_box(points, boxes, self.order)
 
     def _finish(self, index: int, key, agent_ids, points_list, transforms, gt_boxes, gt_ids,
                 shared_points: int, gt_ego_points: np.ndarray) -> Dict:
