@@ -150,5 +150,10 @@ def test_count_points_in_boxes_equals_the_mask_and_lifts_the_bottom():
     lwh_box = box[:, [0, 1, 2, 5, 4, 3, 6]].copy()
     assert count_points_in_boxes(cloud, lwh_box, "lwh", ground_clearance=0.25).tolist() == [1]
     assert lwh_box[0, 2] == -1.0 and lwh_box[0, 5] == 1.5   # the caller's boxes are untouched
+    # Boxes far outside the cloud, or straddling its edge cells, find nothing / the right points.
+    far = np.array([[500.0, -500.0, -1.0, 1.5, 2.0, 4.0, 0.3],
+                    [-20.5, 0.0, -1.0, 4.0, 2.0, 4.0, 0.0]])
+    np.testing.assert_array_equal(count_points_in_boxes(points, far),
+                                  points_in_boxes_mask(points, far).sum(axis=1))
     assert count_points_in_boxes(cloud[:0], box).tolist() == [0]
     assert count_points_in_boxes(cloud, np.zeros((0, 7))).shape == (0,)

@@ -180,9 +180,10 @@ def count_points_in_boxes(points: np.ndarray, boxes: np.ndarray, order: str = "h
 
     ``ground_clearance`` (metres) lifts each box's bottom face, so ground returns at a car's
     wheels (within ``margin``) are not counted as returns from the car.
-    Memory stays O(N): each box first keeps the points within its bounding circle (a cheap 2-D
-    test), and only those go through the exact rotated test. The full (M, N, 3) float64 offsets
-    of ``points_in_boxes_mask`` would be ~150 MB for an OPV2V frame.
+    Points are bucketed once into square BEV cells at least one box wide, so each box runs the
+    exact rotated test on the points of the (at most 2 x 2) cells under its bounding circle only:
+    O(N log N + points near boxes), instead of the (M, N, 3) float64 offsets of
+    ``points_in_boxes_mask`` (~150 MB and ~0.2 s for an OPV2V frame).
     """
     # np.array copies: the clearance below edits the boxes, never the caller's.
     boxes_lwh = _to_lwh(np.array(boxes, dtype=np.float64).reshape(-1, 7), order)
@@ -191,11 +192,38 @@ def count_points_in_boxes(points: np.ndarray, boxes: np.ndarray, order: str = "h
         return counts
     boxes_lwh[:, 2] += ground_clearance / 2.0
     boxes_lwh[:, 5] = np.maximum(boxes_lwh[:, 5] - ground_clearance, 0.0)
-    xy = points[:, :2].astype(np.float64)
     radius = np.hypot(boxes_lwh[:, 3], boxes_lwh[:, 4]) / 2.0 + margin * np.sqrt(2.0)
+    cell = max(2.0 * float(radius.max()), 1e-3)
+    buckets = _BevBuckets(points[:, :2], cell)
     for index in range(boxes_lwh.shape[0]):
-        near = ((xy - boxes_lwh[index, :2]) ** 2).sum(axis=1) <= radius[index] ** 2
-        if near.any():
+        near = buckets.indices_within(boxes_lwh[index, :2], radius[index])
+        if near.shape[0]:
             counts[index] = int(points_in_boxes_mask(points[near], boxes_lwh[index:index + 1],
                                                      "lwh", margin).sum())
     return counts
+
+
+class _BevBuckets:
+    """Point indices grouped by square BEV cell: (N, 2) xy, cell size in metres."""
+
+    def __init__(self, xy: np.ndarray, cell: float):
+        self.cell = cell
+        cells = np.floor(xy.astype(np.float64) / cell).astype(np.int64)        # (N, 2)
+        self.low = cells.min(axis=0)
+        self.shape = cells.max(axis=0) - self.low + 1
+        keys = (cells[:, 0] - self.low[0]) * self.shape[1] + (cells[:, 1] - self.low[1])
+        self.order = np.argsort(keys, kind="stable")
+        self.sorted_keys = keys[self.order]
+
+    def indices_within(self, center: np.ndarray, radius: float) -> np.ndarray:
+        """Indices of the points in the cells that the square [center +- radius] touches."""
+        first = np.floor((center - radius) / self.cell).astype(np.int64) - self.low
+        last = np.floor((center + radius) / self.cell).astype(np.int64) - self.low
+        first, last = np.maximum(first, 0), np.minimum(last, self.shape - 1)
+        chunks = []
+        for i in range(first[0], last[0] + 1):
+            # Cells (i, first[1]..last[1]) are consecutive keys: one slice of the sorted points.
+            begin = np.searchsorted(self.sorted_keys, i * self.shape[1] + first[1], "left")
+            end = np.searchsorted(self.sorted_keys, i * self.shape[1] + last[1], "right")
+            chunks.append(self.order[begin:end])
+        return np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int64)
