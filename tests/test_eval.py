@@ -321,6 +321,8 @@ def test_outputs_yaml_table_tensorboard_and_pictures(runs, reference, tmp_path, 
     for key in ("ap_30", "ap_50", "ap_70"):
         (scalar,) = events.Scalars(f"eval_test_intermediate/{key}")
         assert scalar.value == pytest.approx(metrics[key], abs=1e-6)
+    (occluded_scalar,) = events.Scalars("eval_test_intermediate/ap_50_ego_occluded")
+    assert occluded_scalar.value == pytest.approx(groups["ego-occluded"]["ap_50"], abs=1e-6)
 
     pictures = sorted((run_dir / "vis").glob("*.png"))
     assert len(pictures) == 2

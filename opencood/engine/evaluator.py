@@ -198,6 +198,9 @@ def evaluate(args) -> List[Dict]:
             print(format_table(metrics["name"], metrics), flush=True)
             for key in ("ap_30", "ap_50", "ap_70"):
                 writer.add_scalar(f"{metrics['name']}/{key}", metrics[key], 0)
+            for group, row in metrics.get("visibility", {}).items():
+                writer.add_scalar(f"{metrics['name']}/ap_50_{group.replace('-', '_')}",
+                                  row["ap_50"], 0)
             results.append(metrics)
         if writer is not None:
             writer.close()
