@@ -276,3 +276,28 @@ def test_bench_quick_on_cuda_reports_memory_and_amp(capsys):
     assert by_name["train_step_model_only"]["amp"] == "bf16"
     assert by_name["pillarise"]["amp"] == "off"
     assert by_name["eval_postprocess_per_frame"]["ap_50"] > 0.9
+
+
+@pytest.mark.slow
+def test_gpu_checks_rehearsal_runs_every_step(tmp_path):
+    # QUICK=1 runs the same steps as on a GPU, small and on CPU: the script a short GPU session
+    # relies on must not rot unnoticed. A step that fails must fail the script too.
+    script = str(REPO_ROOT / "tools" / "gpu_checks.sh")
+
+    def run(data_dir):
+        env = {**os.environ, "QUICK": "1", "OUT": str(tmp_path / "out"), "DATA": str(data_dir),
+               "PYTHONPATH": str(REPO_ROOT)}
+        return subprocess.run(["bash", script], env=env, capture_output=True, text=True,
+                              timeout=300)
+
+    done = run(tmp_path / "data")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("\nok ") == 5 and "FAILED" not in done.stdout
+    lines = (tmp_path / "out" / "bench.jsonl").read_text().splitlines()
+    assert {json.loads(line)["figure"] for line in lines} >= {"pillarise", "train_step_model_only"}
+    collected = (tmp_path / "out" / "pytest_cuda.txt").read_text()
+    assert int(collected.split(" tests collected")[0].split()[-1].split("/")[0]) >= 1
+    blocker = tmp_path / "not_a_folder"
+    blocker.write_text("the generator cannot write here")
+    broken = run(blocker)
+    assert broken.returncode == 1 and "FAILED  synthetic opv2v data" in broken.stdout
