@@ -4,7 +4,8 @@
 #   2. tools/bench.py on CUDA at the OPV2V geometry, end to end on a small `opv2v`-preset set;
 #   3. tools/bench_pillars.py and tools/bench_ap.py (their CUDA kernel lines).
 # Each step's output goes to $OUT (default runs/gpu_checks); a failing step is reported and the
-# others still run; the exit status is 1 if any step failed. Takes a few minutes on one H100.
+# others still run; the exit status is 1 if any step failed. Expected to take a few minutes on
+# one H100 (written without a GPU: the first GPU session should confirm it).
 #
 #   PYTHONPATH=. OUT=$OUT bash tools/gpu_checks.sh          # no install needed
 #   QUICK=1 bash tools/gpu_checks.sh                       # a seconds-long rehearsal (CPU too)
