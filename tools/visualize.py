@@ -48,8 +48,8 @@ def sample_layers(split: OPV2VSplit, index: int, bev_range):
         points_lidar = remove_own_body_points(cav["points"])
         points_by_agent[name] = apply_transform(points_lidar, cav["T_to_ego"])
         positions[name] = cav["T_to_ego"][:2, 3]
-    ego_points = remove_own_body_points(sample["cavs"][ego_id]["points"])
-    occluded = ego_points_per_box(ego_points, sample["gt_boxes"]) == 0
+    # The ego's transform to itself is the identity: its entry is its own cloud.
+    occluded = ego_points_per_box(points_by_agent[f"ego {ego_id}"], sample["gt_boxes"]) == 0
     return points_by_agent, sample["gt_boxes"], occluded, positions
 
 
