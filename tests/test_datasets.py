@@ -201,5 +201,8 @@ def test_gt_ego_points_count_the_egos_own_returns(road):
         assert sample["gt_ego_points"].tolist() == [30] * len(sample["gt_boxes"]), cls.__name__
         trained = make(cls, road, train=True)[1]
         assert (trained["gt_ego_points"] == -1).all() and len(trained["gt_ego_points"]) > 0
+        loss_only = make(cls, road, train=False, count_ego_points=False)[1]
+        assert (loss_only["gt_ego_points"] == -1).all()
+        np.testing.assert_array_equal(loss_only["gt_boxes"], sample["gt_boxes"])
     batch = collate_samples([make(NoFusionDataset, road, train=False)[i] for i in (0, 2)])
     assert [c.tolist() for c in batch["gt_ego_points"]] == [[30] * 4, [30] * 4]

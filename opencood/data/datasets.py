@@ -14,7 +14,7 @@ A sample is a dict::
     gt_ids            (M,) int64
     gt_ego_points     (M,) int64                     ego LiDAR points inside each GT box (the
                                                      ego's own returns: 0 = occluded for the
-                                                     ego); -1 in training, where it is not needed
+                                                     ego); -1 when not counted (training, loss-only)
     shared_points     int                            points each non-ego agent sent, averaged
                                                      over them (early fusion; else 0)
     points_in_agent_frame bool                       True when clouds are in their own agent's
@@ -79,6 +79,8 @@ class BaseFusionDataset(torch.utils.data.Dataset):
         augment_cfg: the ``data_augment`` list.
         wild: pose-noise / latency setting.
         seed: base seed of the augmentation draws.
+        count_ego_points: fill ``gt_ego_points`` (the AP visibility split); default: not in
+            training. A loss-only loader turns it off: nothing reads the counts there.
     """
 
     fusion_method = "base"
@@ -87,7 +89,7 @@ class BaseFusionDataset(torch.utils.data.Dataset):
     def __init__(self, split_dir, lidar_range=DEFAULT_LIDAR_RANGE, gt_range=DEFAULT_GT_RANGE,
                  train: bool = False, augment_cfg=None, wild: WildSetting | None = None,
                  seed: int = 0, max_cav: int = 5, com_range: float = 70.0, order: str = "hwl",
-                 cache_dir=None):
+                 cache_dir=None, count_ego_points: bool | None = None):
         check_augment_config(augment_cfg)
         self.split = OPV2VSplit(split_dir, com_range=com_range, max_cav=max_cav,
                                 cache_dir=cache_dir)
@@ -95,6 +97,7 @@ class BaseFusionDataset(torch.utils.data.Dataset):
         self.lidar_range = list(lidar_range)
         self.gt_range = list(gt_range)
         self.train = train
+        self.count_ego_points = not train if count_ego_points is None else bool(count_ego_points)
         self.augment_cfg = list(augment_cfg or []) if train else []
         self.wild = wild or WildSetting()
         self.seed = int(seed)
@@ -164,9 +167,9 @@ class BaseFusionDataset(torch.utils.data.Dataset):
 
     def _points_per_box(self, points: np.ndarray, boxes) -> np.ndarray:
         """(M,) own points of the viewing agent inside each GT box (same frame), for the
-        ego-visible / ego-occluded AP split; skipped (-1) in training, where nothing reads it."""
+        ego-visible / ego-occluded AP split; -1 unless ``count_ego_points``."""
         boxes = np.asarray(boxes, np.float64).reshape(-1, 7)
-        if self.train:
+        if not self.count_ego_points:
             return np.full(boxes.shape[0], -1, dtype=np.int64)
         return ego_points_per_box(points, boxes, self.order)
 

@@ -124,10 +124,12 @@ def amp_settings(cfg: Dict, device: torch.device):
 def build_loaders(cfg: Dict, info: dist_utils.DistInfo, micro_batch: int, seed: int):
     train_set = build_dataset(cfg, "train", train=True)
     val_set = build_dataset(cfg, "validate", train=False) if cfg.get("validate_dir") else None
-    loss_set = val_set
-    if val_set is not None and cfg["fusion"]["core_method"] == "late":
-        # Late fusion trains per CAV: its validation loss is per CAV too (AP uses whole samples).
-        loss_set = build_dataset(cfg, "validate", train=False, per_cav=True)
+    loss_set = None
+    if val_set is not None:
+        # The loss needs no visibility counts (AP does). Late fusion trains per CAV: its
+        # validation loss is per CAV too (AP uses whole samples).
+        per_cav = {"per_cav": True} if cfg["fusion"]["core_method"] == "late" else {}
+        loss_set = build_dataset(cfg, "validate", train=False, count_ego_points=False, **per_cav)
     try:  # same length on every rank, so every rank fails alike
         batch_sampler, train_sampler = build_train_sampler(
             len(train_set), micro_batch, info.rank, info.world_size, seed=seed)
