@@ -18,6 +18,8 @@ from typing import Any, Iterable
 
 import yaml
 
+from opencood.errors import OpencoodError
+
 _Dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 
 
@@ -39,7 +41,7 @@ YamlLoader.add_implicit_resolver(
     list("-+0123456789."))
 
 
-class ConfigError(ValueError):
+class ConfigError(OpencoodError, ValueError):
     """A config file or override is invalid; the message names the file and the key."""
 
 

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from typing import Callable, Dict, Iterable
 
+from opencood.errors import OpencoodError
 
-class RegistryError(KeyError):
+
+class RegistryError(OpencoodError, KeyError):
     """Unknown or duplicate registry name. ``str()`` is the plain message (KeyError quotes it)."""
 
     def __str__(self) -> str:

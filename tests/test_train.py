@@ -59,16 +59,37 @@ def _preserved_opencood_logger():
         log.propagate = propagate
 
 
+# The global torch switches configure_cuda sets from the yaml. Read and written back by plain
+# getattr/setattr: torch serves some of them through a module __getattr__, which pytest's
+# monkeypatch cannot restore (it tries delattr on teardown and fails from pytest 9.2 on).
+_TORCH_SWITCHES = ((torch.backends.cudnn, "benchmark"), (torch.backends.cudnn, "allow_tf32"),
+                   (torch.backends.cuda.matmul, "allow_tf32"))
+
+
+@contextlib.contextmanager
+def _preserved_torch_switches():
+    saved = [(owner, name, getattr(owner, name)) for owner, name in _TORCH_SWITCHES]
+    try:
+        yield
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
+
+
 @pytest.fixture(autouse=True)
-def _restore_process_state(monkeypatch):
+def _restore_process_state():
     """Undo what an in-process run changes globally: the logger, and on GPU machines the TF32
     and cudnn.benchmark switches that configure_cuda sets from the yaml."""
-    monkeypatch.setattr(torch.backends.cudnn, "benchmark", torch.backends.cudnn.benchmark)
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", torch.backends.cudnn.allow_tf32)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32",
-                        torch.backends.cuda.matmul.allow_tf32)
-    with _preserved_opencood_logger():
+    with _preserved_torch_switches(), _preserved_opencood_logger():
         yield
+
+
+def test_torch_switches_are_restored_after_a_change():
+    before = [getattr(owner, name) for owner, name in _TORCH_SWITCHES]
+    with _preserved_torch_switches():
+        for owner, name in _TORCH_SWITCHES:
+            setattr(owner, name, not getattr(owner, name))
+    assert [getattr(owner, name) for owner, name in _TORCH_SWITCHES] == before
 
 
 @pytest.fixture

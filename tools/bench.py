@@ -69,6 +69,8 @@ from typing import Callable, Dict, List
 
 import torch
 
+from opencood.errors import OpencoodError
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_YAML = REPO_ROOT / "hypes_yaml" / "opv2v" / "point_pillar_attfuse.yaml"
 QUICK_YAML = REPO_ROOT / "hypes_yaml" / "synthetic" / "smoke.yaml"
@@ -83,7 +85,7 @@ STEP_PARTS = ["pillarise", "targets", "forward", "loss", "backward", "grad_clip"
 logger = logging.getLogger("opencood.bench")
 
 
-class BenchError(Exception):
+class BenchError(OpencoodError):
     """A bad command line or input: printed as one ``error: ...`` line."""
 
 

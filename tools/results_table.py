@@ -38,6 +38,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from opencood.config import ConfigError, get_key, load_config  # noqa: E402
+from opencood.errors import OpencoodError  # noqa: E402
 
 DEFAULT_PRESET_DIR = REPO_ROOT / "hypes_yaml" / "synthetic"
 # The README's row order.
@@ -47,7 +48,7 @@ DEFAULT_MODELS = ("point_pillar_no_fusion", "point_pillar_late_fusion",
 OCCLUDED_GROUP = "ego-occluded"
 
 
-class TableError(Exception):
+class TableError(OpencoodError):
     """Bad input for this tool; the message is one line."""
 
 

@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from opencood.config import YamlLoader
 from opencood.data.pcd import PointCloudCache, default_cache_dir, read_pcd
+from opencood.errors import OpencoodError
 from opencood.ops.transforms import (
     boxes_to_corners_3d,
     corners_in_range_mask,
@@ -46,7 +47,7 @@ INDEX_CACHE_VERSION = 1
 _VEHICLE_VECTOR_KEYS = ("location", "extent", "angle")
 
 
-class OPV2VFormatError(ValueError):
+class OPV2VFormatError(OpencoodError, ValueError):
     """A file or folder that does not follow the OPV2V format; the message starts with its path."""
 
 

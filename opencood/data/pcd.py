@@ -21,10 +21,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from opencood.errors import OpencoodError
+
 __all__ = ["PcdError", "read_pcd", "write_pcd", "PointCloudCache", "default_cache_dir"]
 
 
-class PcdError(ValueError):
+class PcdError(OpencoodError, ValueError):
     """A point cloud file that cannot be read. The message starts with the file path."""
 
 

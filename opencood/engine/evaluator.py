@@ -21,13 +21,10 @@ import yaml
 from opencood.config import ConfigError, apply_overrides, load_config
 from opencood.data.collate import collate_samples
 from opencood.data.datasets import build_dataset
-from opencood.data.opv2v import OPV2VFormatError
 from opencood.data.pipeline import BatchPreparer
+from opencood.errors import run_cli
 from opencood.eval.inference import evaluate_loader
-from opencood.data.pcd import PcdError
-from opencood.engine.trainer import one_line
 from opencood.models.build import build_model
-from opencood.registry import RegistryError
 from opencood.utils import dist as dist_utils
 from opencood.utils.checkpoint import CheckpointError, check_state_dict_compatible, load_checkpoint
 from opencood.utils.samplers import InferenceSampler
@@ -211,8 +208,4 @@ def evaluate(args) -> List[Dict]:
 
 
 def main(argv=None) -> List[Dict]:
-    args = parse_args(argv)
-    try:
-        return evaluate(args)
-    except (ConfigError, CheckpointError, OPV2VFormatError, PcdError, RegistryError) as error:
-        raise SystemExit(f"error: {one_line(error)}") from None
+    return run_cli(lambda argv: evaluate(parse_args(argv)), argv)

@@ -11,13 +11,14 @@ from typing import Callable, Dict, List, Sequence, Tuple
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from opencood.errors import OpencoodError
 from opencood.utils import dist as dist_utils
 
 # loss_fn(model, micro_batch) -> (loss scalar tensor, {term name: float}, samples in micro-batch)
 LossFn = Callable[[torch.nn.Module, object], Tuple[torch.Tensor, Dict[str, float], int]]
 
 
-class NonFiniteLossError(FloatingPointError):
+class NonFiniteLossError(OpencoodError, FloatingPointError):
     """A loss became NaN/inf; raised on every rank at the same step (decided collectively)."""
 
 

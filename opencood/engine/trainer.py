@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import os
 import random
 import time
 from datetime import datetime
@@ -23,20 +22,17 @@ from torch.nn.parallel import DistributedDataParallel
 
 from opencood.config import ConfigError, load_config, save_config
 from opencood.data.collate import collate_samples, seed_worker
-from opencood.data.opv2v import OPV2VFormatError
-from opencood.data.pcd import PcdError
 from opencood.data.datasets import build_dataset
 from opencood.data.pipeline import BatchPreparer
-from opencood.engine.loop import (NonFiniteLossError, group_micro_batches, optimizer_step,
-                                  validation_loss)
+from opencood.engine.loop import group_micro_batches, optimizer_step, validation_loss
 from opencood.engine.optim import build_optimizer, build_scheduler
+from opencood.errors import run_cli
 from opencood.eval.inference import evaluate_loader
 from opencood.losses import build_loss
 from opencood.models.build import build_model
-from opencood.registry import RegistryError
 from opencood.utils import dist as dist_utils
 from opencood.utils.batching import describe_batch, split_global_batch
-from opencood.utils.checkpoint import (CheckpointError, capture_rng_state,
+from opencood.utils.checkpoint import (capture_rng_state,
                                        check_state_dict_compatible, load_checkpoint,
                                        restore_rng_state, save_checkpoint)
 from opencood.utils.ema import ModelEMA
@@ -435,31 +431,14 @@ def train(cfg: Dict, args, info: dist_utils.DistInfo) -> Dict:
 
 
 def main(argv=None) -> Dict:
+    return run_cli(_main, argv)
+
+
+def _main(argv=None) -> Dict:
     args = parse_args(argv)
-    try:
-        cfg = resolve_config(args)
-    except ConfigError as error:
-        raise SystemExit(f"error: {error}") from None
+    cfg = resolve_config(args)
     dist_cfg = cfg.get("distributed", {}) or {}
     with dist_utils.distributed_session(backend=dist_cfg.get("backend"),
                                         timeout_minutes=float(dist_cfg.get("timeout_minutes",
                                                                            30))) as info:
-        try:
-            return train(cfg, args, info)
-        except (ConfigError, CheckpointError, NonFiniteLossError, PcdError,
-                OPV2VFormatError, RegistryError) as error:
-            message = one_line(error)
-            logging.getLogger("opencood").error("%s", message)
-            raise SystemExit(f"error: {message}") from None
-
-
-def one_line(error: BaseException) -> str:
-    """The message of ``error`` on one line. An error raised in a DataLoader worker arrives
-    wrapped ("Caught PcdError in DataLoader worker process 0. Original Traceback ..."): its last
-    line is the original one-line message, naming the file."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    if len(lines) <= 1:
-        return lines[0] if lines else type(error).__name__
-    last = lines[-1]
-    prefix = f"{type(error).__module__}.{type(error).__name__}: "
-    return last[len(prefix):] if last.startswith(prefix) else last
+        return train(cfg, args, info)

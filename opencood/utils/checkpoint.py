@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from opencood.errors import OpencoodError
 from opencood.utils.ema import unwrap_model
 
 # Leaf types the weights_only unpickler reads back (containers are walked separately).
@@ -25,7 +26,7 @@ _PLAIN_LEAF_TYPES = (torch.Tensor, str, bytes, int, float, bool, complex, type(N
                      torch.dtype, torch.device)
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(OpencoodError, RuntimeError):
     """A checkpoint file that is missing, unreadable, or does not fit the model."""
 
 

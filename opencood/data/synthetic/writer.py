@@ -23,6 +23,7 @@ from opencood.data.pcd import write_pcd
 from opencood.data.synthetic.lidar import cast_lidar
 from opencood.data.synthetic.presets import Preset, get_preset
 from opencood.data.synthetic.world import World, build_world
+from opencood.errors import OpencoodError
 
 SPLITS = ("train", "validate", "test")
 FIRST_TIMESTAMP = (30, 120)               # first frame number drawn in this range (x 2)
@@ -35,7 +36,7 @@ POSE_NOISE_STD = (0.05, 0.05, 0.0, 0.0, 0.2, 0.0)   # predicted_ego_pos: localis
 _DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 
 
-class OutputDirError(OSError):
+class OutputDirError(OpencoodError, OSError):
     """The output folder cannot be used (not writable, or already holds a data set)."""
 
 
