@@ -165,6 +165,18 @@ def test_no_gt_at_all_gives_zero():
     assert APAccumulator().compute()["ap_50"] == 0.0
 
 
+def test_a_distance_bin_without_gt_has_no_ap():
+    """The lite configs have no GT beyond ~53 m: that bin's AP is undefined (None), not 0.0,
+    even when a false positive falls into it."""
+    accumulator = APAccumulator()
+    accumulator.add_frame(cars((10, 0), (70, 0)), np.array([0.9, 0.8]), cars((10, 0), (35, 0)))
+    result = accumulator.compute()
+    far = result["distance"]["50-100"]
+    assert far["num_gt"] == 0 and (far["ap_30"], far["ap_50"], far["ap_70"]) == (None,) * 3
+    assert result["distance"]["0-30"]["ap_50"] == 1.0
+    assert result["distance"]["30-50"]["ap_50"] == 0.0   # a GT that no detection found
+
+
 def test_bad_shapes_are_rejected():
     with pytest.raises(ValueError, match="scores"):
         APAccumulator().add_frame(cars((0, 0)), np.array([0.5, 0.4]), cars())
@@ -216,7 +228,7 @@ def test_visibility_threshold_and_gather_round_trip():
     rows = strict.compute()["visibility"]
     assert rows["ego-occluded"]["num_gt"] == 2 and rows["ego-visible"]["num_gt"] == 0
     assert rows["ego-occluded"]["ap_50"] == pytest.approx(5 / 6)
-    assert rows["ego-visible"]["ap_50"] == 0.0
+    assert rows["ego-visible"]["ap_50"] is None     # no GT in the group: AP undefined
     with pytest.raises(ValueError, match="thresholds or bins"):
         strict.merge(visibility_case())
 

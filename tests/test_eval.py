@@ -321,8 +321,14 @@ def test_outputs_yaml_table_tensorboard_and_pictures(runs, reference, tmp_path, 
     for key in ("ap_30", "ap_50", "ap_70"):
         (scalar,) = events.Scalars(f"eval_test_intermediate/{key}")
         assert scalar.value == pytest.approx(metrics[key], abs=1e-6)
-    (occluded_scalar,) = events.Scalars("eval_test_intermediate/ap_50_ego_occluded")
-    assert occluded_scalar.value == pytest.approx(groups["ego-occluded"]["ap_50"], abs=1e-6)
+    logged_groups = {tag.rsplit("ap_50_", 1)[1] for tag in events.Tags()["scalars"]
+                     if tag.startswith("eval_test_intermediate/ap_50_ego_")}
+    # A group without GT has no AP (None): nothing to log for it.
+    assert logged_groups == {name.replace("-", "_") for name, row in groups.items()
+                             if row["num_gt"] > 0}
+    for name in logged_groups:
+        (scalar,) = events.Scalars(f"eval_test_intermediate/ap_50_{name}")
+        assert scalar.value == pytest.approx(groups[name.replace("_", "-")]["ap_50"], abs=1e-6)
 
     pictures = sorted((run_dir / "vis").glob("*.png"))
     assert len(pictures) == 2
@@ -469,3 +475,15 @@ def test_pictures_draw_ego_occluded_gt_in_their_own_colour():
     # The seen car (x = -10) is green, the occluded one (x = +10) lavender.
     assert pixels(GT_COLOR, -10) > 20 and pixels(OCCLUDED_GT_COLOR, -10) == 0
     assert pixels(OCCLUDED_GT_COLOR, 10) > 20 and pixels(GT_COLOR, 10) == 0
+
+
+def test_table_prints_a_dash_for_a_bin_without_gt():
+    from opencood.engine.evaluator import format_table
+    metrics = {"ap_30": 0.5, "ap_50": 0.25, "ap_70": 0.0, "num_gt": 4, "bytes_per_agent": 10.0,
+               "frames_per_s": 2.0, "num_frames": 3,
+               "distance": {"0-30": {"ap_30": 0.5, "ap_50": 0.25, "ap_70": 0.0, "num_gt": 4},
+                            "50-100": {"ap_30": None, "ap_50": None, "ap_70": None,
+                                       "num_gt": 0}}}
+    near, far = format_table("test", metrics).splitlines()[3:5]
+    assert near.split() == ["0-30", "m", "0.5000", "0.2500", "0.0000", "4"]
+    assert far.split() == ["50-100", "m", "–", "–", "–", "0"]

@@ -104,6 +104,11 @@ def settings_to_run(args) -> List[Dict]:
     return runs
 
 
+def format_ap(value) -> str:
+    """An AP cell: 8 characters, "–" where the row has no GT (AP undefined)."""
+    return f"{'–':>8}" if value is None else f"{value:8.4f}"
+
+
 def format_table(name: str, metrics: Dict) -> str:
     lines = [f"{name}",
              f"{'':>12} {'AP@0.3':>8} {'AP@0.5':>8} {'AP@0.7':>8} {'#GT':>6}",
@@ -112,8 +117,8 @@ def format_table(name: str, metrics: Dict) -> str:
     rows = [(f"{bin_name} m", row) for bin_name, row in metrics["distance"].items()]
     rows += list(metrics.get("visibility", {}).items())
     for row_name, row in rows:
-        lines.append(f"{row_name:>12} {row['ap_30']:8.4f} {row['ap_50']:8.4f} "
-                     f"{row['ap_70']:8.4f} {row['num_gt']:6d}")
+        aps = " ".join(format_ap(row[key]) for key in ("ap_30", "ap_50", "ap_70"))
+        lines.append(f"{row_name:>12} {aps} {row['num_gt']:6d}")
     lines.append(f"bytes per agent per frame {metrics['bytes_per_agent']:.0f}, "
                  f"{metrics['frames_per_s']:.2f} frames/s, {metrics['num_frames']} frames")
     return "\n".join(lines)
@@ -196,6 +201,8 @@ def evaluate(args) -> List[Dict]:
             for key in ("ap_30", "ap_50", "ap_70"):
                 writer.add_scalar(f"{metrics['name']}/{key}", metrics[key], 0)
             for group, row in metrics.get("visibility", {}).items():
+                if row["ap_50"] is None:
+                    continue
                 writer.add_scalar(f"{metrics['name']}/ap_50_{group.replace('-', '_')}",
                                   row["ap_50"], 0)
             results.append(metrics)

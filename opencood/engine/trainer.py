@@ -420,7 +420,8 @@ def train(cfg: Dict, args, info: dist_utils.DistInfo) -> Dict:
                 best_val = min(best_val, results["loss"])
                 history[epoch] = results
                 logger.info("epoch %d validation (%d samples): %s", epoch, count,
-                            ", ".join(f"{k} {v:.4f}" for k, v in results.items()))
+                            ", ".join(f"{k} {v:.4f}" for k, v in results.items()
+                                      if v is not None))
             state = training_state(model_without_ddp, ema, optimizer, scheduler, scaler, epoch,
                                    step, best_val, cfg, seed)
             save_run_checkpoints(run_dir, state, epoch, save_freq, is_best)

@@ -46,6 +46,12 @@ def ap_from_sorted_tp(is_tp: np.ndarray, num_gt: int) -> float:
     return voc_ap(recall, precision)
 
 
+def group_ap(is_tp: np.ndarray, num_gt: int) -> float | None:
+    """AP of a subgroup of the GT (a distance bin, a visibility group): None when the group has
+    no GT, where AP is undefined (printed "–", null in yaml) rather than a misleading 0."""
+    return None if num_gt == 0 else ap_from_sorted_tp(is_tp, num_gt)
+
+
 def greedy_match(iou: np.ndarray, scores: np.ndarray, thresholds: np.ndarray) -> np.ndarray:
     """Match one frame's detections to its GT, for every threshold at once.
 
@@ -315,7 +321,7 @@ class APAccumulator:
 
     def compute(self) -> dict:
         """-> {"ap_30": float, ..., "num_gt", "num_det", "num_frames",
-        "distance": {"0-30": {"ap_30": float, ..., "num_gt": int}, ...},
+        "distance": {"0-30": {"ap_30": float or None (no GT in the bin), ..., "num_gt": int}, ...},
         "visibility": {"ego-visible": {...}, "ego-occluded": {...}} (only when every GT's ego
         point count is known)}."""
         self._match_pending()
@@ -333,8 +339,8 @@ class APAccumulator:
             row = {}
             for t, threshold in enumerate(self.iou_thresholds):
                 det_in_bin = (flat["bin_distance"][t] >= low) & (flat["bin_distance"][t] < high)
-                row[_key_name(threshold)] = ap_from_sorted_tp(flat["is_tp"][t][det_in_bin],
-                                                              int(gt_in_bin.sum()))
+                row[_key_name(threshold)] = group_ap(flat["is_tp"][t][det_in_bin],
+                                                     int(gt_in_bin.sum()))
             row["num_gt"] = int(gt_in_bin.sum())
             result["distance"][f"{low:g}-{high:g}"] = row
         visibility = self._visibility_rows(flat)
@@ -355,8 +361,8 @@ class APAccumulator:
             row = {}
             for t, threshold in enumerate(self.iou_thresholds):
                 counted = ~other_group[t]
-                row[_key_name(threshold)] = ap_from_sorted_tp(flat["is_tp"][t][counted],
-                                                              int(in_group.sum()))
+                row[_key_name(threshold)] = group_ap(flat["is_tp"][t][counted],
+                                                     int(in_group.sum()))
             row["num_gt"] = int(in_group.sum())
             rows[name] = row
         return rows
