@@ -7,13 +7,16 @@ setup(
                 "distributed training and evaluation.",
     packages=find_packages(include=["opencood", "opencood.*"]),
     python_requires=">=3.10",
+    # Ranges, not pins: a library must install beside a cluster's own torch. requirements.txt
+    # pins the versions the tests run with.
     install_requires=[
-        "torch>=2.4",
-        "torchvision",
-        "numpy",
-        "pyyaml",
-        "tensorboard",
-        "opencv-python-headless",
-        "tqdm",
+        "torch>=2.11,<2.15",
+        "torchvision>=0.26",
+        "numpy>=1.24,<3",
+        "pyyaml>=6.0,<7",
+        "tensorboard>=2.14,<3",
+        "opencv-python-headless>=4.8,<6",
+        "tqdm>=4.64,<5",
     ],
+    extras_require={"test": ["pytest==9.2.0"]},
 )
