@@ -9,6 +9,10 @@ cd "$(dirname "$0")/.."
 CONFIG=${CONFIG:-hypes_yaml/synthetic/point_pillar_fcooper.yaml}
 DATA=${DATA:-data/synthetic_small}
 RUN=${RUN:-runs/quickstart_fcooper}
+if [ ! -f "$CONFIG" ]; then
+  echo "error: CONFIG=$CONFIG: config file not found (relative to $(pwd))" >&2
+  exit 2
+fi
 
 python -m pip install -q -r requirements.txt
 python -m pip install -q -e . --no-deps

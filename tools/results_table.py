@@ -38,7 +38,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from opencood.config import ConfigError, get_key, load_config  # noqa: E402
-from opencood.errors import OpencoodError  # noqa: E402
+from opencood.errors import OpencoodError, one_line  # noqa: E402
 
 DEFAULT_PRESET_DIR = REPO_ROOT / "hypes_yaml" / "synthetic"
 # The README's row order.
@@ -224,8 +224,10 @@ def count_train_examples(cfg: Dict, source: str) -> int:
 
 def plan_model(path: Path, overrides: List[str], args, nproc: int) -> Dict:
     """Name, fusion, examples, steps per epoch and epochs of one config (one-line errors)."""
+    from opencood.engine.recipe import check_registered_names
     try:
         cfg = load_config(path, overrides)
+        check_registered_names(cfg, str(path))
     except ConfigError as error:
         raise TableError(str(error)) from None
     params = cfg["train_params"]
@@ -442,8 +444,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         return run_all(args)
-    except TableError as error:
-        print(f"error: {error}", file=sys.stderr)
+    except OpencoodError as error:
+        print(f"error: {one_line(error)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)

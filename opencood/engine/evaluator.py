@@ -22,6 +22,7 @@ from opencood.config import ConfigError, apply_overrides, load_config
 from opencood.data.collate import collate_samples
 from opencood.data.datasets import build_dataset
 from opencood.data.pipeline import BatchPreparer
+from opencood.engine.recipe import check_registered_names
 from opencood.errors import run_cli
 from opencood.eval.inference import evaluate_loader
 from opencood.models.build import build_model
@@ -180,6 +181,7 @@ def evaluate(args) -> List[Dict]:
         raise ConfigError(f"{config_path}: not found; --model_dir must be a run folder "
                           f"written by tools/train.py")
     cfg = load_config(config_path, args.overrides)
+    check_registered_names(cfg, str(config_path))
     with dist_utils.distributed_session(
             backend=(cfg.get("distributed") or {}).get("backend")) as info:
         dist_utils.setup_logging(None, info.rank)

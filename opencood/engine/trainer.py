@@ -26,6 +26,7 @@ from opencood.data.datasets import build_dataset
 from opencood.data.pipeline import BatchPreparer
 from opencood.engine.loop import group_micro_batches, optimizer_step, validation_loss
 from opencood.engine.optim import build_optimizer, build_scheduler
+from opencood.engine.recipe import check_registered_names
 from opencood.errors import run_cli
 from opencood.eval.inference import evaluate_loader
 from opencood.losses import build_loss
@@ -326,6 +327,7 @@ def train(cfg: Dict, args, info: dist_utils.DistInfo) -> Dict:
                                           train_params.get("max_micro_batch"))
     except ValueError as error:
         raise ConfigError(f"train_params.batch_size: {error}") from None
+    check_registered_names(cfg, args.hypes_yaml or str(Path(args.model_dir) / "config.yaml"))
     run_dir = make_run_dir(cfg, args)
     dist_utils.setup_logging(run_dir, info.rank)
     seed = int(cfg.get("seed", 0))
