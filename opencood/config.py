@@ -19,6 +19,7 @@ from typing import Any, Iterable
 import yaml
 
 from opencood.errors import OpencoodError
+from opencood.utils.atomic import atomic_write
 
 _Dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 
@@ -233,7 +234,6 @@ def load_config(path, overrides: Iterable[str] = (), validate: bool = True) -> d
 
 def save_config(cfg: dict, path) -> None:
     """Write the resolved config (no ``_base_`` left) as yaml, atomically."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(yaml.dump(cfg, Dumper=_Dumper, sort_keys=False, default_flow_style=None))
-    tmp.replace(path)
+    text = yaml.dump(cfg, Dumper=_Dumper, sort_keys=False, default_flow_style=None)
+    with atomic_write(path) as stream:
+        stream.write(text)

@@ -15,7 +15,6 @@ import json
 import logging
 import math
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +33,7 @@ from opencood.ops.transforms import (
     pose_to_matrix,
     relative_transform,
 )
+from opencood.utils.atomic import atomic_write
 from opencood.utils.dist import get_rank
 
 logger = logging.getLogger(__name__)
@@ -329,21 +329,12 @@ def _write_index_cache(cache_path: Path, fingerprint: str, frames: dict) -> None
                "frames": _to_json_safe(frames)}
     try:
         text = json.dumps(payload, separators=(",", ":"))
-        cache_path.parent.mkdir(parents=True, exist_ok=True)
-        handle, temp_name = tempfile.mkstemp(dir=cache_path.parent, suffix=".tmp")
+        with atomic_write(cache_path) as stream:
+            stream.write(text)
     except (OSError, TypeError, ValueError) as exc:
         # A cache is an optimisation: an unwritable folder or a yaml value JSON cannot hold
         # (e.g. a date) must not stop training.
         logger.warning("OPV2V index cache not written to %s: %s", cache_path, exc)
-        return
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as out:
-            out.write(text)
-        os.replace(temp_name, cache_path)
-    except OSError as exc:
-        logger.warning("OPV2V index cache not written to %s: %s", cache_path, exc)
-        if os.path.exists(temp_name):
-            os.remove(temp_name)
 
 
 def _parse_frames(split_dir: Path, layouts: list[_ScenarioLayout]) -> dict:

@@ -15,13 +15,13 @@ import hashlib
 import io
 import os
 import pathlib
-import tempfile
 import warnings
 from dataclasses import dataclass
 
 import numpy as np
 
 from opencood.errors import OpencoodError
+from opencood.utils.atomic import atomic_write
 
 __all__ = ["PcdError", "read_pcd", "write_pcd", "PointCloudCache", "default_cache_dir"]
 
@@ -565,18 +565,10 @@ class PointCloudCache:
         return self.cache_dir / f"{digest}.npy"
 
     def _store(self, entry, points):
-        """Write `points` to `entry` atomically (temp file in the same folder + os.replace)."""
+        """Write `points` to `entry` atomically (a failed write leaves no entry behind)."""
         try:
-            entry.parent.mkdir(parents=True, exist_ok=True)
-            descriptor, temp_name = tempfile.mkstemp(prefix=entry.stem + ".", suffix=".tmp",
-                                                     dir=entry.parent)
-            try:
-                with os.fdopen(descriptor, "wb") as stream:
-                    np.save(stream, points, allow_pickle=False)
-                os.replace(temp_name, entry)
-            except BaseException:
-                _remove_quietly(temp_name)
-                raise
+            with atomic_write(entry, "wb") as stream:
+                np.save(stream, points, allow_pickle=False)
         except OSError as exc:
             if not self._warned_unwritable:
                 self._warned_unwritable = True

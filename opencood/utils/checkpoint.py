@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import pickle
 import random
-import tempfile
 import zipfile
 from collections import OrderedDict
 from typing import Any
@@ -19,6 +18,7 @@ import torch
 from torch import nn
 
 from opencood.errors import OpencoodError
+from opencood.utils.atomic import atomic_write
 from opencood.utils.ema import unwrap_model
 
 # Leaf types the weights_only unpickler reads back (containers are walked separately).
@@ -59,20 +59,6 @@ def _to_cpu(value: Any, where: str) -> Any:
                     "strings or containers of them")
 
 
-def _fsync_folder(folder: str) -> None:
-    """Make the rename itself durable (POSIX); not possible on Windows, where it is skipped."""
-    try:
-        folder_fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(folder_fd)
-    except OSError:
-        pass
-    finally:
-        os.close(folder_fd)
-
-
 def save_checkpoint(path: str | os.PathLike, state: dict) -> None:
     """Write ``state`` to ``path`` with every tensor on CPU, atomically.
 
@@ -80,23 +66,9 @@ def save_checkpoint(path: str | os.PathLike, state: dict) -> None:
     a crash or a failed serialization mid-write leaves the previous checkpoint intact, never a
     truncated file. CPU tensors mean the file loads on a machine without (or with other) GPUs.
     """
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
     state_cpu = _to_cpu(state, "state")
-    fd, temp_path = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp",
-                                     dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as temp_file:
-            torch.save(state_cpu, temp_file)
-            temp_file.flush()
-            os.fsync(temp_file.fileno())
-        os.replace(temp_path, path)
-    except BaseException:
-        if os.path.exists(temp_path):
-            os.remove(temp_path)
-        raise
-    _fsync_folder(folder)
+    with atomic_write(path, "wb", durable=True) as stream:
+        torch.save(state_cpu, stream)
 
 
 # ----------------------------------------------------------------------------------------------
