@@ -35,7 +35,7 @@ FAST_DDP_CONFIGS = ["point_pillar_where2comm", "point_pillar_early_fusion"]
 SLOW_DDP_CONFIGS = [name for name in FUSION_CONFIGS
                     if name not in FAST_DDP_CONFIGS + ["point_pillar_attfuse"]]
 TRAIN_SCALARS = ("loss", "lr", "grad_norm", "samples_per_s")
-VAL_SCALARS = ("loss", "ap_50", "ap_50_ego_occluded")
+VAL_SCALARS = ("loss", "ap_50")
 CPU = torch.device("cpu")
 
 
@@ -267,8 +267,11 @@ def test_tensorboard_holds_the_promised_scalars(two_rank_runs):
     work, _ = two_rank_runs
     accumulator = EventAccumulator(str(work / "e2e"))
     accumulator.Reload()
-    assert {f"train/{n}" for n in TRAIN_SCALARS} | {f"val/{n}" for n in VAL_SCALARS} <= set(
-        accumulator.Tags()["scalars"])
+    tags = set(accumulator.Tags()["scalars"])
+    assert {f"train/{n}" for n in TRAIN_SCALARS} | {f"val/{n}" for n in VAL_SCALARS} <= tags
+    # Every validation GT of this tiny split is seen by the ego: the ego-occluded AP is
+    # undefined (None) and not logged as a misleading 0 (test_eval checks a logged one).
+    assert "val/ap_50_ego_occluded" not in tags
     for name in TRAIN_SCALARS:
         steps = [event.step for event in accumulator.Scalars(f"train/{name}")]
         assert steps == [1, 2, 3, 4], f"train/{name}"
@@ -642,5 +645,6 @@ def test_unknown_model_name_is_a_one_line_error_listing_models(tmp_path):
               str(tmp_path / "run"), "--set", f"root_dir={split}", "--set", "validate_dir=",
               "--set", "model.core_method=pointpillar"])
     message = str(info.value)
-    assert message == ("error: unknown model 'pointpillar'; registered models: point_pillar, "
-                       "point_pillar_intermediate")
+    assert message == ("error: hypes_yaml/synthetic/smoke.yaml: model.core_method: unknown model "
+                       "'pointpillar'; registered models: point_pillar, point_pillar_intermediate")
+    assert not (tmp_path / "run").exists()   # refused before any file is written
