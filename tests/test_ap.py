@@ -1,4 +1,5 @@
-"""VOC AP, greedy matching and the AP accumulator against hand-computed values."""
+"""VOC AP, greedy matching and the AP accumulator against hand-computed values and, on random
+frames, against the plain-Python reference (tests/reference_impls.py)."""
 import itertools
 import json
 
@@ -7,6 +8,9 @@ import pytest
 import torch
 
 from opencood.eval.ap import APAccumulator, greedy_match, voc_ap
+from opencood.utils.fake_batch import fake_detection_frames
+
+from reference_impls import reference_ap
 
 
 def cars(*xy):
@@ -135,6 +139,23 @@ def test_score_ties_broken_by_sample_key_not_insertion_order():
     for insertion in (lambda keys: keys, lambda keys: keys[::-1]):
         assert run("s1", "s2", insertion) == pytest.approx(0.5)
         assert run("s2", "s1", insertion) == pytest.approx(0.25)
+
+
+def test_matches_the_plain_python_reference_on_random_frames():
+    # Noisy copies of the GT (some duplicated) plus clutter, scores with ties across frames.
+    frames = fake_detection_frames(num_frames=12, seed=3)
+    thresholds = (0.3, 0.5, 0.7)
+    accumulator = APAccumulator(thresholds)
+    for index, (pred, scores, gt) in enumerate(frames):
+        accumulator.add_frame(pred, scores, gt, sample_key=index)
+    ours = accumulator.compute()
+    reference = reference_ap([tuple(t.tolist() for t in frame) for frame in frames], thresholds)
+    all_scores = torch.cat([scores for _, scores, _ in frames])
+    assert all_scores.unique().numel() < all_scores.numel()      # ties must be exercised
+    assert 0 < reference[0.7] < reference[0.5] < reference[0.3] < 1
+    for threshold in thresholds:
+        assert ours[f"ap_{round(threshold * 100)}"] == pytest.approx(reference[threshold],
+                                                                     abs=1e-9)
 
 
 def test_merge_equals_single_accumulator():

@@ -1,4 +1,5 @@
-"""Anchors, residual box coding, direction bins and target assignment on hand-made scenes."""
+"""Anchors, residual box coding, direction bins and target assignment on hand-made scenes, and
+assignment against the plain-Python reference (tests/reference_impls.py) on random ones."""
 import math
 
 import pytest
@@ -9,6 +10,9 @@ from opencood.ops.box_coder import ResidualBoxCoder
 from opencood.ops.target_assigner import (assign_targets, decode_predictions,
                                           flatten_predictions, standup_bev)
 from opencood.ops.transforms import limit_period
+from opencood.utils.fake_batch import random_vehicle_boxes
+
+from reference_impls import reference_assign_targets
 
 OPV2V_RANGE = [-140.8, -40.0, -3.0, 140.8, 40.0, 1.0]
 SMALL_RANGE = [0.0, 0.0, -3.0, 8.0, 8.0, 1.0]
@@ -234,6 +238,36 @@ def test_duplicate_gt_tie_goes_to_the_lower_index():
                              torch.tensor([[True, True]]))
     assert targets["matched_gt"][0, flat(1, 1, 0)] == 0
     assert targets["num_positives"].tolist() == [1]
+
+
+def random_gt_scene(generator):
+    """(2, 10, 7) float64 GT in a 40 x 20 m range, mask (2, 10): sample 0 has 9 boxes, two of
+    them near-duplicates (they claim the same best anchor), sample 1 has 6; padded rows hold
+    boxes the mask must hide."""
+    gt_boxes = random_vehicle_boxes(20, generator, x_range=(2, 38),
+                                    y_range=(2, 18)).reshape(2, 10, 7)
+    gt_boxes[0, 1] = gt_boxes[0, 0]
+    gt_boxes[0, 1, :2] += 0.1
+    gt_mask = torch.arange(10) < torch.tensor([[9], [6]])
+    return gt_boxes, gt_mask
+
+
+@pytest.mark.parametrize("pos_iou, neg_iou", [(0.6, 0.45), (0.99, 0.3)])
+def test_assignment_matches_the_plain_python_reference(pos_iou, neg_iou):
+    # pos_iou 0.99 is out of reach: every positive is then a GT's claimed best anchor.
+    anchors = generate_anchors([0, 0, -3, 40, 20, 1], [0.5, 0.5, 4]).double()  # (20, 40, 2, 7)
+    gt_boxes, gt_mask = random_gt_scene(torch.Generator().manual_seed(5))
+    targets = assign_targets(anchors, gt_boxes, gt_mask, pos_iou=pos_iou, neg_iou=neg_iou)
+    for sample in range(2):
+        real = gt_mask[sample].nonzero().flatten()
+        labels, matched = reference_assign_targets(
+            anchors.reshape(-1, 7).tolist(), gt_boxes[sample, real].tolist(), pos_iou, neg_iou)
+        matched_rows = [int(real[m]) if m >= 0 else -1 for m in matched]   # masked -> padded
+        assert targets["labels"][sample].tolist() == labels
+        assert targets["matched_gt"][sample].tolist() == matched_rows
+        assert {-1, 0, 1} <= set(labels)
+    if pos_iou > 0.9:
+        assert targets["num_positives"].tolist() == [8, 6]      # near-duplicates share one
 
 
 def test_samples_without_gt_are_all_negative():

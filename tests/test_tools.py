@@ -1,9 +1,9 @@
-"""Command-line tools: tools/bench.py (JSON figures) and tools/profile_model.py (params, FLOPs).
+"""tools/bench.py, the benchmark suite: its JSON figures, presets, figure selection and errors.
 
 The model's size is checked against counts derived by hand from the config's widths (below),
-which are first shown to agree exactly with what profile_model measures on the small configs,
-then evaluated at the OPV2V geometry (a full-size forward on CPU takes tens of seconds; the
-measured version of that check is marked slow).
+which are first shown to agree exactly with what the bench's ``profile`` figure measures on the
+small configs, then evaluated at the OPV2V geometry (a full-size forward on CPU takes tens of
+seconds; the measured version of that check is marked slow).
 """
 from __future__ import annotations
 
@@ -26,14 +26,18 @@ OPV2V_YAML = REPO_ROOT / "hypes_yaml" / "opv2v" / "point_pillar_attfuse.yaml"
 SMOKE_YAML = REPO_ROOT / "hypes_yaml" / "synthetic" / "smoke.yaml"
 SYNTHETIC_YAML = REPO_ROOT / "hypes_yaml" / "synthetic" / "point_pillar_attfuse.yaml"
 
-BENCH_FIGURES = {"pillarise", "targets", "train_step_model_only", "train_step_no_pillarise",
-                 "peak_gpu_memory", "ema_update", "eval_postprocess_per_frame",
-                 "eval_inference_per_frame", "dataloader", "train_step_end_to_end"}
-DATA_FIGURES = {"dataloader", "train_step_end_to_end"}
+BENCH_FIGURES = {"pillarise", "targets", "profile", "train_step_model_only",
+                 "train_step_no_pillarise", "peak_gpu_memory", "ema_update",
+                 "eval_postprocess_per_frame", "eval_inference_per_frame", "dataloader",
+                 "dataloader_by_fusion", "train_step_end_to_end", "bev_iou", "ap",
+                 "visibility_count", "pcd"}
+DATA_FIGURES = {"dataloader", "dataloader_by_fusion", "train_step_end_to_end"}
+# Figures timing ours against a reference on the same input.
+RATIO_FIGURES = {"pillarise", "targets", "bev_iou", "ap", "visibility_count"}
 
 # DESIGN §3: one training step of the OPV2V AttFuse model (704 x 200, batch 2, 3 CAVs).
 OPV2V_TRAIN_FLOPS = 0.88e12
-OPV2V_PARAMS = 6_585_876  # hand-derived below; profile_model prints it as 6.586 M
+OPV2V_PARAMS = 6_585_876  # hand-derived below (6.586 M)
 
 
 def load_tool(name: str):
@@ -113,18 +117,23 @@ def hand_model_counts(cfg: dict, batch: int, agents: int, pillars: int,
     return params, flops
 
 
+def profile_record(yaml_path: Path, preset: str, *extra: str) -> dict:
+    bench = load_tool("bench")
+    (record,) = bench.main(["--figures", "profile", "--preset", preset, "--device", "cpu",
+                            "--hypes_yaml", str(yaml_path), *extra])
+    return record
+
+
 @pytest.mark.parametrize("yaml_path,pillars", [(SMOKE_YAML, 300), (SYNTHETIC_YAML, 2000)])
-def test_profile_model_matches_hand_counts(yaml_path, pillars, capsys):
+def test_profile_figure_matches_hand_counts(yaml_path, pillars, capsys):
     from opencood.config import load_config
-    profile_model = load_tool("profile_model")
-    total, flops = profile_model.main(["--hypes_yaml", str(yaml_path), "--pillars", str(pillars)])
+    record = profile_record(yaml_path, "quick", "--pillars", str(pillars))
     params, hand_flops = hand_model_counts(load_config(yaml_path), batch=2, agents=3,
                                            pillars=pillars, points_per_pillar=6)
-    assert total == params
-    assert flops == hand_flops
-    out = capsys.readouterr().out
-    assert f"parameters: {params / 1e6:.3f} M" in out
-    assert f"forward: {hand_flops / 1e9:.2f} GFLOPs" in out
+    assert record["parameters"] == record["trainable_parameters"] == params
+    assert record["forward_flops"] == hand_flops
+    assert record["train_step_tflops_approx"] == round(3 * hand_flops / 1e12, 4)
+    assert parse_json_lines(capsys.readouterr().out) == [record]
 
 
 def test_opv2v_attfuse_size_matches_design():
@@ -142,17 +151,16 @@ def test_opv2v_attfuse_size_matches_design():
 
 
 @pytest.mark.slow
-def test_profile_model_opv2v_full_geometry(capsys):
+def test_profile_figure_opv2v_full_geometry():
     """The measured version of the check above: a full-size forward on CPU (tens of seconds)."""
     from opencood.config import load_config
-    profile_model = load_tool("profile_model")
-    total, flops = profile_model.main(["--hypes_yaml", str(OPV2V_YAML)])
-    out = capsys.readouterr().out
-    assert "parameters: 6.586 M" in out
-    assert total == OPV2V_PARAMS
+    record = profile_record(OPV2V_YAML, "opv2v")
+    assert record["parameters"] == OPV2V_PARAMS
+    flops = record["forward_flops"]
     assert abs(3 * flops - OPV2V_TRAIN_FLOPS) <= 0.10 * OPV2V_TRAIN_FLOPS, 3 * flops
     assert flops == hand_model_counts(load_config(OPV2V_YAML), batch=2, agents=3,
                                       pillars=16000, points_per_pillar=6)[1]
+    assert record["grid"] == "704x200" and record["pillars_per_agent"] == 16000
 
 
 # ----------------------------------------------------------------------------------------------
@@ -165,19 +173,29 @@ def check_figure(record: dict) -> None:
         return
     assert "error" not in record, record
     assert record["device"] == "cpu"
-    if record["figure"] == "peak_gpu_memory":
+    if record["figure"] in ("peak_gpu_memory", "profile", "pcd", "dataloader_by_fusion"):
         return
     assert record["ms"] > 0, record
+    if record["figure"] in RATIO_FIGURES:
+        # the ratio is of the two times printed beside it, measured in this run
+        assert record["reference_ms"] > 0, record
+        assert record["speedup"] == pytest.approx(record["reference_ms"] / record["ms"],
+                                                  rel=0.05, abs=0.1), record
+    if record["figure"] in ("bev_iou", "ap", "visibility_count"):
+        return
     for key in ("batch_per_gpu", "agents", "amp", "grid"):
         assert key in record, (key, record)
     if record["figure"] != "dataloader":
         assert record["pillars_per_agent"] > 0, record
 
 
+def run_bench(tmp_path: Path, *argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(TOOLS / "bench.py"), *argv], cwd=REPO_ROOT,
+                          env=tool_env(tmp_path), capture_output=True, text=True, timeout=600)
+
+
 def test_bench_quick_cpu_prints_only_json_lines(tmp_path):
-    result = subprocess.run([sys.executable, str(TOOLS / "bench.py"), "--quick", "--device", "cpu"],
-                            cwd=REPO_ROOT, env=tool_env(tmp_path), capture_output=True, text=True,
-                            timeout=600)
+    result = run_bench(tmp_path, "--quick", "--device", "cpu")
     assert result.returncode == 0, result.stderr
     records = parse_json_lines(result.stdout)
     by_name = {record["figure"]: record for record in records}
@@ -193,13 +211,61 @@ def test_bench_quick_cpu_prints_only_json_lines(tmp_path):
         step["includes"])
     assert not {"pillarise", "targets"} & set(by_name["train_step_no_pillarise"]["includes"])
     assert step["grid"] == "64x32" and step["batch_per_gpu"] == 2 and step["agents"] == 3
-    assert step["amp"] == "off"
+    assert step["amp"] == "off" and step["preset"] == "quick"
     assert 0 < by_name["ema_update"]["share_of_step_pct"] < 100
     post = by_name["eval_postprocess_per_frame"]
     # The synthetic head maps decode to boxes on the GT: NMS keeps about one per object.
     assert post["ap_50"] > 0.9
     assert post["ms"] == pytest.approx(post["decode_nms_ms"] + post["ap_ms"], abs=2e-3)
-    assert "INFO" in result.stderr       # logs go to stderr
+    # the fake batch: 2 samples x 3 agents x 300 pillars x 6 points, 5 GT per sample
+    assert by_name["pillarise"]["points"] == 2 * 3 * 300 * 6
+    assert by_name["pillarise"]["pillars"] == 2 * 3 * 300
+    assert by_name["targets"]["gt_boxes"] == 10
+    assert by_name["ap"]["frames"] == 4 and by_name["ap"]["detection_gt_pairs"] == 4 * 50 * 30
+    methods = by_name["pcd"]["methods"]
+    assert set(methods) == {"loadtxt", "read_pcd_ascii", "read_pcd_general_ascii",
+                            "read_pcd_binary", "cache_miss", "cache_hit"}
+    assert methods["loadtxt"]["speedup_vs_loadtxt"] == 1.0
+    assert by_name["profile"]["parameters"] > 0
+    plan = [line for line in result.stderr.splitlines() if "bench plan: 16 of 16" in line]
+    assert len(plan) == 1 and "preset quick" in plan[0], result.stderr
+    assert result.stderr.index("bench plan:") < result.stderr.index("measuring")   # said first
+
+
+def test_bench_on_cpu_defaults_to_the_lite_preset_and_says_so(tmp_path):
+    result = run_bench(tmp_path, "--device", "cpu", "--figures", "visibility_count")
+    assert result.returncode == 0, result.stderr
+    (record,) = parse_json_lines(result.stdout)
+    assert record["figure"] == "visibility_count" and record["preset"] == "lite"
+    assert record["points"] == 105_000 and record["boxes"] == 60
+    plan = next(line for line in result.stderr.splitlines() if "bench plan: 1 of" in line)
+    assert "(visibility_count)" in plan and "preset lite" in plan and "--preset opv2v" in plan
+    assert " s on a 2-core CPU" in plan                       # the estimate
+
+
+def test_bench_figures_selects_and_keeps_measuring_order(capsys):
+    bench = load_tool("bench")
+    records = bench.main(["--quick", "--device", "cpu", "--figures", "pcd, ap"])
+    assert [record["figure"] for record in records] == ["ap", "pcd"]
+    assert parse_json_lines(capsys.readouterr().out) == json.loads(json.dumps(records))
+
+
+def test_bench_list_names_every_figure_and_measures_nothing(capsys):
+    bench = load_tool("bench")
+    assert bench.main(["--list"]) == []
+    listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+    assert sorted(listed) == sorted(BENCH_FIGURES)
+    # listed in the order a run measures them
+    assert listed == [name for group in bench.GROUPS for name in group.figures]
+
+
+def test_bench_ratios_say_when_the_reference_file_is_absent(tmp_path, monkeypatch, capsys):
+    # A copy of the tools without tests/: the figure still times ours and says why no ratio.
+    bench = load_tool("bench")
+    monkeypatch.setattr(bench, "REFERENCE_FILE", tmp_path / "reference_impls.py")
+    (record,) = bench.main(["--quick", "--device", "cpu", "--figures", "bev_iou"])
+    assert record["ms"] > 0 and "speedup" not in record
+    assert "not available" in record["reference"] and "reference_impls.py" in record["reference"]
 
 
 def test_bench_with_a_data_folder(tmp_path, monkeypatch, capsys):
@@ -209,37 +275,46 @@ def test_bench_with_a_data_folder(tmp_path, monkeypatch, capsys):
                        timestamps=("000000", "000002", "000004", "000006"))
     bench = load_tool("bench")
     records = bench.main(["--quick", "--device", "cpu", "--steps", "1", "--warmup", "1",
-                          "--data", str(root), "--num_workers", "0"])
+                          "--data", str(root), "--num_workers", "0",
+                          "--figures", ",".join(DATA_FIGURES)])
     printed = parse_json_lines(capsys.readouterr().out)
     assert printed == json.loads(json.dumps(records))
     by_name = {record["figure"]: record for record in records}
-    assert set(by_name) == BENCH_FIGURES
+    assert set(by_name) == DATA_FIGURES
     for record in records:
         check_figure(record)
     loader = by_name["dataloader"]
     assert loader["samples_per_s"] > 0 and loader["num_workers"] == 0
     assert loader["dataset_samples"] == 4 and loader["agents"] == 3
+    by_fusion = by_name["dataloader_by_fusion"]["samples_per_s"]
+    assert set(by_fusion) == {"no", "early", "late", "intermediate"}
+    assert all(rate > 0 for rate in by_fusion.values())
     end_to_end = by_name["train_step_end_to_end"]
     assert end_to_end["agents"] == 3           # measured on the real batches
     assert "data_wait" in end_to_end["includes"]
     assert 0 <= end_to_end["data_wait_ms"] <= end_to_end["ms"]
 
 
-def test_bench_errors_are_one_line(tmp_path):
-    result = subprocess.run([sys.executable, str(TOOLS / "bench.py"), "--hypes_yaml",
-                             str(tmp_path / "missing.yaml"), "--device", "cpu"],
-                            cwd=REPO_ROOT, env=tool_env(tmp_path), capture_output=True,
-                            text=True, timeout=300)
+@pytest.mark.parametrize("argv,named", [
+    (["--hypes_yaml", "{tmp}/missing.yaml"], "missing.yaml"),
+    (["--set", "model.core_method=no_such_model"], "no_such_model"),
+    (["--figures", "pillarise,no_such_figure"], "no_such_figure"),
+    (["--data", "{tmp}/no_such_folder"], "no_such_folder"),
+])
+def test_bench_bad_input_is_one_error_line(tmp_path, argv, named):
+    argv = [arg.replace("{tmp}", str(tmp_path)) for arg in argv]
+    result = run_bench(tmp_path, "--quick", "--device", "cpu", *argv)
     assert result.returncode != 0
     assert result.stdout == ""
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and "missing.yaml" in lines[0]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and named in lines[0], lines
+    assert "Traceback" not in result.stderr
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--data", "{tmp}/no_such_folder"], "no such folder"),
     (["--data", "{tmp}"], "no OPV2V frames"),
     (["--steps", "0"], "--steps"),
+    (["--warmup", "-1"], "--warmup"),
 ])
 def test_bench_rejects_bad_arguments_before_measuring(tmp_path, capsys, argv, message):
     bench = load_tool("bench")
@@ -276,6 +351,8 @@ def test_bench_quick_on_cuda_reports_memory_and_amp(capsys):
     assert by_name["train_step_model_only"]["amp"] == "bf16"
     assert by_name["pillarise"]["amp"] == "off"
     assert by_name["eval_postprocess_per_frame"]["ap_50"] > 0.9
+    for name in RATIO_FIGURES:
+        assert by_name[name]["speedup"] > 0, by_name[name]
 
 
 @pytest.mark.slow
@@ -292,9 +369,11 @@ def test_gpu_checks_rehearsal_runs_every_step(tmp_path):
 
     done = run(tmp_path / "data")
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count("\nok ") == 5 and "FAILED" not in done.stdout
-    lines = (tmp_path / "out" / "bench.jsonl").read_text().splitlines()
-    assert {json.loads(line)["figure"] for line in lines} >= {"pillarise", "train_step_model_only"}
+    assert done.stdout.count("\nok ") == 3 and "FAILED" not in done.stdout
+    records = parse_json_lines((tmp_path / "out" / "bench.jsonl").read_text())
+    assert {record["figure"] for record in records} == BENCH_FIGURES
+    measured = {record["figure"] for record in records if "ms" in record or "methods" in record}
+    assert {"pillarise", "train_step_model_only", "dataloader", "ap", "pcd"} <= measured
     collected = (tmp_path / "out" / "pytest_cuda.txt").read_text()
     assert int(collected.split(" tests collected")[0].split()[-1].split("/")[0]) >= 1
     blocker = tmp_path / "not_a_folder"

@@ -1,44 +1,13 @@
 """Pillarisation: hand-made cases and agreement with a plain per-point Python reference."""
-import math
-
 import pytest
 import torch
 
 from opencood.ops.voxelize import PillarizeConfig, grid_size, pillarize
 
+from reference_impls import reference_pillarize
+
 SMALL_RANGE = [0.0, 0.0, -3.0, 8.0, 8.0, 1.0]
 OPV2V_RANGE = [-140.8, -40.0, -3.0, 140.8, 40.0, 1.0]
-
-
-def reference_pillarize(points, batch_index, lidar_range, voxel_size, max_points,
-                        max_pillars=None):
-    """Straightforward definition: a dict from (batch, z, y, x) to the points in input order."""
-    grid = grid_size(lidar_range, voxel_size)
-    pillars = {}
-    for row, batch in zip(points.tolist(), batch_index.tolist()):
-        cell = []
-        for axis in range(3):
-            low, high = lidar_range[axis], lidar_range[axis + 3]
-            if not low <= row[axis] < high:
-                break
-            cell.append(min(math.floor((row[axis] - low) / voxel_size[axis]), grid[axis] - 1))
-        else:
-            pillars.setdefault((batch, cell[2], cell[1], cell[0]), []).append(row)
-    keys = sorted(pillars)
-    if max_pillars is not None:
-        kept, per_batch = [], {}
-        for key in keys:
-            per_batch[key[0]] = per_batch.get(key[0], 0) + 1
-            if per_batch[key[0]] <= max_pillars:
-                kept.append(key)
-        keys = kept
-    features = torch.zeros((len(keys), max_points, points.shape[1]), dtype=points.dtype)
-    for pillar, key in enumerate(keys):
-        rows = pillars[key][:max_points]
-        features[pillar, :len(rows)] = torch.tensor(rows, dtype=points.dtype)
-    counts = torch.tensor([min(len(pillars[k]), max_points) for k in keys], dtype=torch.int32)
-    coords = torch.tensor(keys, dtype=torch.int64).reshape(-1, 4)
-    return features, counts, coords
 
 
 def random_cloud(num_points, lidar_range, num_batches, channels, seed):

@@ -1,86 +1,66 @@
 #!/usr/bin/env python
-"""Training-step, data-loader, pillarisation, EMA and evaluation timings as JSON lines.
+"""The benchmark suite: every timing figure of opencood, one JSON line each.
 
-    python tools/bench.py [--hypes_yaml hypes_yaml/opv2v/point_pillar_attfuse.yaml]
-                          [--device cuda|cpu] [--steps N] [--warmup N] [--data DIR]
-                          [--num_workers N] [--threads N] [--quick]
+    python tools/bench.py [--list] [--figures NAME[,NAME...]] [--preset quick|lite|opv2v]
+                          [--device cuda|cpu] [--hypes_yaml X.yaml] [--set KEY=VALUE]
+                          [--data DIR] [--num_workers N] [--steps N] [--warmup N] [--threads N]
 
-Stdout holds nothing but JSON, one line per figure; logs go to stderr. Default geometry: the
-yaml's BEV grid (704 x 200 for the OPV2V configs), batch 2 per GPU, 3 agents (CAVs) per sample,
-16,000 non-empty pillars per agent (``opencood.utils.fake_batch``: no data set needed).
+``--list`` names every figure and what it measures; ``--figures`` picks some (default: all).
+Stdout holds nothing but JSON, one line per figure; the plan and the logs go to stderr.
+
+Presets: the config and the sizes of a run (single flags override them).
+    opv2v   the OPV2V geometry: 704 x 200 grid, batch 2 x 3 agents, 16,000 pillars per agent.
+            The default on CUDA (about 7 minutes on a 2-core CPU).
+    lite    the synthetic lite model and geometry (128 x 64 grid, 2,000 pillars per agent):
+            the default on CPU, about 20 s on 2 cores.
+    quick   the smoke config, a few hundred pillars, 2 steps (``--quick`` for short): checks the
+            script in seconds; its numbers mean nothing.
+Before measuring, the plan (figures, preset, sizes and roughly how long) goes to stderr.
 
 How to read a line
-    ``ms`` is the MEDIAN over ``--steps`` timed repetitions after ``--warmup`` untimed ones
+    ``ms`` is the MEDIAN over ``steps`` timed repetitions after ``warmup`` untimed ones
     (``ms_min``/``ms_max`` show the spread); on CUDA every timed region is bracketed by
     ``torch.cuda.synchronize``. ``amp`` is the autocast dtype the figure ran under: the
     training-step figures follow the yaml's ``amp`` section on CUDA (as tools/train.py) and run
     fp32 on CPU; the other figures are fp32 (``amp_yaml`` says what the yaml asks for).
-    ``includes`` lists what a training figure contains. A figure that cannot run here is
-    ``{"figure": ..., "skipped": "reason"}``; one that failed is ``{"figure": ..., "error": ...}``
-    (and the exit status is 1).
-
-Figures
-    pillarise                 ms per batch: the batch already on the device -> pillars
-                              (``BatchPreparer.model_inputs``).
-    targets                   ms per batch: anchor target assignment (``BatchPreparer.targets``).
-    train_step_model_only     ms per optimiser step, inputs already on the device: pillarise +
-                              targets + forward + loss + backward + clip + optimiser step
-                              (``opencood.engine.loop.optimizer_step``), EMA not included.
-    train_step_no_pillarise   the same step with pillars and targets computed once beforehand:
-                              forward + loss + backward + clip + optimiser step.
-    peak_gpu_memory           torch.cuda.max_memory_allocated over train_step_model_only (MiB).
-    ema_update                ms per ``ModelEMA.update``; ``share_of_step_pct`` is its share of a
-                              step that includes it: ema / (train_step_model_only + ema).
-    eval_postprocess_per_frame  ms per frame of decode + rotated NMS (device) + AP accumulation
-                              (matching and AP over ``eval_frames`` frames, CPU), on synthetic
-                              head outputs with detections around the GT boxes (a randomly
-                              initialised model detects nothing, which would time nothing).
-    eval_inference_per_frame  ms per frame of what ``tools/eval.py`` times for frames/s:
-                              pillarise + forward (eval mode, fp32) + decode + NMS.
-    dataloader                samples/s of the training DataLoader over ``--data`` (workers,
-                              augmentation, collate), never kept waiting; ``ms`` is the mean
-                              time per batch. Timed over whole waves of ``num_workers`` batches
-                              after the first wave (worker start-up: ``first_wave_s``). Clouds
-                              are read through opencood's point cache: a cold cache (the first
-                              run over a folder) includes PCD parsing.
-    train_step_end_to_end     ms per step from files: wait for the next batch + the model step
-                              + EMA when the yaml enables it (as tools/train.py), with
-                              ``data_wait_ms`` (the loader's share) and the measured agents and
-                              pillars per agent of the real batches.
+    A speed ratio compares ours with a reference ON THE SAME INPUT IN THE SAME RUN:
+    ``reference_ms`` is one run of the reference the line names (``reference``), ``speedup`` is
+    reference_ms / ms. The plain-Python references are those of tests/reference_impls.py, the
+    definitions the tests prove our code equal to on random inputs (loaded from there, so the
+    ratio is against checked code, not an unchecked copy here).
+    A figure that cannot run here is ``{"figure": ..., "skipped": "reason"}``; one that failed is
+    ``{"figure": ..., "error": ...}`` (and the exit status is 1). Bad input (a missing file, an
+    unknown model or figure) is one ``error: ...`` line on stderr and exit status 1.
 
 CPU figures on a machine shared with other jobs are noisy: torch's OpenMP threads then wait for
 each other on every op, which can make short ops (the EMA update) 10-50x slower than with
 ``--threads 1``. Compare figures only between lines with the same ``device_name``.
-
-``--quick`` uses ``hypes_yaml/synthetic/smoke.yaml`` (unless ``--hypes_yaml`` is given), a few
-hundred pillars, 2 timed steps and 1 warm-up: it checks the script in seconds on a CPU, its
-numbers mean nothing.
 """
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib.util
 import json
 import logging
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
+import numpy as np
 import torch
 
-from opencood.errors import OpencoodError
+from opencood.errors import OpencoodError, run_cli
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_YAML = REPO_ROOT / "hypes_yaml" / "opv2v" / "point_pillar_attfuse.yaml"
-QUICK_YAML = REPO_ROOT / "hypes_yaml" / "synthetic" / "smoke.yaml"
-
-FIGURES = ("pillarise", "targets", "train_step_model_only", "train_step_no_pillarise",
-           "peak_gpu_memory", "ema_update", "eval_postprocess_per_frame",
-           "eval_inference_per_frame", "dataloader", "train_step_end_to_end")
-
+REFERENCE_FILE = REPO_ROOT / "tests" / "reference_impls.py"
 STEP_PARTS = ["pillarise", "targets", "forward", "loss", "backward", "grad_clip",
               "optimizer_step"]
+AP_THRESHOLDS = (0.3, 0.5, 0.7)
+FUSION_METHODS = ("no", "early", "late", "intermediate")
 
 logger = logging.getLogger("opencood.bench")
 
@@ -89,64 +69,149 @@ class BenchError(OpencoodError):
     """A bad command line or input: printed as one ``error: ...`` line."""
 
 
+class Preset(NamedTuple):
+    """The config and sizes of one kind of run; ``cpu_seconds``: how long each figure (and the
+    start-up, "setup") took in it on a 2-core CPU, for the estimate printed before a run."""
+    hypes_yaml: str
+    steps: int
+    warmup: int
+    pillars: int              # non-empty pillars per agent of the fake batch
+    gt_boxes: int             # GT boxes per sample of the fake batch
+    loader_batches: int
+    eval_frames: int          # frames per AP accumulation of eval_postprocess_per_frame
+    ap_frames: int            # random frames of the ap figure (30 GT, 50 detections each)
+    iou_pairs: int
+    visibility_points: int
+    pcd_points: int
+    cpu_seconds: Dict[str, float]
+
+
+PRESETS = {
+    "quick": Preset("hypes_yaml/synthetic/smoke.yaml", steps=2, warmup=1, pillars=300,
+                    gt_boxes=5, loader_batches=2, eval_frames=4, ap_frames=4, iou_pairs=200,
+                    visibility_points=2_000, pcd_points=2_000,
+                    cpu_seconds={"setup": 4, "pillarise": 0.2, "train_step_model_only": 0.1,
+                                 "train_step_no_pillarise": 0.1, "ap": 0.1, "pcd": 1}),
+    "lite": Preset("hypes_yaml/synthetic/point_pillar_attfuse.yaml", steps=10, warmup=3,
+                   pillars=2_000, gt_boxes=10, loader_batches=20, eval_frames=64, ap_frames=100,
+                   iou_pairs=20_000, visibility_points=105_000, pcd_points=120_000,
+                   cpu_seconds={"setup": 5, "pillarise": 0.6, "targets": 0.2, "profile": 0.1,
+                                "eval_postprocess_per_frame": 0.4,
+                                "eval_inference_per_frame": 1.2, "train_step_model_only": 2.6,
+                                "train_step_no_pillarise": 2.5, "bev_iou": 1.3, "ap": 2.0,
+                                "visibility_count": 0.6, "pcd": 4.5}),
+    "opv2v": Preset("hypes_yaml/opv2v/point_pillar_attfuse.yaml", steps=10, warmup=3,
+                    pillars=16_000, gt_boxes=20, loader_batches=30, eval_frames=64,
+                    ap_frames=200, iou_pairs=100_000, visibility_points=105_000,
+                    pcd_points=120_000,
+                    cpu_seconds={"setup": 5, "pillarise": 4.7, "targets": 8.2, "profile": 5.0,
+                                 "eval_postprocess_per_frame": 1.1,
+                                 "eval_inference_per_frame": 59, "train_step_model_only": 173,
+                                 "train_step_no_pillarise": 158, "bev_iou": 5.1, "ap": 4.2,
+                                 "visibility_count": 0.4, "pcd": 4.5}),
+}
+
+# What --list prints, in the order the figures are measured.
+FIGURES = {
+    "pillarise": "ms per batch: the batch on the device -> pillars (BatchPreparer.model_inputs); "
+                 "vs the per-point Python reference on the same points",
+    "targets": "ms per batch: anchor target assignment (BatchPreparer.targets); vs the "
+               "per-anchor Python reference on the same anchors and GT",
+    "profile": "parameters and forward FLOPs of the model on the fake batch (training is ~3x)",
+    "eval_postprocess_per_frame": "ms per frame: decode + rotated NMS (device) + AP matching "
+                                  "and AP (CPU) on synthetic head maps firing around the GT",
+    "eval_inference_per_frame": "ms per frame of what tools/eval.py times: pillarise + forward "
+                                "(eval, fp32) + decode + NMS",
+    "train_step_model_only": "ms per optimiser step, inputs on the device: pillarise + targets "
+                             "+ forward + loss + backward + clip + step (no EMA)",
+    "peak_gpu_memory": "torch.cuda.max_memory_allocated over train_step_model_only (MiB)",
+    "train_step_no_pillarise": "the same step with pillars and targets computed beforehand",
+    "ema_update": "ms per ModelEMA.update; share_of_step_pct: ema / (train step + ema)",
+    "dataloader": "samples/s of the training DataLoader over --data (workers, augmentation, "
+                  "collate), timed over whole waves of num_workers batches",
+    "dataloader_by_fusion": "samples/s of that DataLoader for each fusion strategy "
+                            "(no, early, late, intermediate)",
+    "train_step_end_to_end": "ms per step from files: wait for the batch + the step + EMA if "
+                             "the yaml enables it, with data_wait_ms",
+    "bev_iou": "ms for N overlapping box pairs, rotated BEV IoU (boxes_bev_iou_aligned) vs "
+               "polygon clipping one pair at a time",
+    "ap": "ms per frame of APAccumulator (matching + AP at 0.3/0.5/0.7) vs the plain-Python "
+          "loop AP on the same random frames",
+    "visibility_count": "ms to count ego points per GT box (count_points_in_boxes) vs the "
+                        "dense (boxes x points) mask",
+    "pcd": "ms per cloud: np.loadtxt, read_pcd (ascii, general ascii, binary), point-cache "
+           "miss and hit",
+}
+
+
 # -- command line ------------------------------------------------------------------------------
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        description="Benchmark training, data loading and evaluation; one JSON line per figure.")
-    parser.add_argument("--hypes_yaml", "-y", default=None,
-                        help=f"config (default {DEFAULT_YAML.relative_to(REPO_ROOT)}; "
-                             f"with --quick {QUICK_YAML.relative_to(REPO_ROOT)})")
+        description="The benchmark suite; one JSON line per figure (--list names them).")
+    parser.add_argument("--list", action="store_true", help="print the figures and exit")
+    parser.add_argument("--figures", default=None,
+                        help="comma-separated figures to measure (default: all)")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                        help="config and sizes (default: opv2v on CUDA, lite on CPU)")
+    parser.add_argument("--quick", dest="preset", action="store_const", const="quick",
+                        help="same as --preset quick: checks the script in seconds")
+    parser.add_argument("--hypes_yaml", "-y", default=None, help="config (default: the preset's)")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="KEY=VALUE", help="override a config key")
     parser.add_argument("--device", choices=("cuda", "cpu"), default=None,
                         help="default: cuda when available, else cpu")
-    parser.add_argument("--steps", type=int, default=None, help="timed repetitions (default 10)")
-    parser.add_argument("--warmup", type=int, default=None, help="untimed repetitions (default 3)")
-    parser.add_argument("--batch_size", type=int, default=None, help="samples per GPU (default 2)")
-    parser.add_argument("--agents", type=int, default=None, help="agents per sample (default 3)")
-    parser.add_argument("--pillars", type=int, default=None,
-                        help="non-empty pillars per agent (default 16000)")
+    parser.add_argument("--steps", type=int, default=None, help="timed repetitions")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed repetitions")
+    parser.add_argument("--batch_size", type=int, default=2, help="samples per GPU")
+    parser.add_argument("--agents", type=int, default=3, help="agents per sample")
+    parser.add_argument("--pillars", type=int, default=None, help="non-empty pillars per agent")
     parser.add_argument("--points_per_pillar", type=int, default=6)
     parser.add_argument("--gt_boxes", type=int, default=None,
-                        help="GT boxes per sample of the fake batch (default 20)")
+                        help="GT boxes per sample of the fake batch")
     parser.add_argument("--data", default=None,
                         help="OPV2V-format folder (a root with train/, or a split folder) for "
                              "the data-loader and end-to-end figures")
     parser.add_argument("--num_workers", type=int, default=None,
                         help="DataLoader workers (default: the yaml's train_params.num_workers)")
     parser.add_argument("--loader_batches", type=int, default=None,
-                        help="batches timed for the data-loader figure (default 30)")
+                        help="batches timed for the data-loader figures")
     parser.add_argument("--eval_frames", type=int, default=None,
-                        help="frames per AP accumulation (default 64)")
+                        help="frames per AP accumulation of eval_postprocess_per_frame")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's choice)")
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke geometry, 2 steps: checks the script in seconds")
     args = parser.parse_args(argv)
-    quick = args.quick
-    defaults = {"steps": 2 if quick else 10, "warmup": 1 if quick else 3, "batch_size": 2,
-                "agents": 3, "pillars": 300 if quick else 16000, "gt_boxes": 5 if quick else 20,
-                "loader_batches": 2 if quick else 30, "eval_frames": 4 if quick else 64}
-    for name, value in defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-    if args.hypes_yaml is None:
-        args.hypes_yaml = str(QUICK_YAML if quick else DEFAULT_YAML)
-    for name in ("steps", "batch_size", "agents", "pillars", "points_per_pillar", "gt_boxes",
-                 "loader_batches", "eval_frames"):
-        if getattr(args, name) < 1:
-            raise BenchError(f"--{name} must be at least 1, got {getattr(args, name)}")
-    if args.warmup < 0:
-        raise BenchError(f"--warmup must be >= 0, got {args.warmup}")
-    if args.threads is not None and args.threads < 1:
-        raise BenchError(f"--threads must be at least 1, got {args.threads}")
-    if args.num_workers is not None and args.num_workers < 0:
-        raise BenchError(f"--num_workers must be >= 0, got {args.num_workers}")
+    check_counts(args)
     return args
 
 
-def resolve_device(name: str | None) -> torch.device:
+def check_counts(args: argparse.Namespace) -> None:
+    """Refuse counts that cannot be measured, before anything is built."""
+    at_least_one = ("steps", "batch_size", "agents", "pillars", "points_per_pillar",
+                    "gt_boxes", "loader_batches", "eval_frames", "threads")
+    for name in at_least_one:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise BenchError(f"--{name} must be at least 1, got {value}")
+    for name in ("warmup", "num_workers"):
+        value = getattr(args, name)
+        if value is not None and value < 0:
+            raise BenchError(f"--{name} must be >= 0, got {value}")
+
+
+def selected_figures(figures_arg: Optional[str]) -> List[str]:
+    """--figures "a,b" -> the named figures in measuring order; all of them when not given."""
+    if figures_arg is None:
+        return list(FIGURES)
+    names = [name.strip() for name in figures_arg.split(",") if name.strip()]
+    unknown = [name for name in names if name not in FIGURES]
+    if unknown or not names:
+        raise BenchError(f"--figures: unknown figure {', '.join(unknown) or repr(figures_arg)}; "
+                         f"known: {', '.join(FIGURES)}")
+    return [name for name in FIGURES if name in names]
+
+
+def resolve_device(name: Optional[str]) -> torch.device:
     if name is None:
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda":
@@ -154,6 +219,20 @@ def resolve_device(name: str | None) -> torch.device:
             raise BenchError("--device cuda: CUDA is not available (use --device cpu)")
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def default_preset(device: torch.device) -> str:
+    """The OPV2V geometry on a GPU; on a CPU it takes minutes, so the lite one."""
+    return "opv2v" if device.type == "cuda" else "lite"
+
+
+def apply_preset(args: argparse.Namespace, preset: Preset) -> None:
+    """Fill the sizes the command line left unset from ``preset``."""
+    for name in ("steps", "warmup", "pillars", "gt_boxes", "loader_batches", "eval_frames"):
+        if getattr(args, name) is None:
+            setattr(args, name, getattr(preset, name))
+    if args.hypes_yaml is None:
+        args.hypes_yaml = str(REPO_ROOT / preset.hypes_yaml)
 
 
 def resolve_split_dir(data: str) -> Path:
@@ -197,6 +276,22 @@ def summarise(times_ms: List[float], scale: float = 1.0) -> Dict:
             "ms_max": round(max(values), 3)}
 
 
+def versus(ours_ms: float, reference: str, reference_fn: Optional[Callable[[], object]],
+           scale: float = 1.0) -> Dict:
+    """``reference_ms`` (one run of ``reference_fn``, divided by ``scale``) and the ``speedup``
+    of ours over it; a note instead when the reference is not available here."""
+    if reference_fn is None:
+        return {"reference": f"{reference}: not available ({display_path(REFERENCE_FILE)} "
+                             f"not found)"}
+    # One run: the references are slow Python loops whose run-to-run spread is far smaller
+    # than the ratio they are compared by.
+    start = time.perf_counter()
+    reference_fn()
+    reference_ms = (time.perf_counter() - start) * 1e3 / scale
+    return {"reference": reference, "reference_ms": round(reference_ms, 3),
+            "speedup": round(reference_ms / max(ours_ms, 1e-6), 1)}
+
+
 def display_path(path) -> str:
     """``path`` relative to the repository when inside it (shorter lines), else as given."""
     try:
@@ -209,26 +304,74 @@ def emit(record: Dict) -> None:
     print(json.dumps(record), flush=True)
 
 
+def load_references():
+    """tests/reference_impls.py as a module, or None where the tests are not present.
+
+    Loaded by path under its own name, not by putting tests/ on sys.path, so nothing else of
+    the tests can be imported by accident; the module imports only torch and opencood.
+    """
+    if not REFERENCE_FILE.is_file():
+        return None
+    spec = importlib.util.spec_from_file_location("opencood_reference_impls", REFERENCE_FILE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 # -- set-up ------------------------------------------------------------------------------------
 
-class Bench:
-    """Everything the figures share: config, device, model, optimiser, a fake batch."""
+class Suite:
+    """What every figure may use: the arguments, the preset, the device, the config, the
+    references, the results so far; the model set-up (``ModelBench``) is built on first use."""
 
-    def __init__(self, args, cfg: Dict, device: torch.device):
+    def __init__(self, args, preset_name: str, cfg: Dict, device: torch.device,
+                 split_dir: Optional[Path]):
+        self.args, self.cfg, self.device, self.split_dir = args, cfg, device, split_dir
+        self.preset_name, self.preset = preset_name, PRESETS[preset_name]
+        self.workers = (args.num_workers if args.num_workers is not None
+                        else int(cfg.get("train_params", {}).get("num_workers", 2)))
+        self.results: Dict[str, float] = {}
+        self.common = {
+            "device": device.type,
+            "device_name": (torch.cuda.get_device_name(device) if device.type == "cuda"
+                            else f"cpu ({torch.get_num_threads()} threads)"),
+            "preset": preset_name,
+            "steps": args.steps,
+            "warmup": args.warmup,
+        }
+
+    @functools.cached_property
+    def model_bench(self) -> "ModelBench":
+        return ModelBench(self)
+
+    @functools.cached_property
+    def references(self):
+        """tests/reference_impls.py, or None (then the ratios say so)."""
+        return load_references()
+
+    def record(self, figure: str, **values) -> Dict:
+        return {"figure": figure, **values, **self.common}
+
+    def time(self, fn: Callable[[], object], device: Optional[torch.device] = None) -> List[float]:
+        return time_calls(fn, self.args.steps, self.args.warmup, device or self.device)
+
+
+class ModelBench:
+    """The config's model, optimiser, loss and a fake batch on the device, as training has them."""
+
+    def __init__(self, suite: Suite):
         from opencood.data.pipeline import BatchPreparer
         from opencood.engine.optim import build_optimizer
         from opencood.engine.trainer import (amp_settings, configure_cuda, make_loss_fn,
                                              prepare_model)
         from opencood.losses import build_loss
-        from opencood.ops.voxelize import grid_size
         from opencood.utils.dist import DistInfo
-        from opencood.utils.fake_batch import fake_collated_batch
 
-        self.args, self.cfg, self.device = args, cfg, device
+        args, cfg, device = suite.args, suite.cfg, suite.device
+        self.suite, self.args, self.cfg, self.device = suite, args, cfg, device
         torch.manual_seed(int(cfg.get("seed", 0)))
         configure_cuda(cfg)
         self.single_agent = cfg["model"]["core_method"] == "point_pillar"
-        self.agents = 1 if self.single_agent else args.agents
         self.batch_size = args.batch_size
         info = DistInfo(0, 1, 0, False, None, device)
         self.model, self.model_without_ddp, self.ema = prepare_model(cfg, info, None, None)
@@ -238,44 +381,52 @@ class Bench:
         self.loss_fn = make_loss_fn(self.preparer, self.criterion)
         self.optimizer = build_optimizer(self.model_without_ddp.parameters(), cfg["optimizer"])
         amp_cfg = cfg.get("amp", {}) or {}
-        self.amp_yaml = str(amp_cfg.get("dtype", "bf16")) if amp_cfg.get("enabled") else "off"
+        amp_yaml = str(amp_cfg.get("dtype", "bf16")) if amp_cfg.get("enabled") else "off"
         if device.type == "cuda":
             self.amp_dtype, self.scaler = amp_settings(cfg, device)
         else:  # AMP is a GPU setting; on CPU the bench runs fp32 (amp_yaml still says the yaml)
             self.amp_dtype, self.scaler = None, torch.amp.GradScaler("cpu", enabled=False)
         self.grad_clip = cfg["train_params"].get("grad_clip")
-        nx, ny, _ = grid_size(cfg["preprocess"]["cav_lidar_range"],
-                              cfg["preprocess"]["args"]["voxel_size"])
-        self.grid = f"{nx}x{ny}"
-        cpu_batch = fake_collated_batch(cfg, self.batch_size, args.agents, args.pillars,
+        self.batch = self._fake_batch()
+        self.common = self._config_fields(amp_yaml)
+
+    def _fake_batch(self) -> Dict:
+        from opencood.utils.fake_batch import fake_collated_batch
+        args = self.args
+        cpu_batch = fake_collated_batch(self.cfg, self.batch_size, args.agents, args.pillars,
                                         points_per_pillar=args.points_per_pillar,
-                                        max_gt=args.gt_boxes,
-                                        single_agent=self.single_agent,
-                                        seed=int(cfg.get("seed", 0)))
-        self.batch = {key: value.to(device) if torch.is_tensor(value) else value
-                      for key, value in cpu_batch.items()}
-        synchronize(device)
-        perf = cfg.get("performance", {}) or {}
-        self.common = {
-            "device": device.type,
-            "device_name": (torch.cuda.get_device_name(device) if device.type == "cuda"
-                            else f"cpu ({torch.get_num_threads()} threads)"),
-            "config": display_path(args.hypes_yaml),
-            "grid": self.grid,
+                                        max_gt=args.gt_boxes, single_agent=self.single_agent,
+                                        seed=int(self.cfg.get("seed", 0)))
+        batch = {key: value.to(self.device) if torch.is_tensor(value) else value
+                 for key, value in cpu_batch.items()}
+        synchronize(self.device)
+        return batch
+
+    def _config_fields(self, amp_yaml: str) -> Dict:
+        nx, ny, _ = self.preparer.grid
+        perf = self.cfg.get("performance", {}) or {}
+        return {
+            "config": display_path(self.args.hypes_yaml),
+            "grid": f"{nx}x{ny}",
             "batch_per_gpu": self.batch_size,
-            "agents": self.agents,
-            "pillars_per_agent": min(args.pillars, nx * ny),
-            "amp_yaml": self.amp_yaml,
-            "tf32": bool(perf.get("tf32", True)) if device.type == "cuda" else None,
-            "steps": args.steps,
-            "warmup": args.warmup,
+            "agents": 1 if self.single_agent else self.args.agents,
+            "pillars_per_agent": min(self.args.pillars, nx * ny),
+            "amp_yaml": amp_yaml,
+            "tf32": bool(perf.get("tf32", True)) if self.device.type == "cuda" else None,
         }
 
     def record(self, figure: str, autocast: bool = False, **values) -> Dict:
         """One figure's line; ``autocast``: the figure ran under the training AMP setting
         (``amp`` is then that dtype, else "off": pillarisation, EMA and evaluation run fp32)."""
         amp = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(self.amp_dtype, "off")
-        return {"figure": figure, **values, **self.common, "amp": amp if autocast else "off"}
+        shared = {**self.common, "amp": amp if autocast else "off"}
+        # A value measured on real batches (their agents per sample) overrides the fake batch's.
+        return self.suite.record(figure, **values,
+                                 **{key: value for key, value in shared.items()
+                                    if key not in values})
+
+    def time(self, fn: Callable[[], object]) -> List[float]:
+        return self.suite.time(fn)
 
     def train_step(self, batch, loss_fn) -> Dict:
         from opencood.engine.loop import optimizer_step
@@ -291,28 +442,61 @@ class Bench:
                         tau=float(ema_cfg.get("tau", 200)))
 
 
-# -- figures -----------------------------------------------------------------------------------
+# -- figures on the model and the fake batch ---------------------------------------------------
 
-def bench_pillarise(bench: Bench) -> List[Dict]:
-    args, device = bench.args, bench.device
-    inputs = bench.preparer.model_inputs(bench.batch)
-    pillars = int(inputs["voxel_coords"].shape[0])
-    points = int(bench.batch["points"].shape[0])
-    times = time_calls(lambda: bench.preparer.model_inputs(bench.batch), args.steps,
-                       args.warmup, device)
-    records = [bench.record("pillarise", **summarise(times), points=points, pillars=pillars)]
-    gt = int(bench.batch["gt_mask"].sum())
-    times = time_calls(lambda: bench.preparer.targets(bench.batch), args.steps, args.warmup,
-                       device)
-    anchors = int(bench.preparer.anchors[..., 0].numel())
-    records.append(bench.record("targets", **summarise(times), anchors_per_sample=anchors,
-                                gt_boxes=gt))
-    return records
+def bench_pillarise(suite: Suite) -> List[Dict]:
+    bench = suite.model_bench
+    preparer, batch = bench.preparer, bench.batch
+    pillars = int(preparer.model_inputs(batch)["voxel_coords"].shape[0])
+    times = bench.time(lambda: preparer.model_inputs(batch))
+    summary = summarise(times)
+    refs = suite.references
+    points, agent_index = batch["points"].cpu(), batch["agent_index"].cpu()
+    reference_fn = None if refs is None else (lambda: refs.reference_pillarize(
+        points, agent_index, preparer.lidar_range, preparer.voxel_size,
+        preparer.max_points_per_voxel))
+    return [bench.record("pillarise", **summary, points=int(points.shape[0]), pillars=pillars,
+                         **versus(summary["ms"], "per-point Python dict (CPU)", reference_fn))]
 
 
-def bench_train_steps(bench: Bench, results: Dict) -> List[Dict]:
-    args, device = bench.args, bench.device
-    records = []
+def bench_targets(suite: Suite) -> List[Dict]:
+    bench = suite.model_bench
+    preparer, batch = bench.preparer, bench.batch
+    times = bench.time(lambda: preparer.targets(batch))
+    summary = summarise(times)
+    refs = suite.references
+    anchors = preparer.anchors.reshape(-1, 7).tolist()
+    gt_per_sample = [boxes[mask].tolist() for boxes, mask in
+                     zip(batch["gt_boxes"].cpu(), batch["gt_mask"].cpu())]
+
+    def reference():
+        for gt_boxes in gt_per_sample:
+            refs.reference_assign_targets(anchors, gt_boxes, preparer.pos_iou, preparer.neg_iou)
+
+    return [bench.record("targets", **summary, anchors_per_sample=len(anchors),
+                         gt_boxes=int(batch["gt_mask"].sum()),
+                         **versus(summary["ms"], "per anchor-GT pair Python loops (CPU)",
+                                  None if refs is None else reference))]
+
+
+def bench_profile(suite: Suite) -> List[Dict]:
+    from opencood.utils.model_stats import count_flops, count_parameters
+    bench = suite.model_bench
+    model = bench.model_without_ddp
+    total, trainable = count_parameters(model)
+    model.eval()
+    try:
+        flops = count_flops(model, bench.preparer.model_inputs(bench.batch))
+    finally:
+        model.train()
+    return [bench.record("profile", parameters=total, trainable_parameters=trainable,
+                         forward_flops=flops, forward_gflops=round(flops / 1e9, 3),
+                         train_step_tflops_approx=round(3 * flops / 1e12, 4),
+                         points_per_pillar=bench.args.points_per_pillar)]
+
+
+def bench_train_step(suite: Suite) -> List[Dict]:
+    bench, device = suite.model_bench, suite.device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     losses = []
@@ -320,12 +504,12 @@ def bench_train_steps(bench: Bench, results: Dict) -> List[Dict]:
     def full_step():
         losses.append(bench.train_step(bench.batch, bench.loss_fn)["loss"])
 
-    times = time_calls(full_step, args.steps, args.warmup, device)
-    results["train_step_model_only"] = statistics.median(times)
-    records.append(bench.record("train_step_model_only", autocast=True, **summarise(times),
-                                includes=STEP_PARTS, last_loss=round(losses[-1], 5),
-                                cudnn_benchmark=(torch.backends.cudnn.benchmark
-                                                 if device.type == "cuda" else None)))
+    times = bench.time(full_step)
+    suite.results["train_step_model_only"] = statistics.median(times)
+    records = [bench.record("train_step_model_only", autocast=True, **summarise(times),
+                            includes=STEP_PARTS, last_loss=round(losses[-1], 5),
+                            cudnn_benchmark=(torch.backends.cudnn.benchmark
+                                             if device.type == "cuda" else None))]
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device)
         reserved = torch.cuda.max_memory_reserved(device)
@@ -335,7 +519,11 @@ def bench_train_steps(bench: Bench, results: Dict) -> List[Dict]:
     else:
         records.append({"figure": "peak_gpu_memory", "skipped": "not on CUDA",
                         "device": device.type})
+    return records
 
+
+def bench_train_step_no_pillarise(suite: Suite) -> List[Dict]:
+    bench = suite.model_bench
     with torch.no_grad():
         inputs, targets = bench.preparer(bench.batch)
 
@@ -344,27 +532,24 @@ def bench_train_steps(bench: Bench, results: Dict) -> List[Dict]:
         loss, terms = bench.criterion(outputs, targets)
         return loss, {name: float(value) for name, value in terms.items()}, bench.batch_size
 
-    times = time_calls(lambda: bench.train_step(None, prepared_loss_fn), args.steps,
-                       args.warmup, device)
-    records.append(bench.record("train_step_no_pillarise", autocast=True, **summarise(times),
-                                includes=[p for p in STEP_PARTS
-                                          if p not in ("pillarise", "targets")]))
-    return records
+    times = bench.time(lambda: bench.train_step(None, prepared_loss_fn))
+    return [bench.record("train_step_no_pillarise", autocast=True, **summarise(times),
+                         includes=[p for p in STEP_PARTS if p not in ("pillarise", "targets")])]
 
 
-def bench_ema(bench: Bench, results: Dict) -> List[Dict]:
+def bench_ema(suite: Suite) -> List[Dict]:
+    bench = suite.model_bench
     ema = bench.make_ema()
-    times = time_calls(lambda: ema.update(bench.model_without_ddp), bench.args.steps,
-                       bench.args.warmup, bench.device)
+    times = bench.time(lambda: ema.update(bench.model_without_ddp))
     ema_ms = statistics.median(times)
-    step_ms = results.get("train_step_model_only")
+    step_ms = suite.results.get("train_step_model_only")
     share = round(100.0 * ema_ms / (step_ms + ema_ms), 2) if step_ms else None
     tensors = sum(1 for t in ema.module.state_dict().values() if t.dtype.is_floating_point)
     return [bench.record("ema_update", **summarise(times), share_of_step_pct=share,
                          float_tensors=tensors, enabled_in_yaml=bench.ema is not None)]
 
 
-def fake_head_outputs(bench: Bench, seed: int = 0) -> Dict:
+def fake_head_outputs(bench: ModelBench, seed: int = 0) -> Dict:
     """Head maps as a trained detector would give: in the 3x3 feature cells around every GT
     centre, every anchor is confident and regresses (with a little noise) to that GT; plus a
     sprinkle of false positives elsewhere. Decoding and NMS then face realistic candidates."""
@@ -409,17 +594,13 @@ def fake_head_outputs(bench: Bench, seed: int = 0) -> Dict:
             "comm_bytes": torch.zeros(size, device=device)}
 
 
-def bench_eval(bench: Bench) -> List[Dict]:
+def bench_eval_postprocess(suite: Suite) -> List[Dict]:
+    """Decode + NMS on the device, then AP matching on the CPU, of synthetic head outputs."""
     from opencood.eval.ap import APAccumulator
-    from opencood.eval.inference import (detections_per_sample, late_model_inputs,
-                                         postprocess_settings)
-    args, device, cfg = bench.args, bench.device, bench.cfg
-    settings = postprocess_settings(cfg)
-    late = cfg["fusion"]["core_method"] == "late"
-    records = []
-
-    # Post-processing on synthetic head outputs (decode + NMS on the device, AP on the CPU).
-    outputs = fake_head_outputs(bench, seed=int(cfg.get("seed", 0)))
+    from opencood.eval.inference import detections_per_sample, postprocess_settings
+    bench = suite.model_bench
+    settings = postprocess_settings(bench.cfg)
+    outputs = fake_head_outputs(bench, seed=int(bench.cfg.get("seed", 0)))
     # The synthetic maps are per sample, in the ego frame: no per-agent (late) step here.
     decode_inputs = {"record_len": bench.batch["record_len"],
                      "transforms_to_ego": bench.batch["transforms_to_ego"]}
@@ -429,12 +610,11 @@ def bench_eval(bench: Bench) -> List[Dict]:
         detections[:] = detections_per_sample(outputs, decode_inputs, bench.preparer, settings,
                                               late=False)
 
-    times = time_calls(decode_nms, args.steps, args.warmup, device)
-    decode_ms = statistics.median(times) / bench.batch_size
+    decode_ms = statistics.median(bench.time(decode_nms)) / bench.batch_size
     per_frame = [(boxes.float().cpu(), scores.float().cpu()) for boxes, scores, _ in detections]
     gts = [bench.batch["gt_boxes"][row][bench.batch["gt_mask"][row]].cpu()
            for row in range(bench.batch_size)]
-    frames = args.eval_frames
+    frames = suite.args.eval_frames
     last_metrics = {}
 
     def accumulate_ap():
@@ -445,21 +625,25 @@ def bench_eval(bench: Bench) -> List[Dict]:
                                   sample_key=("bench", f"{frame:06d}"))
         last_metrics.update(accumulator.compute())
 
-    times = time_calls(accumulate_ap, args.steps, args.warmup, torch.device("cpu"))
-    ap_ms = statistics.median(times) / frames
-    record = bench.record(
+    ap_ms = statistics.median(suite.time(accumulate_ap, torch.device("cpu"))) / frames
+    return [bench.record(
         "eval_postprocess_per_frame", ms=round(decode_ms + ap_ms, 3),
         decode_nms_ms=round(decode_ms, 3), ap_ms=round(ap_ms, 3), eval_frames=frames,
         detections_per_frame=round(sum(len(s) for _, s in per_frame) / len(per_frame), 1),
         gt_per_frame=round(sum(len(g) for g in gts) / len(gts), 1),
         ap_50=round(float(last_metrics.get("ap_50", float("nan"))), 4),
         includes=["decode", "rotated_nms", "ap_matching", "ap_compute"],
-        outputs="synthetic head maps (detections near the GT)")
-    records.append(record)
+        outputs="synthetic head maps (detections near the GT)")]
 
-    # What tools/eval.py times per batch: pillarise + forward + decode + NMS (fp32, eval mode).
+
+def bench_eval_inference(suite: Suite) -> List[Dict]:
+    """What tools/eval.py times per batch: pillarise + forward + decode + NMS (fp32, eval)."""
+    from opencood.eval.inference import (detections_per_sample, late_model_inputs,
+                                         postprocess_settings)
+    bench = suite.model_bench
+    settings = postprocess_settings(bench.cfg)
+    late = bench.cfg["fusion"]["core_method"] == "late"
     model = bench.model_without_ddp
-    model.eval()
     counts = []
 
     @torch.no_grad()
@@ -469,25 +653,28 @@ def bench_eval(bench: Bench) -> List[Dict]:
         results = detections_per_sample(outputs, inputs, bench.preparer, settings, late)
         counts.append(sum(int(r[1].shape[0]) for r in results))
 
+    model.eval()
     try:
-        times = time_calls(inference, args.steps, args.warmup, device)
+        times = bench.time(inference)
     finally:
         model.train()
-    record = bench.record("eval_inference_per_frame", **summarise(times, bench.batch_size),
-                          includes=["pillarise", "forward", "decode", "rotated_nms"],
-                          detections_per_frame=round(counts[-1] / bench.batch_size, 1),
-                          note="untrained weights: few or no detections, NMS is nearly free")
-    records.append(record)
-    return records
+    return [bench.record("eval_inference_per_frame", **summarise(times, bench.batch_size),
+                         includes=["pillarise", "forward", "decode", "rotated_nms"],
+                         detections_per_frame=round(counts[-1] / bench.batch_size, 1),
+                         note="untrained weights: few or no detections, NMS is nearly free")]
 
 
-def build_bench_loader(bench: Bench, split_dir: Path, batches: int, workers: int):
-    """The training DataLoader of tools/train.py over ``split_dir``, drawing ``batches``
-    batches (several epochs' worth if the split is small) without restarting its workers."""
+# -- figures on the data (--data) --------------------------------------------------------------
+
+def build_bench_loader(bench: ModelBench, split_dir: Path, batches: int, workers: int,
+                       fusion: Optional[str] = None):
+    """The training DataLoader of tools/train.py over ``split_dir`` (``fusion``: another
+    strategy than the yaml's), drawing ``batches`` batches (several epochs' worth if the split
+    is small) without restarting its workers."""
     from opencood.data.collate import collate_samples, seed_worker
     from opencood.data.datasets import build_dataset
     cfg = dict(bench.cfg, root_dir=str(split_dir))
-    dataset = build_dataset(cfg, "train", train=True)
+    dataset = build_dataset(cfg, "train", train=True, fusion_method=fusion)
     if len(dataset) == 0:
         raise BenchError(f"--data: no samples in {split_dir}")
     generator = torch.Generator().manual_seed(int(cfg.get("seed", 0)))
@@ -500,18 +687,17 @@ def build_bench_loader(bench: Bench, split_dir: Path, batches: int, workers: int
     return dataset, loader
 
 
-def bench_loader(bench: Bench, split_dir: Path, workers: int) -> List[Dict]:
+def measure_loader(suite: Suite, fusion: Optional[str] = None) -> Dict:
     """Steady-state throughput of a loader that is never kept waiting.
 
     ``W`` workers start together and deliver their batches in waves of ``W``; the clock runs
     from the end of one wave to the end of a later one (the first wave, with worker start-up,
     is ``first_wave_s``), so a partial wave or prefetched batches do not bias the rate."""
-    args = bench.args
+    bench, workers = suite.model_bench, suite.workers
     wave = max(workers, 1)
-    warm = max(args.warmup, 1)
-    warm = -(-warm // wave) * wave                       # whole waves, at least the first
-    timed = -(-args.loader_batches // wave) * wave
-    dataset, loader = build_bench_loader(bench, split_dir, warm + timed, workers)
+    warm = -(-max(suite.args.warmup, 1) // wave) * wave   # whole waves, at least the first
+    timed = -(-suite.args.loader_batches // wave) * wave
+    dataset, loader = build_bench_loader(bench, suite.split_dir, warm + timed, workers, fusion)
     iterator = iter(loader)
     start = time.perf_counter()
     for _ in range(warm):
@@ -527,22 +713,37 @@ def bench_loader(bench: Bench, split_dir: Path, workers: int) -> List[Dict]:
         points += int(batch["points"].shape[0])
     elapsed = time.perf_counter() - start
     del iterator
-    record = bench.record("dataloader", samples_per_s=round(timed * bench.batch_size / elapsed, 2),
-                          ms=round(elapsed * 1e3 / timed, 3),
-                          ms_per_batch_median=summarise(per_batch)["ms"], num_workers=workers,
-                          timed_batches=timed, warmup_batches=warm,
-                          first_wave_s=round(first_wave_s, 3), dataset_samples=len(dataset),
-                          data=str(split_dir))
-    # Measured on the real samples (the fake batch's pillar count means nothing here).
+    return {"samples_per_s": round(timed * bench.batch_size / elapsed, 2),
+            "ms": round(elapsed * 1e3 / timed, 3),
+            "ms_per_batch_median": summarise(per_batch)["ms"], "num_workers": workers,
+            "timed_batches": timed, "warmup_batches": warm,
+            "first_wave_s": round(first_wave_s, 3), "dataset_samples": len(dataset),
+            # Measured on the real samples (the fake batch's pillar count means nothing here).
+            "agents": round(agents / (timed * bench.batch_size), 2),
+            "points_per_agent": round(points / max(agents, 1), 1)}
+
+
+def bench_loader(suite: Suite) -> List[Dict]:
+    record = suite.model_bench.record("dataloader", **measure_loader(suite),
+                                        data=str(suite.split_dir))
     record.pop("pillars_per_agent")
-    record.update(agents=round(agents / (timed * bench.batch_size), 2),
-                  points_per_agent=round(points / max(agents, 1), 1))
     return [record]
 
 
-def bench_end_to_end(bench: Bench, split_dir: Path, workers: int) -> List[Dict]:
-    args, device = bench.args, bench.device
-    _, loader = build_bench_loader(bench, split_dir, args.warmup + args.steps, workers)
+def bench_loader_by_fusion(suite: Suite) -> List[Dict]:
+    """Samples/s per fusion strategy; workers read, project, augment and crop (pillarisation
+    runs on the training device). After the dataloader figure the point cache is warm."""
+    rates = {fusion: measure_loader(suite, fusion)["samples_per_s"] for fusion in FUSION_METHODS}
+    record = suite.model_bench.record("dataloader_by_fusion", samples_per_s=rates,
+                                        num_workers=suite.workers, data=str(suite.split_dir))
+    record.pop("pillars_per_agent")
+    return [record]
+
+
+def bench_end_to_end(suite: Suite) -> List[Dict]:
+    bench, args, device = suite.model_bench, suite.args, suite.device
+    _, loader = build_bench_loader(bench, suite.split_dir, args.warmup + args.steps,
+                                   suite.workers)
     ema = bench.ema
     seen = {"agents": 0, "pillars": 0}
 
@@ -572,62 +773,241 @@ def bench_end_to_end(bench: Bench, split_dir: Path, workers: int) -> List[Dict]:
             wait_ms.append(waited * 1e3)
     del iterator
     includes = ["data_wait", "host_to_device"] + STEP_PARTS + (["ema"] if ema else [])
-    agents = seen["agents"] / args.steps / bench.batch_size
-    pillars = seen["pillars"] / max(seen["agents"], 1)
-    record = bench.record("train_step_end_to_end", autocast=True, **summarise(step_ms),
-                          data_wait_ms=round(statistics.median(wait_ms), 3),
-                          num_workers=workers, includes=includes, data=str(split_dir))
-    record.update(agents=round(agents, 2), pillars_per_agent=round(pillars, 1))
-    return [record]
+    return [bench.record("train_step_end_to_end", autocast=True, **summarise(step_ms),
+                         data_wait_ms=round(statistics.median(wait_ms), 3),
+                         num_workers=suite.workers, includes=includes, data=str(suite.split_dir),
+                         agents=round(seen["agents"] / args.steps / bench.batch_size, 2),
+                         pillars_per_agent=round(seen["pillars"] / max(seen["agents"], 1), 1))]
 
 
-# -- main --------------------------------------------------------------------------------------
+# -- figures on kernels (no model, no config) --------------------------------------------------
+
+def bench_bev_iou(suite: Suite) -> List[Dict]:
+    """Overlapping pairs (centres within 1 m, any headings): every pair takes the full polygon
+    clipping path, none is skipped by the bounding-circle pre-filter."""
+    from opencood.ops.iou import boxes_bev_iou_aligned
+    from opencood.utils.fake_batch import random_vehicle_boxes
+    count = suite.preset.iou_pairs
+    generator = torch.Generator().manual_seed(0)
+    boxes_a, boxes_b = (random_vehicle_boxes(count, generator, (-1, 1), (-1, 1))
+                        for _ in range(2))
+    on_device = [boxes.float().to(suite.device) for boxes in (boxes_a, boxes_b)]
+    summary = summarise(suite.time(lambda: boxes_bev_iou_aligned(*on_device)))
+    refs = suite.references
+    rows_a, rows_b = boxes_a.tolist(), boxes_b.tolist()
+    reference_fn = None if refs is None else (lambda: [refs.reference_bev_iou(a, b)
+                                                       for a, b in zip(rows_a, rows_b)])
+    return [suite.record("bev_iou", **summary, pairs=count, dtype="float32",
+                         pairs_per_s=round(count / summary["ms"] * 1e3),
+                         **versus(summary["ms"], "Sutherland-Hodgman clipping per pair, "
+                                                 "Python (CPU)", reference_fn))]
+
+
+def bench_ap(suite: Suite) -> List[Dict]:
+    """APAccumulator (CPU, as tools/eval.py runs it) against the loop AP, same random frames."""
+    from opencood.eval.ap import APAccumulator
+    from opencood.utils.fake_batch import fake_detection_frames
+    frames = fake_detection_frames(suite.preset.ap_frames, seed=0)
+
+    def ours():
+        accumulator = APAccumulator(AP_THRESHOLDS)
+        for index, (pred, scores, gt) in enumerate(frames):
+            accumulator.add_frame(pred, scores, gt, sample_key=index)
+        return accumulator.compute()
+
+    count = len(frames)
+    summary = summarise(suite.time(ours, torch.device("cpu")), scale=count)
+    refs = suite.references
+    frame_lists = [tuple(t.tolist() for t in frame) for frame in frames]
+    reference_fn = None if refs is None else (lambda: refs.reference_ap(frame_lists,
+                                                                        AP_THRESHOLDS))
+    pairs = sum(len(pred) * len(gt) for pred, _, gt in frames)
+    return [suite.record("ap", **summary, frames=count, detection_gt_pairs=pairs,
+                         thresholds=list(AP_THRESHOLDS), unit="ms per frame",
+                         **versus(summary["ms"], "greedy matching and VOC AP in Python loops, "
+                                                 "IoU by polygon clipping", reference_fn,
+                                  scale=count))]
+
+
+def bench_visibility_count(suite: Suite) -> List[Dict]:
+    """Ego points per GT box behind the ego-visible / occluded split of AP, at ``--preset``
+    size (OPV2V: 105,000 points, 60 boxes): BEV buckets against the dense (M, N) mask."""
+    from opencood.ops.transforms import count_points_in_boxes, points_in_boxes_mask
+    from opencood.utils.fake_batch import random_vehicle_boxes
+    count = suite.preset.visibility_points
+    generator = torch.Generator().manual_seed(0)
+    points = torch.stack([torch.empty(count).uniform_(low, high, generator=generator)
+                          for low, high in ((-140, 140), (-40, 40), (-3, 1), (0, 1))], dim=1)
+    points = points.numpy()
+    boxes = random_vehicle_boxes(60, generator, (-140, 140), (-40, 40)).numpy()
+    cpu = torch.device("cpu")
+    summary = summarise(suite.time(lambda: count_points_in_boxes(points, boxes, margin=0.1), cpu))
+    dense = versus(summary["ms"], "dense points_in_boxes_mask(...).sum(1)",
+                   lambda: points_in_boxes_mask(points, boxes, margin=0.1).sum(axis=1))
+    return [suite.record("visibility_count", **summary, points=count, boxes=len(boxes),
+                         **dense)]
+
+
+REFERENCE_HEADER_LINES = 11   # lines np.loadtxt must skip in a reference-layout PCD file
+
+
+def write_general_ascii(path: Path, points: np.ndarray) -> None:
+    """Reference layout but values printed with "%.9g" (exponents, varying decimals), as
+    other tools do; read_pcd's fast path declines it, so this times the general parser."""
+    red = np.rint(points[:, 3].astype(np.float64) * 255).astype(np.int64) << 16
+    lines = ["%.9g %.9g %.9g %d" % (x, y, z, r)
+             for (x, y, z), r in zip(points[:, :3].tolist(), red.tolist())]
+    header = ("# .PCD v0.7 - Point Cloud Data file format\nVERSION 0.7\nFIELDS x y z rgb\n"
+              "SIZE 4 4 4 4\nTYPE F F F U\nCOUNT 1 1 1 1\n"
+              f"WIDTH {len(points)}\nHEIGHT 1\nVIEWPOINT 0 0 0 1 0 0 0\n"
+              f"POINTS {len(points)}\nDATA ascii\n")
+    path.write_text(header + "\n".join(lines) + "\n")
+
+
+def random_cloud(count: int, seed: int = 0) -> np.ndarray:
+    """(count, 4) float32 lidar-like points: xyz within 80 m, intensity on the 1/255 grid."""
+    generator = torch.Generator().manual_seed(seed)
+    xyz = torch.empty(count, 3).uniform_(-80.0, 80.0, generator=generator)
+    intensity = torch.randint(0, 256, (count, 1), generator=generator) / 255.0
+    return torch.cat([xyz, intensity], dim=1).numpy().astype(np.float32)
+
+
+def bench_pcd(suite: Suite) -> List[Dict]:
+    """ms per cloud of each way to read one, against np.loadtxt (the fastest plain-numpy parse,
+    DESIGN §2) on the same file."""
+    from opencood.data.pcd import PointCloudCache, read_pcd, write_pcd
+    points = random_cloud(suite.preset.pcd_points)
+    cpu = torch.device("cpu")
+    with tempfile.TemporaryDirectory(prefix="bench_pcd_") as folder:
+        folder = Path(folder)
+        ascii_path, binary_path = folder / "ascii.pcd", folder / "binary.pcd"
+        general_path = folder / "general_ascii.pcd"
+        write_pcd(ascii_path, points)
+        write_pcd(binary_path, points, data="binary")
+        write_general_ascii(general_path, points)
+        cache = PointCloudCache(folder / "cache")
+
+        def cache_miss():
+            cache.entry_path(ascii_path).unlink(missing_ok=True)
+            return cache.load(ascii_path)
+
+        methods = {
+            "loadtxt": lambda: np.loadtxt(ascii_path, skiprows=REFERENCE_HEADER_LINES),
+            "read_pcd_ascii": lambda: read_pcd(ascii_path),
+            "read_pcd_general_ascii": lambda: read_pcd(general_path),
+            "read_pcd_binary": lambda: read_pcd(binary_path),
+            "cache_miss": cache_miss,
+            "cache_hit": lambda: cache.load(ascii_path),
+        }
+        timings = {name: summarise(suite.time(fn, cpu)) for name, fn in methods.items()}
+        megabytes = {path.name: round(path.stat().st_size / 1e6, 2)
+                     for path in (ascii_path, general_path, binary_path)}
+    baseline = timings["loadtxt"]["ms"]
+    for summary in timings.values():
+        summary["speedup_vs_loadtxt"] = round(baseline / max(summary["ms"], 1e-6), 1)
+    return [suite.record("pcd", points=len(points), file_mb=megabytes, methods=timings)]
+
+
+# -- the suite ---------------------------------------------------------------------------------
+
+class Group(NamedTuple):
+    """Figures measured by one call; ``needs``: "model" (config, model, fake batch), "data"
+    (that and --data) or "" (neither)."""
+    figures: Tuple[str, ...]
+    needs: str
+    measure: Callable[[Suite], List[Dict]]
+
+
+# In measuring order: evaluation before any training step, since a few steps on random data can
+# make the model fire on thousands of anchors, and the NMS time of eval_inference with it.
+GROUPS = (
+    Group(("pillarise",), "model", bench_pillarise),
+    Group(("targets",), "model", bench_targets),
+    Group(("profile",), "model", bench_profile),
+    Group(("eval_postprocess_per_frame",), "model", bench_eval_postprocess),
+    Group(("eval_inference_per_frame",), "model", bench_eval_inference),
+    Group(("train_step_model_only", "peak_gpu_memory"), "model", bench_train_step),
+    Group(("train_step_no_pillarise",), "model", bench_train_step_no_pillarise),
+    Group(("ema_update",), "model", bench_ema),
+    Group(("dataloader",), "data", bench_loader),
+    Group(("dataloader_by_fusion",), "data", bench_loader_by_fusion),
+    Group(("train_step_end_to_end",), "data", bench_end_to_end),
+    Group(("bev_iou",), "", bench_bev_iou),
+    Group(("ap",), "", bench_ap),
+    Group(("visibility_count",), "", bench_visibility_count),
+    Group(("pcd",), "", bench_pcd),
+)
+
+
+def plan_line(suite: Suite, figures: List[str]) -> str:
+    """What the run will measure and roughly how long it takes, said before it starts."""
+    args, preset = suite.args, suite.preset
+    sizes = (f"batch {args.batch_size} x {args.agents} agents, {args.pillars} pillars per agent, "
+             f"{args.steps} timed + {args.warmup} warm-up steps")
+    seconds = preset.cpu_seconds
+    total = seconds.get("setup", 0) + sum(seconds.get(name, 0) for name in figures)
+    estimate = f"about {max(round(total), 1)} s on a 2-core CPU"
+    if suite.device.type == "cuda":
+        estimate += " (not yet timed on a GPU)"
+    if suite.split_dir is not None and set(figures) & data_figures():
+        estimate += ", plus the --data figures (their time depends on the data)"
+    other = "--preset opv2v for the OPV2V geometry" if suite.preset_name != "opv2v" else ""
+    names = "all" if len(figures) == len(FIGURES) else ", ".join(figures)
+    return (f"bench plan: {len(figures)} of {len(FIGURES)} figures ({names}) on "
+            f"{suite.device.type}, preset {suite.preset_name} ({display_path(args.hypes_yaml)}, "
+            f"{sizes}); {estimate}" + (f"; {other}" if other else ""))
+
+
+def measure_group(suite: Suite, group: Group, wanted: List[str]) -> List[Dict]:
+    """The records of ``group`` that were asked for; a figure that fails becomes an error line
+    (one broken figure must not hide the others), one lacking --data a skipped line."""
+    if group.needs == "data" and suite.split_dir is None:
+        return [{"figure": name, "skipped": "no --data folder given"} for name in wanted]
+    logger.info("measuring %s", ", ".join(wanted))
+    try:
+        produced = group.measure(suite)
+    except OpencoodError:
+        raise
+    except Exception as error:
+        logger.exception("%s failed", group.figures[0])
+        return [{"figure": name, "error": f"{type(error).__name__}: {error}"} for name in wanted]
+    return [record for record in produced if record["figure"] in wanted]
+
+
+def data_figures() -> set:
+    return {name for group in GROUPS if group.needs == "data" for name in group.figures}
+
+
+def list_figures() -> List[Dict]:
+    width = max(len(name) for name in FIGURES)
+    for name, about in FIGURES.items():
+        needs = " (needs --data)" if name in data_figures() else ""
+        print(f"{name:<{width}}  {about}{needs}")
+    return []
+
 
 def run(args) -> List[Dict]:
-    from opencood.config import ConfigError, load_config
-    try:
-        cfg = load_config(args.hypes_yaml, args.overrides)
-    except ConfigError as error:
-        raise BenchError(str(error)) from None
+    from opencood.config import load_config
+    if args.list:
+        return list_figures()
+    figures = selected_figures(args.figures)
     device = resolve_device(args.device)
+    preset_name = args.preset or default_preset(device)
+    apply_preset(args, PRESETS[preset_name])
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    cfg = load_config(args.hypes_yaml, args.overrides)
     split_dir = resolve_split_dir(args.data) if args.data is not None else None
-    workers = (args.num_workers if args.num_workers is not None
-               else int(cfg.get("train_params", {}).get("num_workers", 2)))
-    logger.info("bench: %s on %s, steps %d, warm-up %d", args.hypes_yaml, device, args.steps,
-                args.warmup)
-    bench = Bench(args, cfg, device)
-    results: Dict[str, float] = {}
+    suite = Suite(args, preset_name, cfg, device, split_dir)
+    groups = [group for group in GROUPS if set(group.figures) & set(figures)]
+    if any(group.needs == "model" or (group.needs == "data" and split_dir) for group in groups):
+        suite.model_bench             # an unknown model is an input error: before the plan
+    logger.info("%s", plan_line(suite, figures))
     records: List[Dict] = []
-    no_data = "no --data folder given"
-    plan = [
-        (("pillarise", "targets"), lambda: bench_pillarise(bench)),
-        # Before any training step: a few steps on random data can make the model fire on
-        # thousands of anchors, and the NMS time of eval_inference_per_frame with it.
-        (("eval_postprocess_per_frame", "eval_inference_per_frame"), lambda: bench_eval(bench)),
-        (("train_step_model_only", "peak_gpu_memory", "train_step_no_pillarise"),
-         lambda: bench_train_steps(bench, results)),
-        (("ema_update",), lambda: bench_ema(bench, results)),
-        (("dataloader",), lambda: bench_loader(bench, split_dir, workers) if split_dir else None),
-        (("train_step_end_to_end",),
-         lambda: bench_end_to_end(bench, split_dir, workers) if split_dir else None),
-    ]
-    for figures, measure in plan:
-        logger.info("measuring %s", ", ".join(figures))
-        try:
-            produced = measure()
-        except BenchError:
-            raise
-        except Exception as error:  # one broken figure must not hide the others
-            logger.exception("%s failed", figures[0])
-            produced = [{"figure": name, "error": f"{type(error).__name__}: {error}"}
-                        for name in figures]
-        if produced is None:
-            produced = [{"figure": name, "skipped": no_data} for name in figures]
-        for record in produced:
+    for group in groups:
+        for record in measure_group(suite, group, [n for n in group.figures if n in figures]):
             emit(record)
-        records.extend(produced)
+            records.append(record)
     return records
 
 
@@ -635,11 +1015,7 @@ def main(argv=None) -> List[Dict]:
     if not logging.getLogger().handlers:
         logging.basicConfig(stream=sys.stderr, level=logging.INFO,
                             format="%(asctime)s %(levelname)s %(message)s")
-    try:
-        args = parse_args(argv)
-        records = run(args)
-    except BenchError as error:
-        raise SystemExit(f"error: {error}") from None
+    records = run_cli(lambda arguments: run(parse_args(arguments)), argv)
     if any("error" in record for record in records):
         raise SystemExit(1)
     return records

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Every check that needs CUDA, in one go, for a GPU machine lent for a short time:
 #   1. the cuda-marked tests (nccl, SyncBN over gloo on one GPU, bf16/fp16 AMP, CUDA pillars);
-#   2. tools/bench.py on CUDA at the OPV2V geometry, end to end on a small `opv2v`-preset set;
-#   3. tools/bench_pillars.py and tools/bench_ap.py (their CUDA kernel lines).
+#   2. tools/bench.py on CUDA at the OPV2V geometry (every figure: training, evaluation, the
+#      kernels against their references), end to end on a small `opv2v`-preset data set.
 # Each step's output goes to $OUT (default runs/gpu_checks); a failing step is reported and the
 # others still run; the exit status is 1 if any step failed. Expected to take a few minutes on
 # one H100 (written without a GPU: the first GPU session should confirm it).
@@ -42,17 +42,12 @@ if [ -n "$QUICK" ]; then
   step "synthetic opv2v data (tiny)" generate.txt python tools/generate_synthetic.py \
     --out "$DATA" --preset tiny --frames 2 --scenarios 1 1 1 --workers 2 --quiet --overwrite
   step "bench.py --quick" bench.jsonl python tools/bench.py --quick --data "$DATA"
-  step "bench_pillars.py" bench_pillars.txt python tools/bench_pillars.py --repeats 1 \
-    --points 2000 --pillars 500 --reference-points 500
-  step "bench_ap.py" bench_ap.txt python tools/bench_ap.py --frames 20 --ref-frames 5
 else
   step "cuda-marked tests" pytest_cuda.txt python -m pytest -q -m cuda -rA
   step "synthetic opv2v data" generate.txt python tools/generate_synthetic.py --out "$DATA" \
     --preset opv2v --frames 4 --scenarios 2 1 1 --workers "$(nproc)" --quiet --overwrite
   step "bench.py (CUDA, OPV2V geometry)" bench.jsonl python tools/bench.py --device cuda \
-    --data "$DATA"
-  step "bench_pillars.py" bench_pillars.txt python tools/bench_pillars.py
-  step "bench_ap.py" bench_ap.txt python tools/bench_ap.py
+    --preset opv2v --data "$DATA"
 fi
 tail -n 3 "$OUT/pytest_cuda.txt"
 exit $failed

@@ -1,11 +1,14 @@
-"""Synthetic collated batches at a config's geometry, for profiling and benchmarks (no data set).
+"""Synthetic inputs for profiling, benchmarks and tests (no data set).
 
-Points are spread over ``pillars_per_agent`` random BEV cells of the config's pillar grid, so the
-pillar count (what the encoder and scatter cost depends on) is controlled directly.
+``fake_collated_batch``: points spread over ``pillars_per_agent`` random BEV cells of the
+config's pillar grid, so the pillar count (what the encoder and scatter cost depends on) is
+controlled directly. ``random_vehicle_boxes`` and ``fake_detection_frames``: vehicle boxes and
+per-frame detections around them, the input of IoU and AP.
 """
 from __future__ import annotations
 
-from typing import Dict
+import math
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 
@@ -62,3 +65,43 @@ def fake_collated_batch(cfg: Dict, batch_size: int = 2, agents_per_sample: int =
         "gt_ego_points": [torch.full((max_gt,), -1).numpy() for _ in range(batch_size)],
         "points_in_agent_frame": False,
     }
+
+
+def random_vehicle_boxes(count: int, generator: torch.Generator,
+                 x_range: Sequence[float] = (-100.0, 100.0),
+                 y_range: Sequence[float] = (-40.0, 40.0)) -> torch.Tensor:
+    """(count, 7) float64 hwl boxes ``[x, y, z, h, w, l, yaw]``: car- to van-sized (w 1.6-2.4 m,
+    l 3.8-6 m), centres uniform in the ranges, any heading."""
+    def uniform(low, high):
+        return torch.empty(count, dtype=torch.float64).uniform_(low, high, generator=generator)
+
+    return torch.stack([uniform(*x_range), uniform(*y_range),
+                        torch.full((count,), -1.0, dtype=torch.float64),
+                        torch.full((count,), 1.5, dtype=torch.float64),
+                        uniform(1.6, 2.4), uniform(3.8, 6.0), uniform(-math.pi, math.pi)], dim=1)
+
+
+def fake_detection_frames(num_frames: int, seed: int = 0, num_gt: int = 30, num_det: int = 50,
+                          num_true: int = 35) -> List[Tuple[torch.Tensor, ...]]:
+    """Frames of (pred (num_det, 7), scores (num_det,), gt (num_gt, 7)), float64, as AP sees them.
+
+    ``num_true`` detections are noisy copies of random GT boxes (some GT twice: duplicates that
+    must become false positives), the rest clutter; scores are rounded to 2 decimals so ties
+    across frames occur, as with a real detector's quantised scores.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    frames = []
+    for _ in range(num_frames):
+        gt = random_vehicle_boxes(num_gt, generator)
+        near = gt[torch.randint(0, num_gt, (num_true,), generator=generator)].clone()
+        near[:, :2] += torch.randn(num_true, 2, generator=generator, dtype=torch.float64) * 0.4
+        near[:, 4:6] *= 0.9 + 0.2 * torch.rand(num_true, 2, generator=generator,
+                                               dtype=torch.float64)
+        near[:, 6] += torch.randn(num_true, generator=generator, dtype=torch.float64) * 0.15
+        clutter = random_vehicle_boxes(num_det - num_true, generator)
+        scores = torch.cat([0.3 + 0.7 * torch.rand(num_true, generator=generator,
+                                                   dtype=torch.float64),
+                            0.7 * torch.rand(num_det - num_true, generator=generator,
+                                             dtype=torch.float64)])
+        frames.append((torch.cat([near, clutter]), torch.round(scores, decimals=2), gt))
+    return frames
