@@ -297,7 +297,8 @@ def test_bench_with_a_data_folder(tmp_path, monkeypatch, capsys):
 
 @pytest.mark.parametrize("argv,named", [
     (["--hypes_yaml", "{tmp}/missing.yaml"], "missing.yaml"),
-    (["--set", "model.core_method=no_such_model"], "no_such_model"),
+    (["--set", "model.core_method=no_such_model"],
+     "model.core_method: unknown model 'no_such_model'"),
     (["--figures", "pillarise,no_such_figure"], "no_such_figure"),
     (["--data", "{tmp}/no_such_folder"], "no_such_folder"),
 ])

@@ -988,6 +988,7 @@ def list_figures() -> List[Dict]:
 
 def run(args) -> List[Dict]:
     from opencood.config import load_config
+    from opencood.engine.recipe import check_registered_names
     if args.list:
         return list_figures()
     figures = selected_figures(args.figures)
@@ -997,6 +998,7 @@ def run(args) -> List[Dict]:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     cfg = load_config(args.hypes_yaml, args.overrides)
+    check_registered_names(cfg, str(args.hypes_yaml))
     split_dir = resolve_split_dir(args.data) if args.data is not None else None
     suite = Suite(args, preset_name, cfg, device, split_dir)
     groups = [group for group in GROUPS if set(group.figures) & set(figures)]
