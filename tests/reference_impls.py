@@ -110,19 +110,20 @@ def reference_iou_table(boxes_a, boxes_b) -> list:
 
 # ---- average precision -----------------------------------------------------------------------
 
-def reference_ap(frames, thresholds) -> dict:
+def reference_ap(frames, thresholds, sort: str = "global") -> dict:
     """OPV2V-style AP in loops: {threshold: AP}.
 
     frames: [(pred (K, 7), scores (K,), gt (G, 7))]. Per frame, detections in descending score
     (ties: lower index) take the free GT of highest IoU if it reaches the threshold; over all
     frames detections are ranked by score (ties: frame, then detection index) and AP is the VOC
-    all-point interpolated area under precision/recall.
+    all-point interpolated area under precision/recall. ``sort="per_frame"`` ranks them as
+    OpenCOOD does instead: frame by frame, by score within a frame.
     """
     tables = [reference_iou_table(pred, gt) for pred, _, gt in frames]
-    return {threshold: _ap_at(frames, tables, threshold) for threshold in thresholds}
+    return {threshold: _ap_at(frames, tables, threshold, sort) for threshold in thresholds}
 
 
-def _ap_at(frames, tables, threshold: float) -> float:
+def _ap_at(frames, tables, threshold: float, sort: str) -> float:
     records, num_gt = [], 0
     for frame_id, ((pred, scores, gt), table) in enumerate(zip(frames, tables)):
         num_gt += len(gt)
@@ -136,7 +137,8 @@ def _ap_at(frames, tables, threshold: float) -> float:
             records.append((-float(scores[det]), frame_id, det, is_tp))
     if num_gt == 0:
         return 0.0
-    records.sort()
+    # records are (-score, frame, detection, is_tp)
+    records.sort(key=None if sort == "global" else lambda r: (r[1], r[0], r[2]))
     recall, precision, tp_count = [0.0], [0.0], 0
     for rank, record in enumerate(records, start=1):
         tp_count += record[3]

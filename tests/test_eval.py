@@ -487,3 +487,15 @@ def test_table_prints_a_dash_for_a_bin_without_gt():
     near, far = format_table("test", metrics).splitlines()[3:5]
     assert near.split() == ["0-30", "m", "0.5000", "0.2500", "0.0000", "4"]
     assert far.split() == ["50-100", "m", "–", "–", "–", "0"]
+
+
+def test_protocol_option_names_its_file_yaml_and_table(runs, reference, tmp_path, capsys):
+    run_dir = _copy_run(runs.inter, tmp_path / "run")
+    (metrics,) = evaluator.main(_argv(run_dir, "--protocol", "opencood"))
+    assert metrics["name"] == "eval_test_intermediate_opencood"
+    saved = yaml.safe_load((run_dir / "eval_test_intermediate_opencood.yaml").read_text())
+    assert saved["protocol"]["name"] == "opencood"
+    assert reference.inter["protocol"]["name"] == "ours"
+    assert "eval_test_intermediate_opencood (AP protocol: opencood)" in capsys.readouterr().out
+    # The tiny split lies well inside +-40 m: the protocol's range keeps every GT.
+    assert saved["num_gt"] == reference.inter["num_gt"]

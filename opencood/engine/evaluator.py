@@ -25,6 +25,7 @@ from opencood.data.pipeline import BatchPreparer
 from opencood.engine.recipe import check_registered_names
 from opencood.errors import run_cli
 from opencood.eval.inference import evaluate_loader
+from opencood.eval.protocols import DEFAULT_PROTOCOL, PROTOCOLS
 from opencood.models.build import build_model
 from opencood.utils import dist as dist_utils
 from opencood.utils.checkpoint import CheckpointError, check_state_dict_compatible, load_checkpoint
@@ -48,6 +49,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="sweep: pose noise std (m for x/y, deg for yaw) of non-ego agents")
     parser.add_argument("--latency", type=int, nargs="*", default=[],
                         help="sweep: latency in frames of non-ego agents")
+    parser.add_argument("--protocol", choices=sorted(PROTOCOLS), default=DEFAULT_PROTOCOL,
+                        help="AP protocol: ours (global sort, the config's gt range), opencood "
+                             "(per-frame sort, +-140 x +-40 m) or coalign (global sort, "
+                             "+-102.4 m); see opencood/eval/protocols.py")
     parser.add_argument("--batch_size", type=int, default=2)
     parser.add_argument("--num_workers", type=int, default=2)
     parser.add_argument("--set", dest="overrides", action="append", default=[],
@@ -111,7 +116,8 @@ def format_ap(value) -> str:
 
 
 def format_table(name: str, metrics: Dict) -> str:
-    lines = [f"{name}",
+    protocol = metrics.get("protocol", {}).get("name", DEFAULT_PROTOCOL)
+    lines = [f"{name} (AP protocol: {protocol})",
              f"{'':>12} {'AP@0.3':>8} {'AP@0.5':>8} {'AP@0.7':>8} {'#GT':>6}",
              f"{'overall':>12} {metrics['ap_30']:8.4f} {metrics['ap_50']:8.4f} "
              f"{metrics['ap_70']:8.4f} {metrics['num_gt']:6d}"]
@@ -143,7 +149,9 @@ def vis_callback(run_dir: Path, tag: str, count: int, bev_range):
 
 
 def evaluate_setting(cfg, args, run_dir, model, device, setting) -> Dict | None:
-    cfg_run = apply_overrides(cfg, setting["overrides"], source="eval sweep", allow_new=True)
+    protocol = PROTOCOLS[args.protocol]
+    cfg_run = apply_overrides(cfg, setting["overrides"] + protocol.config_overrides(),
+                              source="eval sweep", allow_new=True)
     fusion = args.fusion_method or cfg_run["fusion"]["core_method"]
     dataset = build_dataset(cfg_run, args.split, train=False, fusion_method=fusion)
     loader = torch.utils.data.DataLoader(
@@ -154,11 +162,14 @@ def evaluate_setting(cfg, args, run_dir, model, device, setting) -> Dict | None:
     if args.save_vis:
         on_sample = vis_callback(run_dir, setting["tag"], args.vis_count,
                                  cfg_run["preprocess"]["cav_lidar_range"])
-    metrics = evaluate_loader(model, loader, preparer, cfg_run, device, fusion, on_sample)
+    metrics = evaluate_loader(model, loader, preparer, cfg_run, device, fusion, on_sample,
+                              protocol)
     if metrics is None:
         return None
     name = f"eval_{args.split}_{fusion}" + (f"_{setting['tag']}" if setting["tag"] else "")
+    name += "" if protocol.name == DEFAULT_PROTOCOL else f"_{protocol.name}"
     metrics["name"] = name
+    metrics["protocol"] = {"name": protocol.name, "description": protocol.description}
     (run_dir / f"{name}.yaml").write_text(yaml.safe_dump(_plain(metrics), sort_keys=False))
     return metrics
 

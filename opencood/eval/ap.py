@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from opencood.ops.iou import boxes_bev_iou_pairs
+from opencood.ops.transforms import boxes_to_bev_corners
 
 
 def voc_ap(recall, precision) -> float:
@@ -141,6 +142,18 @@ def _ego_points_or_unknown(gt_ego_points, num_gt: int) -> np.ndarray:
     return counts
 
 
+DETECTION_SORTS = ("global", "per_frame")
+
+
+def boxes_inside_bev_range(boxes: np.ndarray, box_range, order: str) -> np.ndarray:
+    """boxes (K, 7) -> (K,) bool: every BEV corner within [x0, y0, _, x1, y1, _] (edges in)."""
+    if boxes.shape[0] == 0:
+        return np.zeros(0, dtype=bool)
+    corners = boxes_to_bev_corners(boxes, order)                            # (K, 4, 2)
+    low, high = np.asarray(box_range[:2]), np.asarray(box_range[3:5])
+    return ((corners >= low) & (corners <= high)).all(axis=(1, 2))
+
+
 def _key_name(threshold: float) -> str:
     return f"ap_{int(round(threshold * 100))}"
 
@@ -160,6 +173,12 @@ class APAccumulator:
     AP counts its GT; a detection matched to a GT of the other group is ignored (neither TP nor
     FP, as KITTI treats "don't care" objects); an unmatched detection is an FP in both groups.
 
+    Detection order (``detection_sort``): "global" sorts every detection of the split by score
+    (VOC, CoAlign/HEAL); "per_frame" sorts within each frame and concatenates the frames in
+    sample-key order (OpenCOOD / the OPV2V paper). ``detection_range`` [x0, y0, z0, x1, y1, z1]
+    drops, before matching, detections with a BEV corner outside it (those code bases filter
+    predictions to their GT range); None keeps every detection.
+
     Ordering: detections with equal scores are ordered by (sample key, index in the frame), so
     the result does not depend on the order frames were added. Frames added without a
     ``sample_key`` come after keyed ones in insertion order (only ties among them can then
@@ -168,7 +187,14 @@ class APAccumulator:
     """
 
     def __init__(self, iou_thresholds=(0.3, 0.5, 0.7), distance_bins=((0, 30), (30, 50), (50, 100)),
-                 order: str = "hwl", match_batch_frames: int = 256, visible_min_points: int = 1):
+                 order: str = "hwl", match_batch_frames: int = 256, visible_min_points: int = 1,
+                 detection_sort: str = "global", detection_range=None):
+        if detection_sort not in DETECTION_SORTS:
+            raise ValueError(f"detection_sort {detection_sort!r}: expected one of "
+                             f"{', '.join(DETECTION_SORTS)}")
+        self.detection_sort = detection_sort
+        self.detection_range = None if detection_range is None else [
+            float(v) for v in detection_range]
         self.visible_min_points = int(visible_min_points)
         self.iou_thresholds = tuple(float(t) for t in iou_thresholds)
         self.distance_bins = tuple((float(low), float(high)) for low, high in distance_bins)
@@ -196,6 +222,9 @@ class APAccumulator:
         if scores.shape[0] != pred.shape[0]:
             raise ValueError(f"{pred.shape[0]} boxes but {scores.shape[0]} scores")
         ego_points = _ego_points_or_unknown(gt_ego_points, gt.shape[0])
+        if self.detection_range is not None:
+            inside = boxes_inside_bev_range(pred, self.detection_range, self.order)
+            pred, scores = pred[inside], scores[inside]
         self._register_key(sample_key)
         self._pending.append({"key": sample_key, "pred_boxes": pred, "scores": scores.copy(),
                               "gt_boxes": gt, "gt_ego_points": ego_points})
@@ -240,13 +269,16 @@ class APAccumulator:
         return {"iou_thresholds": list(self.iou_thresholds),
                 "distance_bins": [list(b) for b in self.distance_bins],
                 "visible_min_points": self.visible_min_points,
-                "order": self.order, "frames": frames}
+                "order": self.order, "detection_sort": self.detection_sort,
+                "detection_range": self.detection_range, "frames": frames}
 
     @classmethod
     def from_state_dict(cls, state: dict) -> "APAccumulator":
         accumulator = cls(state["iou_thresholds"], state["distance_bins"],
                           state.get("order", "hwl"),
-                          visible_min_points=state.get("visible_min_points", 1))
+                          visible_min_points=state.get("visible_min_points", 1),
+                          detection_sort=state.get("detection_sort", "global"),
+                          detection_range=state.get("detection_range"))
         accumulator._merge_frames(state["frames"])
         return accumulator
 
@@ -258,9 +290,11 @@ class APAccumulator:
         bins = tuple((float(low), float(high)) for low, high in state["distance_bins"])
         same_bins = bins == self.distance_bins
         same_visibility = int(state.get("visible_min_points", 1)) == self.visible_min_points
-        if not (same_thresholds and same_bins and same_visibility):
+        same_protocol = (state.get("detection_sort", "global") == self.detection_sort
+                         and state.get("detection_range") == self.detection_range)
+        if not (same_thresholds and same_bins and same_visibility and same_protocol):
             raise ValueError("cannot merge accumulators with different thresholds or bins "
-                             "(or visible_min_points)")
+                             "(or visible_min_points, detection sort or range)")
         self._merge_frames(state["frames"])
         return self
 
@@ -288,11 +322,12 @@ class APAccumulator:
         return [keyed[k] for k in _sorted_keys(list(keyed))] + unkeyed
 
     def _flatten(self) -> dict:
-        """All detections of the split in global score order.
+        """All detections of the split in the protocol's order (``detection_sort``).
 
         -> is_tp (T, D) bool, matched (T, D) split-wide GT index (-1 for an FP) and bin_distance
         (T, D) in that order; gt_distance (G,) and gt_ego_points (G,) over the split's GT.
-        Order: descending score, then frame rank (sorted sample key), then index in the frame.
+        Global order: descending score, then frame rank (sorted sample key), then index in the
+        frame. Per-frame order: frame rank, then descending score, then index in the frame.
         """
         frames = self._frames_in_tie_order()
         scores = _concat([f["scores"] for f in frames])
@@ -300,7 +335,10 @@ class APAccumulator:
         det_index = _concat([np.arange(f["scores"].shape[0]) for f in frames])
         det_distance = _concat([f["det_distance"] for f in frames])
         gt_distance = _concat([f["gt_distance"] for f in frames])
-        order = np.lexsort((det_index, frame_rank, -scores))
+        if self.detection_sort == "global":
+            order = np.lexsort((det_index, frame_rank, -scores))
+        else:
+            order = np.lexsort((det_index, -scores, frame_rank))
         matched = self._split_wide_matches(frames)[:, order]                   # (T, D)
         # The distance that places a detection in a bin: its GT's if a TP, its own if an FP.
         # The appended 0 is what index -1 (an FP) reads, so the lookup also works with no GT.

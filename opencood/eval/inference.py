@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from opencood.eval.ap import APAccumulator
+from opencood.eval.protocols import DEFAULT_PROTOCOL, PROTOCOLS, APProtocol
 from opencood.ops.nms import nms_rotated
 from opencood.ops.target_assigner import decode_predictions
 from opencood.utils import dist as dist_utils
@@ -98,14 +99,15 @@ def late_model_inputs(inputs: Dict) -> Dict:
 
 @torch.no_grad()
 def run_inference(model, loader, preparer, cfg: Dict, device, fusion_method: str | None = None,
-                  on_sample=None) -> Dict:
+                  on_sample=None, protocol: APProtocol = PROTOCOLS[DEFAULT_PROTOCOL]) -> Dict:
     """This rank's shard -> {"accumulator": APAccumulator, "frames", "seconds", "bytes_sum"}.
 
     ``on_sample(key, batch_row, boxes, scores)`` is called per sample (e.g. to draw pictures).
+    ``protocol`` sets the detection sort and range of the AP (opencood.eval.protocols).
     """
     settings = postprocess_settings(cfg)
     late = (fusion_method or cfg["fusion"]["core_method"]) == "late"
-    accumulator = APAccumulator(order=settings["order"])
+    accumulator = APAccumulator(order=settings["order"], **protocol.accumulator_args())
     was_training = model.training
     model.eval()
     frames, bytes_sum, seconds = 0, 0.0, 0.0
@@ -158,7 +160,9 @@ def gather_results(local: Dict, expected_frames: int) -> Dict | None:
 
 
 def evaluate_loader(model, loader, preparer, cfg: Dict, device, fusion_method=None,
-                    on_sample=None) -> Dict | None:
+                    on_sample=None, protocol: APProtocol = PROTOCOLS[DEFAULT_PROTOCOL]
+                    ) -> Dict | None:
     """Run, gather, compute. All ranks must call it; rank 0 gets the metrics, others None."""
-    local = run_inference(model, loader, preparer, cfg, device, fusion_method, on_sample)
+    local = run_inference(model, loader, preparer, cfg, device, fusion_method, on_sample,
+                          protocol)
     return gather_results(local, expected_frames=len(loader.dataset))

@@ -1,0 +1,60 @@
+"""The AP protocols of the field, named, so every published figure says which one it used.
+
+OPV2V AP is reported under two incompatible protocols, and mixing them explains many
+"cannot reproduce the paper" reports:
+
+* ``opencood`` (OpenCOOD, the OPV2V / V2X-ViT / CoBEVT papers): GT and detections within
+  [-140, -40, -3, 140, 40, 1]; detections sorted by score *within each frame*, frames
+  concatenated in data-set order. A confident detection in a late frame then counts after a
+  weak one in an early frame, which lowers AP.
+* ``coalign`` (CoAlign, HEAL): GT and detections within [-102.4, -102.4, -3, 102.4, 102.4, 1];
+  detections sorted *globally* by score (VOC).
+* ``ours`` (the default): global sort (VOC), GT within the config's ``postprocess.gt_range``,
+  every detection kept.
+
+Matching (highest-IoU free GT, by descending score within the frame) and VOC all-point
+interpolation are the same in all three.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+from opencood.config import ConfigError
+
+
+@dataclass(frozen=True)
+class APProtocol:
+    name: str
+    detection_sort: str                 # "global" or "per_frame" (opencood.eval.ap)
+    box_range: Optional[Tuple[float, ...]]   # GT and detection range; None: the config's gt_range
+    description: str
+
+    def accumulator_args(self) -> Dict:
+        """Keyword arguments of APAccumulator for this protocol."""
+        return {"detection_sort": self.detection_sort,
+                "detection_range": None if self.box_range is None else list(self.box_range)}
+
+    def config_overrides(self) -> List[str]:
+        """--set overrides that make the data set keep this protocol's GT."""
+        if self.box_range is None:
+            return []
+        return [f"postprocess.gt_range=[{', '.join(f'{v:g}' for v in self.box_range)}]"]
+
+
+PROTOCOLS = {
+    "ours": APProtocol("ours", "global", None,
+                       "global score sort, GT in the config's gt_range, all detections"),
+    "opencood": APProtocol("opencood", "per_frame", (-140.0, -40.0, -3.0, 140.0, 40.0, 1.0),
+                           "OpenCOOD/OPV2V paper: per-frame score sort, range +-140 x +-40 m"),
+    "coalign": APProtocol("coalign", "global", (-102.4, -102.4, -3.0, 102.4, 102.4, 1.0),
+                          "CoAlign/HEAL: global score sort, range +-102.4 m"),
+}
+DEFAULT_PROTOCOL = "ours"
+
+
+def get_protocol(name: str) -> APProtocol:
+    try:
+        return PROTOCOLS[name]
+    except KeyError:
+        raise ConfigError(f"unknown AP protocol {name!r}; known: {', '.join(PROTOCOLS)}") from None

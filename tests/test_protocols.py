@@ -1,0 +1,86 @@
+"""The field's AP protocols (opencood.eval.protocols), pinned on hand-made cases where they differ,
+and against the plain-Python reference on random frames."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from opencood.config import apply_overrides
+from opencood.eval.ap import APAccumulator, boxes_inside_bev_range
+from opencood.eval.protocols import PROTOCOLS
+from opencood.utils.fake_batch import fake_detection_frames
+from reference_impls import reference_ap
+from test_ap import cars
+
+
+def protocol_ap(protocol: str, frames) -> dict:
+    accumulator = APAccumulator(**PROTOCOLS[protocol].accumulator_args())
+    for index, (pred, scores, gt) in enumerate(frames):
+        accumulator.add_frame(pred, np.asarray(scores, dtype=np.float64), gt, sample_key=index)
+    return accumulator.compute()
+
+
+def test_a_weak_fp_in_an_early_frame_costs_half_the_ap_under_opencood():
+    """Frame 0: one FP at score 0.2; frame 1: one TP at 0.9; one GT. Per-frame order ranks the FP
+    first: recall [0, 1], precision [0, 1/2] -> AP 1/2. A global sort ranks the TP first: 1."""
+    frames = [(cars((60, 0)), [0.2], cars()), (cars((10, 0)), [0.9], cars((10, 0)))]
+    assert protocol_ap("opencood", frames)["ap_50"] == pytest.approx(0.5, abs=1e-12)
+    assert protocol_ap("coalign", frames)["ap_50"] == 1.0
+    assert protocol_ap("ours", frames)["ap_50"] == 1.0
+
+
+def test_detections_outside_the_protocol_range_are_dropped():
+    """An FP at x=120 m lies inside OpenCOOD's +-140 m but outside CoAlign's +-102.4 m."""
+    frames = [(cars((10, 0), (120, 0)), [0.5, 0.9], cars((10, 0)))]
+    assert protocol_ap("coalign", frames)["ap_50"] == 1.0        # the FP is out of range
+    assert protocol_ap("opencood", frames)["ap_50"] == pytest.approx(0.5)   # FP ranked first
+    assert protocol_ap("ours", frames)["ap_50"] == pytest.approx(0.5)       # nothing dropped
+
+
+def test_bev_range_needs_every_corner_inside():
+    # A 4 m long car centred 1.5 m from the edge sticks out; at 2 m it touches the edge (kept).
+    boxes = cars((138.5, 0), (138.0, 0), (0, 39.0), (0, 38.0))
+    inside = boxes_inside_bev_range(boxes, PROTOCOLS["opencood"].box_range, "hwl")
+    assert inside.tolist() == [False, True, True, True]
+
+
+@pytest.mark.parametrize("sort", ["per_frame", "global"])
+def test_both_sorts_match_the_plain_python_reference(sort):
+    """Random frames spread beyond +-40 m, so no range here: the sort alone is compared."""
+    frames = fake_detection_frames(num_frames=12, seed=5)
+    accumulator = APAccumulator(detection_sort=sort)
+    for index, (pred, scores, gt) in enumerate(frames):
+        accumulator.add_frame(pred, scores, gt, sample_key=index)
+    ours = accumulator.compute()
+    reference = reference_ap([tuple(t.tolist() for t in frame) for frame in frames],
+                             (0.3, 0.5, 0.7), sort=sort)
+    for threshold, key in ((0.3, "ap_30"), (0.5, "ap_50"), (0.7, "ap_70")):
+        assert ours[key] == pytest.approx(reference[threshold], abs=1e-12), key
+    other = reference_ap([tuple(t.tolist() for t in frame) for frame in frames], (0.5,),
+                         sort="global" if sort == "per_frame" else "per_frame")
+    assert other[0.5] != pytest.approx(reference[0.5], abs=1e-6)   # the case tells them apart
+
+
+def test_accumulators_of_different_protocols_refuse_to_merge():
+    frames = [(cars((10, 0)), [0.9], cars((10, 0)))]
+    per_frame = APAccumulator(**PROTOCOLS["opencood"].accumulator_args())
+    global_sort = APAccumulator(**PROTOCOLS["coalign"].accumulator_args())
+    global_sort.add_frame(*frames[0], sample_key=1)
+    with pytest.raises(ValueError, match="detection sort or range"):
+        per_frame.merge(global_sort.state_dict())
+    round_trip = APAccumulator.from_state_dict(per_frame.state_dict())
+    assert round_trip.detection_sort == "per_frame"
+    assert round_trip.detection_range == list(PROTOCOLS["opencood"].box_range)
+
+
+def test_protocol_ranges_reach_the_data_sets_gt_range():
+    cfg = {"postprocess": {"gt_range": [-1, -1, -1, 1, 1, 1]}}
+    for name in ("opencood", "coalign"):
+        resolved = apply_overrides(cfg, PROTOCOLS[name].config_overrides())
+        assert resolved["postprocess"]["gt_range"] == pytest.approx(PROTOCOLS[name].box_range)
+    assert PROTOCOLS["ours"].config_overrides() == []
+
+
+def test_unknown_sort_is_refused():
+    with pytest.raises(ValueError, match="per_frame"):
+        APAccumulator(detection_sort="by_frame")
