@@ -499,3 +499,44 @@ def test_protocol_option_names_its_file_yaml_and_table(runs, reference, tmp_path
     assert "eval_test_intermediate_opencood (AP protocol: opencood)" in capsys.readouterr().out
     # The tiny split lies well inside +-40 m: the protocol's range keeps every GT.
     assert saved["num_gt"] == reference.inter["num_gt"]
+
+
+def test_spread_by_group_by_hand():
+    settings = [{"group": "clean"}, {"group": "noise0.2"}, {"group": "noise0.2"}]
+    results = [{"ap_30": 0.5, "ap_50": 0.4, "ap_70": 0.1},
+               {"ap_30": 0.4, "ap_50": 0.3, "ap_70": 0.1},
+               {"ap_30": 0.2, "ap_50": 0.1, "ap_70": 0.1}]
+    spread = evaluator.spread_by_group(settings, results)
+    assert spread["clean"]["runs"] == 1 and spread["clean"]["ap_50"] == {"mean": 0.4, "std": 0.0}
+    noisy = spread["noise0.2"]
+    assert noisy["runs"] == 2
+    assert noisy["ap_50"]["mean"] == pytest.approx(0.2)
+    assert noisy["ap_50"]["std"] == pytest.approx(0.1 * 2 ** 0.5)   # sample std of 0.3, 0.1
+    assert noisy["ap_70"] == {"mean": pytest.approx(0.1), "std": pytest.approx(0.0)}
+
+
+def test_noise_sweep_with_seeds_prints_and_writes_mean_and_std(runs, tmp_path, monkeypatch,
+                                                               capsys):
+    seeds_seen = []
+    real_build = evaluator.build_dataset
+
+    def recording_build(*args, **kwargs):
+        dataset = real_build(*args, **kwargs)
+        seeds_seen.append((dataset.wild.has_pose_noise, dataset.wild.seed))
+        return dataset
+
+    monkeypatch.setattr(evaluator, "build_dataset", recording_build)
+    run_dir = _copy_run(runs.inter, tmp_path / "run")
+    results = evaluator.main(_argv(run_dir, "--pose_noise", "0.5", "--seeds", "3"))
+    assert [m["name"] for m in results] == ["eval_test_intermediate"] + [
+        f"eval_test_intermediate_noise0.5_seed{k}" for k in range(3)]
+    assert seeds_seen == [(False, 25), (True, 25), (True, 26), (True, 27)]
+    spread = yaml.safe_load((run_dir / "eval_test_intermediate_spread.yaml").read_text())
+    assert spread["seeds"] == 3 and list(spread["groups"]) == ["clean", "noise0.5"]
+    values = np.array([m["ap_30"] for m in results[1:]])
+    assert spread["groups"]["noise0.5"]["ap_30"]["mean"] == pytest.approx(values.mean())
+    assert spread["groups"]["noise0.5"]["ap_30"]["std"] == pytest.approx(values.std(ddof=1))
+    printed = capsys.readouterr().out
+    assert "mean ± std over 3 noise seeds" in printed
+    noise_line = next(line for line in printed.splitlines() if line.strip().startswith("noise0.5"))
+    assert noise_line.split()[1] == "3" and "±" in noise_line

@@ -15,6 +15,7 @@ import logging
 from pathlib import Path
 from typing import Dict, List
 
+import numpy as np
 import torch
 import yaml
 
@@ -22,6 +23,7 @@ from opencood.config import ConfigError, apply_overrides, load_config
 from opencood.data.collate import collate_samples
 from opencood.data.datasets import build_dataset
 from opencood.data.pipeline import BatchPreparer
+from opencood.data.wild import WildSetting
 from opencood.engine.recipe import check_registered_names
 from opencood.errors import run_cli
 from opencood.eval.inference import evaluate_loader
@@ -29,6 +31,7 @@ from opencood.eval.protocols import DEFAULT_PROTOCOL, PROTOCOLS
 from opencood.models.build import build_model
 from opencood.utils import dist as dist_utils
 from opencood.utils.checkpoint import CheckpointError, check_state_dict_compatible, load_checkpoint
+from opencood.utils.atomic import atomic_write
 from opencood.utils.samplers import InferenceSampler
 
 logger = logging.getLogger("opencood")
@@ -53,11 +56,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="AP protocol: ours (global sort, the config's gt range), opencood "
                              "(per-frame sort, +-140 x +-40 m) or coalign (global sort, "
                              "+-102.4 m); see opencood/eval/protocols.py")
+    parser.add_argument("--seeds", type=int, default=1,
+                        help="noise seeds per --pose_noise level; > 1 prints mean ± std")
     parser.add_argument("--batch_size", type=int, default=2)
     parser.add_argument("--num_workers", type=int, default=2)
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="KEY=VALUE", help="override a key of the run's config")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.seeds < 1:
+        parser.error(f"--seeds must be >= 1, got {args.seeds}")
+    return args
 
 
 def pick_checkpoint(run_dir: Path, explicit: str | None) -> Path:
@@ -97,17 +105,53 @@ def check_fusion_fits_model(model: torch.nn.Module, fusion: str, model_name: str
                           f"late, early or no")
 
 
-def settings_to_run(args) -> List[Dict]:
-    """[{"tag": "", "overrides": [...]}, ...]: the clean setting, then each sweep value."""
-    runs = [{"tag": "", "overrides": []}]
-    for std in args.pose_noise:
-        runs.append({"tag": f"noise{std:g}", "overrides": [
-            "wild_setting.loc_err=true", f"wild_setting.xyz_std={std}",
-            f"wild_setting.yaw_std={std}"]})
-    for frames in args.latency:
-        runs.append({"tag": f"latency{frames}", "overrides": [
+def settings_to_run(pose_noise: List[float], latency: List[int], seeds: int = 1,
+                    base_seed: int = 25) -> List[Dict]:
+    """[{"tag", "group", "overrides"}, ...]: the clean setting, then each sweep value.
+
+    Pose noise is random: with ``seeds`` > 1 each noise level runs once per noise seed
+    (``base_seed + k``), tagged ``noise0.2_seed1`` and grouped under ``noise0.2`` for the
+    mean and std. Clean and latency settings draw nothing and run once.
+    """
+    runs = [{"tag": "", "group": "clean", "overrides": []}]
+    for std in pose_noise:
+        noise = ["wild_setting.loc_err=true", f"wild_setting.xyz_std={std}",
+                 f"wild_setting.yaw_std={std}"]
+        for k in range(seeds):
+            suffix = f"_seed{k}" if seeds > 1 else ""
+            runs.append({"tag": f"noise{std:g}{suffix}", "group": f"noise{std:g}",
+                         "overrides": noise + [f"wild_setting.seed={base_seed + k}"]})
+    for frames in latency:
+        runs.append({"tag": f"latency{frames}", "group": f"latency{frames}", "overrides": [
             f"wild_setting.latency_frames={frames}"]})
     return runs
+
+
+def spread_by_group(settings: List[Dict], results: List[Dict]) -> Dict[str, Dict]:
+    """{group: {"runs": n, "ap_30": {"mean", "std"}, ...}}; std is the sample std (n - 1),
+    0 for a group of one run (a setting that draws nothing)."""
+    groups: Dict[str, List[Dict]] = {}
+    for setting, metrics in zip(settings, results):
+        groups.setdefault(setting["group"], []).append(metrics)
+    spread = {}
+    for group, members in groups.items():
+        row = {"runs": len(members)}
+        for key in ("ap_30", "ap_50", "ap_70"):
+            values = np.array([m[key] for m in members], dtype=np.float64)
+            std = float(values.std(ddof=1)) if len(values) > 1 else 0.0
+            row[key] = {"mean": float(values.mean()), "std": std}
+        spread[group] = row
+    return spread
+
+
+def format_spread(title: str, spread: Dict[str, Dict]) -> str:
+    lines = [title, f"{'':>12} {'runs':>4} " + " ".join(f"{name:>16}" for name in
+                                                          ("AP@0.3", "AP@0.5", "AP@0.7"))]
+    for group, row in spread.items():
+        cells = " ".join(f"{row[k]['mean']:7.4f} ± {row[k]['std']:6.4f}"
+                         for k in ("ap_30", "ap_50", "ap_70"))
+        lines.append(f"{group:>12} {row['runs']:4d} {cells}")
+    return "\n".join(lines)
 
 
 def format_ap(value) -> str:
@@ -170,7 +214,8 @@ def evaluate_setting(cfg, args, run_dir, model, device, setting) -> Dict | None:
     name += "" if protocol.name == DEFAULT_PROTOCOL else f"_{protocol.name}"
     metrics["name"] = name
     metrics["protocol"] = {"name": protocol.name, "description": protocol.description}
-    (run_dir / f"{name}.yaml").write_text(yaml.safe_dump(_plain(metrics), sort_keys=False))
+    with atomic_write(run_dir / f"{name}.yaml") as stream:
+        yaml.safe_dump(_plain(metrics), stream, sort_keys=False)
     return metrics
 
 
@@ -206,7 +251,9 @@ def evaluate(args) -> List[Dict]:
         if dist_utils.is_main_process():
             from torch.utils.tensorboard import SummaryWriter
             writer = SummaryWriter(log_dir=str(run_dir))
-        for setting in settings_to_run(args):
+        settings = settings_to_run(args.pose_noise, args.latency, args.seeds,
+                                   WildSetting.from_config(cfg.get("wild_setting")).seed)
+        for setting in settings:
             metrics = evaluate_setting(cfg, args, run_dir, model, info.device, setting)
             if metrics is None:
                 continue
@@ -221,10 +268,26 @@ def evaluate(args) -> List[Dict]:
             results.append(metrics)
         if writer is not None:
             writer.close()
+        if results and args.seeds > 1:
+            write_spread(run_dir, args, args.fusion_method or cfg["fusion"]["core_method"],
+                         settings, results)
         # Rank 0 computes AP after the gather while the others are done: let every rank leave
         # together so no rank tears the group down under another's feet.
         dist_utils.barrier()
         return results
+
+
+def write_spread(run_dir: Path, args, fusion: str, settings: List[Dict],
+                 results: List[Dict]) -> None:
+    """Rank 0: mean ± std over noise seeds, printed and written to RUN/eval_..._spread.yaml."""
+    name = f"eval_{args.split}_{fusion}_spread" + (
+        "" if args.protocol == DEFAULT_PROTOCOL else f"_{args.protocol}")
+    spread = spread_by_group(settings, results)
+    print(format_spread(f"{name}: mean ± std over {args.seeds} noise seeds "
+                        f"(AP protocol: {args.protocol})", spread), flush=True)
+    with atomic_write(run_dir / f"{name}.yaml") as stream:
+        yaml.safe_dump({"seeds": args.seeds, "protocol": args.protocol, "groups": spread}, stream,
+                       sort_keys=False)
 
 
 def main(argv=None) -> List[Dict]:
