@@ -341,8 +341,9 @@ def test_outputs_yaml_table_tensorboard_and_pictures(runs, reference, tmp_path, 
 # 4. pose noise / latency sweeps
 # ----------------------------------------------------------------------------------------------
 
-def test_sweeps_write_their_own_files_and_leave_the_clean_result(runs, reference, tmp_path,
-                                                                monkeypatch):
+@pytest.fixture
+def wild_settings_built(monkeypatch) -> list:
+    """The WildSetting of every data set the evaluator builds, in order."""
     settings = []
     real_build = evaluator.build_dataset
 
@@ -352,6 +353,12 @@ def test_sweeps_write_their_own_files_and_leave_the_clean_result(runs, reference
         return dataset
 
     monkeypatch.setattr(evaluator, "build_dataset", recording_build)
+    return settings
+
+
+def test_sweeps_write_their_own_files_and_leave_the_clean_result(runs, reference, tmp_path,
+                                                                wild_settings_built):
+    settings = wild_settings_built
     run_dir = _copy_run(runs.inter, tmp_path / "run")
     results = evaluator.main(_argv(run_dir, "--pose_noise", "0.5", "--latency", "1"))
     names = [m["name"] for m in results]
@@ -515,22 +522,14 @@ def test_spread_by_group_by_hand():
     assert noisy["ap_70"] == {"mean": pytest.approx(0.1), "std": pytest.approx(0.0)}
 
 
-def test_noise_sweep_with_seeds_prints_and_writes_mean_and_std(runs, tmp_path, monkeypatch,
-                                                               capsys):
-    seeds_seen = []
-    real_build = evaluator.build_dataset
-
-    def recording_build(*args, **kwargs):
-        dataset = real_build(*args, **kwargs)
-        seeds_seen.append((dataset.wild.has_pose_noise, dataset.wild.seed))
-        return dataset
-
-    monkeypatch.setattr(evaluator, "build_dataset", recording_build)
+def test_noise_sweep_with_seeds_prints_and_writes_mean_and_std(runs, tmp_path,
+                                                               wild_settings_built, capsys):
     run_dir = _copy_run(runs.inter, tmp_path / "run")
     results = evaluator.main(_argv(run_dir, "--pose_noise", "0.5", "--seeds", "3"))
     assert [m["name"] for m in results] == ["eval_test_intermediate"] + [
         f"eval_test_intermediate_noise0.5_seed{k}" for k in range(3)]
-    assert seeds_seen == [(False, 25), (True, 25), (True, 26), (True, 27)]
+    assert [(wild.has_pose_noise, wild.seed) for wild in wild_settings_built] == [
+        (False, 25), (True, 25), (True, 26), (True, 27)]
     spread = yaml.safe_load((run_dir / "eval_test_intermediate_spread.yaml").read_text())
     assert spread["seeds"] == 3 and list(spread["groups"]) == ["clean", "noise0.5"]
     values = np.array([m["ap_30"] for m in results[1:]])
