@@ -46,6 +46,14 @@ class ConfigError(OpencoodError, ValueError):
     """A config file or override is invalid; the message names the file and the key."""
 
 
+def yaml_error_line(error: yaml.YAMLError) -> str:
+    """``invalid yaml at line L, column C: problem``: a parser error on one line."""
+    mark = getattr(error, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+    problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+    return f"invalid yaml{where}: {problem}"
+
+
 def _read_yaml(path: Path) -> dict:
     try:
         text = path.read_text()
@@ -56,10 +64,7 @@ def _read_yaml(path: Path) -> dict:
     try:
         data = yaml.load(text, Loader=YamlLoader)
     except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-        raise ConfigError(f"{path}: invalid yaml{where}: {problem}") from None
+        raise ConfigError(f"{path}: {yaml_error_line(err)}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -22,7 +22,7 @@ import numpy as np
 import yaml
 from tqdm import tqdm
 
-from opencood.config import YamlLoader
+from opencood.config import YamlLoader, yaml_error_line
 from opencood.data.pcd import PointCloudCache, default_cache_dir, read_pcd
 from opencood.errors import OpencoodError
 from opencood.ops.transforms import (
@@ -116,7 +116,7 @@ def load_frame_yaml(path) -> dict:
     try:
         params = yaml.load(text, Loader=YamlLoader)
     except yaml.YAMLError as exc:
-        raise _format_error(path, f"invalid yaml: {exc}") from None
+        raise _format_error(path, yaml_error_line(exc)) from None
     return _validate_frame(params, path)
 
 
@@ -243,11 +243,24 @@ class _ScenarioLayout:
     cav_folders: dict        # cav_id -> _CavFolder
 
 
-def _scan_scenario(scenario_dir: Path) -> _ScenarioLayout:
+def _scan_cav_folders(scenario_dir: Path) -> dict:
+    """{cav_id: _CavFolder}, ego first, infrastructure last; raises when there is none."""
     cav_ids = sorted(_sorted_subfolders(scenario_dir), key=_cav_sort_key)
     if not cav_ids:
         raise _format_error(scenario_dir, "scenario folder has no CAV folders")
-    cav_folders = {cav_id: _CavFolder.scan(scenario_dir / cav_id) for cav_id in cav_ids}
+    return {cav_id: _CavFolder.scan(scenario_dir / cav_id) for cav_id in cav_ids}
+
+
+def scenario_timestamps(scenario_dir) -> dict:
+    """{cav_id: {"yaml": set of timestamps, "pcd": set of timestamps}}, ego first (the order of
+    the reader), for checks that want every problem rather than the first."""
+    return {cav_id: {"yaml": set(folder.yaml_stats), "pcd": set(folder.pcd_names)}
+            for cav_id, folder in _scan_cav_folders(Path(scenario_dir)).items()}
+
+
+def _scan_scenario(scenario_dir: Path) -> _ScenarioLayout:
+    cav_folders = _scan_cav_folders(scenario_dir)
+    cav_ids = list(cav_folders)
     ego_folder = cav_folders[cav_ids[0]]
     timestamps = sorted(ego_folder.yaml_stats, key=_timestamp_sort_key)
     if not timestamps:
@@ -263,7 +276,23 @@ def _scan_split(split_dir: Path) -> list[_ScenarioLayout]:
     scenario_names = _sorted_subfolders(split_dir)
     if not scenario_names:
         raise _format_error(split_dir, "split folder contains no scenario folders")
-    return [_scan_scenario(split_dir / name) for name in scenario_names]
+    layouts, problems = [], []
+    for name in scenario_names:
+        try:
+            layouts.append(_scan_scenario(split_dir / name))
+        except OPV2VFormatError as error:
+            problems.append(str(error))
+    raise_all(split_dir, problems)
+    return layouts
+
+
+def raise_all(split_dir: Path, problems: list) -> None:
+    """One error listing every problem found (a user fixes them in one go, not one per run)."""
+    if len(problems) == 1:
+        raise OPV2VFormatError(problems[0])
+    if problems:
+        raise OPV2VFormatError(f"{split_dir}: {len(problems)} problems: " + "; ".join(problems)
+                               + " (python tools/check_data.py DIR checks every file)")
 
 
 def _layout_fingerprint(layouts: list[_ScenarioLayout]) -> str:
@@ -340,7 +369,7 @@ def _write_index_cache(cache_path: Path, fingerprint: str, frames: dict) -> None
 def _parse_frames(split_dir: Path, layouts: list[_ScenarioLayout]) -> dict:
     """Parse every (scenario, cav, timestamp) yaml once: {scenario: {cav_id: [params, ...]}}."""
     total = sum(len(layout.cav_ids) * len(layout.timestamps) for layout in layouts)
-    frames = {}
+    frames, problems = {}, []
     with tqdm(total=total, desc=f"indexing {split_dir.name}", unit="frame",
               disable=total <= PROGRESS_MIN_FRAMES or get_rank() != 0,
               leave=False) as progress:
@@ -348,10 +377,21 @@ def _parse_frames(split_dir: Path, layouts: list[_ScenarioLayout]) -> dict:
             frames[layout.name] = {}
             for cav_id in layout.cav_ids:
                 folder = split_dir / layout.name / cav_id
-                frames[layout.name][cav_id] = [load_frame_yaml(folder / f"{timestamp}.yaml")
+                frames[layout.name][cav_id] = [_load_or_note(folder / f"{timestamp}.yaml",
+                                                             problems)
                                                for timestamp in layout.timestamps]
                 progress.update(len(layout.timestamps))
+    raise_all(split_dir, problems)
     return frames
+
+
+def _load_or_note(path: Path, problems: list):
+    """load_frame_yaml, or None with the problem appended to ``problems``."""
+    try:
+        return load_frame_yaml(path)
+    except OPV2VFormatError as error:
+        problems.append(str(error))
+        return None
 
 
 def _copy_tree(value):
