@@ -149,13 +149,19 @@ def build_loaders(cfg: Dict, info: dist_utils.DistInfo, micro_batch: int, seed: 
 
 # -- model -----------------------------------------------------------------------------------
 
+def use_sync_batchnorm(info: dist_utils.DistInfo) -> bool:
+    """SyncBN where its all_gather of batch statistics can run: CUDA with world > 1 (on CPU,
+    torch's SyncBatchNorm refuses to run; BatchNorm stays plain, per rank)."""
+    return info.device.type == "cuda" and info.world_size > 1
+
+
 def prepare_model(cfg: Dict, info: dist_utils.DistInfo, checkpoint: Dict | None, ckpt_path):
     """build -> init -> SyncBN (CUDA, world > 1) -> device -> load -> EMA -> DDP (DESIGN §6.4)."""
     model = build_model(cfg["model"])
     init_cfg = cfg.get("init", {}) or {}
     init_weights(model, method=init_cfg.get("method", "xavier_uniform"),
                  cls_prior=float(init_cfg.get("cls_prior", 0.01)))
-    if info.device.type == "cuda" and info.world_size > 1:
+    if use_sync_batchnorm(info):
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model.to(info.device)
     if checkpoint is not None:
@@ -262,13 +268,18 @@ def progress_bar(total: int, epoch: int):
 
 
 def log_model_summary(model, preparer, loader) -> None:
-    """Parameters and forward FLOPs of one real batch, at training start (rank 0)."""
+    """Parameters and forward FLOPs of one real batch, at training start (rank 0).
+
+    The forward runs in eval mode, on rank 0 alone: in training mode a SyncBatchNorm layer
+    all_gathers its batch statistics, a collective the other ranks would never join (a hang on
+    GPUs), and BatchNorm would move its running statistics. In eval mode neither happens, and the
+    FLOP count is the same (convolutions and matmuls only).
+    """
     if not dist_utils.is_main_process():
         return
     from opencood.utils.model_stats import format_model_summary
-    # The FLOP count runs a forward in training mode, which would move BatchNorm running
-    # statistics (on rank 0 only): logging must not change the model, so buffers are restored.
-    saved_buffers = [(buffer, buffer.detach().clone()) for buffer in model.buffers()]
+    was_training = model.training
+    model.eval()
     try:
         batch = next(iter(loader))
         inputs, _ = preparer(batch, with_targets=False)
@@ -276,9 +287,7 @@ def log_model_summary(model, preparer, loader) -> None:
     except StopIteration:
         logger.warning("model summary skipped: the training loader is empty")
     finally:
-        with torch.no_grad():
-            for buffer, saved in saved_buffers:
-                buffer.copy_(saved)
+        model.train(was_training)
 
 
 # -- the run ---------------------------------------------------------------------------------
