@@ -17,10 +17,22 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dist_helpers import free_port, run_on_ranks
 from opv2v_factory import write_simple_split
+from opencood.config import load_config
+from opencood.data.collate import collate_samples
+from opencood.data.datasets import build_dataset
+from opencood.data.pipeline import BatchPreparer
 from opencood.engine import trainer
+from opencood.engine.loop import validation_loss
+from opencood.losses import build_loss
+from opencood.utils import dist as dist_utils
+from opencood.utils.dist import DistInfo
+from opencood.utils.samplers import InferenceSampler
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SMOKE_YAML = REPO_ROOT / "hypes_yaml" / "synthetic" / "smoke.yaml"
+CPU = torch.device("cpu")
+VAL_BATCHES = (1, 2, 3)
+VAL_SAMPLES = 5   # divisible by neither 2 nor 3: shards of 3+2 and 2+2+1
 
 
 def _stamps(count):
@@ -32,7 +44,7 @@ def data_root(tmp_path_factory) -> Path:
     """train4 (2 steps of global batch 2) and validate5, whose middle frame has no vehicle."""
     root = tmp_path_factory.mktemp("multirank")
     write_simple_split(root / "train4", num_cavs=2, timestamps=_stamps(4))
-    validate = _stamps(5)
+    validate = _stamps(VAL_SAMPLES)
     write_simple_split(root / "validate5", num_cavs=2, timestamps=validate,
                        no_vehicles_at=validate[2])
     return root
@@ -44,10 +56,29 @@ def _data_args(root: Path, validate: str | None = "validate5"):
             "--set", f"test_dir={root / 'validate5'}"]
 
 
+def _rank_env(rank: int, world_size: int, port: int) -> dict:
+    return {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
+
+def _capture(results: dict, key: str, function) -> None:
+    try:
+        results[key] = function()
+    except BaseException:  # the test reports it; one failing part must not hide the others
+        results[key] = {"error": traceback.format_exc()}
+
+
+def _part(session: list, key: str) -> list:
+    parts = [rank_results[key] for rank_results in session]
+    for rank, part in enumerate(parts):
+        if isinstance(part, dict) and "error" in part and "traceback" in part["error"].lower():
+            pytest.fail(f"rank {rank} failed in {key}:\n{part['error']}")
+    return parts
+
+
 def _run_trainer_on_rank(rank, world_size, port, argv) -> dict:
     """trainer.main as torchrun would start it on ``rank``: {"result"} or {"error"}."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(_rank_env(rank, world_size, port))
     try:
         return {"result": trainer.main(argv)}
     except SystemExit as error:
@@ -152,3 +183,103 @@ def test_every_rank_enters_the_same_collectives_in_the_same_order(data_root, tmp
     assert "_verify_params_across_processes" in names[:first_step]
     assert "all_gather" in names[first_step:]
     assert "model: " in (run_dir / "train.log").read_text()  # the summary still runs
+
+
+# ----------------------------------------------------------------------------------------------
+# The 2-rank session shared by the checks below
+# ----------------------------------------------------------------------------------------------
+
+def _session_body(rank, world_size, root, ports):
+    results = {}
+
+    def validation():
+        with dist_utils.distributed_session(env=_rank_env(rank, world_size, ports["validation"])):
+            return validation_losses(root, rank, world_size)
+
+    _capture(results, "validation", validation)
+    return results
+
+
+@pytest.fixture(scope="module")
+def two_rank_session(data_root):
+    ports = {"validation": free_port()}
+    return run_on_ranks(_session_body, world_size=2, init_group=False, timeout_s=180,
+                        args=(data_root, ports))
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. the validation loss does not depend on the batch size or the number of ranks
+# ----------------------------------------------------------------------------------------------
+
+def _config(root: Path) -> dict:
+    return load_config(SMOKE_YAML, [f"root_dir={root / 'train4'}",
+                                    f"validate_dir={root / 'validate5'}",
+                                    f"test_dir={root / 'validate5'}"])
+
+
+def _fixed_model(cfg: dict) -> torch.nn.Module:
+    """The trainer's model, initialised from seed 0: the same weights in every process."""
+    torch.manual_seed(0)
+    model, _, _ = trainer.prepare_model(cfg, DistInfo(0, 1, 0, False, None, CPU), None, None)
+    return model
+
+
+def validation_losses(root: Path, rank: int, world_size: int) -> list:
+    """[(loss, samples)] of fixed weights at each of VAL_BATCHES, all ranks together."""
+    cfg = _config(root)
+    model = _fixed_model(cfg)
+    loss_fn = trainer.make_validation_loss_fn(BatchPreparer.from_config(cfg, CPU),
+                                              build_loss(cfg["loss"]))
+    dataset = build_dataset(cfg, "validate", train=False, count_ego_points=False)
+    losses = []
+    for batch_size in VAL_BATCHES:
+        loader = torch.utils.data.DataLoader(
+            dataset, batch_size=batch_size, collate_fn=collate_samples,
+            sampler=InferenceSampler(len(dataset), rank, world_size))
+        losses.append(validation_loss(model, loader, loss_fn, CPU))
+    return losses
+
+
+def _validation_losses_on_rank(rank, world_size, root):
+    return validation_losses(root, rank, world_size)
+
+
+def _losses_of_samples_alone(root: Path) -> tuple:
+    """(training loss of each sample as a micro-batch of its own, training loss at batch 2)."""
+    cfg = _config(root)
+    model = _fixed_model(cfg).eval()
+    loss_fn = trainer.make_loss_fn(BatchPreparer.from_config(cfg, CPU), build_loss(cfg["loss"]))
+    dataset = build_dataset(cfg, "validate", train=False, count_ego_points=False)
+    with torch.no_grad():
+        alone = [float(loss_fn(model, collate_samples([dataset[i]]))[0])
+                 for i in range(len(dataset))]
+        pairs = [(float(loss_fn(model, collate_samples(list(chunk)))[0]), len(chunk))
+                 for chunk in _chunks([dataset[i] for i in range(len(dataset))], 2)]
+    return alone, sum(loss * n for loss, n in pairs) / len(dataset)
+
+
+def _chunks(items: list, size: int) -> list:
+    return [items[start:start + size] for start in range(0, len(items), size)]
+
+
+def test_validation_loss_is_the_same_for_every_batch_size_and_rank_count(two_rank_session,
+                                                                       data_root):
+    """Fixed weights, 5 samples (one without vehicles): validation batch 1, 2, 3 on 1, 2 and 3
+    ranks all give the mean over samples of each sample's loss alone."""
+    three_ranks = run_on_ranks(_validation_losses_on_rank, world_size=3, timeout_s=120,
+                               args=(data_root,))
+    per_world = {1: validation_losses(data_root, 0, 1),
+                 2: _part(two_rank_session, "validation")[0], 3: three_ranks[0]}
+    for ranks in (_part(two_rank_session, "validation"), three_ranks):
+        assert all(rank == ranks[0] for rank in ranks)  # all-reduced: one number everywhere
+    alone, batch_2_training_loss = _losses_of_samples_alone(data_root)
+    expected = sum(alone) / len(alone)
+    # Not vacuous: the empty frame's loss differs from the others, and the micro-batch
+    # normalisation of the training loss moves the mean when samples are batched in pairs.
+    assert max(alone) - min(alone) > 0.5
+    assert abs(batch_2_training_loss - expected) > 0.1
+    for world_size, losses in per_world.items():
+        for batch_size, (loss, samples) in zip(VAL_BATCHES, losses):
+            assert samples == VAL_SAMPLES, (world_size, batch_size)
+            assert loss == pytest.approx(per_world[1][0][0], abs=1e-6), (world_size, batch_size)
+            assert loss == pytest.approx(expected, rel=1e-5), (world_size, batch_size)

@@ -197,6 +197,23 @@ def make_loss_fn(preparer: BatchPreparer, criterion):
     return loss_fn
 
 
+def make_validation_loss_fn(preparer: BatchPreparer, criterion):
+    """loss_fn(model, batch) -> (mean per-sample loss, {}, samples), for validation_loss.
+
+    The training loss is normalised per micro-batch; validation takes each sample's own
+    normalisation (``per_sample_losses``, float64), so validation_loss's sum of loss x samples
+    is the sum of per-sample losses and the split's mean does not depend on the micro-batch
+    size or the number of ranks (``best.pth`` neither).
+    """
+
+    def loss_fn(model, batch):
+        inputs, targets = preparer(batch)
+        per_sample = criterion.per_sample_losses(model(inputs), targets)
+        return per_sample.mean(), {}, per_sample.numel()
+
+    return loss_fn
+
+
 # -- checkpoints -----------------------------------------------------------------------------
 
 def training_state(model_without_ddp, ema, optimizer, scheduler, scaler, epoch: int, step: int,
@@ -359,6 +376,7 @@ def train(cfg: Dict, args, info: dist_utils.DistInfo) -> Dict:
     preparer = BatchPreparer.from_config(cfg, info.device)
     criterion = build_loss(cfg["loss"]).to(info.device)
     loss_fn = make_loss_fn(preparer, criterion)
+    val_loss_fn = make_validation_loss_fn(preparer, criterion)
     optimizer = build_optimizer(model_without_ddp.parameters(), cfg["optimizer"])
     scheduler = build_scheduler(optimizer, cfg.get("lr_scheduler", {}),
                                 epochs * steps_per_epoch, steps_per_epoch)
@@ -420,7 +438,7 @@ def train(cfg: Dict, args, info: dist_utils.DistInfo) -> Dict:
                 if ema is not None:
                     ema.broadcast_from(0)
                 eval_model = ema.module if ema is not None else model_without_ddp
-                results, count, pictures = validate(eval_model, val_loaders, loss_fn, info,
+                results, count, pictures = validate(eval_model, val_loaders, val_loss_fn, info,
                                                     amp_dtype, cfg, epoch, preparer)
                 scalars.scalars(results, step, "val")
                 for picture in pictures:
