@@ -189,7 +189,25 @@ def test_every_rank_enters_the_same_collectives_in_the_same_order(data_root, tmp
 # The 2-rank session shared by the checks below
 # ----------------------------------------------------------------------------------------------
 
-def _session_body(rank, world_size, root, ports):
+def _trainer_job(rank, world_size, port, argv) -> dict:
+    """trainer.main on this rank, recording the model each validation evaluates."""
+    validated = []
+    real_validate = trainer.validate
+
+    def validate_spy(model_for_eval, *args):
+        validated.append({key: value.detach().clone()
+                          for key, value in model_for_eval.state_dict().items()})
+        return real_validate(model_for_eval, *args)
+
+    trainer.validate = validate_spy
+    try:
+        outcome = _run_trainer_on_rank(rank, world_size, port, argv)
+    finally:
+        trainer.validate = real_validate
+    return dict(outcome, validated=validated)
+
+
+def _session_body(rank, world_size, root, work, ports):
     results = {}
 
     def validation():
@@ -197,14 +215,28 @@ def _session_body(rank, world_size, root, ports):
             return validation_losses(root, rank, world_size)
 
     _capture(results, "validation", validation)
+    _capture(results, "train", lambda: _trainer_job(rank, world_size, ports["train"],
+                                                    _train_argv(root, work / "run")))
     return results
 
 
+def _train_argv(root: Path, run_dir: Path) -> list:
+    """1 epoch, global batch 2 = micro 1 x 2 ranks, no EMA; a low score threshold so an
+    untrained model has detections and AP is not 0."""
+    return ["--hypes_yaml", str(SMOKE_YAML), "--model_dir", str(run_dir),
+            "--set", "train_params.epoches=1", "--set", "train_params.max_micro_batch=1",
+            "--set", "ema.enabled=false",
+            "--set", "postprocess.target_args.score_threshold=0.005",
+            *_data_args(root)]
+
+
 @pytest.fixture(scope="module")
-def two_rank_session(data_root):
-    ports = {"validation": free_port()}
-    return run_on_ranks(_session_body, world_size=2, init_group=False, timeout_s=180,
-                        args=(data_root, ports))
+def two_rank_session(data_root, tmp_path_factory):
+    work = tmp_path_factory.mktemp("session")
+    ports = {"validation": free_port(), "train": free_port()}
+    results = run_on_ranks(_session_body, world_size=2, init_group=False, timeout_s=180,
+                           args=(data_root, work, ports))
+    return results
 
 
 # ----------------------------------------------------------------------------------------------
@@ -283,3 +315,43 @@ def test_validation_loss_is_the_same_for_every_batch_size_and_rank_count(two_ran
             assert samples == VAL_SAMPLES, (world_size, batch_size)
             assert loss == pytest.approx(per_world[1][0][0], abs=1e-6), (world_size, batch_size)
             assert loss == pytest.approx(expected, rel=1e-5), (world_size, batch_size)
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. without EMA, every rank validates rank 0's model
+# ----------------------------------------------------------------------------------------------
+
+def _validate_in_one_process(run_dir: Path, checkpoint_name: str) -> dict:
+    """trainer.validate of a saved checkpoint in this (single) process, micro-batch 1."""
+    from opencood.utils.checkpoint import load_checkpoint
+    cfg = load_config(run_dir / "config.yaml")
+    info = DistInfo(0, 1, 0, False, None, CPU)
+    _, _, _, val_loaders = trainer.build_loaders(cfg, info, micro_batch=1, seed=0)
+    path = run_dir / checkpoint_name
+    _, model, _ = trainer.prepare_model(cfg, info, load_checkpoint(path), path)
+    preparer = BatchPreparer.from_config(cfg, CPU)
+    loss_fn = trainer.make_validation_loss_fn(preparer, build_loss(cfg["loss"]))
+    results, count, _ = trainer.validate(model, val_loaders, loss_fn, info, None, cfg, 1,
+                                         preparer)
+    assert count == VAL_SAMPLES
+    return results
+
+
+def test_ranks_validate_the_same_model_without_ema(two_rank_session):
+    ranks = _part(two_rank_session, "train")
+    for rank, outcome in enumerate(ranks):
+        assert "result" in outcome, f"rank {rank}: {outcome['error']}"
+    states = [outcome["validated"][0] for outcome in ranks]
+    assert any("running_mean" in key for key in states[0])  # BatchNorm statistics included
+    different = [key for key in states[0] if not torch.equal(states[0][key], states[1][key])]
+    assert not different, f"ranks validated different models: {different[:3]}"
+
+    history = [outcome["result"]["history"][1] for outcome in ranks]
+    assert history[0]["loss"] == history[1]["loss"]
+    # The 2-rank validation (each rank half of the samples) equals one process validating the
+    # weights rank 0 saved: loss and AP.
+    single = _validate_in_one_process(Path(ranks[0]["result"]["run_dir"]), "epoch_1.pth")
+    assert single["ap_30"] > 0  # not vacuous: there are detections to agree on
+    assert history[0]["loss"] == pytest.approx(single["loss"], abs=1e-6)
+    for key in ("ap_30", "ap_50", "ap_70", "ap_50_ego_occluded"):
+        assert history[0][key] == pytest.approx(single[key], abs=1e-12), key

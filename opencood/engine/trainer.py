@@ -435,8 +435,12 @@ def train(cfg: Dict, args, info: dist_utils.DistInfo) -> Dict:
 
             is_best = False
             if val_loaders is not None:
+                # Every rank validates rank 0's model (the one saved): the same weights, and
+                # the same BatchNorm statistics, which each rank's last forward moved its way.
                 if ema is not None:
                     ema.broadcast_from(0)
+                else:
+                    dist_utils.broadcast_buffers(model_without_ddp, src=0)
                 eval_model = ema.module if ema is not None else model_without_ddp
                 results, count, pictures = validate(eval_model, val_loaders, val_loss_fn, info,
                                                     amp_dtype, cfg, epoch, preparer)

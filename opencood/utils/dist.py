@@ -145,6 +145,22 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     return box[0]
 
 
+@torch.no_grad()
+def broadcast_buffers(module: torch.nn.Module, src: int = 0) -> None:
+    """Copy rank ``src``'s buffers (BatchNorm running statistics) to every rank; all ranks call.
+
+    DDP keeps parameters equal, but each rank's last training forward moved its own plain
+    BatchNorm statistics: without this, every rank would validate a slightly different model.
+    """
+    if get_world_size() == 1:
+        return
+    device = collective_device()
+    for buffer in module.buffers():
+        staged = buffer.to(device)
+        dist.broadcast(staged, src=src)
+        buffer.copy_(staged)
+
+
 def any_across_ranks(flag: bool) -> bool:
     """True on every rank if ``flag`` is True on at least one rank.
 
