@@ -7,6 +7,7 @@ share a session does.
 from __future__ import annotations
 
 import os
+import shutil
 import traceback
 from pathlib import Path
 
@@ -65,26 +66,37 @@ def _capture(results: dict, key: str, function) -> None:
     try:
         results[key] = function()
     except BaseException:  # the test reports it; one failing part must not hide the others
-        results[key] = {"error": traceback.format_exc()}
+        results[key] = {"capture_error": traceback.format_exc()}
 
 
 def _part(session: list, key: str) -> list:
     parts = [rank_results[key] for rank_results in session]
     for rank, part in enumerate(parts):
-        if isinstance(part, dict) and "error" in part and "traceback" in part["error"].lower():
-            pytest.fail(f"rank {rank} failed in {key}:\n{part['error']}")
+        if isinstance(part, dict) and "capture_error" in part:
+            pytest.fail(f"rank {rank} failed in {key}:\n{part['capture_error']}")
     return parts
 
 
-def _run_trainer_on_rank(rank, world_size, port, argv) -> dict:
-    """trainer.main as torchrun would start it on ``rank``: {"result"} or {"error"}."""
-    os.environ.update(_rank_env(rank, world_size, port))
+def _outcome(main, argv) -> dict:
+    """{"result"}, {"exit": the one-line error} or {"raised": a traceback}."""
     try:
-        return {"result": trainer.main(argv)}
+        return {"result": main(argv)}
     except SystemExit as error:
-        return {"error": str(error.code)}
-    except BaseException:  # reported by the test
-        return {"error": traceback.format_exc()}
+        return {"exit": str(error.code)}
+    except BaseException:
+        return {"raised": traceback.format_exc()}
+
+
+def _finished(outcomes: list) -> list:
+    for rank, outcome in enumerate(outcomes):
+        assert "result" in outcome, f"rank {rank}: {outcome.get('exit') or outcome['raised']}"
+    return [outcome["result"] for outcome in outcomes]
+
+
+def _run_trainer_on_rank(rank, world_size, port, argv) -> dict:
+    """trainer.main as torchrun would start it on ``rank`` (see _outcome)."""
+    os.environ.update(_rank_env(rank, world_size, port))
+    return _outcome(trainer.main, argv)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -172,9 +184,9 @@ def test_every_rank_enters_the_same_collectives_in_the_same_order(data_root, tmp
     assert diverge is None and len(calls[0]) == len(calls[1]), (
         f"ranks diverge at collective {diverge}: rank 0 {calls[0][:(diverge or 0) + 2]}, "
         f"rank 1 {calls[1][:(diverge or 0) + 2]}; outcomes "
-        f"{[rank.get('error', 'ok')[-300:] for rank in ranks]}")
+        f"{[(rank.get('exit') or rank.get('raised') or 'ok')[-300:] for rank in ranks]}")
     for rank, outcome in enumerate(ranks):
-        assert "result" in outcome, f"rank {rank}: {outcome['error']}"
+        assert "result" in outcome, f"rank {rank}: {outcome.get('exit') or outcome['raised']}"
         assert outcome["result"]["step"] == 2
         assert outcome["sync_bn_layers"][0] > 0  # the SyncBN path really ran
     names = [name for name, _ in calls[0]]
@@ -217,7 +229,53 @@ def _session_body(rank, world_size, root, work, ports):
     _capture(results, "validation", validation)
     _capture(results, "train", lambda: _trainer_job(rank, world_size, ports["train"],
                                                     _train_argv(root, work / "run")))
+    eval_argv = ["--model_dir", str(work / "run"), "--num_workers", "0", "--batch_size", "1",
+                 "--set", "distributed.timeout_minutes=0.25"]
+    _capture(results, "eval_ap_error", lambda: _evaluator_job(
+        rank, world_size, ports["eval_ap_error"], eval_argv, fail_ap_on_rank_0=True))
+    _capture(results, "eval_corrupt", lambda: _evaluator_job(
+        rank, world_size, ports["eval_corrupt"],
+        eval_argv + ["--set", f"test_dir={work / CORRUPT_SPLIT}"]))
     return results
+
+
+def _injected_ap_failure(self):
+    raise ValueError("injected AP failure")
+
+
+def _evaluator_job(rank, world_size, port, argv, fail_ap_on_rank_0=False) -> dict:
+    """evaluator.main on this rank, recording the process-group timeout it asks for; with
+    ``fail_ap_on_rank_0``, rank 0's AP computation (rank 0 alone runs it) raises."""
+    from opencood.engine import evaluator
+    from opencood.eval.ap import APAccumulator
+    os.environ.update(_rank_env(rank, world_size, port))
+    timeouts = []
+    real_init, real_compute = dist.init_process_group, APAccumulator.compute
+
+    def init_spy(*args, **kwargs):
+        timeouts.append(kwargs["timeout"].total_seconds())
+        return real_init(*args, **kwargs)
+
+    dist.init_process_group = init_spy
+    if fail_ap_on_rank_0 and rank == 0:
+        APAccumulator.compute = _injected_ap_failure
+    try:
+        return dict(_outcome(evaluator.main, argv), timeouts=timeouts)
+    finally:
+        dist.init_process_group, APAccumulator.compute = real_init, real_compute
+
+
+CORRUPT_SPLIT = "validate5_corrupt"
+
+
+def _corrupt_pcd(split_dir: Path) -> Path:
+    """The ego cloud of the split's first sample: in rank 0's shard (shards are contiguous)."""
+    return split_dir / "2021_01_01_00_00_00" / "1000" / "000000.pcd"
+
+
+def _write_corrupt_split(source: Path, target: Path) -> None:
+    shutil.copytree(source, target)
+    _corrupt_pcd(target).write_text("# .PCD v0.7\nFIELDS x y z\nnot a pcd\n")
 
 
 def _train_argv(root: Path, run_dir: Path) -> list:
@@ -233,7 +291,10 @@ def _train_argv(root: Path, run_dir: Path) -> list:
 @pytest.fixture(scope="module")
 def two_rank_session(data_root, tmp_path_factory):
     work = tmp_path_factory.mktemp("session")
-    ports = {"validation": free_port(), "train": free_port()}
+    ports = {name: free_port() for name in ("validation", "train", "eval_ap_error",
+                                            "eval_corrupt")}
+    assert len(set(ports.values())) == len(ports)
+    _write_corrupt_split(data_root / "validate5", work / CORRUPT_SPLIT)
     results = run_on_ranks(_session_body, world_size=2, init_group=False, timeout_s=180,
                            args=(data_root, work, ports))
     return results
@@ -339,8 +400,7 @@ def _validate_in_one_process(run_dir: Path, checkpoint_name: str) -> dict:
 
 def test_ranks_validate_the_same_model_without_ema(two_rank_session):
     ranks = _part(two_rank_session, "train")
-    for rank, outcome in enumerate(ranks):
-        assert "result" in outcome, f"rank {rank}: {outcome['error']}"
+    _finished(ranks)
     states = [outcome["validated"][0] for outcome in ranks]
     assert any("running_mean" in key for key in states[0])  # BatchNorm statistics included
     different = [key for key in states[0] if not torch.equal(states[0][key], states[1][key])]
@@ -355,3 +415,29 @@ def test_ranks_validate_the_same_model_without_ema(two_rank_session):
     assert history[0]["loss"] == pytest.approx(single["loss"], abs=1e-6)
     for key in ("ap_30", "ap_50", "ap_70", "ap_50_ego_occluded"):
         assert history[0][key] == pytest.approx(single[key], abs=1e-12), key
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. an error on one rank during evaluation ends every rank, with its message
+# ----------------------------------------------------------------------------------------------
+
+def test_an_error_in_rank_0s_ap_ends_every_rank_with_the_message(two_rank_session):
+    """Rank 0 alone merges and computes AP: its failure must reach rank 1, which otherwise
+    waits at the next collective until the timeout."""
+    ranks = _part(two_rank_session, "eval_ap_error")
+    assert "ValueError: injected AP failure" in ranks[0].get("raised", ""), ranks[0]
+    # A bug keeps its traceback on rank 0; rank 1 stops with one line naming rank 0's error.
+    assert ranks[1] == {"exit": "error: rank 0 failed during evaluation: ValueError: "
+                                "injected AP failure", "timeouts": [15.0]}
+    assert ranks[0]["timeouts"] == [15.0]  # distributed.timeout_minutes reaches the group
+
+
+def test_a_corrupt_file_in_rank_0s_shard_ends_every_rank(two_rank_session):
+    broken = str(_corrupt_pcd(Path(CORRUPT_SPLIT)))
+    ranks = _part(two_rank_session, "eval_corrupt")
+    for rank, outcome in enumerate(ranks):
+        message = outcome.get("exit", "")
+        assert message.startswith("error: ") and "\n" not in message, (rank, outcome)
+        assert broken in message, (rank, message)
+    assert ranks[1]["exit"].startswith("error: rank 0 failed during inference: ")
+    assert not ranks[0]["exit"].startswith("error: rank")  # rank 0 reports its own error

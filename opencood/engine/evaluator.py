@@ -151,10 +151,20 @@ def evaluate_setting(cfg, args, run_dir, model, device, setting) -> Dict | None:
     metrics = evaluate_loader(model, loader, preparer, cfg_run, device, fusion, on_sample)
     if metrics is None:
         return None
-    name = f"eval_{args.split}_{fusion}" + (f"_{setting['tag']}" if setting["tag"] else "")
-    metrics["name"] = name
-    (run_dir / f"{name}.yaml").write_text(yaml.safe_dump(_plain(metrics), sort_keys=False))
+    metrics["name"] = f"eval_{args.split}_{fusion}" + (f"_{setting['tag']}" if setting["tag"]
+                                                      else "")
     return metrics
+
+
+def report_results(metrics: Dict, run_dir: Path, writer) -> None:
+    """Rank 0: RUN/<name>.yaml, the printed table and the TensorBoard scalars."""
+    name = metrics["name"]
+    (run_dir / f"{name}.yaml").write_text(yaml.safe_dump(_plain(metrics), sort_keys=False))
+    print(format_table(name, metrics), flush=True)
+    for key in ("ap_30", "ap_50", "ap_70"):
+        writer.add_scalar(f"{name}/{key}", metrics[key], 0)
+    for group, row in metrics.get("visibility", {}).items():
+        writer.add_scalar(f"{name}/ap_50_{group.replace('-', '_')}", row["ap_50"], 0)
 
 
 def _plain(value):
@@ -175,8 +185,10 @@ def evaluate(args) -> List[Dict]:
         raise ConfigError(f"{config_path}: not found; --model_dir must be a run folder "
                           f"written by tools/train.py")
     cfg = load_config(config_path, args.overrides)
+    dist_cfg = cfg.get("distributed") or {}
     with dist_utils.distributed_session(
-            backend=(cfg.get("distributed") or {}).get("backend")) as info:
+            backend=dist_cfg.get("backend"),
+            timeout_minutes=float(dist_cfg.get("timeout_minutes", 30))) as info:
         dist_utils.setup_logging(None, info.rank)
         checkpoint_path = pick_checkpoint(run_dir, args.checkpoint)
         model = load_eval_model(cfg, checkpoint_path, args.use_ema, info.device)
@@ -190,15 +202,12 @@ def evaluate(args) -> List[Dict]:
             writer = SummaryWriter(log_dir=str(run_dir))
         for setting in settings_to_run(args):
             metrics = evaluate_setting(cfg, args, run_dir, model, info.device, setting)
-            if metrics is None:
-                continue
-            print(format_table(metrics["name"], metrics), flush=True)
-            for key in ("ap_30", "ap_50", "ap_70"):
-                writer.add_scalar(f"{metrics['name']}/{key}", metrics[key], 0)
-            for group, row in metrics.get("visibility", {}).items():
-                writer.add_scalar(f"{metrics['name']}/ap_50_{group.replace('-', '_')}",
-                                  row["ap_50"], 0)
-            results.append(metrics)
+            # Rank 0 writes alone: should that fail, the other ranks stop too, not wait.
+            dist_utils.run_together(
+                lambda: None if metrics is None else report_results(metrics, run_dir, writer),
+                "writing results")
+            if metrics is not None:
+                results.append(metrics)
         if writer is not None:
             writer.close()
         # Rank 0 computes AP after the gather while the others are done: let every rank leave

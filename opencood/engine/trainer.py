@@ -454,8 +454,10 @@ def train(cfg: Dict, args, info: dist_utils.DistInfo) -> Dict:
                             ", ".join(f"{k} {v:.4f}" for k, v in results.items()))
             state = training_state(model_without_ddp, ema, optimizer, scheduler, scaler, epoch,
                                    step, best_val, cfg, seed)
-            save_run_checkpoints(run_dir, state, epoch, save_freq, is_best)
-            dist_utils.barrier()
+            # Rank 0 writes alone: should that fail (disk full), the others stop too, not wait.
+            dist_utils.run_together(
+                lambda: save_run_checkpoints(run_dir, state, epoch, save_freq, is_best),
+                "saving checkpoints")
     finally:
         scalars.close()
     return {"run_dir": str(run_dir), "history": history, "step": step}
