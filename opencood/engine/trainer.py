@@ -243,6 +243,19 @@ def save_run_checkpoints(run_dir: Path, state: Dict, epoch: int, save_freq: int,
         save_checkpoint(run_dir / "best.pth", state)
 
 
+def restore_grad_scaler(scaler: torch.amp.GradScaler, state: Dict | None) -> None:
+    """Load a checkpoint's GradScaler state into ``scaler``.
+
+    A run saved without fp16 (fp32 or bf16) holds an empty state, which an enabled scaler
+    refuses: an fp16 resume of such a run starts loss scaling afresh. A disabled scaler ignores
+    any state (an fp16 run resumed in fp32 or bf16).
+    """
+    if scaler.is_enabled() and not state:
+        logger.info("fp16 loss scaling starts afresh: the checkpoint was saved without it")
+        return
+    scaler.load_state_dict(state or {})
+
+
 def find_resume_checkpoint(run_dir: Path):
     path = run_dir / "last.pth"
     return (path, load_checkpoint(path)) if path.exists() else (None, None)
@@ -386,7 +399,7 @@ def train(cfg: Dict, args, info: dist_utils.DistInfo) -> Dict:
     if checkpoint is not None:
         optimizer.load_state_dict(checkpoint["optimizer"])
         scheduler.load_state_dict(checkpoint["scheduler"])
-        scaler.load_state_dict(checkpoint["scaler"])
+        restore_grad_scaler(scaler, checkpoint.get("scaler"))
         start_epoch, step = int(checkpoint["epoch"]) + 1, int(checkpoint["step"])
         best_val = float(checkpoint.get("best_val_loss", math.inf))
         restore_rng_state(checkpoint["rng"])
