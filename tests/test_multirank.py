@@ -6,11 +6,14 @@ share a session does.
 """
 from __future__ import annotations
 
+import logging
 import os
+import random
 import shutil
 import traceback
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -34,6 +37,24 @@ SMOKE_YAML = REPO_ROOT / "hypes_yaml" / "synthetic" / "smoke.yaml"
 CPU = torch.device("cpu")
 VAL_BATCHES = (1, 2, 3)
 VAL_SAMPLES = 5   # divisible by neither 2 nor 3: shards of 3+2 and 2+2+1
+
+
+@pytest.fixture(autouse=True)
+def _restore_opencood_logger():
+    """In-process trainer runs reconfigure the "opencood" logger (file handler, no
+    propagation): put it back for the tests that follow."""
+    log = logging.getLogger("opencood")
+    handlers, level, propagate = list(log.handlers), log.level, log.propagate
+    yield
+    for handler in list(log.handlers):
+        if handler not in handlers:
+            log.removeHandler(handler)
+            handler.close()
+    for handler in handlers:
+        if handler not in log.handlers:
+            log.addHandler(handler)
+    log.setLevel(level)
+    log.propagate = propagate
 
 
 def _stamps(count):
@@ -202,21 +223,47 @@ def test_every_rank_enters_the_same_collectives_in_the_same_order(data_root, tmp
 # ----------------------------------------------------------------------------------------------
 
 def _trainer_job(rank, world_size, port, argv) -> dict:
-    """trainer.main on this rank, recording the model each validation evaluates."""
-    validated = []
-    real_validate = trainer.validate
+    """trainer.main on this rank, recording the model each validation evaluates and this
+    rank's generator states when a checkpoint is taken and right after a resume restores
+    them. Rank 1 draws from its global generators at every step (as a model with per-rank
+    randomness would), so its states differ from rank 0's."""
+    from opencood.utils.checkpoint import capture_rng_state
+    validated, at_save, after_restore = [], [], []
+    real = {name: getattr(trainer, name) for name in
+            ("validate", "make_loss_fn", "training_state", "restore_rank_rng_state")}
 
     def validate_spy(model_for_eval, *args):
         validated.append({key: value.detach().clone()
                           for key, value in model_for_eval.state_dict().items()})
-        return real_validate(model_for_eval, *args)
+        return real["validate"](model_for_eval, *args)
 
-    trainer.validate = validate_spy
+    def make_loss_fn_spy(*args):
+        loss_fn = real["make_loss_fn"](*args)
+
+        def drawing_loss_fn(model, batch):
+            if rank == 1:
+                torch.rand(3), random.random(), np.random.rand()
+            return loss_fn(model, batch)
+
+        return drawing_loss_fn
+
+    def training_state_spy(*args):
+        at_save.append(capture_rng_state())
+        return real["training_state"](*args)
+
+    def restore_spy(*args):
+        real["restore_rank_rng_state"](*args)
+        after_restore.append(capture_rng_state())
+
+    trainer.validate, trainer.make_loss_fn = validate_spy, make_loss_fn_spy
+    trainer.training_state, trainer.restore_rank_rng_state = training_state_spy, restore_spy
     try:
         outcome = _run_trainer_on_rank(rank, world_size, port, argv)
     finally:
-        trainer.validate = real_validate
-    return dict(outcome, validated=validated)
+        for name, function in real.items():
+            setattr(trainer, name, function)
+    return dict(outcome, validated=validated, rng_at_save=at_save,
+                rng_after_restore=after_restore)
 
 
 def _session_body(rank, world_size, root, work, ports):
@@ -236,6 +283,10 @@ def _session_body(rank, world_size, root, work, ports):
     _capture(results, "eval_corrupt", lambda: _evaluator_job(
         rank, world_size, ports["eval_corrupt"],
         eval_argv + ["--set", f"test_dir={work / CORRUPT_SPLIT}"]))
+    # Last: it turns the 1-epoch run into a 2-epoch one.
+    _capture(results, "resume", lambda: _trainer_job(
+        rank, world_size, ports["resume"],
+        ["--model_dir", str(work / "run"), "--set", "train_params.epoches=2"]))
     return results
 
 
@@ -292,12 +343,11 @@ def _train_argv(root: Path, run_dir: Path) -> list:
 def two_rank_session(data_root, tmp_path_factory):
     work = tmp_path_factory.mktemp("session")
     ports = {name: free_port() for name in ("validation", "train", "eval_ap_error",
-                                            "eval_corrupt")}
+                                            "eval_corrupt", "resume")}
     assert len(set(ports.values())) == len(ports)
     _write_corrupt_split(data_root / "validate5", work / CORRUPT_SPLIT)
-    results = run_on_ranks(_session_body, world_size=2, init_group=False, timeout_s=180,
-                           args=(data_root, work, ports))
-    return results
+    return run_on_ranks(_session_body, world_size=2, init_group=False, timeout_s=180,
+                        args=(data_root, work, ports))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -441,3 +491,54 @@ def test_a_corrupt_file_in_rank_0s_shard_ends_every_rank(two_rank_session):
         assert broken in message, (rank, message)
     assert ranks[1]["exit"].startswith("error: rank 0 failed during inference: ")
     assert not ranks[0]["exit"].startswith("error: rank")  # rank 0 reports its own error
+
+
+# ----------------------------------------------------------------------------------------------
+# 6. every rank's generators are saved and each rank resumes its own
+# ----------------------------------------------------------------------------------------------
+
+def _same_rng(a: dict, b: dict) -> bool:
+    return (torch.equal(a["torch"], b["torch"]) and a["python"] == b["python"]
+            and torch.equal(a["numpy"]["keys"], b["numpy"]["keys"])
+            and a["numpy"]["pos"] == b["numpy"]["pos"])
+
+
+def test_each_rank_saves_and_resumes_its_own_generators(two_rank_session):
+    from opencood.utils.checkpoint import load_checkpoint
+    trained = _part(two_rank_session, "train")
+    resumed = _part(two_rank_session, "resume")
+    _finished(trained)
+    assert [result["step"] for result in _finished(resumed)] == [4, 4]
+    at_save = [outcome["rng_at_save"][0] for outcome in trained]  # end of epoch 1
+    assert not _same_rng(at_save[0], at_save[1])  # rank 1 drew more: the ranks differ
+    run_dir = Path(_finished(trained)[0]["run_dir"])
+    saved = load_checkpoint(run_dir / "epoch_1.pth")
+    assert len(saved["rng_per_rank"]) == 2
+    assert _same_rng(saved["rng"], at_save[0])
+    for rank in range(2):
+        assert _same_rng(saved["rng_per_rank"][rank], at_save[rank]), rank
+        # The resumed rank continues from exactly where it was when epoch 1 was saved.
+        assert _same_rng(resumed[rank]["rng_after_restore"][0], at_save[rank]), rank
+
+
+def test_resume_on_another_world_size_restores_rank_0s_generators(two_rank_session, tmp_path,
+                                                                  monkeypatch):
+    from opencood.utils.checkpoint import load_checkpoint, rng_state_for_rank
+    run_dir = Path(_finished(_part(two_rank_session, "resume"))[0]["run_dir"])
+    saved = load_checkpoint(run_dir / "last.pth")
+    per_rank, rank_0 = saved["rng_per_rank"], saved["rng"]
+    assert rng_state_for_rank(saved, 1, 2) is per_rank[1]
+    assert rng_state_for_rank(saved, 0, 1) is rank_0 and rng_state_for_rank(saved, 2, 3) is rank_0
+    assert rng_state_for_rank({"rng": rank_0}, 1, 2) is rank_0  # saved before rng_per_rank
+
+    copy = tmp_path / "run"
+    copy.mkdir()
+    for name in ("config.yaml", "last.pth"):
+        shutil.copy(run_dir / name, copy / name)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    restored = []
+    monkeypatch.setattr(trainer, "restore_rng_state", restored.append)
+    result = trainer.main(["--model_dir", str(copy), "--set", "train_params.epoches=3"])
+    assert result["step"] == 6 and len(restored) == 1
+    assert _same_rng(restored[0], rank_0)
+    assert "saved by 2 ranks, this run has 1" in (copy / "train.log").read_text()

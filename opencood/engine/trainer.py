@@ -34,7 +34,7 @@ from opencood.utils import dist as dist_utils
 from opencood.utils.batching import describe_batch, split_global_batch
 from opencood.utils.checkpoint import (capture_rng_state,
                                        check_state_dict_compatible, load_checkpoint,
-                                       restore_rng_state, save_checkpoint)
+                                       restore_rng_state, rng_state_for_rank, save_checkpoint)
 from opencood.utils.ema import ModelEMA
 from opencood.utils.init import init_weights
 from opencood.utils.samplers import InferenceSampler, build_train_sampler
@@ -218,6 +218,9 @@ def make_validation_loss_fn(preparer: BatchPreparer, criterion):
 
 def training_state(model_without_ddp, ema, optimizer, scheduler, scaler, epoch: int, step: int,
                    best_val: float, cfg: Dict, seed: int) -> Dict:
+    """What a checkpoint holds (complete on rank 0). All ranks call it: every rank's generator
+    states are gathered (``rng_per_rank``; ``rng`` is this rank's own)."""
+    own_rng = capture_rng_state()
     return {
         "model": model_without_ddp.state_dict(),
         "ema": ema.state_dict() if ema is not None else None,
@@ -226,7 +229,8 @@ def training_state(model_without_ddp, ema, optimizer, scheduler, scaler, epoch: 
         "scaler": scaler.state_dict(),
         "epoch": epoch, "step": step, "best_val_loss": best_val,
         "sampler": {"seed": seed, "epoch": epoch},
-        "rng": capture_rng_state(),
+        "rng": own_rng,
+        "rng_per_rank": dist_utils.gather_object_to_main(own_rng),
         "config": cfg,
     }
 
@@ -254,6 +258,15 @@ def restore_grad_scaler(scaler: torch.amp.GradScaler, state: Dict | None) -> Non
         logger.info("fp16 loss scaling starts afresh: the checkpoint was saved without it")
         return
     scaler.load_state_dict(state or {})
+
+
+def restore_rank_rng_state(checkpoint: Dict, info: dist_utils.DistInfo) -> None:
+    """Each rank resumes its own generators; rank 0's where the world size changed."""
+    saved_ranks = len(checkpoint.get("rng_per_rank") or [])
+    if saved_ranks and saved_ranks != info.world_size:
+        logger.warning("the checkpoint was saved by %d ranks, this run has %d: every rank "
+                       "resumes rank 0's random generators", saved_ranks, info.world_size)
+    restore_rng_state(rng_state_for_rank(checkpoint, info.rank, info.world_size))
 
 
 def find_resume_checkpoint(run_dir: Path):
@@ -402,7 +415,7 @@ def train(cfg: Dict, args, info: dist_utils.DistInfo) -> Dict:
         restore_grad_scaler(scaler, checkpoint.get("scaler"))
         start_epoch, step = int(checkpoint["epoch"]) + 1, int(checkpoint["step"])
         best_val = float(checkpoint.get("best_val_loss", math.inf))
-        restore_rng_state(checkpoint["rng"])
+        restore_rank_rng_state(checkpoint, info)
         logger.info("resumed from %s at epoch %d (step %d)", ckpt_path, start_epoch - 1, step)
     else:
         log_model_summary(model_without_ddp, preparer, train_loader)
