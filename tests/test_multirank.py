@@ -72,9 +72,8 @@ def data_root(tmp_path_factory) -> Path:
     return root
 
 
-def _data_args(root: Path, validate: str | None = "validate5"):
-    return ["--set", f"root_dir={root / 'train4'}",
-            "--set", f"validate_dir={root / validate}" if validate else "validate_dir=null",
+def _data_args(root: Path):
+    return ["--set", f"root_dir={root / 'train4'}", "--set", f"validate_dir={root / 'validate5'}",
             "--set", f"test_dir={root / 'validate5'}"]
 
 
