@@ -142,7 +142,37 @@ def _collectives_body(rank, world_size):
         "any_none_true": dist_utils.any_across_ranks(False),
         "mean": dist_utils.reduce_mean_exact(sum(per_rank_losses), len(per_rank_losses)),
         "summed": dist_utils.all_reduce_sum(torch.tensor([rank + 1.0])).item(),
+        "together": dist_utils.run_together(lambda: rank * 2, "doubling"),
+        "together_failed": _failure_of(lambda: dist_utils.run_together(
+            lambda: _fail_on_rank_1(rank), "reading its shard")),
+        "after_failure": dist_utils.all_gather_object(rank),  # the group is still usable
+        "buffers": _broadcast_batchnorm_buffers(rank),
     }
+
+
+def _fail_on_rank_1(rank):
+    if rank == 1:
+        raise ValueError("bad shard")
+    return "fine"
+
+
+def _failure_of(function):
+    try:
+        return {"returned": function()}
+    except Exception as error:
+        return {"raised": type(error).__name__, "message": str(error)}
+
+
+def _broadcast_batchnorm_buffers(rank):
+    """Each rank's BatchNorm statistics differ (rank-valued); after the broadcast, rank 0's."""
+    norm = torch.nn.BatchNorm1d(3)
+    with torch.no_grad():
+        norm.running_mean.fill_(rank + 1.0)
+        norm.running_var.fill_(10.0 * (rank + 1))
+        norm.num_batches_tracked.fill_(7 + rank)
+        norm.weight.fill_(rank + 5.0)  # a parameter: DDP's business, left alone
+    dist_utils.broadcast_buffers(norm, src=0)
+    return {key: value.tolist() for key, value in norm.state_dict().items()}
 
 
 def test_collectives_on_two_ranks():
@@ -158,6 +188,18 @@ def test_collectives_on_two_ranks():
         assert result["summed"] == 3.0
     assert results[0]["to_main"] == [0, 10]
     assert results[1]["to_main"] is None
+    assert [r["together"] for r in results] == [0, 2]
+    # Rank 1's failure raises on both: rank 1 its own error, rank 0 one naming it.
+    assert results[1]["together_failed"] == {"raised": "ValueError", "message": "bad shard"}
+    assert results[0]["together_failed"] == {
+        "raised": "PeerRankError",
+        "message": "rank 1 failed during reading its shard: ValueError: bad shard"}
+    assert all(r["after_failure"] == [0, 1] for r in results)
+    for rank, result in enumerate(results):
+        buffers = result["buffers"]
+        assert buffers["running_mean"] == [1.0] * 3 and buffers["running_var"] == [10.0] * 3
+        assert buffers["num_batches_tracked"] == 7
+        assert buffers["weight"] == [rank + 5.0] * 3
 
 
 def _init_from_env_body(rank, world_size, port):

@@ -110,6 +110,68 @@ def test_where2comm_confidence_is_supervised_with_its_sample_labels():
     assert terms["conf_loss"].item() == pytest.approx(expected.item(), rel=1e-5)
 
 
+
+def one_positive_outputs(batch=1):
+    """zero_outputs with sample 0's anchor 5 off by 1 in x and leaning to the wrong direction
+    bin: the case test_loss_terms_match_hand_computation_for_one_positive computes by hand."""
+    outputs = zero_outputs(batch)
+    reg_rows = torch.zeros(batch, N, 7)
+    reg_rows[0, 5, 0] = 1.0
+    outputs["reg_preds"] = anchor_maps(reg_rows)
+    dir_rows = torch.zeros(batch, N, 2)
+    dir_rows[0, 5] = torch.tensor([0.0, 1.0])
+    outputs["dir_preds"] = anchor_maps(dir_rows)
+    return outputs
+
+
+def test_per_sample_losses_hand_computed_with_a_sample_without_positives():
+    loss_fn = DetectionLoss(cls_weight=1.0, reg_weight=2.0, dir_weight=0.2)
+    targets = targets_with_one_positive(batch=2)
+    targets["labels"][1, 5] = 0          # sample 1: a frame without vehicles
+    outputs = one_positive_outputs(batch=2)
+    per_sample = loss_fn.per_sample_losses(outputs, targets)
+
+    focal = 0.25 * math.log(2)           # p = 0.5: (alpha or 1 - alpha) * 0.5^2 * log 2
+    sample_0 = ((0.25 + 10 * 0.75) * focal + 2.0 * (1.0 - 0.5 / 9.0)
+                + 0.2 * math.log(1 + math.e))
+    sample_1 = 11 * 0.75 * focal / 1.0   # 11 cared negatives over max(0 positives, 1)
+    assert per_sample.dtype == torch.float64 and per_sample.shape == (2,)
+    assert per_sample.tolist() == pytest.approx([sample_0, sample_1], rel=1e-6)
+    # The training loss divides the micro-batch's sum by its 1 positive: the two samples add up
+    # instead of averaging, which is why validation uses per-sample losses.
+    total = loss_fn(outputs, targets)[0].item()
+    assert total == pytest.approx(sample_0 + sample_1, rel=1e-6)
+
+
+def _sample_alone(outputs: dict, targets: dict, sample: int):
+    """The outputs and targets of a micro-batch holding ``sample`` alone."""
+    alone = {key: outputs[key][sample:sample + 1] for key in ("cls_preds", "reg_preds",
+                                                               "dir_preds")}
+    agents = outputs["conf_sample_index"] == sample
+    alone["conf_preds"] = outputs["conf_preds"][agents]
+    alone["conf_sample_index"] = torch.zeros(int(agents.sum()), dtype=torch.long)
+    return alone, {key: value[sample:sample + 1] for key, value in targets.items()}
+
+
+def test_per_sample_losses_equal_the_loss_of_each_sample_alone():
+    torch.manual_seed(3)
+    loss_fn = build_loss({"core_method": "point_pillar_loss", "args": {"conf_weight": 0.5}})
+    batch = 3
+    labels = torch.randint(-1, 2, (batch, N))
+    labels[1] = labels[1].clamp(max=0)   # no positive: normalised by 1
+    targets = {"labels": labels, "reg_targets": torch.randn(batch, N, 7),
+               "dir_targets": torch.randint(0, 2, (batch, N)),
+               "reg_weights": torch.rand(batch, N)}
+    outputs = {"cls_preds": torch.randn(batch, A, H, W),
+               "reg_preds": torch.randn(batch, 7 * A, H, W),
+               "dir_preds": torch.randn(batch, 2 * A, H, W),
+               "conf_preds": torch.randn(6, A, H, W),       # 2, 1 and 3 agents
+               "conf_sample_index": torch.tensor([0, 0, 1, 2, 2, 2])}
+    per_sample = loss_fn.per_sample_losses(outputs, targets)
+    alone = [loss_fn(*_sample_alone(outputs, targets, b))[0].item() for b in range(batch)]
+    assert per_sample.tolist() == pytest.approx(alone, rel=1e-6)
+    assert loss_fn(outputs, targets)[0].item() != pytest.approx(sum(alone) / batch, rel=1e-3)
+
 def small_net():
     return nn.Sequential(nn.Conv2d(16, 32, 3), nn.BatchNorm2d(32), nn.ConvTranspose2d(32, 24, 2),
                          nn.Linear(24, 40), AnchorHead(24, num_anchors=2))

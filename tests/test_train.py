@@ -440,6 +440,36 @@ def test_resume_matches_uninterrupted_training(straight_run, tmp_path, workers, 
     assert "resumed from" in (resume_dir / "train.log").read_text()
 
 
+def test_restore_grad_scaler_loads_skips_or_ignores():
+    saved = torch.amp.GradScaler("cpu", init_scale=1024.0).state_dict()
+    enabled = torch.amp.GradScaler("cpu")
+    trainer.restore_grad_scaler(enabled, saved)
+    assert enabled.get_scale() == 1024.0
+    fresh = torch.amp.GradScaler("cpu", init_scale=4096.0)
+    trainer.restore_grad_scaler(fresh, {})    # saved without fp16: torch would raise here
+    assert fresh.get_scale() == 4096.0
+    disabled = torch.amp.GradScaler("cpu", enabled=False)
+    trainer.restore_grad_scaler(disabled, saved)  # an fp16 run resumed without fp16
+    assert not disabled.is_enabled() and disabled.state_dict() == {}
+
+
+def test_fp16_resume_of_a_run_saved_without_a_scaler(data_root, tmp_path, monkeypatch,
+                                                     cpu_only):
+    """An fp32 run resumed with fp16 (an enabled GradScaler, which CPU training does not
+    otherwise get) continues, loss scaling from the default scale."""
+    run_dir = tmp_path / "run"
+    trainer.main(["--hypes_yaml", str(SMOKE_YAML), "--model_dir", str(run_dir),
+                  "--set", "train_params.epoches=1", *data_args(data_root, validate=None)])
+    assert load_checkpoint(run_dir / "last.pth")["scaler"] == {}
+    monkeypatch.setattr(trainer, "amp_settings",
+                        lambda cfg, device: (None, torch.amp.GradScaler("cpu")))
+    result = trainer.main(["--model_dir", str(run_dir), "--set", "train_params.epoches=2"])
+    assert result["step"] == 4  # 2 epochs of 2 steps
+    scaler = load_checkpoint(run_dir / "last.pth")["scaler"]
+    assert scaler["scale"] == 2.0 ** 16  # torch's default initial scale, no overflow on CPU
+    assert "loss scaling starts afresh" in (run_dir / "train.log").read_text()
+
+
 def test_slurm_environment_runs_a_one_rank_process_group(data_root, tmp_path, monkeypatch,
                                                          cpu_only):
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"):

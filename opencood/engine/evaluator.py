@@ -214,9 +214,20 @@ def evaluate_setting(cfg, args, run_dir, model, device, setting) -> Dict | None:
     name += "" if protocol.name == DEFAULT_PROTOCOL else f"_{protocol.name}"
     metrics["name"] = name
     metrics["protocol"] = {"name": protocol.name, "description": protocol.description}
+    return metrics
+
+
+def report_results(metrics: Dict, run_dir: Path, writer) -> None:
+    """Rank 0: RUN/<name>.yaml, the printed table and the TensorBoard scalars."""
+    name = metrics["name"]
     with atomic_write(run_dir / f"{name}.yaml") as stream:
         yaml.safe_dump(_plain(metrics), stream, sort_keys=False)
-    return metrics
+    print(format_table(name, metrics), flush=True)
+    for key in ("ap_30", "ap_50", "ap_70"):
+        writer.add_scalar(f"{name}/{key}", metrics[key], 0)
+    for group, row in metrics.get("visibility", {}).items():
+        if row["ap_50"] is not None:        # a group without GT has no AP
+            writer.add_scalar(f"{name}/ap_50_{group.replace('-', '_')}", row["ap_50"], 0)
 
 
 def _plain(value):
@@ -238,8 +249,10 @@ def evaluate(args) -> List[Dict]:
                           f"written by tools/train.py")
     cfg = load_config(config_path, args.overrides)
     check_registered_names(cfg, str(config_path))
+    dist_cfg = cfg.get("distributed") or {}
     with dist_utils.distributed_session(
-            backend=(cfg.get("distributed") or {}).get("backend")) as info:
+            backend=dist_cfg.get("backend"),
+            timeout_minutes=float(dist_cfg.get("timeout_minutes", 30))) as info:
         dist_utils.setup_logging(None, info.rank)
         checkpoint_path = pick_checkpoint(run_dir, args.checkpoint)
         model = load_eval_model(cfg, checkpoint_path, args.use_ema, info.device)
@@ -255,22 +268,18 @@ def evaluate(args) -> List[Dict]:
                                    WildSetting.from_config(cfg.get("wild_setting")).seed)
         for setting in settings:
             metrics = evaluate_setting(cfg, args, run_dir, model, info.device, setting)
-            if metrics is None:
-                continue
-            print(format_table(metrics["name"], metrics), flush=True)
-            for key in ("ap_30", "ap_50", "ap_70"):
-                writer.add_scalar(f"{metrics['name']}/{key}", metrics[key], 0)
-            for group, row in metrics.get("visibility", {}).items():
-                if row["ap_50"] is None:
-                    continue
-                writer.add_scalar(f"{metrics['name']}/ap_50_{group.replace('-', '_')}",
-                                  row["ap_50"], 0)
-            results.append(metrics)
+            # Rank 0 writes alone: should that fail, the other ranks stop too, not wait.
+            dist_utils.run_together(
+                lambda: None if metrics is None else report_results(metrics, run_dir, writer),
+                "writing results")
+            if metrics is not None:
+                results.append(metrics)
         if writer is not None:
             writer.close()
-        if results and args.seeds > 1:
-            write_spread(run_dir, args, args.fusion_method or cfg["fusion"]["core_method"],
-                         settings, results)
+        fusion = args.fusion_method or cfg["fusion"]["core_method"]
+        dist_utils.run_together(
+            lambda: write_spread(run_dir, args, fusion, settings, results)
+            if results and args.seeds > 1 else None, "writing the spread")
         # Rank 0 computes AP after the gather while the others are done: let every rank leave
         # together so no rank tears the group down under another's feet.
         dist_utils.barrier()

@@ -85,23 +85,34 @@ def group_micro_batches(loader, accum_steps: int):
             group = []
 
 
-@torch.no_grad()
 def validation_loss(model: torch.nn.Module, loader, loss_fn: LossFn, device: torch.device,
                     amp_dtype: torch.dtype | None = None) -> Tuple[float, int]:
     """Mean loss over the whole (sharded) split, exact across ranks.
 
     Each rank sums loss x n over its unpadded shard; the sums and counts are all-reduced once
     at the end and divided, so the result equals the single-process mean whatever the shard
-    sizes. Returns (mean loss, total samples).
+    sizes. A failure on one rank's shard (a corrupt file) raises on every rank. Returns
+    (mean loss, total samples).
     """
+    loss_sum, count = dist_utils.run_together(
+        lambda: shard_loss_sum(model, loader, loss_fn, device, amp_dtype), "validation loss")
+    total_loss, total_count = dist_utils.sum_across_ranks(loss_sum, count)
+    return (total_loss / total_count if total_count else float("nan")), int(total_count)
+
+
+@torch.no_grad()
+def shard_loss_sum(model: torch.nn.Module, loader, loss_fn: LossFn, device: torch.device,
+                   amp_dtype: torch.dtype | None = None) -> Tuple[float, int]:
+    """(sum of loss x n, n) over this rank's loader, in eval mode (the mode is restored)."""
     was_training = model.training
     model.eval()
     loss_sum, count = 0.0, 0
-    for batch in loader:
-        with autocast_context(device, amp_dtype):
-            loss, _, batch_count = loss_fn(model, batch)
-        loss_sum += float(loss) * batch_count
-        count += int(batch_count)
-    model.train(was_training)
-    total_loss, total_count = dist_utils.sum_across_ranks(loss_sum, count)
-    return (total_loss / total_count if total_count else float("nan")), int(total_count)
+    try:
+        for batch in loader:
+            with autocast_context(device, amp_dtype):
+                loss, _, batch_count = loss_fn(model, batch)
+            loss_sum += float(loss) * batch_count
+            count += int(batch_count)
+    finally:
+        model.train(was_training)
+    return loss_sum, count

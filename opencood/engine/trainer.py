@@ -35,7 +35,7 @@ from opencood.utils import dist as dist_utils
 from opencood.utils.batching import describe_batch, split_global_batch
 from opencood.utils.checkpoint import (capture_rng_state,
                                        check_state_dict_compatible, load_checkpoint,
-                                       restore_rng_state, save_checkpoint)
+                                       restore_rng_state, rng_state_for_rank, save_checkpoint)
 from opencood.utils.ema import ModelEMA
 from opencood.utils.init import init_weights
 from opencood.utils.samplers import InferenceSampler, build_train_sampler
@@ -150,13 +150,19 @@ def build_loaders(cfg: Dict, info: dist_utils.DistInfo, micro_batch: int, seed: 
 
 # -- model -----------------------------------------------------------------------------------
 
+def use_sync_batchnorm(info: dist_utils.DistInfo) -> bool:
+    """SyncBN where its all_gather of batch statistics can run: CUDA with world > 1 (on CPU,
+    torch's SyncBatchNorm refuses to run; BatchNorm stays plain, per rank)."""
+    return info.device.type == "cuda" and info.world_size > 1
+
+
 def prepare_model(cfg: Dict, info: dist_utils.DistInfo, checkpoint: Dict | None, ckpt_path):
     """build -> init -> SyncBN (CUDA, world > 1) -> device -> load -> EMA -> DDP (DESIGN §6.4)."""
     model = build_model(cfg["model"])
     init_cfg = cfg.get("init", {}) or {}
     init_weights(model, method=init_cfg.get("method", "xavier_uniform"),
                  cls_prior=float(init_cfg.get("cls_prior", 0.01)))
-    if info.device.type == "cuda" and info.world_size > 1:
+    if use_sync_batchnorm(info):
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model.to(info.device)
     if checkpoint is not None:
@@ -192,10 +198,30 @@ def make_loss_fn(preparer: BatchPreparer, criterion):
     return loss_fn
 
 
+def make_validation_loss_fn(preparer: BatchPreparer, criterion):
+    """loss_fn(model, batch) -> (mean per-sample loss, {}, samples), for validation_loss.
+
+    The training loss is normalised per micro-batch; validation takes each sample's own
+    normalisation (``per_sample_losses``, float64), so validation_loss's sum of loss x samples
+    is the sum of per-sample losses and the split's mean does not depend on the micro-batch
+    size or the number of ranks (``best.pth`` neither).
+    """
+
+    def loss_fn(model, batch):
+        inputs, targets = preparer(batch)
+        per_sample = criterion.per_sample_losses(model(inputs), targets)
+        return per_sample.mean(), {}, per_sample.numel()
+
+    return loss_fn
+
+
 # -- checkpoints -----------------------------------------------------------------------------
 
 def training_state(model_without_ddp, ema, optimizer, scheduler, scaler, epoch: int, step: int,
                    best_val: float, cfg: Dict, seed: int) -> Dict:
+    """What a checkpoint holds (complete on rank 0). All ranks call it: every rank's generator
+    states are gathered (``rng_per_rank``; ``rng`` is this rank's own)."""
+    own_rng = capture_rng_state()
     return {
         "model": model_without_ddp.state_dict(),
         "ema": ema.state_dict() if ema is not None else None,
@@ -204,7 +230,8 @@ def training_state(model_without_ddp, ema, optimizer, scheduler, scaler, epoch: 
         "scaler": scaler.state_dict(),
         "epoch": epoch, "step": step, "best_val_loss": best_val,
         "sampler": {"seed": seed, "epoch": epoch},
-        "rng": capture_rng_state(),
+        "rng": own_rng,
+        "rng_per_rank": dist_utils.gather_object_to_main(own_rng),
         "config": cfg,
     }
 
@@ -219,6 +246,28 @@ def save_run_checkpoints(run_dir: Path, state: Dict, epoch: int, save_freq: int,
         save_checkpoint(run_dir / f"epoch_{epoch}.pth", state)
     if is_best:
         save_checkpoint(run_dir / "best.pth", state)
+
+
+def restore_grad_scaler(scaler: torch.amp.GradScaler, state: Dict | None) -> None:
+    """Load a checkpoint's GradScaler state into ``scaler``.
+
+    A run saved without fp16 (fp32 or bf16) holds an empty state, which an enabled scaler
+    refuses: an fp16 resume of such a run starts loss scaling afresh. A disabled scaler ignores
+    any state (an fp16 run resumed in fp32 or bf16).
+    """
+    if scaler.is_enabled() and not state:
+        logger.info("fp16 loss scaling starts afresh: the checkpoint was saved without it")
+        return
+    scaler.load_state_dict(state or {})
+
+
+def restore_rank_rng_state(checkpoint: Dict, info: dist_utils.DistInfo) -> None:
+    """Each rank resumes its own generators; rank 0's where the world size changed."""
+    saved_ranks = len(checkpoint.get("rng_per_rank") or [])
+    if saved_ranks and saved_ranks != info.world_size:
+        logger.warning("the checkpoint was saved by %d ranks, this run has %d: every rank "
+                       "resumes rank 0's random generators", saved_ranks, info.world_size)
+    restore_rng_state(rng_state_for_rank(checkpoint, info.rank, info.world_size))
 
 
 def find_resume_checkpoint(run_dir: Path):
@@ -263,13 +312,18 @@ def progress_bar(total: int, epoch: int):
 
 
 def log_model_summary(model, preparer, loader) -> None:
-    """Parameters and forward FLOPs of one real batch, at training start (rank 0)."""
+    """Parameters and forward FLOPs of one real batch, at training start (rank 0).
+
+    The forward runs in eval mode, on rank 0 alone: in training mode a SyncBatchNorm layer
+    all_gathers its batch statistics, a collective the other ranks would never join (a hang on
+    GPUs), and BatchNorm would move its running statistics. In eval mode neither happens, and the
+    FLOP count is the same (convolutions and matmuls only).
+    """
     if not dist_utils.is_main_process():
         return
     from opencood.utils.model_stats import format_model_summary
-    # The FLOP count runs a forward in training mode, which would move BatchNorm running
-    # statistics (on rank 0 only): logging must not change the model, so buffers are restored.
-    saved_buffers = [(buffer, buffer.detach().clone()) for buffer in model.buffers()]
+    was_training = model.training
+    model.eval()
     try:
         batch = next(iter(loader))
         inputs, _ = preparer(batch, with_targets=False)
@@ -277,9 +331,7 @@ def log_model_summary(model, preparer, loader) -> None:
     except StopIteration:
         logger.warning("model summary skipped: the training loader is empty")
     finally:
-        with torch.no_grad():
-            for buffer, saved in saved_buffers:
-                buffer.copy_(saved)
+        model.train(was_training)
 
 
 # -- the run ---------------------------------------------------------------------------------
@@ -352,6 +404,7 @@ def train(cfg: Dict, args, info: dist_utils.DistInfo) -> Dict:
     preparer = BatchPreparer.from_config(cfg, info.device)
     criterion = build_loss(cfg["loss"]).to(info.device)
     loss_fn = make_loss_fn(preparer, criterion)
+    val_loss_fn = make_validation_loss_fn(preparer, criterion)
     optimizer = build_optimizer(model_without_ddp.parameters(), cfg["optimizer"])
     scheduler = build_scheduler(optimizer, cfg.get("lr_scheduler", {}),
                                 epochs * steps_per_epoch, steps_per_epoch)
@@ -361,10 +414,10 @@ def train(cfg: Dict, args, info: dist_utils.DistInfo) -> Dict:
     if checkpoint is not None:
         optimizer.load_state_dict(checkpoint["optimizer"])
         scheduler.load_state_dict(checkpoint["scheduler"])
-        scaler.load_state_dict(checkpoint["scaler"])
+        restore_grad_scaler(scaler, checkpoint.get("scaler"))
         start_epoch, step = int(checkpoint["epoch"]) + 1, int(checkpoint["step"])
         best_val = float(checkpoint.get("best_val_loss", math.inf))
-        restore_rng_state(checkpoint["rng"])
+        restore_rank_rng_state(checkpoint, info)
         logger.info("resumed from %s at epoch %d (step %d)", ckpt_path, start_epoch - 1, step)
     else:
         log_model_summary(model_without_ddp, preparer, train_loader)
@@ -410,10 +463,14 @@ def train(cfg: Dict, args, info: dist_utils.DistInfo) -> Dict:
 
             is_best = False
             if val_loaders is not None:
+                # Every rank validates rank 0's model (the one saved): the same weights, and
+                # the same BatchNorm statistics, which each rank's last forward moved its way.
                 if ema is not None:
                     ema.broadcast_from(0)
+                else:
+                    dist_utils.broadcast_buffers(model_without_ddp, src=0)
                 eval_model = ema.module if ema is not None else model_without_ddp
-                results, count, pictures = validate(eval_model, val_loaders, loss_fn, info,
+                results, count, pictures = validate(eval_model, val_loaders, val_loss_fn, info,
                                                     amp_dtype, cfg, epoch, preparer)
                 scalars.scalars(results, step, "val")
                 for picture in pictures:
@@ -426,8 +483,10 @@ def train(cfg: Dict, args, info: dist_utils.DistInfo) -> Dict:
                                       if v is not None))
             state = training_state(model_without_ddp, ema, optimizer, scheduler, scaler, epoch,
                                    step, best_val, cfg, seed)
-            save_run_checkpoints(run_dir, state, epoch, save_freq, is_best)
-            dist_utils.barrier()
+            # Rank 0 writes alone: should that fail (disk full), the others stop too, not wait.
+            dist_utils.run_together(
+                lambda: save_run_checkpoints(run_dir, state, epoch, save_freq, is_best),
+                "saving checkpoints")
     finally:
         scalars.close()
     return {"run_dir": str(run_dir), "history": history, "step": step}

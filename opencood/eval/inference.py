@@ -135,12 +135,21 @@ def run_inference(model, loader, preparer, cfg: Dict, device, fusion_method: str
 
 
 def gather_results(local: Dict, expected_frames: int) -> Dict | None:
-    """Merge every rank's results on rank 0 (None elsewhere); every sample exactly once."""
+    """Merge every rank's results on rank 0 (None elsewhere); every sample exactly once.
+
+    All ranks call it; if rank 0 fails to merge or compute, every rank raises (see
+    ``dist_utils.run_together``) instead of the others waiting for it.
+    """
     payload = {"state": local["accumulator"].state_dict(), "frames": local["frames"],
                "seconds": local["seconds"], "bytes_sum": local["bytes_sum"]}
     gathered = dist_utils.gather_object_to_main(payload)
-    if gathered is None:
-        return None
+    return dist_utils.run_together(
+        lambda: None if gathered is None else merge_gathered(gathered, expected_frames),
+        "evaluation")
+
+
+def merge_gathered(gathered: List[Dict], expected_frames: int) -> Dict:
+    """Rank 0: the payloads of every rank -> metrics; refuses a sample lost or seen twice."""
     merged = APAccumulator.from_state_dict(gathered[0]["state"])
     for other in gathered[1:]:
         try:
@@ -162,7 +171,12 @@ def gather_results(local: Dict, expected_frames: int) -> Dict | None:
 def evaluate_loader(model, loader, preparer, cfg: Dict, device, fusion_method=None,
                     on_sample=None, protocol: APProtocol = PROTOCOLS[DEFAULT_PROTOCOL]
                     ) -> Dict | None:
-    """Run, gather, compute. All ranks must call it; rank 0 gets the metrics, others None."""
-    local = run_inference(model, loader, preparer, cfg, device, fusion_method, on_sample,
-                          protocol)
+    """Run, gather, compute. All ranks must call it; rank 0 gets the metrics, others None.
+
+    A failure on any rank (inference on its shard, rank 0's AP) raises on every rank.
+    """
+    local = dist_utils.run_together(
+        lambda: run_inference(model, loader, preparer, cfg, device, fusion_method, on_sample,
+                              protocol),
+        "inference")
     return gather_results(local, expected_frames=len(loader.dataset))

@@ -1,10 +1,15 @@
 """PointPillars detection loss: focal classification, sine-difference smooth-L1 boxes, direction.
 
-Normalisation: every term is divided by the number of positive anchors in the micro-batch
-(at least 1), the standard PointPillars/OpenPCDet choice. With gradient accumulation or DDP the
-effective normaliser is therefore per micro-batch, not global: micro-batches with few positives
-weigh a little more. This keeps the loss local (no collective in the loss) and matches the
-published training recipes.
+Normalisation (training, ``forward``): every term is divided by the number of positive anchors in
+the micro-batch (at least 1), the standard PointPillars/OpenPCDet choice. With gradient
+accumulation or DDP the effective normaliser is therefore per micro-batch, not global: micro-batches
+with few positives weigh a little more. This keeps the loss local (no collective in the loss) and
+matches the published training recipes.
+
+Normalisation (validation, ``per_sample_losses``): each sample is divided by its own positive
+anchors (at least 1), i.e. each sample gets the loss a micro-batch holding it alone would have.
+The mean of these over a split does not depend on how the split is cut into micro-batches or
+ranks, so the validation loss (and ``best.pth``) is the same on 1 or 8 GPUs.
 """
 from __future__ import annotations
 
@@ -79,29 +84,41 @@ class DetectionLoss(nn.Module):
                    smooth_l1_beta=args.get("smooth_l1_beta", 1.0 / 9.0),
                    code_weights=args.get("code_weights"))
 
-    def focal_term(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """(B, N) logits and labels -> sum of focal loss over non-ignored anchors / #positives."""
+    def focal_map(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """(B, N) logits and labels -> (B, N) focal loss, 0 at ignored anchors."""
         cared = (labels >= 0).to(logits.dtype)
         positive = (labels == 1).to(logits.dtype)
         losses = sigmoid_focal_loss(logits, positive, alpha=self.focal_alpha,
                                     gamma=self.focal_gamma, reduction="none")
-        return (losses * cared).sum() / positive.sum().clamp(min=1.0)
+        return losses * cared
 
-    def regression_term(self, reg_preds, targets, positive, normaliser) -> torch.Tensor:
+    def focal_term(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """(B, N) logits and labels -> sum of focal loss over non-ignored anchors / #positives."""
+        positive = (labels == 1).to(logits.dtype)
+        return self.focal_map(logits, labels).sum() / positive.sum().clamp(min=1.0)
+
+    def regression_map(self, reg_preds, targets, positive) -> torch.Tensor:
+        """(B, 7A, H, W) predictions -> (B, N, 7) weighted smooth-L1, 0 off the positives."""
         boxes_pred = flatten_anchor_maps(reg_preds, BOX_CODE_SIZE)
         boxes_pred, boxes_target = sine_difference(boxes_pred, targets["reg_targets"].float())
         per_code = F.smooth_l1_loss(boxes_pred, boxes_target, reduction="none",
                                     beta=self.smooth_l1_beta)
         weights = targets.get("reg_weights", positive).to(per_code.dtype) * positive
         code_weights = self.code_weights.to(device=per_code.device, dtype=per_code.dtype)
-        per_code = per_code * code_weights * weights.unsqueeze(-1)
-        return per_code.sum() / normaliser
+        return per_code * code_weights * weights.unsqueeze(-1)
 
-    def direction_term(self, dir_preds, targets, positive, normaliser) -> torch.Tensor:
+    def regression_term(self, reg_preds, targets, positive, normaliser) -> torch.Tensor:
+        return self.regression_map(reg_preds, targets, positive).sum() / normaliser
+
+    def direction_map(self, dir_preds, targets, positive) -> torch.Tensor:
+        """(B, 2A, H, W) logits -> (B, N) direction cross-entropy, 0 off the positives."""
         dir_logits = flatten_anchor_maps(dir_preds, 2)
         per_anchor = F.cross_entropy(dir_logits.reshape(-1, 2), targets["dir_targets"].reshape(-1),
                                      reduction="none").view_as(positive)
-        return (per_anchor * positive).sum() / normaliser
+        return per_anchor * positive
+
+    def direction_term(self, dir_preds, targets, positive, normaliser) -> torch.Tensor:
+        return self.direction_map(dir_preds, targets, positive).sum() / normaliser
 
     def forward(self, outputs: dict, targets: dict):
         labels = targets["labels"]
@@ -125,3 +142,36 @@ class DetectionLoss(nn.Module):
         terms = {name: value.detach() for name, value in terms.items()}
         terms["total_loss"] = total.detach()
         return total, terms
+
+    def per_sample_losses(self, outputs: dict, targets: dict) -> torch.Tensor:
+        """(B,) float64: for each sample, the total ``forward`` gives a micro-batch of that
+        sample alone (its terms over its own positives, at least 1; where2comm's confidence
+        over its agents' anchors and positives). Summed in float64, so a sample's value does
+        not depend on the samples batched with it. Same inputs as ``forward``."""
+        labels = targets["labels"]
+        positive = (labels == 1).to(torch.float32)
+        positives = positive.sum(dim=1, dtype=torch.float64)                      # (B,)
+        normaliser = positives.clamp(min=1.0)
+        cls_logits = flatten_anchor_maps(outputs["cls_preds"], 1)
+        total = (self.cls_weight * self.focal_map(cls_logits, labels).double().sum(dim=1)
+                 + self.reg_weight * self.regression_map(outputs["reg_preds"], targets, positive)
+                 .double().sum(dim=(1, 2))
+                 + self.dir_weight * self.direction_map(outputs["dir_preds"], targets, positive)
+                 .double().sum(dim=1)) / normaliser
+        if "conf_preds" in outputs:
+            total = total + self.conf_weight * self.per_sample_confidence(outputs, labels,
+                                                                          positives)
+        return total
+
+    def per_sample_confidence(self, outputs: dict, labels: torch.Tensor,
+                              positives: torch.Tensor) -> torch.Tensor:
+        """(B,) float64 where2comm confidence term per sample: its agents' focal sums over
+        their positives (agents x the sample's positives), as ``forward`` on that sample alone."""
+        sample_index = outputs["conf_sample_index"]                                # (N_agents,)
+        conf_logits = flatten_anchor_maps(outputs["conf_preds"], 1)
+        agent_sums = self.focal_map(conf_logits, labels[sample_index]).double().sum(dim=1)
+        batch = labels.shape[0]
+        sums = agent_sums.new_zeros(batch).index_add_(0, sample_index, agent_sums)
+        agent_positives = positives[sample_index]
+        normaliser = agent_positives.new_zeros(batch).index_add_(0, sample_index, agent_positives)
+        return sums / normaliser.clamp(min=1.0)

@@ -167,6 +167,21 @@ def restore_rng_state(state: dict) -> None:
             torch.cuda.set_rng_state(cuda_state.cpu().to(torch.uint8), device_index)
 
 
+def rng_state_for_rank(checkpoint: dict, rank: int, world_size: int) -> dict:
+    """The generator state ``rank`` resumes from.
+
+    ``rng_per_rank`` holds every rank's :func:`capture_rng_state` (index = rank): with the world
+    size it was saved with, each rank takes its own, so a model drawing random numbers per rank
+    resumes exactly. With another world size the data partition changes (the run cannot repeat
+    the uninterrupted one anyway) and every rank takes rank 0's ``rng``, as with checkpoints
+    written before per-rank states were saved.
+    """
+    per_rank = checkpoint.get("rng_per_rank") or []
+    if len(per_rank) == world_size:
+        return per_rank[rank]
+    return checkpoint["rng"]
+
+
 # ----------------------------------------------------------------------------------------------
 # Model compatibility
 # ----------------------------------------------------------------------------------------------

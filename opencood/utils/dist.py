@@ -22,10 +22,12 @@ import os
 import re
 import sys
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
+
+from opencood.errors import OpencoodError, one_line
 
 DEFAULT_MASTER_PORT = 29500
 # SLURM jobs that share a node would all pick DEFAULT_MASTER_PORT and collide; spreading the default
@@ -145,6 +147,22 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     return box[0]
 
 
+@torch.no_grad()
+def broadcast_buffers(module: torch.nn.Module, src: int = 0) -> None:
+    """Copy rank ``src``'s buffers (BatchNorm running statistics) to every rank; all ranks call.
+
+    DDP keeps parameters equal, but each rank's last training forward moved its own plain
+    BatchNorm statistics: without this, every rank would validate a slightly different model.
+    """
+    if get_world_size() == 1:
+        return
+    device = collective_device()
+    for buffer in module.buffers():
+        staged = buffer.to(device)
+        dist.broadcast(staged, src=src)
+        buffer.copy_(staged)
+
+
 def any_across_ranks(flag: bool) -> bool:
     """True on every rank if ``flag`` is True on at least one rank.
 
@@ -156,6 +174,35 @@ def any_across_ranks(flag: bool) -> bool:
     flag_tensor = torch.tensor([1 if flag else 0], dtype=torch.int32, device=collective_device())
     dist.all_reduce(flag_tensor, op=dist.ReduceOp.MAX)
     return bool(flag_tensor.item())
+
+
+class PeerRankError(OpencoodError, RuntimeError):
+    """Another rank failed in a step every rank takes together; this rank stops with its message
+    (the failing rank reports its own error, with its traceback if it is a bug)."""
+
+
+def run_together(step: Callable[[], Any], what: str) -> Any:
+    """``step()`` on every rank, then one exchange of outcomes: if any rank raised, every rank
+    raises (that rank its own error, the others :class:`PeerRankError` naming it).
+
+    For work that can fail on one rank alone (a corrupt file in its shard; rank 0's AP or file
+    writing): without the exchange the other ranks would wait in their next collective until
+    the process-group timeout. All ranks must call it. Returns ``step()``'s result.
+    """
+    if get_world_size() == 1:
+        return step()
+    try:
+        result, failure = step(), None
+    except Exception as error:  # KeyboardInterrupt / SystemExit end the whole job anyway
+        result, failure = None, error
+    report = None if failure is None else f"{type(failure).__name__}: {one_line(failure)}"
+    reports = all_gather_object(report)
+    if failure is not None:
+        raise failure
+    for rank, peer_report in enumerate(reports):
+        if peer_report is not None:
+            raise PeerRankError(f"rank {rank} failed during {what}: {peer_report}")
+    return result
 
 
 def sum_across_ranks(*values: float | int | torch.Tensor) -> tuple:
