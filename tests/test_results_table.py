@@ -1,5 +1,5 @@
-"""tools/results_table.py: epochs from steps, the markdown table, --skip_existing, bad input, and
-one real train + eval run on tiny hand-made data."""
+"""tools/results_table.py: epochs from steps, the markdown table (mean ± std over --seeds),
+--skip_existing, bad input, and one real train + eval run on tiny hand-made data."""
 from __future__ import annotations
 
 import importlib.util
@@ -95,7 +95,31 @@ def test_dry_run_plans_equal_steps_from_the_real_data_set(data_dir, late_smoke_y
             f"--set train_params.eval_freq=4 --set train_params.save_freq=4 "
             f"--set root_dir={data_dir / 'train'}") in out
     assert f"eval.py --model_dir {tmp_path / 'runs' / 'late_smoke'} --split test" in out
+    assert "seed=" not in out and "_seed" not in out      # one seed: the commands of old
     assert not (tmp_path / "runs").exists()
+
+
+def test_dry_run_with_three_seeds_prints_every_seed_of_every_model(data_dir, late_smoke_yaml,
+                                                                  tmp_path, capsys):
+    root = tmp_path / "runs"
+    code = rt.main(["--configs", str(SMOKE_YAML), str(late_smoke_yaml), "--data", str(data_dir),
+                    "--runs_root", str(root), "--epochs", "1", "--nproc", "2", "--seeds", "3",
+                    "--set", "seed=5", "--dry_run"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "smoke: 4 train examples, 2 steps/epoch -> 1 epochs, 2 steps, training seeds 5..7" in out
+    commands = [line for line in out.splitlines() if "tools/" in line]
+    assert len(commands) == 12                         # 2 models x 3 seeds x (train, eval)
+    trains = [c for c in commands if "train.py" in c]
+    folders = [c.split("--model_dir ")[1].split()[0] for c in trains]
+    assert folders == [str(root / name) for name in ("smoke", "smoke_seed1", "smoke_seed2",
+                                                     "late_smoke", "late_smoke_seed1",
+                                                     "late_smoke_seed2")]
+    # The config's seed (here 5, from --set) is the base; each run's override comes last.
+    assert [c.split("--set ")[-1] for c in trains] == ["seed=5", "seed=6", "seed=7"] * 2
+    evals = [c for c in commands if "eval.py" in c]
+    assert evals[1].endswith(f"eval.py --model_dir {root / 'smoke_seed1'} --split test")
+    assert not root.exists()
 
 
 def test_default_configs_are_the_six_models_of_the_preset_dir():
@@ -121,11 +145,11 @@ def test_table_from_eval_yaml_files(tmp_path):
                           _metrics(0.7271, 0.5779, 0.2464, 1048576.0))
     assert late.name == "eval_test_late.yaml"
     rows = [{"model": "point_pillar_late_fusion", "fusion": "late", "epochs": 40, "steps": 3680,
-             "train_minutes": 10.62, "metrics": rt.read_yaml(late)},
+             "train_minutes": 10.62, "metrics": [rt.read_yaml(late)]},
             {"model": "point_pillar_fcooper", "fusion": "intermediate", "epochs": 130,
-             "steps": 3640, "train_minutes": 14.2, "metrics": rt.read_yaml(fcooper)},
+             "steps": 3640, "train_minutes": 14.2, "metrics": [rt.read_yaml(fcooper)]},
             {"model": "point_pillar_attfuse", "fusion": "intermediate", "epochs": 130,
-             "steps": 3640, "train_minutes": None, "metrics": None}]
+             "steps": 3640, "train_minutes": None, "metrics": []}]
     lines = rt.format_table(rows).splitlines()
     assert lines[0] == ("| model | fusion | epochs | optimizer steps | AP@0.3 | AP@0.5 | AP@0.7 | "
                         "bytes per agent | train minutes |")
@@ -147,9 +171,9 @@ def test_occluded_column_present_only_with_visibility():
                                                               "ego-visible": dict(group)})
     other_groups = _metrics(0.3, 0.1, 0.01, 0, visibility={"ego-visible": group})
     rows = [{"model": "a", "fusion": "intermediate", "epochs": 1, "steps": 28,
-             "train_minutes": 0.5, "metrics": with_vis},
+             "train_minutes": 0.5, "metrics": [with_vis]},
             {"model": "b", "fusion": "no", "epochs": 1, "steps": 28, "train_minutes": 0.4,
-             "metrics": other_groups}]
+             "metrics": [other_groups]}]
     lines = rt.format_table(rows).splitlines()
     assert lines[0] == ("| model | fusion | epochs | optimizer steps | AP@0.3 | AP@0.5 | AP@0.7 | "
                         "AP@0.5 ego-occluded | bytes per agent | train minutes |")
@@ -159,6 +183,29 @@ def test_occluded_column_present_only_with_visibility():
     assert rt.occluded_ap50({"visibility": None}) is None
     assert rt.occluded_ap50({"visibility": {"ego-occluded": {"num_gt": 0}}}) is None
     assert "ego-occluded" not in rt.format_table(rows[1:])
+
+
+def test_mean_and_std_cells_over_seeds_by_hand():
+    group = {"ap_30": 0.5, "ap_50": 0.25, "ap_70": 0.05, "num_gt": 120}
+    seed_a = _metrics(0.3, 0.2, 0.1, 100, visibility={"ego-occluded": dict(group, ap_50=0.1)})
+    seed_b = _metrics(0.5, 0.2, 0.2, 300, visibility={"ego-occluded": dict(group, ap_50=0.3)})
+    rows = [{"model": "a", "fusion": "intermediate", "epochs": 2, "steps": 4, "seeds": 3,
+             "train_minutes": 1.25, "metrics": [seed_a, seed_b]},
+            {"model": "b", "fusion": "late", "epochs": 1, "steps": 4, "seeds": 3,
+             "train_minutes": 0.5, "metrics": [seed_a]},
+            {"model": "c", "fusion": "no", "epochs": 1, "steps": 4, "seeds": 3,
+             "train_minutes": None, "metrics": []}]
+    lines = rt.format_table(rows).splitlines()
+    assert lines[0] == ("| model | fusion | epochs | optimizer steps | seeds | AP@0.3 | AP@0.5 | "
+                        "AP@0.7 | AP@0.5 ego-occluded | bytes per agent | "
+                        "train minutes per seed |")
+    # 0.3 and 0.5: mean 0.4, sample std sqrt(2 * 0.1^2 / 1) = 0.1414; bytes: mean of 100, 300.
+    assert lines[2] == ("| `a` | intermediate | 2 | 4 | 2 of 3 | 0.400 ± 0.141 | 0.200 ± 0.000 | "
+                        "0.150 ± 0.071 | 0.200 ± 0.141 | 200 | 1.2 |")
+    assert lines[3] == "| `b` | late | 1 | 4 | 1 of 3 | 0.300 | 0.200 | 0.100 | 0.100 | 100 | 0.5 |"
+    assert lines[4] == "| `c` | no | 1 | 4 | 0 of 3 | failed | n/a | n/a | n/a | n/a | n/a |"
+    assert rt.spread_cell([0.3, None, 0.5]) == "0.400 ± 0.141"
+    assert rt.spread_cell([None]) == "n/a"
 
 
 # -- --skip_existing, failures and bad input (no training) -------------------------------------
@@ -193,6 +240,90 @@ def test_skip_existing_reads_prepared_runs_without_training(data_dir, late_smoke
     assert "| `late_smoke` | late | 3 | 12 | 0.750 | 0.500 | 0.250 | 96 | n/a |" in table
     assert "torchrun ... smoke" in table and "## Commands" in table
     assert "| `smoke` | intermediate | 7 | 14 |" in out   # the table is printed too
+
+
+def _prepare_seed_run(root: Path, run: str, metrics: dict, minutes: float) -> None:
+    """A run folder and .run.yaml as an earlier results_table run leaves them."""
+    _write_eval(root / run, "eval_test_intermediate.yaml", metrics)
+    (root / f"{run}.run.yaml").write_text(yaml.safe_dump(
+        {"model": "smoke", "run": run, "epochs": 7, "steps": 14, "train_minutes": minutes,
+         "commands": [f"torchrun ... {run}"]}))
+
+
+def test_three_seeds_table_from_hand_made_eval_yamls(data_dir, tmp_path, monkeypatch, capsys):
+    _no_subprocess(monkeypatch)
+    root = tmp_path / "runs"
+    _prepare_seed_run(root, "smoke", _metrics(0.4, 0.25, 0.1, 100), 2.0)
+    _prepare_seed_run(root, "smoke_seed1", _metrics(0.5, 0.5, 0.1, 200), 3.0)
+    _prepare_seed_run(root, "smoke_seed2", _metrics(0.6, 0.75, 0.1, 300), 4.0)
+    code = rt.main(["--configs", str(SMOKE_YAML), "--data", str(data_dir), "--runs_root",
+                    str(root), "--nproc", "2", "--seeds", "3", "--skip_existing"])
+    assert code == 0
+    table = (root / "results.md").read_text()
+    assert table.startswith("# Results: mean ± std over 3 training seeds\n")
+    assert "over the 3 training seeds of its model" in table
+    # AP@0.3 0.4/0.5/0.6: std 0.1; AP@0.5 0.25/0.5/0.75: std 0.25; minutes: mean of 2, 3, 4.
+    assert ("| `smoke` | intermediate | 7 | 14 | 3 | 0.500 ± 0.100 | 0.500 ± 0.250 | "
+            "0.100 ± 0.000 | 200 | 3.0 |") in table
+    per_seed = table.split("## Per seed")[1].split("## Commands")[0]
+    assert "| model | fusion | epochs | optimizer steps | training seed | AP@0.3 |" in per_seed
+    assert "| `smoke` | intermediate | 7 | 14 | 0 | 0.400 | 0.250 | 0.100 | 100 | 2.0 |" in per_seed
+    assert "| `smoke_seed2` | intermediate | 7 | 14 | 2 | 0.600 | 0.750 | 0.100 | 300 | 4.0 |" in \
+        per_seed
+    assert "torchrun ... smoke_seed1" in table.split("## Commands")[1]
+
+
+def _fake_training(calls: list, failing_run: str = None):
+    """subprocess.call stand-in: records commands, fails ``failing_run``'s training, and makes
+    each eval write its eval yaml (AP@0.5 0.5)."""
+    def fake_call(command, stdout, stderr):
+        calls.append(command)
+        run_dir = Path(command[command.index("--model_dir") + 1])
+        if "train.py" in " ".join(command):
+            return 1 if run_dir.name == failing_run else 0
+        _write_eval(run_dir, "eval_test_intermediate.yaml", _metrics(0.75, 0.5, 0.25, 64))
+        return 0
+    return fake_call
+
+
+def test_skip_existing_per_seed_trains_only_the_missing_seed(data_dir, tmp_path, monkeypatch,
+                                                            capsys):
+    root = tmp_path / "runs"
+    _prepare_seed_run(root, "smoke", _metrics(0.75, 0.25, 0.25, 64), 2.0)
+    _prepare_seed_run(root, "smoke_seed2", _metrics(0.75, 0.75, 0.25, 64), 2.0)
+    calls = []
+    monkeypatch.setattr(rt.subprocess, "call", _fake_training(calls))
+    code = rt.main(["--configs", str(SMOKE_YAML), "--data", str(data_dir), "--runs_root",
+                    str(root), "--epochs", "1", "--nproc", "2", "--seeds", "3", "--skip_existing"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "[1/3] smoke: eval_test_intermediate.yaml exists, not retrained" in out
+    assert "[3/3] smoke_seed2: eval_test_intermediate.yaml exists, not retrained" in out
+    assert len(calls) == 2                             # smoke_seed1: train + eval, nothing else
+    assert all(c[c.index("--model_dir") + 1] == str(root / "smoke_seed1") for c in calls)
+    assert calls[0][-2:] == ["--set", "seed=1"]
+    assert yaml.safe_load((root / "smoke_seed1.run.yaml").read_text())["seed"] == 1
+    # AP@0.5 of the three seeds: 0.25, 0.5 (trained now), 0.75.
+    assert "| 3 | 0.750 ± 0.000 | 0.500 ± 0.250 | 0.250 ± 0.000 | 64 |" in \
+        (root / "results.md").read_text()
+
+
+def test_failed_seed_is_reported_and_the_row_counts_the_others(data_dir, tmp_path, monkeypatch,
+                                                               capsys):
+    root = tmp_path / "runs"
+    calls = []
+    monkeypatch.setattr(rt.subprocess, "call", _fake_training(calls, failing_run="smoke_seed1"))
+    code = rt.main(["--configs", str(SMOKE_YAML), "--data", str(data_dir), "--runs_root",
+                    str(root), "--epochs", "1", "--nproc", "2", "--seeds", "3"])
+    captured = capsys.readouterr()
+    assert code == 1
+    errors = [line for line in captured.err.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: smoke_seed1: train exited with status 1; "
+                      f"see {root / 'smoke_seed1.train.log'}"]
+    assert len(calls) == 5                             # seed 1 is not evaluated
+    table = (root / "results.md").read_text()
+    assert "| `smoke` | intermediate | 1 | 2 | 2 of 3 | 0.750 ± 0.000 | 0.500 ± 0.000 |" in table
+    assert "| `smoke_seed1` | intermediate | 1 | 2 | 1 | failed | n/a |" in table
 
 
 def test_failing_model_is_one_line_and_the_others_go_on(data_dir, late_smoke_yaml, tmp_path,
@@ -230,6 +361,7 @@ def test_failing_model_is_one_line_and_the_others_go_on(data_dir, late_smoke_yam
     (["--set", "train_params.nope=1"], "unknown key 'train_params.nope'"),
     (["--data", "/no/such/folder"], "error: --data /no/such/folder: folder not found"),
     (["--preset_dir", "/no/such/dir"], "error: --preset_dir /no/such/dir: folder not found"),
+    (["--seeds", "0"], "error: --seeds must be at least 1, got 0"),
 ])
 def test_bad_input_is_a_one_line_error(argv, message, tmp_path, monkeypatch, capsys):
     _no_subprocess(monkeypatch)
@@ -238,6 +370,21 @@ def test_bad_input_is_a_one_line_error(argv, message, tmp_path, monkeypatch, cap
     assert code == 2
     assert len(err.strip().splitlines()) == 1 and err.startswith("error: ")
     assert message in err
+
+
+def test_seeds_need_a_seed_key_in_the_config(data_dir, tmp_path, monkeypatch, capsys):
+    _no_subprocess(monkeypatch)
+    cfg = rt.load_config(SMOKE_YAML)
+    del cfg["seed"]
+    no_seed = tmp_path / "no_seed.yaml"
+    no_seed.write_text(yaml.safe_dump(cfg))
+    argv = ["--configs", str(no_seed), "--data", str(data_dir), "--runs_root",
+            str(tmp_path / "runs"), "--nproc", "2", "--dry_run"]
+    assert rt.main(argv) == 0                          # one seed: the config's seed is not varied
+    capsys.readouterr()
+    assert rt.main(argv + ["--seeds", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: {no_seed}: no top-level 'seed' key for --seeds to vary\n"
 
 
 def test_missing_training_folder_is_a_one_line_error(tmp_path, monkeypatch, capsys):

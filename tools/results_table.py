@@ -3,7 +3,7 @@
 
     python tools/results_table.py [--configs A.yaml B.yaml ... | --preset_dir hypes_yaml/opv2v]
         [--runs_root runs/table] [--steps N | --epochs N] [--nproc N] [--data DIR]
-        [--split test] [--set KEY=VALUE ...] [--skip_existing] [--dry_run]
+        [--split test] [--set KEY=VALUE ...] [--seeds N] [--skip_existing] [--dry_run]
 
 For each config (default: the six models of ``hypes_yaml/synthetic``) it runs
 ``torchrun tools/train.py`` into ``RUNS_ROOT/<yaml stem>`` and then ``tools/eval.py`` on it, each
@@ -13,13 +13,18 @@ logged to ``RUNS_ROOT/<stem>.train.log`` / ``.eval.log``. It then reads every ru
 * ``--steps N`` gives every model the same number of optimizer steps (late fusion trains on one
   example per (sample, CAV), so its epochs are longer): epochs = ceil(N / steps per epoch).
 * ``--epochs N`` gives every model N epochs; with neither, each config's own ``epoches``.
-* ``--skip_existing`` does not retrain a model whose run folder already holds its eval yaml.
+* ``--seeds N`` trains every model N times, with training seeds base, base + 1, ... (base: the
+  config's ``seed``), seed base + k into ``RUNS_ROOT/<stem>_seed<k>`` (the first seed keeps
+  ``RUNS_ROOT/<stem>``); each AP cell is then mean ± std (sample std) over the seeds, and
+  results.md gets a per-seed table too.
+* ``--skip_existing`` does not retrain a run (one seed of a model) whose folder already holds its
+  eval yaml.
 * ``--dry_run`` prints the plan and the commands and trains nothing.
 * A run folder that holds ``last.pth`` but no eval yaml is resumed by tools/train.py.
-* A failing model is reported on one line (with its log file); the others go on; the exit
-  status is then 1.
+* A failing run (a model, or one seed of it) is reported on one line (with its log file); the
+  others go on; the exit status is then 1. A row says how many seeds it averages ("2 of 3").
 
-Per-model bookkeeping (epochs, steps, minutes, commands) goes to ``RUNS_ROOT/<stem>.run.yaml``.
+Per-run bookkeeping (epochs, steps, seed, minutes, commands) goes to ``RUNS_ROOT/<run>.run.yaml``.
 """
 from __future__ import annotations
 
@@ -99,39 +104,79 @@ def _count(value) -> str:
     return "n/a" if value is None else f"{int(round(float(value))):,}"
 
 
+def _mean(values: Sequence[Optional[float]]) -> Optional[float]:
+    """Mean of the known values (None: none known)."""
+    known = [float(v) for v in values if v is not None]
+    return sum(known) / len(known) if known else None
+
+
+def spread_cell(values: Sequence[Optional[float]]) -> str:
+    """An AP cell over seeds: one value as is, several as "mean ± std" (sample std, the one
+    tools/eval.py --seeds writes), none as n/a. None entries (a group absent) are left out."""
+    known = [float(v) for v in values if v is not None]
+    if len(known) < 2:
+        return _number(known[0] if known else None)
+    from opencood.engine.evaluator import mean_std
+    spread = mean_std(known)
+    return f"{spread['mean']:.3f} ± {spread['std']:.3f}"
+
+
+def seeds_cell(finished: int, planned: int) -> str:
+    """How many seeds a row averages: "3", or "2 of 3" when some failed."""
+    return str(finished) if finished == planned else f"{finished} of {planned}"
+
+
 def format_table(rows: Sequence[Dict]) -> str:
     """Markdown table of result rows.
 
     A row has ``model``, ``fusion``, ``epochs``, ``steps``, ``train_minutes`` (None: unknown),
-    ``metrics`` (an eval yaml's content, or None for a model that failed) and optionally
-    ``resumed`` (training went on from an earlier last.pth: its minutes are this session's).
+    ``metrics`` (the eval yamls' contents of its finished seeds: one per seed, [] for a model
+    that failed) and optionally ``resumed`` (training went on from an earlier last.pth: its
+    minutes are this session's), ``seeds`` (the planned training seeds: above 1 a "seeds" column
+    counts the finished ones, and AP cells are mean ± std) and ``seed`` (the training seed of a
+    single run: a "training seed" column, for the per-seed table).
     The column "AP@0.5 ego-occluded" appears when at least one row's metrics have that group.
     """
-    occluded = any(occluded_ap50(row.get("metrics") or {}) is not None for row in rows)
-    header = ["model", "fusion", "epochs", "optimizer steps", "AP@0.3", "AP@0.5", "AP@0.7"]
+    occluded = any(occluded_ap50(m) is not None for row in rows for m in row["metrics"])
+    several_seeds = any(row.get("seeds", 1) > 1 for row in rows)
+    per_seed = any("seed" in row for row in rows)
+    header = ["model", "fusion", "epochs", "optimizer steps"]
+    header += ["seeds"] if several_seeds else []
+    header += ["training seed"] if per_seed else []
+    header += ["AP@0.3", "AP@0.5", "AP@0.7"]
     header += ["AP@0.5 ego-occluded"] if occluded else []
-    header += ["bytes per agent", "train minutes"]
+    header += ["bytes per agent", "train minutes per seed" if several_seeds else "train minutes"]
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for row in rows:
-        metrics = row.get("metrics") or {}
+        metrics = row["metrics"]
         cells = [f"`{row['model']}`", str(row.get("fusion") or "n/a"), _count(row.get("epochs")),
                  _count(row.get("steps"))]
-        cells += [_number(metrics.get(key)) for key in ("ap_30", "ap_50", "ap_70")]
+        if several_seeds:
+            cells.append(seeds_cell(len(metrics), row.get("seeds", 1)))
+        if per_seed:
+            cells.append(str(row.get("seed", "n/a")))
+        first_ap = len(cells)
+        cells += [spread_cell([m.get(key) for m in metrics]) for key in ("ap_30", "ap_50", "ap_70")]
         if occluded:
-            cells.append(_number(occluded_ap50(metrics)))
+            cells.append(spread_cell([occluded_ap50(m) for m in metrics]))
         minutes = _number(row.get("train_minutes"), 1)
         minutes += " (resumed)" if row.get("resumed") else ""
-        cells += [_count(metrics.get("bytes_per_agent")), minutes]
-        if not row.get("metrics"):
-            cells[4] = "failed"
+        cells += [_count(_mean([m.get("bytes_per_agent") for m in metrics])), minutes]
+        if not metrics:
+            cells[first_ap] = "failed"
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def format_results_md(rows: Sequence[Dict], commands: Sequence[str], title: str) -> str:
-    """results.md: a title line, the table, then the exact commands in a code block."""
-    body = [f"# Results\n\n{title}\n", format_table(rows), "", "## Commands", "", "```bash"]
-    body += list(commands) + ["```", ""]
+def format_results_md(rows: Sequence[Dict], commands: Sequence[str], title: str, seeds: int = 1,
+                      seed_rows: Sequence[Dict] = ()) -> str:
+    """results.md: a title line, the table, the per-seed table (``seed_rows``, when given), then
+    the exact commands in a code block."""
+    heading = "# Results" if seeds == 1 else f"# Results: mean ± std over {seeds} training seeds"
+    body = [f"{heading}\n\n{title}\n", format_table(rows), ""]
+    if seed_rows:
+        body += ["## Per seed", "", format_table(seed_rows), ""]
+    body += ["## Commands", "", "```bash"] + list(commands) + ["```", ""]
     return "\n".join(body)
 
 
@@ -153,8 +198,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--split", default="test", choices=["validate", "test"])
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="KEY=VALUE", help="config override for every model")
+    parser.add_argument("--seeds", type=int, default=1,
+                        help="train every model N times (training seeds base, base+1, ...; base: "
+                        "the config's seed); AP cells are then mean ± std")
     parser.add_argument("--skip_existing", action="store_true",
-                        help="do not retrain a model whose run folder holds its eval yaml")
+                        help="do not retrain a run (one seed of a model) whose folder holds its "
+                        "eval yaml")
     parser.add_argument("--dry_run", action="store_true",
                         help="print the plan and the commands; train nothing")
     args = parser.parse_args(argv)
@@ -230,6 +279,9 @@ def plan_model(path: Path, overrides: List[str], args, nproc: int) -> Dict:
         check_registered_names(cfg, str(path))
     except ConfigError as error:
         raise TableError(str(error)) from None
+    if args.seeds > 1 and "seed" not in cfg:
+        # tools/train.py --set accepts only existing keys: refuse before anything trains.
+        raise TableError(f"{path}: no top-level 'seed' key for --seeds to vary")
     params = cfg["train_params"]
     examples = count_train_examples(cfg, str(path))
     try:
@@ -246,7 +298,23 @@ def plan_model(path: Path, overrides: List[str], args, nproc: int) -> Dict:
         epochs = args.epochs if args.epochs is not None else int(params["epoches"])
     return {"model": path.stem, "config": path, "fusion": cfg["fusion"]["core_method"],
             "examples": examples, "steps_per_epoch": epoch_steps, "epochs": epochs,
-            "steps": epochs * epoch_steps}
+            "steps": epochs * epoch_steps, "base_seed": int(cfg.get("seed", 0))}
+
+
+def seed_runs(plan: Dict, seeds: int) -> List[Dict]:
+    """The runs of one model: ``plan`` plus ``run`` (its folder name), ``seed`` (its training
+    seed) and ``seed_overrides`` (the --set giving that seed).
+
+    Seed base + k trains into ``<model>_seed<k>``, except the first, which keeps ``<model>``: the
+    folder of a one-seed table, so --skip_existing reuses it. One seed adds no override: the
+    commands stay those of a table without --seeds.
+    """
+    runs = []
+    for k in range(seeds):
+        seed = plan["base_seed"] + k
+        runs.append({**plan, "run": plan["model"] + (f"_seed{k}" if k else ""), "seed": seed,
+                     "seed_overrides": [f"seed={seed}"] if seeds > 1 else []})
+    return runs
 
 
 # -- running ----------------------------------------------------------------------------------
@@ -284,6 +352,13 @@ def eval_command(run_dir: Path, split: str) -> List[str]:
             "--split", split]
 
 
+def run_commands(run: Dict, args, nproc: int, overrides: List[str]) -> List[List[str]]:
+    """[train, eval] commands of one run (one seed of one model)."""
+    run_dir = Path(args.runs_root) / run["run"]
+    return [train_command(run, run_dir, nproc, overrides + run["seed_overrides"]),
+            eval_command(run_dir, args.split)]
+
+
 def run_logged(command: List[str], log_path: Path) -> tuple:
     """Run ``command`` with stdout and stderr into ``log_path``; (return code, seconds)."""
     start = time.perf_counter()
@@ -313,60 +388,88 @@ def _elapsed() -> str:
     return f"{(time.perf_counter() - _START) / 60:.1f} min"
 
 
-def train_and_eval(plan: Dict, args, nproc: int, overrides: List[str], tag: str) -> Dict:
-    """Train then evaluate one model; returns its bookkeeping record (``error`` on failure)."""
+def train_and_eval(run: Dict, args, nproc: int, overrides: List[str], tag: str) -> Dict:
+    """Train then evaluate one run; returns its bookkeeping record (``error`` on failure)."""
     root = Path(args.runs_root)
-    run_dir = root / plan["model"]
-    commands = [train_command(plan, run_dir, nproc, overrides), eval_command(run_dir, args.split)]
-    record = {"model": plan["model"], "config": str(plan["config"]), "fusion": plan["fusion"],
-              "epochs": plan["epochs"], "steps": plan["steps"],
-              "train_examples": plan["examples"], "steps_per_epoch": plan["steps_per_epoch"],
+    run_dir = root / run["run"]
+    commands = run_commands(run, args, nproc, overrides)
+    record = {"model": run["model"], "run": run["run"], "seed": run["seed"],
+              "config": str(run["config"]), "fusion": run["fusion"],
+              "epochs": run["epochs"], "steps": run["steps"],
+              "train_examples": run["examples"], "steps_per_epoch": run["steps_per_epoch"],
               "nproc": nproc, "commands": [shlex.join(c) for c in commands]}
     if (run_dir / "last.pth").exists():
         record["resumed"] = True
         print(f"{tag} note: {run_dir} holds last.pth: tools/train.py resumes it (its train "
               f"minutes count this session only)", flush=True)
-    print(f"{tag} training {plan['model']}: {plan['epochs']} epochs, {plan['steps']:,} steps",
+    print(f"{tag} training {run['run']}: {run['epochs']} epochs, {run['steps']:,} steps",
           flush=True)
     for kind, command in zip(("train", "eval"), commands):
-        log_path = root / f"{plan['model']}.{kind}.log"
+        log_path = root / f"{run['run']}.{kind}.log"
         code, seconds = run_logged(command, log_path)
         record[f"{kind}_minutes"] = seconds / 60
-        print(f"{tag} {plan['model']}: {kind} {'done' if code == 0 else 'FAILED'} in "
+        print(f"{tag} {run['run']}: {kind} {'done' if code == 0 else 'FAILED'} in "
               f"{seconds / 60:.1f} min ({_elapsed()} since the start)", flush=True)
         if code != 0:
-            record["error"] = (f"error: {plan['model']}: {kind} exited with status {code}; "
+            record["error"] = (f"error: {run['run']}: {kind} exited with status {code}; "
                                f"see {log_path}")
             break
-    (root / f"{plan['model']}.run.yaml").write_text(yaml.safe_dump(record, sort_keys=False))
+    (root / f"{run['run']}.run.yaml").write_text(yaml.safe_dump(record, sort_keys=False))
     return record
 
 
-def existing_record(plan: Dict, args) -> Optional[Dict]:
+def existing_record(run: Dict, args) -> Optional[Dict]:
     """The record of a finished run under --skip_existing (None: it must be trained)."""
-    run_dir = Path(args.runs_root) / plan["model"]
-    if not (run_dir / eval_file_name(args.split, plan["fusion"])).is_file():
+    run_dir = Path(args.runs_root) / run["run"]
+    if not (run_dir / eval_file_name(args.split, run["fusion"])).is_file():
         return None
-    saved = read_yaml(Path(args.runs_root) / f"{plan['model']}.run.yaml") or {}
+    saved = read_yaml(Path(args.runs_root) / f"{run['run']}.run.yaml") or {}
     saved.pop("error", None)              # the eval yaml is there: whatever failed, it is done
     config = read_yaml(run_dir / "config.yaml") or {}
     epochs = saved.get("epochs", get_key(config, "train_params.epoches", None))
     steps = saved.get("steps")
     if steps is None and epochs is not None:
-        steps = int(epochs) * plan["steps_per_epoch"]
-    return {**saved, "model": plan["model"], "fusion": plan["fusion"], "epochs": epochs,
-            "steps": steps, "skipped": True, "commands": saved.get("commands", [])}
+        steps = int(epochs) * run["steps_per_epoch"]
+    # The seed the folder was trained with (its saved config), which an earlier table with
+    # another --set seed may have made differ from the planned one.
+    seed = config.get("seed", run["seed"])
+    return {**saved, "model": run["model"], "run": run["run"], "seed": seed,
+            "fusion": run["fusion"], "epochs": epochs, "steps": steps, "skipped": True,
+            "commands": saved.get("commands", [])}
 
 
-def table_row(record: Dict, args) -> Dict:
-    """A format_table row: the record plus its eval yaml (None when missing or failed)."""
-    run_dir = Path(args.runs_root) / record["model"]
-    metrics = None
-    if "error" not in record:
-        metrics = read_yaml(run_dir / eval_file_name(args.split, record["fusion"]))
-    return {"model": record["model"], "fusion": record["fusion"], "epochs": record.get("epochs"),
-            "steps": record.get("steps"), "train_minutes": record.get("train_minutes"),
-            "resumed": bool(record.get("resumed")), "metrics": metrics}
+def run_metrics(record: Dict, args) -> Optional[Dict]:
+    """A run's eval yaml (None when its training or evaluation failed, or the file is missing)."""
+    if "error" in record:
+        return None
+    return read_yaml(Path(args.runs_root) / record["run"] / eval_file_name(args.split,
+                                                                           record["fusion"]))
+
+
+def seed_row(record: Dict, metrics: Optional[Dict]) -> Dict:
+    """A per-seed format_table row: one run, named by its folder, with its training seed."""
+    return {"model": record["run"], "seed": record["seed"], "fusion": record["fusion"],
+            "epochs": record.get("epochs"), "steps": record.get("steps"),
+            "train_minutes": record.get("train_minutes"), "resumed": bool(record.get("resumed")),
+            "metrics": [metrics] if metrics is not None else []}
+
+
+def model_rows(records: Sequence[Dict], metrics: Sequence[Optional[Dict]],
+               seeds: int) -> List[Dict]:
+    """One format_table row per model (in first-seen order) over its runs: the finished runs'
+    metrics, the mean train minutes, epochs and steps of its first seed."""
+    runs_by_model: Dict[str, List[tuple]] = {}
+    for record, run_result in zip(records, metrics):
+        runs_by_model.setdefault(record["model"], []).append((record, run_result))
+    rows = []
+    for model, runs in runs_by_model.items():
+        first = runs[0][0]
+        rows.append({"model": model, "fusion": first["fusion"], "epochs": first.get("epochs"),
+                     "steps": first.get("steps"), "seeds": seeds,
+                     "train_minutes": _mean([r.get("train_minutes") for r, _ in runs]),
+                     "resumed": any(r.get("resumed") for r, _ in runs),
+                     "metrics": [m for _, m in runs if m is not None]})
+    return rows
 
 
 # -- main -------------------------------------------------------------------------------------
@@ -375,6 +478,8 @@ def plan_all(args) -> tuple:
     """(plans, nproc, overrides) for every config, all checked before anything trains."""
     if args.steps is not None and args.steps < 1 or args.epochs is not None and args.epochs < 1:
         raise TableError("--steps and --epochs must be positive")
+    if args.seeds < 1:
+        raise TableError(f"--seeds must be at least 1, got {args.seeds}")
     nproc = args.nproc or _default_nproc()
     if nproc < 1:
         raise TableError("--nproc must be positive")
@@ -394,50 +499,74 @@ def describe_plans(plans: List[Dict], args) -> str:
            f"{args.epochs} epochs each" if args.epochs is not None else "each config's epochs")
     lines = [f"plan ({how}):"]
     for plan in plans:
+        seeds = (f", training seeds {plan['base_seed']}..{plan['base_seed'] + args.seeds - 1}"
+                 if args.seeds > 1 else "")
         lines.append(f"  {plan['model']}: {plan['examples']} train examples, "
                      f"{plan['steps_per_epoch']} steps/epoch -> {plan['epochs']} epochs, "
-                     f"{plan['steps']:,} steps")
+                     f"{plan['steps']:,} steps{seeds}")
     return "\n".join(lines)
 
 
 def run_all(args) -> int:
-    """Plan, train/evaluate (or reuse) every model, write results.md; the exit status."""
+    """Plan, train/evaluate (or reuse) every run, write results.md; the exit status."""
     plans, nproc, overrides = plan_all(args)
     print(describe_plans(plans, args), flush=True)
+    runs = [run for plan in plans for run in seed_runs(plan, args.seeds)]
     if args.dry_run:
-        for plan in plans:
-            run_dir = Path(args.runs_root) / plan["model"]
-            print(shlex.join(train_command(plan, run_dir, nproc, overrides)))
-            print(shlex.join(eval_command(run_dir, args.split)))
+        for run in runs:
+            for command in run_commands(run, args, nproc, overrides):
+                print(shlex.join(command))
         return 0
     root = Path(args.runs_root)
     root.mkdir(parents=True, exist_ok=True)
-    records = []
-    for index, plan in enumerate(plans, 1):
-        tag = f"[{index}/{len(plans)}]"
-        record = existing_record(plan, args) if args.skip_existing else None
-        if record is not None:
-            print(f"{tag} {plan['model']}: {eval_file_name(args.split, plan['fusion'])} exists, "
-                  f"not retrained", flush=True)
-        else:
-            record = train_and_eval(plan, args, nproc, overrides, tag)
-        if "error" in record:
-            print(record["error"], file=sys.stderr, flush=True)
-        records.append(record)
-    rows = [table_row(record, args) for record in records]
-    commands = [c for record in records for c in record.get("commands", [])]
+    records = [train_or_reuse(run, args, nproc, overrides, f"[{index}/{len(runs)}]")
+               for index, run in enumerate(runs, 1)]
+    metrics = [run_metrics(record, args) for record in records]
+    rows = model_rows(records, metrics, args.seeds)
+    write_results(rows, records, metrics, args, nproc)
+    print(format_table(rows))
+    print(f"written to {root / 'results.md'} ({_elapsed()} in all)")
+    failed = [record for record in records if "error" in record]
+    missing = [record for record, run_result in zip(records, metrics)
+               if run_result is None and "error" not in record]
+    for record in missing:
+        print(f"error: {record['run']}: no {args.runs_root}/{record['run']}/"
+              f"{eval_file_name(args.split, record['fusion'])} to read", file=sys.stderr)
+    return 1 if failed or missing else 0
+
+
+def train_or_reuse(run: Dict, args, nproc: int, overrides: List[str], tag: str) -> Dict:
+    """The record of one run: reused under --skip_existing when its eval yaml exists, else
+    trained and evaluated now; a failure is reported on stderr."""
+    record = existing_record(run, args) if args.skip_existing else None
+    if record is not None:
+        other_seed = (f" (its config.yaml has seed {record['seed']}, not {run['seed']})"
+                      if record["seed"] != run["seed"] else "")
+        print(f"{tag} {run['run']}: {eval_file_name(args.split, run['fusion'])} exists, "
+              f"not retrained{other_seed}", flush=True)
+    else:
+        record = train_and_eval(run, args, nproc, overrides, tag)
+    if "error" in record:
+        print(record["error"], file=sys.stderr, flush=True)
+    return record
+
+
+def write_results(rows: List[Dict], records: List[Dict], metrics: List[Optional[Dict]], args,
+                  nproc: int) -> None:
+    """RUNS_ROOT/results.md: the table, with a per-seed table when --seeds > 1."""
     title = (f"Split `{args.split}`, {nproc} process(es) per model; written by "
              f"`{shlex.join(['python', _rel(__file__)] + args.argv)}` (`python` and `torchrun` "
              f"are those of {sys.executable}).")
-    (root / "results.md").write_text(format_results_md(rows, commands, title))
-    print(format_table(rows))
-    print(f"written to {root / 'results.md'} ({_elapsed()} in all)")
-    failed = [r["model"] for r in records if "error" in r]
-    missing = [row for row in rows if row["metrics"] is None and row["model"] not in failed]
-    for row in missing:
-        print(f"error: {row['model']}: no {args.runs_root}/{row['model']}/"
-              f"{eval_file_name(args.split, row['fusion'])} to read", file=sys.stderr)
-    return 1 if failed or missing else 0
+    seed_rows = []
+    if args.seeds > 1:
+        title += (f" Each AP cell is the mean ± std (sample std, n - 1) over the {args.seeds} "
+                  f"training seeds of its model (the config's `seed` + 0..{args.seeds - 1}), "
+                  f"of those that finished (column seeds); train minutes are the mean per seed.")
+        seed_rows = [seed_row(record, run_result)
+                     for record, run_result in zip(records, metrics)]
+    commands = [c for record in records for c in record.get("commands", [])]
+    (Path(args.runs_root) / "results.md").write_text(
+        format_results_md(rows, commands, title, args.seeds, seed_rows))
 
 
 def main(argv=None) -> int:

@@ -137,11 +137,16 @@ def spread_by_group(settings: List[Dict], results: List[Dict]) -> Dict[str, Dict
     for group, members in groups.items():
         row = {"runs": len(members)}
         for key in ("ap_30", "ap_50", "ap_70"):
-            values = np.array([m[key] for m in members], dtype=np.float64)
-            std = float(values.std(ddof=1)) if len(values) > 1 else 0.0
-            row[key] = {"mean": float(values.mean()), "std": std}
+            row[key] = mean_std([m[key] for m in members])
         spread[group] = row
     return spread
+
+
+def mean_std(values: List[float]) -> Dict[str, float]:
+    """{"mean", "std"} of ``values``; std is the sample std (n - 1), 0 for a single value."""
+    values = np.asarray(values, dtype=np.float64)
+    std = float(values.std(ddof=1)) if len(values) > 1 else 0.0
+    return {"mean": float(values.mean()), "std": std}
 
 
 def format_spread(title: str, spread: Dict[str, Dict]) -> str:
