@@ -36,6 +36,26 @@ def write_frame(folder: Path, timestamp: str, points, lidar_pose, vehicles):
     (folder / f"{timestamp}.yaml").write_text(yaml.safe_dump(params))
 
 
+ROAD_CARS = {100 + i: (5.0 + 12.0 * i, 3.5 * (-1) ** i) for i in range(4)}   # id -> world x, y
+
+
+def write_road_rsu(split_dir: Path, xy=(10.0, -8.0), height=4.5, rsu_id="-1",
+                   timestamps=("000000", "000002", "000004"), scenario="2021_01_01_00_00_00"):
+    """A roadside unit beside ``write_simple_split``'s road: lidar ``height`` m up at ``xy``,
+    seeing every car (30 points each), plus one return in the own-body box of its frame (where a
+    vehicle's roof would be) that readers crop from every agent, as OpenCOOD does."""
+    pose = [float(xy[0]), float(xy[1]), float(height), 0.0, 0.0, 0.0]
+    car_z = 0.75 - height                  # car centre 0.75 m above the ground, in its frame
+    for step, stamp in enumerate(timestamps):
+        clouds = [box_points(x - xy[0], y - xy[1], z=car_z, seed=actor + 100 * step)
+                  for actor, (x, y) in ROAD_CARS.items()]
+        in_body_box = np.array([[0.5, 0.2, 0.1 - height, 0.5]], np.float32)
+        vehicles = {actor: vehicle(x, y) for actor, (x, y) in ROAD_CARS.items()}
+        write_frame(split_dir / scenario / rsu_id, stamp, np.concatenate(clouds + [in_body_box]),
+                    pose, vehicles)
+    return split_dir
+
+
 def write_simple_split(split_dir: Path, num_cavs=2, timestamps=("000000", "000002", "000004"),
                        spacing=20.0, empty_cloud_at=None, no_vehicles_at=None,
                        scenario="2021_01_01_00_00_00"):
@@ -45,7 +65,7 @@ def write_simple_split(split_dir: Path, num_cavs=2, timestamps=("000000", "00000
     are [k * spacing, 0, 1.9, 0, 0, 0]. ``empty_cloud_at``/``no_vehicles_at`` name a timestamp
     whose ego cloud is empty / whose frames list no vehicles, for the edge-case tests.
     """
-    cars_world = {100 + i: (5.0 + 12.0 * i, 3.5 * (-1) ** i) for i in range(4)}
+    cars_world = ROAD_CARS
     for cav in range(num_cavs):
         cav_id = str(1000 + cav)
         pose = [cav * spacing, 0.0, 1.9, 0.0, 0.0, 0.0]

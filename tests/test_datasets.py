@@ -9,7 +9,7 @@ from opencood.data.datasets import (EarlyFusionDataset, IntermediateFusionDatase
                                     LateFusionDataset, NoFusionDataset, build_dataset)
 from opencood.data.wild import WildSetting
 from opencood.ops.transforms import points_in_boxes_mask
-from tests.opv2v_factory import write_simple_split
+from tests.opv2v_factory import write_road_rsu, write_simple_split
 
 RANGE = [-60.0, -60.0, -3.0, 60.0, 60.0, 1.0]  # square: rotated cars stay inside
 AUGMENT = [{"NAME": "random_world_flip", "ALONG_AXIS_LIST": ["x", "y"]},
@@ -20,6 +20,14 @@ AUGMENT = [{"NAME": "random_world_flip", "ALONG_AXIS_LIST": ["x", "y"]},
 @pytest.fixture(scope="module")
 def road(tmp_path_factory):
     return write_simple_split(tmp_path_factory.mktemp("road") / "train", num_cavs=5, spacing=8.0)
+
+
+@pytest.fixture(scope="module")
+def road_with_rsu(tmp_path_factory):
+    """Two vehicle CAVs 20 m apart and a roadside unit 4.5 m up at (10, -8)."""
+    split_dir = tmp_path_factory.mktemp("road_rsu") / "train"
+    write_simple_split(split_dir, num_cavs=2, spacing=20.0)
+    return write_road_rsu(split_dir)
 
 
 def make(cls, split_dir, **kwargs):
@@ -206,3 +214,28 @@ def test_gt_ego_points_count_the_egos_own_returns(road):
         np.testing.assert_array_equal(loss_only["gt_boxes"], sample["gt_boxes"])
     batch = collate_samples([make(NoFusionDataset, road, train=False)[i] for i in (0, 2)])
     assert [c.tolist() for c in batch["gt_ego_points"]] == [[30] * 4, [30] * 4]
+
+
+def test_agent_types_mark_the_rsu_from_dataset_to_model_inputs(road_with_rsu):
+    from opencood.config import load_config
+    from opencood.data.pipeline import BatchPreparer
+    from opencood.models.build import build_model
+
+    intermediate = make(IntermediateFusionDataset, road_with_rsu)
+    sample = intermediate[0]
+    assert sample["agent_ids"] == ["1000", "1001", "-1"]          # the RSU sorts last
+    assert sample["agent_types"].dtype == np.int64 and sample["agent_types"].tolist() == [0, 0, 1]
+    # Its 4 cars x 30 points; the return in its own-body box is cropped, as for a vehicle.
+    assert len(sample["agent_points"][2]) == 4 * 30
+    assert make(EarlyFusionDataset, road_with_rsu)[0]["agent_types"].tolist() == [0]
+    assert make(LateFusionDataset, road_with_rsu)[0]["agent_types"].tolist() == [0, 0, 1]
+    late_train = make(LateFusionDataset, road_with_rsu, train=True)
+    assert [late_train[k]["agent_types"].tolist() for k in range(3)] == [[0], [0], [1]]
+    batch = collate_samples([sample, intermediate[1]])
+    assert batch["agent_types"].tolist() == [0, 0, 1, 0, 0, 1]
+    cfg = load_config("hypes_yaml/synthetic/point_pillar_attfuse.yaml", [
+        "preprocess.cav_lidar_range=[-25.6, -25.6, -3, 51.2, 25.6, 1]"])
+    inputs = BatchPreparer.from_config(cfg, "cpu").model_inputs(batch)
+    assert inputs["agent_types"].tolist() == [0, 0, 1, 0, 0, 1]
+    # Models that do not use the type still take the inputs that carry it.
+    assert build_model(cfg["model"])(inputs)["cls_preds"].shape[0] == 2

@@ -210,6 +210,29 @@ def test_cav_order_string_sort_with_infrastructure_last(tmp_path):
     assert dataset.timestamps("scene_a") == ["000000", "000002"]
 
 
+def test_infrastructure_ids_are_the_negative_integers():
+    assert [opv2v.is_infrastructure(c) for c in ("-1", "-12", "1", "0", "1001", "-a", "-")] \
+        == [True, True, False, False, False, False, False]
+
+
+def test_rsus_sort_last_and_follow_com_range_like_vehicles(tmp_path):
+    split_dir = tmp_path / "train"
+    # "-1" is 80 m from the ego (dropped), "-2" 30 m (kept, after every vehicle).
+    _make_scenario(split_dir, {"-2": (0, 30), "1001": (0, 0), "-1": (80, 0), "2002": (5, 0)})
+    info = _split(split_dir, tmp_path).info(0)
+    assert info.ego_id == "1001" and info.cav_ids == ["1001", "2002", "-2"]
+    assert _split(split_dir, tmp_path, max_cav=2).info(0).cav_ids == ["1001", "2002"]
+
+
+def test_scenario_of_rsus_alone_has_no_ego_and_raises_naming_it(tmp_path):
+    split_dir = tmp_path / "train"
+    scenario_dir = _make_scenario(split_dir, {"-1": (0, 0), "-2": (5, 0)})
+    with pytest.raises(OPV2VFormatError) as error:
+        _split(split_dir, tmp_path)
+    message = str(error.value)
+    assert message.startswith(str(scenario_dir)) and "-1, -2" in message and "ego" in message
+
+
 def test_scenarios_sorted_and_samples_follow_ego_timestamps(tmp_path):
     split_dir = tmp_path / "train"
     _make_scenario(split_dir, {"1": (0, 0), "2": (3, 0)}, timestamps=("000010", "000004"),

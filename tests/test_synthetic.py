@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from opencood.data.datasets import NoFusionDataset
-from opencood.data.opv2v import OPV2VSplit, vehicles_to_boxes
+from opencood.data.opv2v import OPV2VSplit, remove_own_body_points, vehicles_to_boxes
 from opencood.data.pcd import read_pcd
 from opencood.data.synthetic import (GROUND_ID, Building, LidarConfig, OutputDirError, Scene,
                                      Vehicle, cast_lidar, generate_dataset, get_preset,
@@ -209,23 +209,27 @@ def test_same_seed_same_bytes_any_workers_other_seed_differs(tiny_data, tmp_path
 
 
 def test_vehicle_lists_match_the_clouds(tiny_data):
-    """Every listed vehicle has a point in its box; every non-CAV vehicle with one is listed."""
     out, _ = tiny_data
-    preset = get_preset("tiny")
+    assert _check_vehicle_lists(out, get_preset("tiny")) > 20
+
+
+def _check_vehicle_lists(out: Path, preset) -> int:
+    """Every listed vehicle has a point in its box; every non-CAV vehicle with one is listed
+    (RSUs included). Returns how many listings were checked."""
     checked = 0
     for split in SPLITS:
         world = rebuild_world(preset, 0, split, 0)
         scenario = next((out / split).iterdir())
-        assert sorted(int(c.name) for c in scenario.iterdir()) == world.cav_ids
+        assert sorted(int(c.name) for c in scenario.iterdir()) == sorted(world.agent_ids)
         for frame, pcd in enumerate(sorted((scenario / str(world.cav_ids[0])).glob("*.pcd"))):
-            for cav_id in world.cav_ids:
-                folder = scenario / str(cav_id)
+            for agent_id in world.agent_ids:
+                folder = scenario / str(agent_id)
                 params = yaml.safe_load((folder / f"{pcd.stem}.yaml").read_text())
                 points = apply_transform(read_pcd(folder / pcd.name).astype(np.float64),
                                          pose_to_matrix(params["lidar_pose"]))
                 for actor_id, entry in params["vehicles"].items():
                     # 0.1 m: the range noise (std 2 cm) may push a surface point just outside.
-                    assert _inside_box(points, entry, margin=0.1).any(), (cav_id, actor_id)
+                    assert _inside_box(points, entry, margin=0.1).any(), (agent_id, actor_id)
                 for track in world.tracks:
                     vehicle = track.vehicle_at(frame)
                     if vehicle.actor_id in world.cav_ids:
@@ -235,9 +239,9 @@ def test_vehicle_lists_match_the_clouds(tiny_data):
                              "center": [0.0, 0.0, vehicle.extent[2]],
                              "extent": list(vehicle.extent), "angle": [0, vehicle.yaw_deg, 0]}
                     if _inside_box(points, entry, margin=-0.05).any():
-                        assert vehicle.actor_id in params["vehicles"], (cav_id, track.actor_id)
+                        assert vehicle.actor_id in params["vehicles"], (agent_id, track.actor_id)
                 checked += len(params["vehicles"])
-    assert checked > 20
+    return checked
 
 
 def test_reader_reads_the_data_and_agrees_with_the_summary(tiny_data):
@@ -366,3 +370,90 @@ def test_generate_cli_resizes_a_preset(tmp_path, capsys):
     errors = capsys.readouterr().err.strip().splitlines()
     assert errors == ["error: --frames must be >= 1, got 0",
                       "error: --scenarios needs >= 1 scenario per split, got [1, 0, 1]"]
+
+
+# --------------------------------------------------------------------------- roadside units
+
+# v2x_small cut down to 3 scenarios of 3 frames: seconds, and every split has an RSU.
+V2X_LITE = dataclasses.replace(get_preset("v2x_small"),
+                               scenarios={"train": 1, "validate": 1, "test": 1}, frames=3)
+
+
+@pytest.fixture(scope="module")
+def v2x_data(tmp_path_factory):
+    out = tmp_path_factory.mktemp("syn_v2x")
+    summary = generate_dataset(out, preset=V2X_LITE, seed=0, workers=1, progress=False)
+    return out, summary
+
+
+def test_elevated_rsu_sees_a_car_behind_a_wall_that_every_vehicle_misses():
+    # A 2.5 m wall at x 10..12 hides the car at x = 30 from LiDARs 1.9 m up (their rays that
+    # clear the wall still rise); from 4.5 m the rays that clear it come down on the car's roof
+    # and near face at elevations -5.3 .. -9.2 deg, inside the v2x presets' RSU beam pattern.
+    cav_a = Vehicle(1001, 0.0, 0.0, 0.0, CAR)
+    cav_b = Vehicle(1002, -10.0, 4.0, 0.0, CAR)
+    hidden = Vehicle(2001, 30.0, 0.0, 0.0, CAR)
+    wall = Building(-2, 11.0, 0.0, half_length=1.0, half_width=12.0, height=2.5)
+    scene = Scene([wall], [cav_a, cav_b, hidden])
+    rsu_lidar = dataclasses.replace(get_preset("v2x_small").rsu.lidar, range_noise_std=0.0,
+                                    dropout=0.0)
+    rsu_pose = [0.0, -6.0, 4.5, 0.0, 30.0, 0.0]
+    rsu_points, rsu_ids = _scan(scene, rsu_pose, rsu_lidar)
+    _, ids_a = _scan(scene, _lidar_pose(0.0, 0.0), get_preset("v2x_small").lidar, exclude=[1001])
+    _, ids_b = _scan(scene, _lidar_pose(-10.0, 4.0), get_preset("v2x_small").lidar,
+                     exclude=[1002])
+    cav_ids = [1001, 1002]
+    assert 2001 not in visible_vehicles(ids_a, scene.vehicles, cav_ids)
+    assert 2001 not in visible_vehicles(ids_b, scene.vehicles, cav_ids)
+    listed = visible_vehicles(rsu_ids, scene.vehicles, cav_ids)
+    assert 2001 in listed and 1001 not in listed
+    # The RSU's returns on the car lie on it: the elevated, rotated pose is applied right.
+    on_car = apply_transform(rsu_points[rsu_ids == 2001], pose_to_matrix(rsu_pose))
+    assert len(on_car) >= 3 and _inside_box(on_car, listed[2001], margin=1e-3).all()
+
+
+def test_v2x_scenarios_have_a_static_rsu_written_as_v2xset_writes_it(v2x_data):
+    out, summary = v2x_data
+    for scenario in sorted(out.glob("*/*")):
+        rsu_dirs = [d for d in scenario.iterdir() if d.name.startswith("-")]
+        assert [d.name for d in rsu_dirs] == ["-1"], scenario
+        frames = [yaml.safe_load(f.read_text()) for f in sorted(rsu_dirs[0].glob("*.yaml"))]
+        assert len(frames) == V2X_LITE.frames
+        pose = frames[0]["lidar_pose"]
+        assert 4.0 <= pose[2] <= 5.0 and pose[3] == pose[5] == 0.0
+        for params in frames:
+            assert params["lidar_pose"] == params["true_ego_pos"] == pose       # never moves
+            assert params["RSU"] is True and params["ego_speed"] == 0.0
+            assert "plan_trajectory" not in params
+        vehicle_dir = next(d for d in scenario.iterdir() if not d.name.startswith("-"))
+        vehicle_frame = yaml.safe_load(next(vehicle_dir.glob("*.yaml")).read_text())
+        assert vehicle_frame["RSU"] is False and "plan_trajectory" in vehicle_frame
+    assert summary["rsus_per_scenario"] == {"min": 1, "max": 1, "mean": 1.0}
+    assert 0.0 < summary["seen_only_by_rsu_share"] < 1.0
+
+
+def test_v2x_vehicle_lists_match_the_clouds(v2x_data):
+    out, _ = v2x_data
+    assert _check_vehicle_lists(out, V2X_LITE) > 20
+
+
+def test_v2x_reader_makes_a_vehicle_the_ego_and_the_rsu_the_last_agent(v2x_data):
+    out, _ = v2x_data
+    for split in SPLITS:
+        data = OPV2VSplit(out / split)
+        for index in range(len(data)):
+            sample = data.load_sample(index, gt_range=V2X_LITE.eval_range)
+            info = sample["info"]
+            assert int(info.ego_id) > 0 and info.cav_ids[-1] == "-1"
+            rsu = sample["cavs"]["-1"]
+            ego_pose = sample["cavs"][info.ego_id]["lidar_pose"]
+            assert np.hypot(*(rsu["lidar_pose"][:2] - ego_pose[:2])) <= data.com_range
+            # No return of an RSU falls in the own-body box that readers crop from every agent.
+            assert len(remove_own_body_points(rsu["points"])) == len(rsu["points"]) > 1000
+
+
+def test_v2x_same_seed_same_bytes_any_workers(v2x_data, tmp_path):
+    out, _ = v2x_data
+    again = tmp_path / "again"
+    generate_dataset(again, preset=V2X_LITE, seed=0, workers=2, progress=False)
+    assert _all_files(again) == _all_files(out)

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Generate the synthetic cooperative data set in OPV2V format.
 
-    python tools/generate_synthetic.py --out DIR [--preset tiny|small|opv2v] [--seed N]
-                                       [--workers N] [--overwrite]
+    python tools/generate_synthetic.py --out DIR [--preset tiny|small|opv2v|v2x_small|v2x]
+                                       [--seed N] [--workers N] [--overwrite]
                                        [--frames N] [--scenarios TRAIN VALIDATE TEST]
 
 Writes DIR/{train,validate,test}/<scenario>/<cav_id>/<ts>.pcd|.yaml and DIR/generation.yaml,

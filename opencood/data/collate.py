@@ -5,6 +5,7 @@ Batch layout (CPU tensors; ``opencood.data.pipeline`` moves them and pillarises 
     points            (N, 4) float32   every agent's points, concatenated agent after agent
     agent_index       (N,) int64       global agent index of each point (0 .. sum(record_len)-1)
     record_len        (B,) int64       agents per sample (ego first within each sample)
+    agent_types       (A,) int64       per agent: 0 vehicle, 1 infrastructure (A = sum(record_len))
     transforms_to_ego (A, 4, 4) float32, A = sum(record_len)
     gt_boxes          (B, M_max, 7) float32, zero padded
     gt_mask           (B, M_max) bool
@@ -45,6 +46,8 @@ def collate_samples(samples: List[Dict]) -> Dict:
         "points": torch.cat(clouds) if clouds else torch.zeros((0, 4)),
         "agent_index": torch.cat(agent_index) if agent_index else torch.zeros(0, dtype=torch.int64),
         "record_len": torch.tensor(record_len, dtype=torch.int64),
+        "agent_types": torch.from_numpy(np.concatenate(
+            [np.asarray(s["agent_types"], dtype=np.int64) for s in samples])),
         "transforms_to_ego": torch.cat(transforms).reshape(-1, 4, 4),
         "gt_boxes": gt_boxes,
         "gt_mask": gt_mask,

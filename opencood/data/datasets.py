@@ -8,6 +8,8 @@ A sample is a dict::
 
     sample_key        (scenario, timestamp)
     agent_ids         [cav_id, ...]                  ego first
+    agent_types       (n,) int64                     per agent of the model input: 0 vehicle,
+                                                     1 infrastructure (negative cav id, V2XSet)
     agent_points      [(N_i, 4) float32, ...]        one entry per agent of the model input
     transforms_to_ego (n, 4, 4) float32              agent -> ego as used (noisy for non-ego)
     gt_boxes          (M, 7) float32 [x, y, z, h, w, l, yaw]
@@ -38,7 +40,8 @@ import numpy as np
 import torch
 
 from opencood.data.augment import augment_sample, check_augment_config
-from opencood.data.opv2v import OPV2VSplit, remove_own_body_points, vehicles_to_boxes
+from opencood.data.opv2v import (OPV2VSplit, is_infrastructure, remove_own_body_points,
+                                  vehicles_to_boxes)
 from opencood.data.wild import WildSetting, delayed_timestamp, noisy_pose
 from opencood.ops.transforms import (apply_transform, count_points_in_boxes, points_in_range_mask,
                                      relative_transform)
@@ -46,6 +49,7 @@ from opencood.registry import DATASETS
 
 DEFAULT_LIDAR_RANGE = [-140.8, -40.0, -3.0, 140.8, 40.0, 1.0]
 DEFAULT_GT_RANGE = [-140.0, -40.0, -3.0, 140.0, 40.0, 1.0]
+VEHICLE, INFRASTRUCTURE = 0, 1             # agent types (V2X-ViT's "infra" flag)
 
 # Purpose codes keep the augmentation and the noise streams independent of each other.
 _AUGMENT_STREAM, _NOISE_STREAM = 1, 2
@@ -60,6 +64,12 @@ def ego_points_per_box(points: np.ndarray, boxes: np.ndarray, order: str = "hwl"
     box, with the visibility margins above; 0 means the agent does not see the box."""
     return count_points_in_boxes(points, boxes, order, margin=VISIBILITY_MARGIN,
                                  ground_clearance=GROUND_CLEARANCE)
+
+
+def agent_types(agent_ids) -> np.ndarray:
+    """(n,) int64 type of each cav id: ``INFRASTRUCTURE`` for negative ids, else ``VEHICLE``."""
+    return np.asarray([INFRASTRUCTURE if is_infrastructure(str(a)) else VEHICLE
+                       for a in agent_ids], dtype=np.int64)
 
 
 def boxes_center_in_range(boxes: np.ndarray, limit_range) -> np.ndarray:
@@ -139,6 +149,8 @@ class BaseFusionDataset(torch.utils.data.Dataset):
         """Ego-first list of agents: own-body-free points in their own frame and poses.
 
         Non-ego agents get latency (an earlier frame) and pose noise from the wild setting.
+        The own-body crop applies to roadside units too, as in OpenCOOD/V2X-ViT: an RSU has no
+        body there, and our synthetic RSUs stand where the crop box holds no returns.
         """
         sample = self.split.load_sample(index, gt_range=self.gt_range, order=self.order)
         info = sample["info"]
@@ -185,6 +197,7 @@ class BaseFusionDataset(torch.utils.data.Dataset):
         return {
             "sample_key": key,
             "agent_ids": list(agent_ids),
+            "agent_types": agent_types(agent_ids),
             "agent_points": points_list,
             "transforms_to_ego": np.asarray(transforms, dtype=np.float32).reshape(-1, 4, 4),
             "gt_boxes": gt_boxes[keep].astype(np.float32).reshape(-1, 7),

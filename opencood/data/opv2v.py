@@ -187,10 +187,14 @@ def _gt_union(vehicle_dicts: list, ego_pose, exclude_ids: set, gt_range, order: 
 
 # ------------------------------------------------------------------------------------ layout
 
+def is_infrastructure(cav_id: str) -> bool:
+    """A negative folder id marks a roadside unit (V2XSet); every other folder is a vehicle."""
+    return cav_id.startswith("-") and cav_id[1:].isdigit()
+
+
 def _cav_sort_key(cav_id: str):
     """String sort, except negative ids (infrastructure units) go last."""
-    is_infrastructure = cav_id.startswith("-") and cav_id[1:].isdigit()
-    return (is_infrastructure, cav_id)
+    return (is_infrastructure(cav_id), cav_id)
 
 
 def _timestamp_sort_key(timestamp: str):
@@ -248,6 +252,10 @@ def _scan_cav_folders(scenario_dir: Path) -> dict:
     cav_ids = sorted(_sorted_subfolders(scenario_dir), key=_cav_sort_key)
     if not cav_ids:
         raise _format_error(scenario_dir, "scenario folder has no CAV folders")
+    if is_infrastructure(cav_ids[0]):
+        # The ego is a vehicle; a scenario of roadside units alone has none to be it.
+        raise _format_error(scenario_dir, f"only infrastructure folders ({', '.join(cav_ids)}: "
+                                          "negative ids), no vehicle to be the ego")
     return {cav_id: _CavFolder.scan(scenario_dir / cav_id) for cav_id in cav_ids}
 
 

@@ -68,13 +68,16 @@ class BatchPreparer:
         return self.anchors.shape[2]
 
     def model_inputs(self, batch: Dict) -> Dict:
-        """Pillarise on the device. Returns the model's input dict (see opencood.models)."""
+        """Pillarise on the device. Returns the model's input dict (see opencood.models), with
+        ``agent_types`` (sum(record_len),) int64 (0 vehicle, 1 infrastructure) for models that
+        treat roadside units apart (V2X-ViT); the others ignore it."""
         points = batch["points"].to(self.device, non_blocking=True)
         agent_index = batch["agent_index"].to(self.device, non_blocking=True)
         pillars = pillarize(points, agent_index, self.lidar_range, self.voxel_size,
                             max_points_per_pillar=self.max_points_per_voxel)
         inputs = dict(pillars)
         inputs["record_len"] = batch["record_len"].to(self.device)
+        inputs["agent_types"] = batch["agent_types"].to(self.device)
         inputs["shared_points"] = batch["shared_points"].to(self.device)
         inputs["transforms_to_ego"] = batch["transforms_to_ego"].to(self.device)
         return inputs

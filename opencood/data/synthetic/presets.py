@@ -10,13 +10,22 @@ with ``--workers 2`` on idle cores), ~21k points per frame, ~420 MB, 26% of the 
 detector's range [-48, -24, 48, 24] invisible to the ego (seed 0; 25.8% with seed 1). ``opv2v``:
 ~0.35 s of CPU and ~3.7 MB of ascii PCD per CAV frame (~105k points), so ~40 CPU-minutes and
 ~26 GB in all: use ``--workers`` = the number of cores.
+
+``v2x_small`` and ``v2x`` are ``small`` and ``opv2v`` plus one roadside unit (RSU) per scenario,
+as V2XSet adds infrastructure to OPV2V's format: a LiDAR 4-5 m up on a pole at a corner of the
+focus intersection, the vehicles' sensor with a vertical FOV of -40..0 degrees (it looks down).
+At most 4 vehicle CAVs, so that the RSU, listed last, always fits in ``max_cav`` = 5. One RSU,
+not two: every V2XSet reader derived from OpenCOOD moves only the first negative-id folder behind
+the vehicles, so a second RSU would become their ego. ``v2x_small`` (seed 0): ~66 s of CPU,
+~564 MB, 10.4% of the GT seen by the RSU alone (no vehicle CAV sees it).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from opencood.data.synthetic.lidar import LidarConfig
-from opencood.data.synthetic.world import TownConfig
+from opencood.data.synthetic.world import RsuConfig, TownConfig
 
 
 @dataclass(frozen=True)
@@ -32,6 +41,7 @@ class Preset:
     frame_dt: float = 0.1                  # seconds between saved frames
     timestamp_step: int = 2                # OPV2V numbering: 000068, 000070, ...
     com_range: float = 70.0                # for the summary (what the reader will use)
+    rsu: RsuConfig | None = None           # roadside units (None: vehicles only)
 
 
 PRESETS = {
@@ -63,6 +73,21 @@ PRESETS = {
         eval_range=(-140.0, -40.0, -3.0, 140.0, 40.0, 1.0),
     ),
 }
+
+
+RSU_FOV_DEG = (-40.0, 0.0)                 # a LiDAR 4-5 m up looks down, not up
+
+
+def with_rsu(base: Preset, name: str) -> Preset:
+    """``base`` plus one RSU per scenario whose LiDAR is the vehicles' with ``RSU_FOV_DEG``;
+    at most 4 vehicle CAVs, so that the RSU (listed last) fits in max_cav = 5."""
+    town = dataclasses.replace(base.town, cavs=(base.town.cavs[0], min(base.town.cavs[1], 4)))
+    rsu = RsuConfig(lidar=dataclasses.replace(base.lidar, fov_deg=RSU_FOV_DEG))
+    return dataclasses.replace(base, name=name, town=town, rsu=rsu)
+
+
+PRESETS["v2x_small"] = with_rsu(PRESETS["small"], "v2x_small")
+PRESETS["v2x"] = with_rsu(PRESETS["opv2v"], "v2x")
 
 
 def get_preset(name: str) -> Preset:

@@ -6,6 +6,8 @@ convention of ``opencood.ops.transforms``). Traffic keeps to the right of its di
 straight street segments; at a turn the corner is cut by one diagonal segment so the heading
 changes in two 45-degree steps instead of one 90-degree jump. Vehicles never overlap: each new
 one is checked against all earlier ones at every frame (separating-axis test on footprints).
+Roadside units (RSUs), when a scenario has them, are static LiDARs on poles at the corners of
+intersections, as in V2XSet; their ids are -1, -2, ... (negative ids mark infrastructure).
 """
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
+
+from opencood.data.synthetic.lidar import LidarConfig
 
 # kind -> (length range, width range, height range, share of traffic). Truck height stays below
 # 2.8 m: with the lidar 1.9 m up, taller boxes would poke above the z = 1 m top of the default
@@ -66,6 +70,22 @@ class TownConfig:
         """Centre line to the building line (lanes, parking lane, sidewalk)."""
         return self.lanes_per_direction * self.lane_width + self.parking_width + \
             self.sidewalk_width
+
+
+@dataclass(frozen=True)
+class RsuConfig:
+    """Roadside units of a scenario: LiDARs on poles at intersection corners, never moving.
+
+    The pole stands ``curb_inset`` metres onto the sidewalk at a corner, its LiDAR facing the
+    crossing: the buildings are behind the vehicle own-body box that readers crop from every
+    agent's cloud (OpenCOOD crops RSUs too) and the lanes before it, so the box holds none of
+    its returns (none in all of ``v2x_small``, seed 0).
+    """
+
+    lidar: LidarConfig                     # its own beam pattern (a FOV that looks down)
+    count: tuple = (1, 1)                  # inclusive range of RSUs per scenario
+    height: tuple = (4.0, 5.0)             # lidar above the ground (m), drawn per RSU
+    curb_inset: float = 0.5                # pole distance from the curb onto the sidewalk (m)
 
 
 @dataclass(frozen=True)
@@ -433,6 +453,12 @@ class World:
     lidar_poses: dict                      # cav id -> (F, 6) [x, y, z, roll, yaw, pitch]
     frames: int
     dt: float
+    rsu_ids: list = field(default_factory=list)   # -1, -2, ...; their poses in lidar_poses
+
+    @property
+    def agent_ids(self) -> list:
+        """Every agent in the order a reader lists them: vehicle CAVs, then RSUs."""
+        return self.cav_ids + self.rsu_ids
 
     def track(self, actor_id) -> Track:
         return next(t for t in self.tracks if t.actor_id == actor_id)
@@ -497,8 +523,34 @@ def _lidar_poses(track: Track, rng) -> np.ndarray:
     return np.stack([x, y, z, roll, track.poses[:, 2], pitch], axis=1)
 
 
-def build_world(town: TownConfig, frames: int, dt: float, rng: np.random.Generator) -> World:
-    """A whole scenario from ``rng``: grid, buildings, parked cars, CAVs, moving traffic."""
+def _nodes_by_distance(grid, xy) -> list:
+    """Intersections (i, j) ordered by distance from ``xy``, nearest first."""
+    nodes = [(i, j) for i in range(len(grid.xs)) for j in range(len(grid.ys))]
+    return sorted(nodes, key=lambda n: float(np.linalg.norm(grid.node(*n) - xy)))
+
+
+def place_rsus(grid, town: TownConfig, rsu: RsuConfig, focus, frames, rng) -> dict:
+    """{rsu_id: (F, 6) lidar pose, the same every frame}: one RSU per intersection, the focus
+    intersection first, then the nearest others; each on a random corner, facing the crossing.
+
+    Ids -1, -2, ... as V2XSet names its infrastructure folders.
+    """
+    count = int(rng.integers(rsu.count[0], rsu.count[1] + 1))
+    offset = town.lanes_per_direction * town.lane_width + town.parking_width + rsu.curb_inset
+    poses = {}
+    for index, node in enumerate(_nodes_by_distance(grid, focus)[:count]):
+        corner = rng.choice([-1.0, 1.0], size=2)
+        x, y = grid.node(*node) + offset * corner
+        yaw = float(np.degrees(np.arctan2(-corner[1], -corner[0])))
+        height = float(rng.uniform(*rsu.height))
+        poses[-1 - index] = np.repeat([[x, y, height, 0.0, yaw, 0.0]], frames, axis=0)
+    return poses
+
+
+def build_world(town: TownConfig, frames: int, dt: float, rng: np.random.Generator,
+                rsu: RsuConfig | None = None) -> World:
+    """A whole scenario from ``rng``: grid, buildings, parked cars, CAVs, moving traffic and,
+    with ``rsu``, roadside units (drawn last, so the rest is the same with or without them)."""
     grid = make_grid(town, rng)
     buildings = place_buildings(grid, town, rng)
     id_pool = iter(rng.permutation(np.arange(1000, 10000)).tolist())   # 4-digit actor ids
@@ -520,5 +572,6 @@ def build_world(town: TownConfig, frames: int, dt: float, rng: np.random.Generat
             track.actor_id = next(id_pool)
             added += 1
     lidar_poses = {t.actor_id: _lidar_poses(t, rng) for t in cavs}
-    return World(grid, buildings, track_set.tracks, [t.actor_id for t in cavs], lidar_poses,
-                 frames, dt)
+    rsu_poses = place_rsus(grid, town, rsu, focus, frames, rng) if rsu is not None else {}
+    return World(grid, buildings, track_set.tracks, [t.actor_id for t in cavs],
+                 {**lidar_poses, **rsu_poses}, frames, dt, rsu_ids=list(rsu_poses))

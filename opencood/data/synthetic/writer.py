@@ -1,7 +1,10 @@
 """Write synthetic scenarios as OPV2V files and summarise what was generated.
 
 Layout (DESIGN §2): ``<out>/<split>/<scenario>/<cav_id>/<ts>.pcd|.yaml`` plus
-``<out>/generation.yaml`` (preset, seed, summary). Every scenario draws from its own
+``<out>/generation.yaml`` (preset, seed, summary). Roadside units, in presets that have them, are
+written as V2XSet writes them (OpenCDA's data dumper): folders ``-1``, ``-2``, ... with the same
+files, their yaml without ``plan_trajectory``, ``ego_speed: 0.0`` and ``RSU: true`` (the
+vehicles of such a data set carry ``RSU: false``). Every scenario draws from its own
 ``SeedSequence((seed, split, index))``, so the files depend on the seed only, never on the number
 of worker processes or the order in which workers finish.
 """
@@ -29,6 +32,7 @@ SPLITS = ("train", "validate", "test")
 FIRST_TIMESTAMP = (30, 120)               # first frame number drawn in this range (x 2)
 PLAN_HORIZONS_S = (0.5, 1.0, 1.5, 2.0, 2.5)
 POSE_NOISE_STD = (0.05, 0.05, 0.0, 0.0, 0.2, 0.0)   # predicted_ego_pos: localisation error
+MAX_AGENTS = 5                            # the reader's default max_cav, for the summary
 
 
 # libyaml's emitter is faster; for our block-style mappings of numbers its output is the same
@@ -123,6 +127,36 @@ def frame_params(world: World, cav_id: int, frame: int, vehicles: dict, rng) -> 
     }
 
 
+def rsu_frame_params(world: World, rsu_id: int, frame: int, vehicles: dict) -> dict:
+    """The yaml mapping of a roadside unit at one frame: its pose is surveyed, not estimated,
+    so ``predicted_ego_pos`` is the true one, and it neither moves nor plans."""
+    pose = world.lidar_poses[rsu_id][frame]
+    pose_written = _rounded(list(pose[:4]) + [_wrap_deg(pose[4]), pose[5]])
+    # Three separate lists: one shared list would be dumped as a yaml anchor and aliases.
+    return {"lidar_pose": pose_written, "true_ego_pos": list(pose_written),
+            "predicted_ego_pos": list(pose_written), "ego_speed": 0.0, "RSU": True,
+            "vehicles": vehicles}
+
+
+def scan_agent(world: World, agent_id: int, frame: int, scene, preset: Preset, rng):
+    """One agent's sweep at one frame: (points_lidar (N, 4), yaml mapping).
+
+    A vehicle CAV's rays pass through its own body; an RSU has none. In a data set with RSUs
+    the vehicles are marked ``RSU: false``, as the V2XSet dumper marks them.
+    """
+    is_rsu = agent_id in world.rsu_ids
+    lidar_cfg = preset.rsu.lidar if is_rsu else preset.lidar
+    points_lidar, hit_ids = cast_lidar(scene, world.lidar_poses[agent_id][frame], lidar_cfg, rng,
+                                       exclude_ids=() if is_rsu else [agent_id])
+    vehicles = visible_vehicles(hit_ids, scene.vehicles, world.cav_ids)
+    if is_rsu:
+        return points_lidar, rsu_frame_params(world, agent_id, frame, vehicles)
+    params = frame_params(world, agent_id, frame, vehicles, rng)
+    if world.rsu_ids:
+        params["RSU"] = False
+    return points_lidar, params
+
+
 def write_frame(cav_dir: Path, timestamp: str, points_lidar: np.ndarray, params: dict):
     """``<cav_dir>/<timestamp>.pcd`` (reference ascii layout) and ``.yaml``."""
     write_pcd(cav_dir / f"{timestamp}.pcd", points_lidar, intensity_field="rgb", data="ascii")
@@ -136,24 +170,27 @@ def write_frame(cav_dir: Path, timestamp: str, points_lidar: np.ndarray, params:
 def sample_visibility(world: World, frame: int, visible: dict, lidar_poses: dict,
                       preset: Preset) -> dict:
     """Counts for one (scenario, frame) sample, ego = world.cav_ids[0]; ``lidar_poses``:
-    {cav_id: pose as written to the yaml}, so the counts are what a reader of the files gets.
+    {agent_id: pose as written to the yaml}, so the counts are what a reader of the files gets.
 
-    gt: vehicles in the ego's eval range seen by some CAV within com_range (the sample's GT);
-    invisible: those of them the ego has no return from; in_range: all non-CAV vehicles in the
-    eval range; unseen: those in range that no CAV in range sees.
+    gt: vehicles in the ego's eval range seen by some agent within com_range (the sample's GT);
+    invisible: those of them the ego has no return from; rsu_only: those no vehicle CAV sees
+    (only an RSU does); in_range: all non-CAV vehicles in the eval range; unseen: those in range
+    that no agent in range sees.
     """
     ego_id = world.cav_ids[0]
     ego_pose = np.asarray(lidar_poses[ego_id])
-    in_com = [c for c in world.cav_ids
-              if np.hypot(*(np.asarray(lidar_poses[c][:2]) - ego_pose[:2])) <= preset.com_range]
-    gt = set()
-    for cav_id in in_com[:5]:
-        gt |= set(vehicles_to_boxes(visible[cav_id], ego_pose, preset.eval_range)[0].tolist())
+    in_com = [a for a in world.agent_ids
+              if np.hypot(*(np.asarray(lidar_poses[a][:2]) - ego_pose[:2])) <= preset.com_range]
+    seen = {a: set(vehicles_to_boxes(visible[a], ego_pose, preset.eval_range)[0].tolist())
+            for a in in_com[:MAX_AGENTS]}
+    gt = set().union(*seen.values())
+    seen_by_vehicles = set().union(*(ids for a, ids in seen.items() if a not in world.rsu_ids))
     everyone = {int(t.actor_id): vehicle_entry(t.vehicle_at(frame)) for t in world.tracks
                 if t.actor_id not in world.cav_ids}
     in_range = set(vehicles_to_boxes(everyone, ego_pose, preset.eval_range)[0].tolist())
     return {"gt": len(gt), "invisible": len(gt - set(visible[ego_id])),
-            "in_range": len(in_range), "unseen": len(in_range - gt)}
+            "rsu_only": len(gt - seen_by_vehicles), "in_range": len(in_range),
+            "unseen": len(in_range - gt)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -164,7 +201,7 @@ def rebuild_world(preset: Preset, seed: int, split: str, index: int) -> World:
     (tests use it to check the files against the full scene)."""
     world_seq = scenario_seed(seed, split, index).spawn(3)[0]
     return build_world(preset.town, preset.frames, preset.frame_dt,
-                       np.random.default_rng(world_seq))
+                       np.random.default_rng(world_seq), rsu=preset.rsu)
 
 
 def generate_scenario(out_dir, preset: Preset, seed: int, split: str, index: int,
@@ -177,21 +214,20 @@ def generate_scenario(out_dir, preset: Preset, seed: int, split: str, index: int
     world = rebuild_world(preset, seed, split, index)
     lidar_rng = np.random.default_rng(lidar_seq)
     scenario_dir = Path(out_dir) / split / name
-    for cav_id in world.cav_ids:
-        (scenario_dir / str(cav_id)).mkdir(parents=True, exist_ok=True)
-    stats = {"split": split, "name": name, "cavs": len(world.cav_ids), "frames": preset.frames,
-             "points": 0, "gt": 0, "invisible": 0, "in_range": 0, "unseen": 0}
+    for agent_id in world.agent_ids:
+        (scenario_dir / str(agent_id)).mkdir(parents=True, exist_ok=True)
+    stats = {"split": split, "name": name, "cavs": len(world.cav_ids),
+             "rsus": len(world.rsu_ids), "frames": preset.frames, "points": 0, "gt": 0,
+             "invisible": 0, "rsu_only": 0, "in_range": 0, "unseen": 0}
     for frame in range(preset.frames):
         timestamp = f"{first_ts + preset.timestamp_step * frame:06d}"
         scene = world.scene_at(frame)
         visible, written_poses = {}, {}
-        for cav_id in world.cav_ids:
-            points_lidar, hit_ids = cast_lidar(scene, world.lidar_poses[cav_id][frame],
-                                               preset.lidar, lidar_rng, exclude_ids=[cav_id])
-            visible[cav_id] = visible_vehicles(hit_ids, scene.vehicles, world.cav_ids)
-            params = frame_params(world, cav_id, frame, visible[cav_id], lidar_rng)
-            written_poses[cav_id] = params["lidar_pose"]
-            write_frame(scenario_dir / str(cav_id), timestamp, points_lidar, params)
+        for agent_id in world.agent_ids:
+            points_lidar, params = scan_agent(world, agent_id, frame, scene, preset, lidar_rng)
+            visible[agent_id] = params["vehicles"]
+            written_poses[agent_id] = params["lidar_pose"]
+            write_frame(scenario_dir / str(agent_id), timestamp, points_lidar, params)
             stats["points"] += len(points_lidar)
         for key, count in sample_visibility(world, frame, visible, written_poses, preset).items():
             stats[key] += count
@@ -223,24 +259,31 @@ def _prepare_out_dir(out_dir: Path, overwrite: bool):
 def _summarise(preset: Preset, seed: int, results: list) -> dict:
     """Scenario statistics -> the data set summary (plain Python, yaml friendly)."""
     cavs = [r["cavs"] for r in results]
-    cav_frames = sum(r["cavs"] * r["frames"] for r in results)
+    cav_frames = sum((r["cavs"] + r["rsus"]) * r["frames"] for r in results)
     samples = sum(r["frames"] for r in results)
-    total = {k: sum(r[k] for r in results) for k in ("points", "gt", "invisible", "in_range",
-                                                       "unseen")}
-    return {
+    total = {k: sum(r[k] for r in results) for k in ("points", "gt", "invisible", "rsu_only",
+                                                       "in_range", "unseen")}
+    summary = {
         "preset": preset.name,
         "seed": int(seed),
         "scenarios": {s: sum(r["split"] == s for r in results) for s in SPLITS},
         "frames_per_scenario": preset.frames,
         "samples": {s: sum(r["frames"] for r in results if r["split"] == s) for s in SPLITS},
-        "cavs_per_scenario": {"min": min(cavs), "max": max(cavs),
-                              "mean": round(float(np.mean(cavs)), 3)},
+        "cavs_per_scenario": _min_max_mean(cavs),
         "mean_points_per_frame": round(total["points"] / max(cav_frames, 1), 1),
         "eval_range": list(preset.eval_range),
         "gt_per_sample": round(total["gt"] / max(samples, 1), 2),
         "invisible_to_ego_share": round(total["invisible"] / max(total["gt"], 1), 4),
         "unseen_by_all_share": round(total["unseen"] / max(total["in_range"], 1), 4),
     }
+    if preset.rsu is not None:      # keys only data sets with RSUs have: the others read as before
+        summary["rsus_per_scenario"] = _min_max_mean([r["rsus"] for r in results])
+        summary["seen_only_by_rsu_share"] = round(total["rsu_only"] / max(total["gt"], 1), 4)
+    return summary
+
+
+def _min_max_mean(values: list) -> dict:
+    return {"min": min(values), "max": max(values), "mean": round(float(np.mean(values)), 3)}
 
 
 def format_summary(summary: dict) -> str:
@@ -257,7 +300,16 @@ def format_summary(summary: dict) -> str:
         f"  GT invisible to the ego (seen only by other CAVs): "
         f"{100 * s['invisible_to_ego_share']:.1f}%",
         f"  vehicles in range seen by no CAV: {100 * s['unseen_by_all_share']:.1f}%",
-    ])
+    ] + _rsu_summary_lines(s))
+
+
+def _rsu_summary_lines(summary: dict) -> list:
+    if "rsus_per_scenario" not in summary:
+        return []
+    rsus = summary["rsus_per_scenario"]
+    return [f"  RSUs per scenario: {rsus['min']}-{rsus['max']} (mean {rsus['mean']})",
+            f"  GT seen only by an RSU (no vehicle CAV): "
+            f"{100 * summary['seen_only_by_rsu_share']:.1f}%"]
 
 
 def generate_dataset(out_dir, preset="small", seed: int = 0, workers: int = 1,
@@ -281,8 +333,11 @@ def generate_dataset(out_dir, preset="small", seed: int = 0, workers: int = 1,
     started = time.perf_counter()
     results = _run_jobs(jobs, workers, progress)
     summary = _summarise(preset, seed, results)
-    record = {"preset": preset.name, "seed": int(seed),
-              "preset_config": _plain(dataclasses.asdict(preset)), "summary": summary}
+    # An absent optional section (rsu: None) is left out: records of presets without it read
+    # exactly as they did before it existed.
+    preset_config = {k: v for k, v in dataclasses.asdict(preset).items() if v is not None}
+    record = {"preset": preset.name, "seed": int(seed), "preset_config": _plain(preset_config),
+              "summary": summary}
     (out_dir / "generation.yaml").write_text(
         yaml.dump(_plain(record), Dumper=yaml.SafeDumper, default_flow_style=False))
     return {**summary, "seconds": round(time.perf_counter() - started, 2)}
