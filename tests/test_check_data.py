@@ -73,7 +73,8 @@ def test_the_tool_on_a_missing_folder(tmp_path):
     result = subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "check_data.py"),
                              str(tmp_path / "absent"), "--quiet"], capture_output=True,
                             text=True, timeout=120)
-    assert result.returncode == 1 and "absent: folder not found" in result.stdout
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.strip() == f"error: {tmp_path / 'absent'}: folder not found"
 
 
 def test_the_index_build_reports_every_yaml_problem_in_one_error(tmp_path):

@@ -47,12 +47,12 @@ def split_folders(root: Path) -> List[Path]:
 
 
 def check_folder(root, progress: bool = True) -> CheckReport:
-    """Check a data set folder (holding train/validate/test) or one split folder."""
+    """Check a data set folder (holding train/validate/test) or one split folder; a missing
+    folder raises OPV2VFormatError (nothing to report on)."""
     root = Path(root)
-    report = CheckReport()
     if not root.is_dir():
-        report.problems.append(f"{root}: folder not found")
-        return report
+        raise OPV2VFormatError(f"{root}: folder not found")
+    report = CheckReport()
     frame_files = []
     for split_dir in split_folders(root):
         report.splits.append(split_dir.name)
