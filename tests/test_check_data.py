@@ -1,6 +1,7 @@
 """tools/check_data.py and the index build: every data problem reported at once."""
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -59,10 +60,16 @@ def test_every_fault_is_listed(clean_data, tmp_path):
     assert "validate" in truncated and "000000.pcd" in truncated and "truncated" in truncated
 
 
+def run_check_data(folder: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "check_data.py"),
+                           str(folder), "--quiet"], capture_output=True, text=True, timeout=120,
+                          env=env)
+
+
 def test_the_tool_prints_each_problem_and_exits_1(clean_data, tmp_path):
-    broken = three_faults(clean_data, tmp_path)
-    result = subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "check_data.py"),
-                             str(broken), "--quiet"], capture_output=True, text=True, timeout=120)
+    result = run_check_data(three_faults(clean_data, tmp_path))
     lines = result.stdout.splitlines()
     assert result.returncode == 1
     assert sum(line.startswith("problem: ") for line in lines) == 3
@@ -70,9 +77,7 @@ def test_the_tool_prints_each_problem_and_exits_1(clean_data, tmp_path):
 
 
 def test_the_tool_on_a_missing_folder(tmp_path):
-    result = subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "check_data.py"),
-                             str(tmp_path / "absent"), "--quiet"], capture_output=True,
-                            text=True, timeout=120)
+    result = run_check_data(tmp_path / "absent")
     assert result.returncode == 1 and result.stdout == ""
     assert result.stderr.strip() == f"error: {tmp_path / 'absent'}: folder not found"
 
