@@ -6,7 +6,6 @@ share a session does.
 """
 from __future__ import annotations
 
-import logging
 import os
 import random
 import shutil
@@ -21,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dist_helpers import free_port, run_on_ranks
 from opv2v_factory import write_simple_split
+from process_state import preserved_opencood_logger
 from opencood.config import load_config
 from opencood.data.collate import collate_samples
 from opencood.data.datasets import build_dataset
@@ -41,20 +41,9 @@ VAL_SAMPLES = 5   # divisible by neither 2 nor 3: shards of 3+2 and 2+2+1
 
 @pytest.fixture(autouse=True)
 def _restore_opencood_logger():
-    """In-process trainer runs reconfigure the "opencood" logger (file handler, no
-    propagation): put it back for the tests that follow."""
-    log = logging.getLogger("opencood")
-    handlers, level, propagate = list(log.handlers), log.level, log.propagate
-    yield
-    for handler in list(log.handlers):
-        if handler not in handlers:
-            log.removeHandler(handler)
-            handler.close()
-    for handler in handlers:
-        if handler not in log.handlers:
-            log.addHandler(handler)
-    log.setLevel(level)
-    log.propagate = propagate
+    """In-process trainer runs reconfigure the "opencood" logger: put it back afterwards."""
+    with preserved_opencood_logger():
+        yield
 
 
 def _stamps(count):

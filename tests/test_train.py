@@ -6,8 +6,6 @@ session (``two_rank_runs``) whose parts are checked by separate tests.
 """
 from __future__ import annotations
 
-import contextlib
-import logging
 import math
 import os
 import shutil
@@ -24,6 +22,7 @@ from opencood.utils import dist as dist_utils
 from opencood.utils.checkpoint import load_checkpoint
 from opencood.utils.dist import DistInfo
 from dist_helpers import free_port, run_on_ranks
+from process_state import TORCH_SWITCHES, preserved_opencood_logger, preserved_torch_switches
 from opv2v_factory import write_simple_split
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -39,57 +38,20 @@ VAL_SCALARS = ("loss", "ap_50")
 CPU = torch.device("cpu")
 
 
-@contextlib.contextmanager
-def _preserved_opencood_logger():
-    """In-process trainer.main runs reconfigure the "opencood" logger (file handler, no
-    propagation); put it back so later tests (caplog included) see the usual logger."""
-    log = logging.getLogger("opencood")
-    handlers, level, propagate = list(log.handlers), log.level, log.propagate
-    try:
-        yield
-    finally:
-        for handler in list(log.handlers):
-            if handler not in handlers:
-                log.removeHandler(handler)
-                handler.close()
-        for handler in handlers:
-            if handler not in log.handlers:
-                log.addHandler(handler)
-        log.setLevel(level)
-        log.propagate = propagate
-
-
-# The global torch switches configure_cuda sets from the yaml. Read and written back by plain
-# getattr/setattr: torch serves some of them through a module __getattr__, which pytest's
-# monkeypatch cannot restore (it tries delattr on teardown and fails from pytest 9.2 on).
-_TORCH_SWITCHES = ((torch.backends.cudnn, "benchmark"), (torch.backends.cudnn, "allow_tf32"),
-                   (torch.backends.cuda.matmul, "allow_tf32"))
-
-
-@contextlib.contextmanager
-def _preserved_torch_switches():
-    saved = [(owner, name, getattr(owner, name)) for owner, name in _TORCH_SWITCHES]
-    try:
-        yield
-    finally:
-        for owner, name, value in saved:
-            setattr(owner, name, value)
-
-
 @pytest.fixture(autouse=True)
 def _restore_process_state():
     """Undo what an in-process run changes globally: the logger, and on GPU machines the TF32
     and cudnn.benchmark switches that configure_cuda sets from the yaml."""
-    with _preserved_torch_switches(), _preserved_opencood_logger():
+    with preserved_torch_switches(), preserved_opencood_logger():
         yield
 
 
 def test_torch_switches_are_restored_after_a_change():
-    before = [getattr(owner, name) for owner, name in _TORCH_SWITCHES]
-    with _preserved_torch_switches():
-        for owner, name in _TORCH_SWITCHES:
+    before = [getattr(owner, name) for owner, name in TORCH_SWITCHES]
+    with preserved_torch_switches():
+        for owner, name in TORCH_SWITCHES:
             setattr(owner, name, not getattr(owner, name))
-    assert [getattr(owner, name) for owner, name in _TORCH_SWITCHES] == before
+    assert [getattr(owner, name) for owner, name in TORCH_SWITCHES] == before
 
 
 @pytest.fixture
@@ -413,7 +375,7 @@ def _assert_same_training_state(resumed: dict, straight: dict):
 def straight_run(data_root, tmp_path_factory):
     """4 epochs without interruption (0 loader workers)."""
     run_dir = tmp_path_factory.mktemp("straight") / "run"
-    with pytest.MonkeyPatch.context() as patch, _preserved_opencood_logger():
+    with pytest.MonkeyPatch.context() as patch, preserved_opencood_logger():
         patch.setattr(torch.cuda, "is_available", lambda: False)
         result = trainer.main(["--hypes_yaml", str(SMOKE_YAML), "--model_dir", str(run_dir),
                                *_resume_args(data_root)])
