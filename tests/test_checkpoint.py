@@ -174,7 +174,7 @@ def test_failed_save_keeps_old_file_and_leaves_no_temp(tmp_path, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr(torch, "save", failing_save)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(CheckpointError, match="disk full; the previous one is intact"):
         ckpt.save_checkpoint(path, {"epoch": 2})
     monkeypatch.undo()
     assert os.listdir(tmp_path) == ["checkpoint.pt"]
@@ -212,3 +212,58 @@ def test_check_state_dict_hints_ddp_prefix():
     prefixed = {f"module.{k}": v for k, v in model.state_dict().items()}
     with pytest.raises(CheckpointError, match="module\\."):
         ckpt.check_state_dict_compatible(model, prefixed, "ddp.pt")
+
+
+# ----------------------------------------------------------------------------------------------
+# History: the last K checkpoints, and resuming past a damaged one
+# ----------------------------------------------------------------------------------------------
+
+def _state(step: int) -> dict:
+    return {"model": {"w": torch.full((3,), float(step))}, "step": step}
+
+
+def test_history_keeps_the_newest_k_and_last_is_the_newest(tmp_path):
+    for step in (10, 20, 30, 40):
+        ckpt.save_with_history(tmp_path, _state(step), step, keep=3)
+    assert [p.name for p in ckpt.history_files(tmp_path)] == [
+        "step_000000040.pth", "step_000000030.pth", "step_000000020.pth"]
+    assert ckpt.load_checkpoint(tmp_path / "last.pth")["step"] == 40
+    assert not (tmp_path / "last.pth").samefile(ckpt.history_path(tmp_path, 40))  # a copy
+
+
+def test_a_truncated_last_falls_back_to_the_newest_readable(tmp_path):
+    for step in (10, 20):
+        ckpt.save_with_history(tmp_path, _state(step), step, keep=3)
+    data = (tmp_path / "last.pth").read_bytes()
+    (tmp_path / "last.pth").write_bytes(data[: len(data) // 2])
+    path, state, unreadable = ckpt.newest_readable_checkpoint(tmp_path)
+    assert path == ckpt.history_path(tmp_path, 20) and state["step"] == 20   # nothing lost
+    assert [p.name for p, _ in unreadable] == ["last.pth"] and "truncated" in unreadable[0][1]
+    ckpt.history_path(tmp_path, 20).write_bytes(b"garbage")
+    path, state, unreadable = ckpt.newest_readable_checkpoint(tmp_path)
+    assert state["step"] == 10 and len(unreadable) == 2
+
+
+def test_no_checkpoint_at_all_and_none_readable(tmp_path):
+    assert ckpt.newest_readable_checkpoint(tmp_path) == (None, None, [])
+    (tmp_path / "last.pth").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="none of its 1 checkpoints loads"):
+        ckpt.newest_readable_checkpoint(tmp_path)
+
+
+def test_a_full_disk_mid_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    ckpt.save_with_history(tmp_path, _state(10), 10, keep=3)
+    before = (tmp_path / "last.pth").read_bytes()
+
+    def half_then_full(obj, stream):
+        stream.write(b"PK\x03\x04 half a checkpoint")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ckpt.torch, "save", half_then_full)
+    with pytest.raises(CheckpointError) as info:
+        ckpt.save_with_history(tmp_path, _state(20), 20, keep=3)
+    assert "No space left on device" in str(info.value) and "\n" not in str(info.value)
+    assert "step_000000020.pth" in str(info.value)
+    assert (tmp_path / "last.pth").read_bytes() == before
+    assert [p.name for p in ckpt.history_files(tmp_path)] == ["step_000000010.pth"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000000010.pth"]

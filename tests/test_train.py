@@ -119,11 +119,16 @@ def _main_on_rank(rank, world_size, port, argv):
     written = []  # files this rank's trainer asked to write (both ranks share the folder)
     prepared = {}
     save_checkpoint, save_config = trainer.save_checkpoint, trainer.save_config
+    save_with_history = trainer.save_with_history
     prepare_model = trainer.prepare_model
 
     def checkpoint_spy(path, state):
         written.append(Path(path).name)
         return save_checkpoint(path, state)
+
+    def history_spy(run_dir, state, step, keep):
+        written.append("last.pth")
+        return save_with_history(run_dir, state, step, keep)
 
     def config_spy(cfg, path):
         written.append(Path(path).name)
@@ -135,6 +140,7 @@ def _main_on_rank(rank, world_size, port, argv):
         return model, bare, ema
 
     trainer.save_checkpoint, trainer.save_config = checkpoint_spy, config_spy
+    trainer.save_with_history = history_spy
     trainer.prepare_model = prepare_spy
     try:
         return {"result": trainer.main(argv), "written": written, "model": prepared}
@@ -144,6 +150,7 @@ def _main_on_rank(rank, world_size, port, argv):
         return {"error": traceback.format_exc()}
     finally:
         trainer.save_checkpoint, trainer.save_config = save_checkpoint, save_config
+        trainer.save_with_history = save_with_history
         trainer.prepare_model = prepare_model
 
 
@@ -198,8 +205,12 @@ def test_two_rank_run_writes_exactly_the_expected_files(two_rank_runs):
     events = [name for name in names if name.startswith("events.out.tfevents.")]
     assert len(events) == 1, names  # rank 0's writer only
     assert sorted(set(names) - set(events)) == sorted(
-        ["config.yaml", "train.log", "last.pth", "epoch_1.pth", "epoch_2.pth", "best.pth"])
-    assert all(path.is_file() for path in run_dir.iterdir())  # no folders, no temp files left
+        ["config.yaml", "train.log", "last.pth", "epoch_1.pth", "epoch_2.pth", "best.pth",
+         "checkpoints"])
+    # No temp files left; the history holds one file per save (step 2 and step 4).
+    assert all(path.is_file() for path in run_dir.iterdir() if path.name != "checkpoints")
+    assert sorted(path.name for path in (run_dir / "checkpoints").iterdir()) == [
+        "step_000000002.pth", "step_000000004.pth"]
     written = [rank_results["end_to_end"]["written"] for rank_results in results]
     assert written[1] == []  # rank 1 writes nothing, not even identical copies
     assert written[0][:4] == ["config.yaml", "last.pth", "epoch_1.pth", "best.pth"]
@@ -430,6 +441,45 @@ def test_fp16_resume_of_a_run_saved_without_a_scaler(data_root, tmp_path, monkey
     scaler = load_checkpoint(run_dir / "last.pth")["scaler"]
     assert scaler["scale"] == 2.0 ** 16  # torch's default initial scale, no overflow on CPU
     assert "loss scaling starts afresh" in (run_dir / "train.log").read_text()
+
+
+def test_resume_past_a_truncated_last_pth_loses_nothing(data_root, tmp_path, cpu_only):
+    run_dir = tmp_path / "run"
+    trainer.main(["--hypes_yaml", str(SMOKE_YAML), "--model_dir", str(run_dir),
+                  "--set", "train_params.epoches=2", *data_args(data_root, validate=None)])
+    last = run_dir / "last.pth"
+    last.write_bytes(last.read_bytes()[:1000])            # a torn copy
+    result = trainer.main(["--model_dir", str(run_dir), "--set", "train_params.epoches=3"])
+    assert result["step"] == 6                             # epochs 1-2 kept, epoch 3 trained
+    log = (run_dir / "train.log").read_text()
+    assert "skipping" in log and "last.pth" in log and "step_000000004.pth" in log
+    assert load_checkpoint(last)["epoch"] == 3
+
+
+def test_a_full_disk_stops_training_in_one_line_and_keeps_the_last_checkpoint(
+        data_root, tmp_path, monkeypatch, cpu_only):
+    from opencood.utils import checkpoint as ckpt
+    real_save = ckpt.torch.save
+    saves = []
+
+    def full_on_second_save(obj, stream):
+        saves.append(1)
+        if len(saves) > 1:   # epoch 1's history file and last.pth are written; the next meets
+            # a full disk (epoch_1.pth)
+            stream.write(b"PK half")
+            raise OSError(28, "No space left on device")
+        return real_save(obj, stream)
+
+    monkeypatch.setattr(ckpt.torch, "save", full_on_second_save)
+    run_dir = tmp_path / "run"
+    with pytest.raises(SystemExit) as info:
+        trainer.main(["--hypes_yaml", str(SMOKE_YAML), "--model_dir", str(run_dir),
+                      "--set", "train_params.epoches=2", *data_args(data_root, validate=None)])
+    message = str(info.value.code)
+    assert message.startswith("error: cannot write checkpoint") and "\n" not in message
+    assert "No space left on device" in message
+    monkeypatch.undo()
+    assert load_checkpoint(run_dir / "last.pth")["epoch"] == 1
 
 
 def test_slurm_environment_runs_a_one_rank_process_group(data_root, tmp_path, monkeypatch,

@@ -33,9 +33,9 @@ from opencood.losses import build_loss
 from opencood.models.build import build_model
 from opencood.utils import dist as dist_utils
 from opencood.utils.batching import describe_batch, split_global_batch
-from opencood.utils.checkpoint import (capture_rng_state,
-                                       check_state_dict_compatible, load_checkpoint,
-                                       restore_rng_state, rng_state_for_rank, save_checkpoint)
+from opencood.utils.checkpoint import (capture_rng_state, check_state_dict_compatible,
+                                       newest_readable_checkpoint, restore_rng_state,
+                                       rng_state_for_rank, save_checkpoint, save_with_history)
 from opencood.utils.ema import ModelEMA
 from opencood.utils.init import init_weights
 from opencood.utils.samplers import InferenceSampler, build_train_sampler
@@ -237,11 +237,12 @@ def training_state(model_without_ddp, ema, optimizer, scheduler, scaler, epoch: 
 
 
 def save_run_checkpoints(run_dir: Path, state: Dict, epoch: int, save_freq: int,
-                         is_best: bool) -> None:
-    """Rank 0 only: last.pth always, epoch_N.pth every save_freq epochs, best.pth when best."""
+                         is_best: bool, keep: int = 3) -> None:
+    """Rank 0 only: last.pth and checkpoints/step_N.pth (the ``keep`` newest) always,
+    epoch_N.pth every save_freq epochs, best.pth when best."""
     if not dist_utils.is_main_process():
         return
-    save_checkpoint(run_dir / "last.pth", state)
+    save_with_history(run_dir, state, int(state["step"]), keep)
     if save_freq and epoch % save_freq == 0:
         save_checkpoint(run_dir / f"epoch_{epoch}.pth", state)
     if is_best:
@@ -271,8 +272,14 @@ def restore_rank_rng_state(checkpoint: Dict, info: dist_utils.DistInfo) -> None:
 
 
 def find_resume_checkpoint(run_dir: Path):
-    path = run_dir / "last.pth"
-    return (path, load_checkpoint(path)) if path.exists() else (None, None)
+    """(path, checkpoint) of the newest readable checkpoint of the run, or (None, None).
+
+    A damaged last.pth (truncated copy, disk error) falls back to the newest readable history
+    file, said in one line per file skipped."""
+    path, checkpoint, unreadable = newest_readable_checkpoint(run_dir)
+    for bad_path, reason in unreadable:
+        logger.warning("skipping %s (%s); resuming from %s", bad_path, reason, path)
+    return path, checkpoint
 
 
 # -- logging ---------------------------------------------------------------------------------
@@ -424,6 +431,7 @@ def train(cfg: Dict, args, info: dist_utils.DistInfo) -> Dict:
 
     scalars = ScalarLogger(run_dir)
     save_freq = int(train_params.get("save_freq", 1))
+    keep_checkpoints = int(train_params.get("keep_checkpoints", 3))
     grad_clip = train_params.get("grad_clip")
     history = {}
     try:
@@ -485,7 +493,8 @@ def train(cfg: Dict, args, info: dist_utils.DistInfo) -> Dict:
                                    step, best_val, cfg, seed)
             # Rank 0 writes alone: should that fail (disk full), the others stop too, not wait.
             dist_utils.run_together(
-                lambda: save_run_checkpoints(run_dir, state, epoch, save_freq, is_best),
+                lambda: save_run_checkpoints(run_dir, state, epoch, save_freq, is_best,
+                                             keep_checkpoints),
                 "saving checkpoints")
     finally:
         scalars.close()

@@ -9,8 +9,10 @@ from __future__ import annotations
 import os
 import pickle
 import random
+import shutil
 import zipfile
 from collections import OrderedDict
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -67,8 +69,66 @@ def save_checkpoint(path: str | os.PathLike, state: dict) -> None:
     truncated file. CPU tensors mean the file loads on a machine without (or with other) GPUs.
     """
     state_cpu = _to_cpu(state, "state")
-    with atomic_write(path, "wb", durable=True) as stream:
-        torch.save(state_cpu, stream)
+    try:
+        with atomic_write(path, "wb", durable=True) as stream:
+            torch.save(state_cpu, stream)
+    except OSError as error:
+        # A full disk or a lost mount: say so in one line; the previous file is untouched.
+        raise CheckpointError(f"cannot write checkpoint {os.fspath(path)}: "
+                              f"{error.strerror or error}; the previous one is intact") from error
+
+
+HISTORY_DIR = "checkpoints"
+
+
+def history_path(run_dir, step: int) -> Path:
+    """RUN/checkpoints/step_<step>.pth: one file per save, the newest ``keep`` kept."""
+    return Path(run_dir) / HISTORY_DIR / f"step_{step:09d}.pth"
+
+
+def save_with_history(run_dir, state: dict, step: int, keep: int) -> Path:
+    """Save ``state`` as the history file of ``step`` and as RUN/last.pth; drop older history.
+
+    last.pth is a separate copy (not a link), so a damaged last.pth leaves the history file of
+    the same step readable: :func:`newest_readable_checkpoint` then loses nothing.
+    """
+    if keep < 1:
+        raise CheckpointError(f"train_params.keep_checkpoints must be >= 1, got {keep}")
+    step_file = history_path(run_dir, step)
+    save_checkpoint(step_file, state)
+    try:
+        with open(step_file, "rb") as source, \
+                atomic_write(Path(run_dir) / "last.pth", "wb", durable=True) as target:
+            shutil.copyfileobj(source, target)
+    except OSError as error:
+        raise CheckpointError(f"cannot write checkpoint {Path(run_dir) / 'last.pth'}: "
+                              f"{error.strerror or error}; the previous one is intact") from error
+    for old in history_files(run_dir)[keep:]:
+        old.unlink()
+    return step_file
+
+
+def history_files(run_dir) -> list:
+    """The history files of a run, newest (highest step) first."""
+    return sorted((Path(run_dir) / HISTORY_DIR).glob("step_*.pth"), reverse=True)
+
+
+def newest_readable_checkpoint(run_dir) -> tuple:
+    """(path, state, [(unreadable path, reason), ...]) of the newest checkpoint that loads:
+    RUN/last.pth, else the history newest first. (None, None, []) for a run never saved; a
+    CheckpointError when files exist and none of them loads."""
+    candidates = [Path(run_dir) / "last.pth"] + history_files(run_dir)
+    candidates = [path for path in candidates if path.exists()]
+    unreadable = []
+    for path in candidates:
+        try:
+            return path, load_checkpoint(path), unreadable
+        except CheckpointError as error:
+            unreadable.append((path, str(error)))
+    if unreadable:
+        raise CheckpointError(f"{run_dir}: none of its {len(unreadable)} checkpoints loads "
+                              f"(last.pth: {unreadable[0][1]})")
+    return None, None, []
 
 
 # ----------------------------------------------------------------------------------------------
