@@ -482,6 +482,54 @@ def test_a_full_disk_stops_training_in_one_line_and_keeps_the_last_checkpoint(
     assert load_checkpoint(run_dir / "last.pth")["epoch"] == 1
 
 
+@pytest.fixture
+def nan_at_step_3(monkeypatch):
+    """The training loss of the 3rd optimizer step (epoch 2's first: 2 steps per epoch) is NaN."""
+    real_make = trainer.make_loss_fn
+
+    def make_loss_fn(preparer, criterion):
+        loss_fn, calls = real_make(preparer, criterion), []
+
+        def poisoned(model, batch):
+            loss, terms, count = loss_fn(model, batch)
+            calls.append(1)
+            return (loss * float("nan") if len(calls) == 3 else loss), terms, count
+
+        return poisoned
+
+    monkeypatch.setattr(trainer, "make_loss_fn", make_loss_fn)
+
+
+def test_a_nan_stops_training_naming_the_step_with_the_last_checkpoint_intact(
+        data_root, tmp_path, nan_at_step_3, cpu_only):
+    run_dir = tmp_path / "run"
+    with pytest.raises(SystemExit) as info:
+        trainer.main(["--hypes_yaml", str(SMOKE_YAML), "--model_dir", str(run_dir),
+                      "--set", "train_params.epoches=3", *data_args(data_root, validate=None)])
+    message = str(info.value.code)
+    assert "non-finite loss (nan) at epoch 2 step 3" in message and "\n" not in message
+    assert load_checkpoint(run_dir / "last.pth")["step"] == 2
+
+
+def test_skip_nonfinite_steps_skips_and_counts(data_root, tmp_path, nan_at_step_3, cpu_only):
+    run_dir = tmp_path / "run"
+    result = trainer.main(["--hypes_yaml", str(SMOKE_YAML), "--model_dir", str(run_dir),
+                           "--set", "train_params.epoches=3",
+                           "--set", "train_params.skip_nonfinite_steps=1",
+                           *data_args(data_root, validate=None)])
+    assert result["step"] == 6 and result["skipped_steps"] == 1
+    last = load_checkpoint(run_dir / "last.pth")
+    assert last["skipped_steps"] == 1
+    assert all(torch.isfinite(value).all() for value in last["model"].values()
+               if value.is_floating_point())
+    assert "skipped step 3: non-finite loss (nan)" in (run_dir / "train.log").read_text()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(run_dir))
+    events.Reload()
+    counts = [(event.step, event.value) for event in events.Scalars("train/skipped_steps")]
+    assert counts == [(1, 0.0), (2, 0.0), (3, 1.0), (4, 1.0), (5, 1.0), (6, 1.0)]
+
+
 def test_slurm_environment_runs_a_one_rank_process_group(data_root, tmp_path, monkeypatch,
                                                          cpu_only):
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"):

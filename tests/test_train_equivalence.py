@@ -174,7 +174,33 @@ def _two_rank_body(rank, world_size):
 
     _capture(results, "equivalence", equivalence)
     _capture(results, "validation", validation)
+    def skip_non_finite():
+        """NaN on rank 1's second micro-batch with skipping on: both ranks skip, the weights stay,
+        and the next step trains normally (DDP's all-reduce still matched)."""
+        model = DistributedDataParallel(toy_model())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        before = copy.deepcopy(model.module.state_dict())
+        dataset = toy_dataset(8, seed=3)
+        micro_batches = [(dataset.tensors[0][i:i + 2], dataset.tensors[1][i:i + 2])
+                         for i in (0, 2)]
+        calls = []
+
+        def nan_once_on_rank1(model_, batch):
+            loss, terms, count = mse_loss_fn(model_, batch)
+            calls.append(1)
+            return (loss * float("nan") if rank == 1 and len(calls) == 2 else loss), terms, count
+
+        scaler = torch.amp.GradScaler("cpu", enabled=False)
+        first = optimizer_step(model, micro_batches, nan_once_on_rank1, optimizer, scaler,
+                               torch.device("cpu"), where="step 1", skip_nonfinite=True)
+        unchanged = all(torch.equal(before[k], v) for k, v in model.module.state_dict().items())
+        second = optimizer_step(model, micro_batches, nan_once_on_rank1, optimizer, scaler,
+                                torch.device("cpu"), where="step 2", skip_nonfinite=True)
+        return {"first": first["skipped"], "unchanged": unchanged, "second": second["skipped"],
+                "weights": {k: v.clone() for k, v in model.module.state_dict().items()}}
+
     _capture(results, "non_finite", non_finite)
+    _capture(results, "skip_non_finite", skip_non_finite)
     return results
 
 
@@ -376,3 +402,14 @@ def test_fp16_grad_scaler_skips_overflow_then_unscales():
     assert stats["grad_norm"] == pytest.approx(math.sqrt(2.0), rel=1e-4)
     torch.testing.assert_close(model.weight.detach(), weight - 0.05, rtol=0, atol=1e-6)
     torch.testing.assert_close(model.bias.detach(), bias - 0.1, rtol=0, atol=1e-6)
+
+
+def test_a_skipped_non_finite_step_is_skipped_on_both_ranks_and_training_goes_on(two_ranks):
+    ranks = _part(two_ranks, "skip_non_finite")
+    assert [r["first"] for r in ranks] == [1, 1]          # decided together
+    assert all(r["unchanged"] for r in ranks)            # the optimizer did not move
+    assert [r["second"] for r in ranks] == [0, 0]        # the next step is a normal one
+    for key, value in ranks[0]["weights"].items():       # and it kept the ranks in step
+        assert torch.equal(value, ranks[1]["weights"][key]), key
+    assert any(not torch.equal(value, ranks[0]["weights"][key]) for key, value in
+               toy_model().state_dict().items())

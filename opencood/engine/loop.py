@@ -32,19 +32,24 @@ def autocast_context(device: torch.device, amp_dtype: torch.dtype | None):
 def optimizer_step(model: torch.nn.Module, micro_batches: Sequence, loss_fn: LossFn,
                    optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
                    device: torch.device, amp_dtype: torch.dtype | None = None,
-                   grad_clip: float | None = None, where: str = "") -> Dict[str, float]:
+                   grad_clip: float | None = None, where: str = "",
+                   skip_nonfinite: bool = False) -> Dict[str, float]:
     """One optimiser step over ``len(micro_batches)`` accumulated micro-batches.
 
     Each micro-batch loss is divided by the number of micro-batches, and DDP averages over ranks,
     so the step equals one step on the whole global batch (for losses that are means over their
     micro-batch). Gradient all-reduce runs only on the last micro-batch (``no_sync`` before).
     A non-finite loss on ANY rank raises NonFiniteLossError on every rank (a rank-local
-    ``continue`` would leave the others waiting in the all-reduce).
-    Returns {"loss", term means..., "grad_norm", "samples"} for this rank.
+    ``continue`` would leave the others waiting in the all-reduce), and so do non-finite
+    gradients without a GradScaler (with one, fp16 overflow is the scaler's to handle). With
+    ``skip_nonfinite`` the step is skipped instead, on every rank alike: the backward passes
+    still run (DDP's all-reduce must see every rank), then the gradients are dropped and the
+    optimizer does not move.
+    Returns {"loss", term means..., "grad_norm", "samples", "skipped" (0 or 1)} for this rank.
     """
     accum_steps = len(micro_batches)
     totals: Dict[str, float] = {}
-    samples = 0
+    samples, nonfinite = 0, None
     for position, micro_batch in enumerate(micro_batches):
         is_last = position == accum_steps - 1
         sync_context = (model.no_sync() if isinstance(model, DistributedDataParallel)
@@ -53,10 +58,13 @@ def optimizer_step(model: torch.nn.Module, micro_batches: Sequence, loss_fn: Los
             with autocast_context(device, amp_dtype):
                 loss, terms, count = loss_fn(model, micro_batch)
             bad = not bool(torch.isfinite(loss.detach()).item())
-            if dist_utils.any_across_ranks(bad):
-                raise NonFiniteLossError(
-                    f"non-finite loss ({loss.item() if bad else 'on another rank'}) at {where} "
-                    f"micro-batch {position}; lower the lr, enable grad_clip, or check the data")
+            if dist_utils.any_across_ranks(bad) and nonfinite is None:
+                nonfinite = (f"non-finite loss ({loss.item() if bad else 'on another rank'}) "
+                             f"at {where} micro-batch {position}")
+                if not skip_nonfinite:
+                    raise NonFiniteLossError(f"{nonfinite}; lower the lr, enable grad_clip, or "
+                                             f"check the data (train_params.skip_nonfinite_steps "
+                                             f"skips such steps); the last checkpoint is intact")
             scaler.scale(loss / accum_steps).backward()
         totals["loss"] = totals.get("loss", 0.0) + float(loss.detach()) / accum_steps
         for name, value in terms.items():
@@ -66,11 +74,21 @@ def optimizer_step(model: torch.nn.Module, micro_batches: Sequence, loss_fn: Los
     params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     max_norm = float(grad_clip) if grad_clip else math.inf
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm) if params else torch.zeros(())
-    scaler.step(optimizer)
-    scaler.update()
+    # Gradients are all-reduced by now: every rank sees the same norm and decides alike.
+    if nonfinite is None and not scaler.is_enabled() and not math.isfinite(float(grad_norm)):
+        nonfinite = f"non-finite gradients (norm {float(grad_norm)}) at {where}"
+        if not skip_nonfinite:
+            raise NonFiniteLossError(f"{nonfinite}; lower the lr or enable grad_clip "
+                                     f"(train_params.skip_nonfinite_steps skips such steps); "
+                                     f"the last checkpoint is intact")
+    if nonfinite is None:
+        scaler.step(optimizer)
+        scaler.update()
     optimizer.zero_grad(set_to_none=True)
     totals["grad_norm"] = float(grad_norm)
     totals["samples"] = samples
+    totals["skipped"] = int(nonfinite is not None)
+    totals["nonfinite"] = nonfinite
     return totals
 
 

@@ -432,6 +432,9 @@ def train(cfg: Dict, args, info: dist_utils.DistInfo) -> Dict:
     scalars = ScalarLogger(run_dir)
     save_freq = int(train_params.get("save_freq", 1))
     keep_checkpoints = int(train_params.get("keep_checkpoints", 3))
+    # Steps with a non-finite loss or gradients to skip before stopping (0: stop at the first).
+    skip_budget = int(train_params.get("skip_nonfinite_steps", 0))
+    skipped_steps = int(checkpoint.get("skipped_steps", 0)) if checkpoint is not None else 0
     grad_clip = train_params.get("grad_clip")
     history = {}
     try:
@@ -448,11 +451,20 @@ def train(cfg: Dict, args, info: dist_utils.DistInfo) -> Dict:
                 step_start = time.perf_counter()
                 stats = optimizer_step(model, micro_batches, loss_fn, optimizer, scaler,
                                        info.device, amp_dtype, grad_clip,
-                                       where=f"epoch {epoch} step {step + 1}")
+                                       where=f"epoch {epoch} step {step + 1}",
+                                       skip_nonfinite=skipped_steps < skip_budget)
+                # A skipped step still counts (lr schedule and step numbers stay aligned with
+                # an uninterrupted run); only the weights and their EMA stay where they were.
                 scheduler.step()
-                if ema is not None:
+                if ema is not None and not stats["skipped"]:
                     ema.update(model_without_ddp)
                 step += 1
+                skipped_steps += stats.pop("skipped")
+                nonfinite = stats.pop("nonfinite")
+                if nonfinite is not None:
+                    logger.warning("skipped step %d: %s (%d of %d allowed skips used)", step,
+                                   nonfinite, skipped_steps, skip_budget)
+                stats["skipped_steps"] = skipped_steps
                 global_samples = stats["samples"] * info.world_size
                 epoch_samples += global_samples
                 stats["samples_per_s"] = global_samples / max(1e-9, time.perf_counter() - step_start)
@@ -491,6 +503,7 @@ def train(cfg: Dict, args, info: dist_utils.DistInfo) -> Dict:
                                       if v is not None))
             state = training_state(model_without_ddp, ema, optimizer, scheduler, scaler, epoch,
                                    step, best_val, cfg, seed)
+            state["skipped_steps"] = skipped_steps      # the skip budget spans resumes
             # Rank 0 writes alone: should that fail (disk full), the others stop too, not wait.
             dist_utils.run_together(
                 lambda: save_run_checkpoints(run_dir, state, epoch, save_freq, is_best,
@@ -498,7 +511,8 @@ def train(cfg: Dict, args, info: dist_utils.DistInfo) -> Dict:
                 "saving checkpoints")
     finally:
         scalars.close()
-    return {"run_dir": str(run_dir), "history": history, "step": step}
+    return {"run_dir": str(run_dir), "history": history, "step": step,
+            "skipped_steps": skipped_steps}
 
 
 def main(argv=None) -> Dict:
