@@ -1,10 +1,12 @@
 """opencood.utils.dist: launcher parsing, collectives on real gloo ranks, process-group setup."""
 
+import datetime
 import logging
 import socket
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from opencood.utils import dist as dist_utils
 from dist_helpers import free_port, run_on_ranks
@@ -244,3 +246,39 @@ def test_setup_logging_other_ranks_only_warn(tmp_path, capsys):
     assert not (tmp_path / "run" / "train.log").exists()
     assert log.getEffectiveLevel() == logging.WARNING
     dist_utils.setup_logging(rank=0)  # leave the shared logger as rank 0 for other tests
+
+
+def _late_rank_body(rank, world_size, sleep_s, timeout_s, port):
+    """Rank 1 arrives ``sleep_s`` late at a monitored barrier of ``timeout_s``. The group is
+    this body's own: a barrier that timed out leaves it unusable for the harness's teardown."""
+    import time as time_module
+    from opencood.utils.dist import HungRankError, monitored_barrier
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=30))
+    if rank == 1:
+        time_module.sleep(sleep_s)
+    start = time_module.monotonic()
+    try:
+        monitored_barrier("the end of epoch 3", timeout_s)
+        outcome = None
+    except HungRankError as error:
+        outcome = str(error)
+    except RuntimeError as error:      # the late rank finds rank 0 gone: not what we test
+        outcome = f"runtime: {error}"
+    waited = time_module.monotonic() - start
+    dist.destroy_process_group()
+    return {"error": outcome, "waited": waited}
+
+
+def test_a_hung_rank_is_named_within_the_timeout():
+    rank0, rank1 = run_on_ranks(_late_rank_body, world_size=2, args=(6.0, 2.0, free_port()),
+                                init_group=False, timeout_s=30)
+    assert rank0["error"] == ("rank(s) 1 did not reach the end of epoch 3 within 2 s (seen from "
+                              "rank 0): stuck or dead; distributed.timeout_minutes sets the wait")
+    assert rank0["waited"] < 2.0 + 3.0     # the timeout, not the sleep, ended the wait
+
+
+def test_ranks_on_time_pass_the_monitored_barrier():
+    results = run_on_ranks(_late_rank_body, world_size=2, args=(0.0, 20.0, free_port()),
+                           init_group=False, timeout_s=40)
+    assert [r["error"] for r in results] == [None, None]

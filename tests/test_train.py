@@ -738,3 +738,31 @@ def test_unknown_model_name_is_a_one_line_error_listing_models(tmp_path):
     assert message == ("error: hypes_yaml/synthetic/smoke.yaml: model.core_method: unknown model "
                        "'pointpillar'; registered models: point_pillar, point_pillar_intermediate")
     assert not (tmp_path / "run").exists()   # refused before any file is written
+
+
+def _late_rank_main(rank, world_size, port, argv):
+    """trainer.main where rank 1 gets stuck after its last batch of epoch 1."""
+    import time as time_module
+    real_group = trainer.group_micro_batches
+
+    def stuck_after_the_epoch(loader, accum):
+        yield from real_group(loader, accum)
+        if rank == 1:
+            time_module.sleep(20)
+
+    trainer.group_micro_batches = stuck_after_the_epoch
+    start = time_module.monotonic()
+    outcome = _main_on_rank(rank, world_size, port, argv)
+    outcome["seconds"] = time_module.monotonic() - start
+    return outcome
+
+
+def test_a_stuck_rank_is_named_and_the_job_ends_within_the_timeout(data_root, tmp_path):
+    argv = ["--hypes_yaml", str(SMOKE_YAML), "--model_dir", str(tmp_path / "run"),
+            "--set", "train_params.epoches=1", "--set", "distributed.timeout_minutes=0.05",
+            *data_args(data_root, validate=None)]
+    rank0, _ = run_on_ranks(_late_rank_main, world_size=2, init_group=False, timeout_s=120,
+                            args=(free_port(), argv))
+    assert rank0.get("exit", "").startswith("error: rank(s) 1 did not reach the end of epoch 1 "
+                                            "within 3 s"), rank0
+    assert not (tmp_path / "run" / "last.pth").exists()   # stopped before saving the epoch

@@ -434,6 +434,7 @@ def train(cfg: Dict, args, info: dist_utils.DistInfo) -> Dict:
     keep_checkpoints = int(train_params.get("keep_checkpoints", 3))
     # Steps with a non-finite loss or gradients to skip before stopping (0: stop at the first).
     skip_budget = int(train_params.get("skip_nonfinite_steps", 0))
+    barrier_timeout_s = 60.0 * float((cfg.get("distributed") or {}).get("timeout_minutes", 30))
     skipped_steps = int(checkpoint.get("skipped_steps", 0)) if checkpoint is not None else 0
     grad_clip = train_params.get("grad_clip")
     history = {}
@@ -477,6 +478,9 @@ def train(cfg: Dict, args, info: dist_utils.DistInfo) -> Dict:
                     bar.update(1)
             if bar is not None:
                 bar.close()
+            # A rank stuck in its data or dead is named here, instead of leaving the others
+            # in the next collective until the process-group timeout with no name.
+            dist_utils.monitored_barrier(f"the end of epoch {epoch}", barrier_timeout_s)
             elapsed = time.perf_counter() - epoch_start
             logger.info("epoch %d/%d: loss %.4f, lr %.2e, %.1f samples/s", epoch, epochs,
                         stats["loss"], stats["lr"], epoch_samples / max(elapsed, 1e-9))

@@ -111,6 +111,37 @@ def barrier() -> None:
         dist.barrier()
 
 
+class HungRankError(OpencoodError):
+    """Some ranks did not reach a monitored barrier in time; the message names them."""
+
+
+def monitored_barrier(what: str, timeout_s: float) -> None:
+    """Wait for every rank; when some do not arrive within ``timeout_s``, raise on rank 0
+    naming them (gloo's monitored_barrier, through the gloo object group under NCCL).
+
+    Without it a rank stuck in I/O or a deadlock leaves the others in their next collective
+    until the process-group timeout, with an error that names no one.
+    """
+    if get_world_size() == 1:
+        return
+    try:
+        dist.monitored_barrier(group=_get_object_group(),
+                               timeout=datetime.timedelta(seconds=timeout_s), wait_all_ranks=True)
+    except RuntimeError as error:
+        late = sorted({int(rank) for rank in re.findall(r"\d+", _late_ranks_text(str(error)))})
+        names = ", ".join(map(str, late)) if late else "some"
+        raise HungRankError(f"rank(s) {names} did not reach {what} within {timeout_s:g} s "
+                            f"(seen from rank {get_rank()}): stuck or dead; "
+                            f"distributed.timeout_minutes sets the wait") from None
+
+
+def _late_ranks_text(message: str) -> str:
+    """The rank list of gloo's "Ranks 1, 3 failed to pass monitoredBarrier" message ('' when
+    the message has another form, e.g. on a non-zero rank whose rank 0 is gone)."""
+    match = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", message)
+    return match.group(1) if match else ""
+
+
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     """Sum ``tensor`` over ranks, in place, and return it (on the backend's device)."""
     if get_world_size() > 1:
