@@ -10,11 +10,12 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 import random
 import time
 from datetime import datetime
 from pathlib import Path
-from typing import Dict
+from typing import Dict, Mapping
 
 import numpy as np
 import torch
@@ -72,17 +73,34 @@ def resolve_config(args) -> Dict:
     return load_config(saved, args.overrides)
 
 
+def new_run_folder_name(name: str, env: Mapping[str, str], now: datetime) -> str:
+    """The folder of a run started without --model_dir.
+
+    A restarted job must find its own folder again, so where the launcher can restart workers
+    the name comes from the job, not the clock: SLURM's job id (stable across requeues), or
+    torchrun's rendezvous run id under ``--max-restarts`` (stable across restarts). A torchrun
+    job that may restart but has no run id (``--rdzv-id`` left at "none") must name its folder.
+    """
+    if env.get("SLURM_JOB_ID"):
+        return f"{name}_slurm{env['SLURM_JOB_ID']}"
+    if int(env.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0:
+        run_id = env.get("TORCHELASTIC_RUN_ID", "none")
+        if run_id in ("", "none"):
+            raise ConfigError("torchrun --max-restarts needs --model_dir RUN (or --rdzv-id): a "
+                              "restarted worker must find the run folder to resume from")
+        return f"{name}_{run_id}"
+    return f"{name}_{now.strftime('%Y_%m_%d_%H_%M_%S')}"
+
+
 def make_run_dir(cfg: Dict, args) -> Path:
     """Rank 0 picks (and creates) the run folder; every rank gets the same path."""
-    run_dir = None
+    # Named on every rank (the environment is the same): a refusal stops them all alike.
+    run_dir = Path(args.model_dir) if args.model_dir else Path(args.runs_root) / \
+        new_run_folder_name(cfg["name"], os.environ, datetime.now())
     if dist_utils.is_main_process():
-        if args.model_dir:
-            run_dir = Path(args.model_dir)
-        else:
-            stamp = datetime.now().strftime("%Y_%m_%d_%H_%M_%S")
-            run_dir = Path(args.runs_root) / f"{cfg['name']}_{stamp}"
         run_dir.mkdir(parents=True, exist_ok=True)
-    return Path(dist_utils.broadcast_object(str(run_dir) if run_dir else None))
+    return Path(dist_utils.broadcast_object(str(run_dir) if dist_utils.is_main_process()
+                                            else None))
 
 
 def seed_everything(seed: int) -> None:

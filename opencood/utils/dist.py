@@ -416,6 +416,20 @@ def _init_method(source: str, env: Mapping[str, str], master_addr: str, master_p
     return f"tcp://{master_addr}:{master_port}"
 
 
+def _restart_scoped_store(rank: int, world_size: int, timeout: datetime.timedelta,
+                          env: Mapping[str, str]) -> "dist.Store":
+    """torchrun's rendezvous store, with keys scoped to this restart of the worker group.
+
+    Under ``--max-restarts`` the restarted workers meet in the same store as the killed ones;
+    without a scope they can read the dead workers' addresses (gloo then fails with "connection
+    refused" during init). torchrun counts restarts in TORCHELASTIC_RESTART_COUNT.
+    """
+    store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size,
+                                       timeout=timeout))
+    return dist.PrefixStore(f"opencood_restart_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}",
+                            store)
+
+
 def init_distributed_mode(backend: str | None = None, timeout_minutes: float = 30,
                           env: Mapping[str, str] = os.environ) -> DistInfo:
     """Set up this process for training as torchrun, SLURM or a plain ``python`` launched it.
@@ -441,11 +455,17 @@ def init_distributed_mode(backend: str | None = None, timeout_minutes: float = 3
     backend = backend or ("nccl" if use_cuda else "gloo")
     if backend == "nccl" and not use_cuda:
         raise RuntimeError("backend 'nccl' needs CUDA, which is not available; use 'gloo'")
+    timeout = datetime.timedelta(minutes=timeout_minutes)
     try:
-        dist.init_process_group(backend=backend,
-                                init_method=_init_method(source, env, master_addr, master_port),
-                                rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(minutes=timeout_minutes))
+        if source == "torchrun" and env is os.environ:
+            dist.init_process_group(backend=backend, store=_restart_scoped_store(
+                rank, world_size, timeout, env), rank=rank, world_size=world_size,
+                timeout=timeout)
+        else:
+            dist.init_process_group(backend=backend,
+                                    init_method=_init_method(source, env, master_addr,
+                                                             master_port),
+                                    rank=rank, world_size=world_size, timeout=timeout)
     except RuntimeError as error:  # DistNetworkError from TCPStore is a RuntimeError
         if _is_address_in_use(error):
             raise RuntimeError(

@@ -1,0 +1,102 @@
+"""Fault tolerance under real launchers: a killed worker restarts and the run ends exactly where
+an uninterrupted one does; restarted workers find their run folder again."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+import torch
+
+from opencood.config import ConfigError
+from opencood.engine.trainer import new_run_folder_name
+from opencood.utils.checkpoint import load_checkpoint
+from opv2v_factory import write_simple_split
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SMOKE_YAML = REPO_ROOT / "hypes_yaml" / "synthetic" / "smoke.yaml"
+NOW = datetime(2026, 11, 23, 9, 30, 5)
+
+
+@pytest.mark.parametrize("env,expected", [
+    ({}, "smoke_2026_11_23_09_30_05"),
+    ({"TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_RUN_ID": "abc"},
+     "smoke_2026_11_23_09_30_05"),
+    ({"TORCHELASTIC_MAX_RESTARTS": "2", "TORCHELASTIC_RUN_ID": "5f1c"}, "smoke_5f1c"),
+    ({"SLURM_JOB_ID": "4242", "TORCHELASTIC_MAX_RESTARTS": "2"}, "smoke_slurm4242"),
+])
+def test_a_restartable_job_names_its_folder_after_the_job(env, expected):
+    assert new_run_folder_name("smoke", env, NOW) == expected
+
+
+def test_restarts_without_a_run_id_need_model_dir():
+    with pytest.raises(ConfigError, match="--max-restarts needs --model_dir"):
+        new_run_folder_name("smoke", {"TORCHELASTIC_MAX_RESTARTS": "1",
+                                      "TORCHELASTIC_RUN_ID": "none"}, NOW)
+
+
+# ---- kill -9 of a worker under torchrun --max-restarts=1 -------------------------------------
+
+EPOCHS = 12
+
+
+def torchrun_command(run_dir: Path, data: Path) -> list:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+            "--max-restarts=1", str(REPO_ROOT / "tools" / "train.py"),
+            "--hypes_yaml", str(SMOKE_YAML), "--model_dir", str(run_dir),
+            "--set", f"root_dir={data}", "--set", "validate_dir=null",
+            "--set", f"train_params.epoches={EPOCHS}", "--set", "train_params.save_freq=100"]
+
+
+def launch(run_dir: Path, data: Path, tmp_path: Path) -> subprocess.Popen:
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
+               OPENCOOD_CACHE=str(tmp_path / "cache"))
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
+    log = open(tmp_path / f"{run_dir.name}.log", "w")
+    return subprocess.Popen(torchrun_command(run_dir, data), env=env, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def worker_pids(agent_pid: int) -> list:
+    """The training processes torchrun's agent started (its children)."""
+    children = Path(f"/proc/{agent_pid}/task/{agent_pid}/children")
+    return [int(pid) for pid in children.read_text().split()] if children.exists() else []
+
+
+def saved_epoch(run_dir: Path) -> int:
+    try:
+        return int(load_checkpoint(run_dir / "last.pth")["epoch"])
+    except Exception:            # absent, or being replaced at this very moment
+        return 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
+def test_kill_9_of_a_worker_restarts_and_ends_with_the_uninterrupted_weights(tmp_path):
+    data = write_simple_split(tmp_path / "data" / "train", num_cavs=2,
+                              timestamps=tuple(f"{2 * i:06d}" for i in range(8)))
+    straight = launch(tmp_path / "straight", data, tmp_path)
+    assert straight.wait(timeout=300) == 0, (tmp_path / "straight.log").read_text()
+
+    killed = launch(tmp_path / "killed", data, tmp_path)
+    deadline = time.monotonic() + 240
+    while saved_epoch(tmp_path / "killed") < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    victims = worker_pids(killed.pid)
+    assert saved_epoch(tmp_path / "killed") < EPOCHS and len(victims) == 2, \
+        "the run ended before a worker could be killed"
+    os.kill(victims[1], signal.SIGKILL)
+    assert killed.wait(timeout=300) == 0, (tmp_path / "killed.log").read_text()
+
+    assert "exitcode: -9" in (tmp_path / "killed.log").read_text()   # torchrun saw the kill
+    assert "resumed from" in (tmp_path / "killed" / "train.log").read_text()
+    final_killed = load_checkpoint(tmp_path / "killed" / "last.pth")
+    final_straight = load_checkpoint(tmp_path / "straight" / "last.pth")
+    assert final_killed["epoch"] == final_straight["epoch"] == EPOCHS
+    for key, value in final_straight["model"].items():
+        assert torch.equal(final_killed["model"][key], value), key   # max abs difference 0
