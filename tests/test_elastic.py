@@ -42,7 +42,8 @@ def test_restarts_without_a_run_id_need_model_dir():
 
 # ---- kill -9 of a worker under torchrun --max-restarts=1 -------------------------------------
 
-EPOCHS = 12
+EPOCHS = 2
+TIMESTAMPS = 24          # 12 optimizer steps per epoch on 2 ranks (global batch 2)
 
 
 def torchrun_command(run_dir: Path, data: Path) -> list:
@@ -50,7 +51,8 @@ def torchrun_command(run_dir: Path, data: Path) -> list:
             "--max-restarts=1", str(REPO_ROOT / "tools" / "train.py"),
             "--hypes_yaml", str(SMOKE_YAML), "--model_dir", str(run_dir),
             "--set", f"root_dir={data}", "--set", "validate_dir=null",
-            "--set", f"train_params.epoches={EPOCHS}", "--set", "train_params.save_freq=100"]
+            "--set", f"train_params.epoches={EPOCHS}", "--set", "train_params.save_freq=100",
+            "--set", "train_params.checkpoint_every_steps=1"]
 
 
 def launch(run_dir: Path, data: Path, tmp_path: Path) -> subprocess.Popen:
@@ -68,33 +70,39 @@ def worker_pids(agent_pid: int) -> list:
     return [int(pid) for pid in children.read_text().split()] if children.exists() else []
 
 
-def saved_epoch(run_dir: Path) -> int:
+def saved_position(run_dir: Path) -> tuple:
+    """(last whole epoch, steps done in the next) of the run's last.pth; (0, 0) before one."""
     try:
-        return int(load_checkpoint(run_dir / "last.pth")["epoch"])
+        checkpoint = load_checkpoint(run_dir / "last.pth")
     except Exception:            # absent, or being replaced at this very moment
-        return 0
+        return 0, 0
+    return int(checkpoint["epoch"]), int(checkpoint.get("epoch_steps_done", 0))
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
-def test_kill_9_of_a_worker_restarts_and_ends_with_the_uninterrupted_weights(tmp_path):
+def test_kill_9_of_a_worker_mid_epoch_restarts_and_ends_with_the_uninterrupted_weights(
+        tmp_path):
+    """A checkpoint every step; one worker killed inside the first epoch. The restarted workers
+    resume inside that epoch and end bit-identical to an uninterrupted run."""
     data = write_simple_split(tmp_path / "data" / "train", num_cavs=2,
-                              timestamps=tuple(f"{2 * i:06d}" for i in range(8)))
+                              timestamps=tuple(f"{2 * i:06d}" for i in range(TIMESTAMPS)))
     straight = launch(tmp_path / "straight", data, tmp_path)
     assert straight.wait(timeout=300) == 0, (tmp_path / "straight.log").read_text()
 
     killed = launch(tmp_path / "killed", data, tmp_path)
     deadline = time.monotonic() + 240
-    while saved_epoch(tmp_path / "killed") < 2 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    while saved_position(tmp_path / "killed") < (0, 3) and time.monotonic() < deadline:
+        time.sleep(0.02)
     victims = worker_pids(killed.pid)
-    assert saved_epoch(tmp_path / "killed") < EPOCHS and len(victims) == 2, \
-        "the run ended before a worker could be killed"
+    assert saved_position(tmp_path / "killed")[0] == 0 and len(victims) == 2, \
+        "the first epoch ended before a worker could be killed"
     os.kill(victims[1], signal.SIGKILL)
     assert killed.wait(timeout=300) == 0, (tmp_path / "killed.log").read_text()
 
     assert "exitcode: -9" in (tmp_path / "killed.log").read_text()   # torchrun saw the kill
-    assert "resumed from" in (tmp_path / "killed" / "train.log").read_text()
+    log = (tmp_path / "killed" / "train.log").read_text()
+    assert "resumed from" in log and "epoch 1 continues after its first" in log
     final_killed = load_checkpoint(tmp_path / "killed" / "last.pth")
     final_straight = load_checkpoint(tmp_path / "straight" / "last.pth")
     assert final_killed["epoch"] == final_straight["epoch"] == EPOCHS

@@ -134,3 +134,17 @@ def test_split_global_batch_rejects_nonpositive():
 
 def test_describe_batch():
     assert describe_batch(2, 2, 2) == "global batch 8 = micro 2 x world 2 x accum 2"
+
+
+def test_resumable_batch_sampler_skips_the_first_batches_of_one_epoch_only():
+    batch_sampler, distributed = build_train_sampler(10, 2, rank=0, world_size=1, seed=3)
+    distributed.set_epoch(4)
+    whole = list(batch_sampler)
+    assert len(whole) == 5
+    batch_sampler.resume_in_epoch(4, 3)
+    assert list(batch_sampler) == whole[3:]       # the same order, minus what was done
+    assert list(batch_sampler) == whole[3:]       # every pass of that epoch (loader workers)
+    distributed.set_epoch(5)
+    assert len(list(batch_sampler)) == 5          # the next epoch is whole
+    with pytest.raises(ValueError):
+        batch_sampler.resume_in_epoch(4, -1)

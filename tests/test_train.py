@@ -19,7 +19,7 @@ import yaml
 from opencood.engine import trainer
 from opencood.engine.optim import build_optimizer, build_scheduler, lr_factor
 from opencood.utils import dist as dist_utils
-from opencood.utils.checkpoint import load_checkpoint
+from opencood.utils.checkpoint import history_path, load_checkpoint
 from opencood.utils.dist import DistInfo
 from dist_helpers import free_port, run_on_ranks
 from process_state import TORCH_SWITCHES, preserved_opencood_logger, preserved_torch_switches
@@ -351,9 +351,13 @@ def test_model_summary_does_not_change_the_model(data_root):
 
 
 def _resume_args(root: Path):
+    # A checkpoint after every step (kept), so mid-epoch resumes can start from any of them;
+    # saving must not change the run (the straight run is the reference of every resume).
     return ["--set", "train_params.epoches=4", "--set", "train_params.eval_freq=4",
             "--set", "ema.enabled=true", "--set", "ema.tau=2",
-            "--set", "train_params.save_freq=2", *data_args(root)]
+            "--set", "train_params.save_freq=2",
+            "--set", "train_params.checkpoint_every_steps=1",
+            "--set", "train_params.keep_checkpoints=20", *data_args(root)]
 
 
 def _interrupted_copy(run_dir: Path, epoch: int, target: Path) -> Path:
@@ -411,6 +415,43 @@ def test_resume_matches_uninterrupted_training(straight_run, tmp_path, workers, 
     assert resumed["history"][4] == straight["history"][4]
     _assert_same_training_state(load_checkpoint(resume_dir / "last.pth"), straight_state)
     assert "resumed from" in (resume_dir / "train.log").read_text()
+
+
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
+def test_resume_from_inside_an_epoch_matches_uninterrupted_training(straight_run, tmp_path,
+                                                                    workers, cpu_only):
+    """A job killed after step 5 (the first of epoch 3's two steps) resumes from that step's
+    checkpoint and ends exactly where the uninterrupted run does: the same batches, augmentations
+    and random draws. TensorBoard drops what the killed job logged after step 5."""
+    straight_dir, straight, straight_state = straight_run
+    mid_epoch = load_checkpoint(history_path(straight_dir, 5))
+    assert (mid_epoch["epoch"], mid_epoch["epoch_steps_done"], mid_epoch["step"]) == (2, 1, 5)
+    assert "epoch_steps_done" not in load_checkpoint(history_path(straight_dir, 6))
+
+    resume_dir = tmp_path / "resumed"
+    shutil.copytree(straight_dir, resume_dir)           # events of steps 1-8 included
+    shutil.copy(history_path(straight_dir, 5), resume_dir / "last.pth")
+    resumed = trainer.main(["--model_dir", str(resume_dir),
+                            "--set", f"train_params.num_workers={workers}"])
+    assert resumed["step"] == 8 and sorted(resumed["history"]) == [3, 4]
+    assert resumed["history"][4] == straight["history"][4]
+    _assert_same_training_state(load_checkpoint(resume_dir / "last.pth"), straight_state)
+    assert "epoch 3 continues after its first 1 of 2 steps" in \
+        (resume_dir / "train.log").read_text()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(resume_dir))
+    events.Reload()
+    assert [event.step for event in events.Scalars("train/loss")] == list(range(1, 9))
+
+
+def test_checkpoint_schedule_by_steps_and_refusal_of_negative_values():
+    every_two = trainer.MidEpochCheckpoints(every_steps=2, every_minutes=0)
+    assert [step for step in range(1, 8) if every_two.due(step)] == [2, 4, 6]
+    assert not any(trainer.MidEpochCheckpoints(0, 0).due(step) for step in range(1, 8))
+    overdue = trainer.MidEpochCheckpoints(every_steps=0, every_minutes=1e-9)
+    assert overdue.due(1)
+    with pytest.raises(trainer.ConfigError, match="checkpoint_every_steps"):
+        trainer.MidEpochCheckpoints(-1, 0)
 
 
 def test_restore_grad_scaler_loads_skips_or_ignores():

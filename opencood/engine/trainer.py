@@ -254,6 +254,13 @@ def training_state(model_without_ddp, ema, optimizer, scheduler, scaler, epoch: 
     }
 
 
+def save_mid_epoch_checkpoint(run_dir: Path, state: Dict, keep: int) -> None:
+    """Rank 0 only: last.pth and its history file, from inside an epoch (``state`` holds
+    ``epoch`` = the last whole epoch and ``epoch_steps_done`` = the steps done in the next)."""
+    if dist_utils.is_main_process():
+        save_with_history(run_dir, state, int(state["step"]), keep)
+
+
 def save_run_checkpoints(run_dir: Path, state: Dict, epoch: int, save_freq: int,
                          is_best: bool, keep: int = 3) -> None:
     """Rank 0 only: last.pth and checkpoints/step_N.pth (the ``keep`` newest) always,
@@ -265,6 +272,32 @@ def save_run_checkpoints(run_dir: Path, state: Dict, epoch: int, save_freq: int,
         save_checkpoint(run_dir / f"epoch_{epoch}.pth", state)
     if is_best:
         save_checkpoint(run_dir / "best.pth", state)
+
+
+class MidEpochCheckpoints:
+    """When to save inside an epoch, so that a killed job loses at most that much work.
+
+    ``every_steps`` (optimizer steps) is the same decision on every rank by construction;
+    ``every_minutes`` is decided collectively (any rank's clock), because saving gathers every
+    rank's generator states and all ranks must join it. 0 turns either off.
+    """
+
+    def __init__(self, every_steps: int, every_minutes: float):
+        if every_steps < 0 or every_minutes < 0:
+            raise ConfigError("train_params.checkpoint_every_steps and checkpoint_every_minutes "
+                              "must be >= 0 (0 turns them off)")
+        self.every_steps, self.every_minutes = every_steps, every_minutes
+        self.last_save = time.monotonic()
+
+    def due(self, step: int) -> bool:
+        by_steps = self.every_steps > 0 and step % self.every_steps == 0
+        if self.every_minutes <= 0:
+            return by_steps
+        late = time.monotonic() - self.last_save >= 60.0 * self.every_minutes
+        return dist_utils.any_across_ranks(by_steps or late)
+
+    def saved(self) -> None:
+        self.last_save = time.monotonic()
 
 
 def restore_grad_scaler(scaler: torch.amp.GradScaler, state: Dict | None) -> None:
@@ -305,11 +338,14 @@ def find_resume_checkpoint(run_dir: Path):
 class ScalarLogger:
     """TensorBoard scalars on rank 0 (no-op elsewhere)."""
 
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, resume_step: int | None = None):
         self.writer = None
         if dist_utils.is_main_process():
             from torch.utils.tensorboard import SummaryWriter
-            self.writer = SummaryWriter(log_dir=str(run_dir))
+            # A resumed run drops what the interrupted one logged after its checkpoint: those
+            # steps run again, and the curves must not hold them twice.
+            purge = resume_step + 1 if resume_step is not None else None
+            self.writer = SummaryWriter(log_dir=str(run_dir), purge_step=purge)
 
     def scalars(self, values: Dict[str, float], step: int, prefix: str) -> None:
         if self.writer is None:
@@ -329,11 +365,12 @@ class ScalarLogger:
             self.writer.close()
 
 
-def progress_bar(total: int, epoch: int):
+def progress_bar(total: int, epoch: int, done: int = 0):
     if not dist_utils.is_main_process():
         return None
     from tqdm import tqdm
-    return tqdm(total=total, desc=f"epoch {epoch}", unit="step", dynamic_ncols=True, leave=False)
+    return tqdm(total=total, initial=done, desc=f"epoch {epoch}", unit="step",
+                dynamic_ncols=True, leave=False)
 
 
 def log_model_summary(model, preparer, loader) -> None:
@@ -435,19 +472,26 @@ def train(cfg: Dict, args, info: dist_utils.DistInfo) -> Dict:
                                 epochs * steps_per_epoch, steps_per_epoch)
     amp_dtype, scaler = amp_settings(cfg, info.device)
 
-    start_epoch, step, best_val = 1, 0, math.inf
+    start_epoch, step, best_val, resume_steps = 1, 0, math.inf, 0
     if checkpoint is not None:
         optimizer.load_state_dict(checkpoint["optimizer"])
         scheduler.load_state_dict(checkpoint["scheduler"])
         restore_grad_scaler(scaler, checkpoint.get("scaler"))
         start_epoch, step = int(checkpoint["epoch"]) + 1, int(checkpoint["step"])
+        # Optimizer steps already done in epoch start_epoch (a checkpoint saved mid-epoch).
+        resume_steps = int(checkpoint.get("epoch_steps_done", 0))
         best_val = float(checkpoint.get("best_val_loss", math.inf))
         restore_rank_rng_state(checkpoint, info)
         logger.info("resumed from %s at epoch %d (step %d)", ckpt_path, start_epoch - 1, step)
+        if resume_steps:
+            logger.info("epoch %d continues after its first %d of %d steps", start_epoch,
+                        resume_steps, steps_per_epoch)
     else:
         log_model_summary(model_without_ddp, preparer, train_loader)
 
-    scalars = ScalarLogger(run_dir)
+    scalars = ScalarLogger(run_dir, resume_step=step if checkpoint is not None else None)
+    mid_epoch = MidEpochCheckpoints(int(train_params.get("checkpoint_every_steps", 0)),
+                                    float(train_params.get("checkpoint_every_minutes", 0)))
     save_freq = int(train_params.get("save_freq", 1))
     keep_checkpoints = int(train_params.get("keep_checkpoints", 3))
     # Steps with a non-finite loss or gradients to skip before stopping (0: stop at the first).
@@ -463,8 +507,11 @@ def train(cfg: Dict, args, info: dist_utils.DistInfo) -> Dict:
             # The loader's generator seeds its workers: a function of (seed, epoch) only, so a
             # resumed run draws exactly what an uninterrupted one would.
             train_loader.generator.manual_seed(seed * 100003 + epoch)
+            # Resumed mid-epoch: the same shuffled order, without the steps already done.
+            epoch_steps_done = resume_steps if epoch == start_epoch else 0
+            train_loader.batch_sampler.resume_in_epoch(epoch, epoch_steps_done * accum)
             model.train()
-            bar = progress_bar(steps_per_epoch, epoch)
+            bar = progress_bar(steps_per_epoch, epoch, epoch_steps_done)
             epoch_start, epoch_samples = time.perf_counter(), 0
             for micro_batches in group_micro_batches(train_loader, accum):
                 step_start = time.perf_counter()
@@ -494,6 +541,15 @@ def train(cfg: Dict, args, info: dist_utils.DistInfo) -> Dict:
                     bar.set_postfix(loss=f"{stats['loss']:.3f}", lr=f"{stats['lr']:.2e}",
                                     sps=f"{stats['samples_per_s']:.1f}")
                     bar.update(1)
+                epoch_steps_done += 1
+                if epoch_steps_done < steps_per_epoch and mid_epoch.due(step):
+                    state = training_state(model_without_ddp, ema, optimizer, scheduler, scaler,
+                                           epoch - 1, step, best_val, cfg, seed)
+                    state.update(epoch_steps_done=epoch_steps_done, skipped_steps=skipped_steps)
+                    dist_utils.run_together(
+                        lambda: save_mid_epoch_checkpoint(run_dir, state, keep_checkpoints),
+                        "saving a mid-epoch checkpoint")
+                    mid_epoch.saved()
             if bar is not None:
                 bar.close()
             # A rank stuck in its data or dead is named here, instead of leaving the others
@@ -531,6 +587,7 @@ def train(cfg: Dict, args, info: dist_utils.DistInfo) -> Dict:
                 lambda: save_run_checkpoints(run_dir, state, epoch, save_freq, is_best,
                                              keep_checkpoints),
                 "saving checkpoints")
+            mid_epoch.saved()
     finally:
         scalars.close()
     return {"run_dir": str(run_dir), "history": history, "step": step,

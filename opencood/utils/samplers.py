@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Iterator
 
 from torch.utils.data import BatchSampler, DistributedSampler, Sampler
@@ -54,9 +55,35 @@ class InferenceSampler(Sampler[int]):
         return self.end - self.begin
 
 
+class ResumableBatchSampler(BatchSampler):
+    """A ``BatchSampler`` over a ``DistributedSampler`` whose passes in one given epoch start
+    part-way through.
+
+    A run resumed from a checkpoint saved inside an epoch must see exactly the batches an
+    uninterrupted run would see next: the same shuffled order (``set_epoch`` on the wrapped
+    sampler), minus the batches already trained on. Skipping here, on indices, costs nothing;
+    skipping loaded batches would read and augment them for nothing. The skip is tied to the
+    epoch, not to one ``iter()`` call: a DataLoader with workers calls ``iter()`` twice per pass.
+    """
+
+    def __init__(self, sampler: DistributedSampler, batch_size: int, drop_last: bool):
+        super().__init__(sampler, batch_size, drop_last)
+        self._skip_epoch, self._skip_batches = None, 0
+
+    def resume_in_epoch(self, epoch: int, batches: int) -> None:
+        """Passes while the sampler is at ``epoch`` omit their first ``batches`` batches."""
+        if batches < 0:
+            raise ValueError(f"cannot skip {batches} batches")
+        self._skip_epoch, self._skip_batches = epoch, batches
+
+    def __iter__(self):
+        skip = self._skip_batches if self.sampler.epoch == self._skip_epoch else 0
+        return itertools.islice(super().__iter__(), skip, None)
+
+
 def build_train_sampler(dataset_len: int, micro_batch: int, rank: int, world_size: int,
                         seed: int, shuffle: bool = True
-                        ) -> tuple[BatchSampler, DistributedSampler]:
+                        ) -> tuple[ResumableBatchSampler, DistributedSampler]:
     """Per-rank batches of ``micro_batch`` sample indices for training.
 
     Returns ``(batch_sampler, distributed_sampler)``: pass the first to
@@ -77,5 +104,5 @@ def build_train_sampler(dataset_len: int, micro_batch: int, rank: int, world_siz
     # DistributedSampler only needs len(dataset); a range stands in for the data set.
     distributed_sampler = DistributedSampler(range(dataset_len), num_replicas=world_size,
                                              rank=rank, shuffle=shuffle, seed=seed)
-    batch_sampler = BatchSampler(distributed_sampler, micro_batch, drop_last=True)
+    batch_sampler = ResumableBatchSampler(distributed_sampler, micro_batch, drop_last=True)
     return batch_sampler, distributed_sampler
