@@ -9,7 +9,7 @@ import torch
 
 @contextlib.contextmanager
 def preserved_opencood_logger():
-    """In-process trainer.main runs reconfigure the "opencood" logger (file handler, no
+    """In-process tools/train.py runs reconfigure the "opencood" logger (file handler, no
     propagation); put it back so later tests (caplog included) see the usual logger."""
     log = logging.getLogger("opencood")
     handlers, level, propagate = list(log.handlers), log.level, log.propagate

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from opencood.config import ConfigError
-from opencood.engine.trainer import new_run_folder_name
+from opencood.engine.recipe import new_run_folder_name
 from opencood.utils.checkpoint import load_checkpoint
 from opv2v_factory import write_simple_split
 

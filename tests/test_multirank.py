@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from tool_modules import load_tool
 from dist_helpers import free_port, run_on_ranks
 from opv2v_factory import write_simple_split
 from process_state import preserved_opencood_logger
@@ -25,7 +26,7 @@ from opencood.config import load_config
 from opencood.data.collate import collate_samples
 from opencood.data.datasets import build_dataset
 from opencood.data.pipeline import BatchPreparer
-from opencood.engine import trainer
+from opencood.engine import recipe, state as train_state
 from opencood.engine.loop import validation_loss
 from opencood.losses import build_loss
 from opencood.utils import dist as dist_utils
@@ -35,6 +36,7 @@ from opencood.utils.samplers import InferenceSampler
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SMOKE_YAML = REPO_ROOT / "hypes_yaml" / "synthetic" / "smoke.yaml"
 CPU = torch.device("cpu")
+trainer = load_tool("train")   # tools/train.py: the flow a user runs
 VAL_BATCHES = (1, 2, 3)
 VAL_SAMPLES = 5   # divisible by neither 2 nor 3: shards of 3+2 and 2+2+1
 
@@ -155,7 +157,7 @@ def _sync_batchnorm_on_cpu(self, input):
 
 def _collective_order_on_rank(rank, world_size, port, argv):
     """The trainer with SyncBN forced on CPU, recording its collectives up to the end."""
-    trainer.use_sync_batchnorm = lambda info: info.world_size > 1
+    recipe.use_sync_batchnorm = lambda info: info.world_size > 1
     torch.nn.SyncBatchNorm.forward = _sync_batchnorm_on_cpu
     # DDP refuses SyncBatchNorm in a CPU module; the stand-in runs on CPU.
     DistributedDataParallel._passing_sync_batchnorm_handle = lambda self, module: None
@@ -218,7 +220,7 @@ def _trainer_job(rank, world_size, port, argv) -> dict:
     from opencood.utils.checkpoint import capture_rng_state
     validated, at_save, after_restore = [], [], []
     real = {name: getattr(trainer, name) for name in
-            ("validate", "make_loss_fn", "training_state", "restore_rank_rng_state")}
+            ("validate", "make_loss_fn", "training_state", "restore_training")}
 
     def validate_spy(model_for_eval, *args):
         validated.append({key: value.detach().clone()
@@ -240,11 +242,12 @@ def _trainer_job(rank, world_size, port, argv) -> dict:
         return real["training_state"](*args)
 
     def restore_spy(*args):
-        real["restore_rank_rng_state"](*args)
+        progress = real["restore_training"](*args)
         after_restore.append(capture_rng_state())
+        return progress
 
     trainer.validate, trainer.make_loss_fn = validate_spy, make_loss_fn_spy
-    trainer.training_state, trainer.restore_rank_rng_state = training_state_spy, restore_spy
+    trainer.training_state, trainer.restore_training = training_state_spy, restore_spy
     try:
         outcome = _run_trainer_on_rank(rank, world_size, port, argv)
     finally:
@@ -359,7 +362,7 @@ def validation_losses(root: Path, rank: int, world_size: int) -> list:
     """[(loss, samples)] of fixed weights at each of VAL_BATCHES, all ranks together."""
     cfg = _config(root)
     model = _fixed_model(cfg)
-    loss_fn = trainer.make_validation_loss_fn(BatchPreparer.from_config(cfg, CPU),
+    loss_fn = recipe.make_validation_loss_fn(BatchPreparer.from_config(cfg, CPU),
                                               build_loss(cfg["loss"]))
     dataset = build_dataset(cfg, "validate", train=False, count_ego_points=False)
     losses = []
@@ -425,12 +428,12 @@ def _validate_in_one_process(run_dir: Path, checkpoint_name: str) -> dict:
     from opencood.utils.checkpoint import load_checkpoint
     cfg = load_config(run_dir / "config.yaml")
     info = DistInfo(0, 1, 0, False, None, CPU)
-    _, _, _, val_loaders = trainer.build_loaders(cfg, info, micro_batch=1, seed=0)
+    val_loaders = recipe.build_validation_loaders(cfg, info, micro_batch=1)
     path = run_dir / checkpoint_name
     _, model, _ = trainer.prepare_model(cfg, info, load_checkpoint(path), path)
     preparer = BatchPreparer.from_config(cfg, CPU)
-    loss_fn = trainer.make_validation_loss_fn(preparer, build_loss(cfg["loss"]))
-    results, count, _ = trainer.validate(model, val_loaders, loss_fn, info, None, cfg, 1,
+    loss_fn = recipe.make_validation_loss_fn(preparer, build_loss(cfg["loss"]))
+    results, count, _ = recipe.validate(model, val_loaders, loss_fn, info, None, cfg, 1,
                                          preparer)
     assert count == VAL_SAMPLES
     return results
@@ -525,7 +528,7 @@ def test_resume_on_another_world_size_restores_rank_0s_generators(two_rank_sessi
         shutil.copy(run_dir / name, copy / name)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     restored = []
-    monkeypatch.setattr(trainer, "restore_rng_state", restored.append)
+    monkeypatch.setattr(train_state, "restore_rng_state", restored.append)
     result = trainer.main(["--model_dir", str(copy), "--set", "train_params.epoches=3"])
     assert result["step"] == 6 and len(restored) == 1
     assert _same_rng(restored[0], rank_0)

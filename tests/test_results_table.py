@@ -93,7 +93,7 @@ def test_dry_run_plans_equal_steps_from_the_real_data_set(data_dir, late_smoke_y
     assert (f"--nproc_per_node=2 tools/train.py --hypes_yaml {SMOKE_YAML} --model_dir "
             f"{tmp_path / 'runs' / 'smoke'} --set train_params.epoches=4 "
             f"--set train_params.eval_freq=4 --set train_params.save_freq=4 "
-            f"--set root_dir={data_dir / 'train'}") in out
+            f"--set train_params.max_steps=8 --set root_dir={data_dir / 'train'}") in out
     assert f"eval.py --model_dir {tmp_path / 'runs' / 'late_smoke'} --split test" in out
     assert "seed=" not in out and "_seed" not in out      # one seed: the commands of old
     assert not (tmp_path / "runs").exists()

@@ -363,8 +363,10 @@ def test_gpu_checks_rehearsal_runs_every_step(tmp_path):
     script = str(REPO_ROOT / "tools" / "gpu_checks.sh")
 
     def run(data_dir):
+        # The script runs "python": this interpreter's, whether or not its venv is activated.
+        path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
         env = {**os.environ, "QUICK": "1", "OUT": str(tmp_path / "out"), "DATA": str(data_dir),
-               "PYTHONPATH": str(REPO_ROOT)}
+               "PYTHONPATH": str(REPO_ROOT), "PATH": path}
         return subprocess.run(["bash", script], env=env, capture_output=True, text=True,
                               timeout=300)
 

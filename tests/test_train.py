@@ -1,4 +1,4 @@
-"""tools/train.py end to end (DESIGN §6): real runs of ``opencood.engine.trainer.main`` on tiny
+"""tools/train.py end to end (DESIGN §6): real runs of ``tools/train.py``'s ``main`` on tiny
 OPV2V-format data, single process and 2 gloo ranks on CPU.
 
 Spawned ranks each import torch (seconds on a loaded machine), so all 2-rank runs share one
@@ -16,7 +16,8 @@ import pytest
 import torch
 import yaml
 
-from opencood.engine import trainer
+from opencood.config import ConfigError
+from opencood.engine import recipe, state as train_state
 from opencood.engine.optim import build_optimizer, build_scheduler, lr_factor
 from opencood.utils import dist as dist_utils
 from opencood.utils.checkpoint import history_path, load_checkpoint
@@ -24,6 +25,7 @@ from opencood.utils.dist import DistInfo
 from dist_helpers import free_port, run_on_ranks
 from process_state import TORCH_SWITCHES, preserved_opencood_logger, preserved_torch_switches
 from opv2v_factory import write_simple_split
+from tool_modules import load_tool
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = REPO_ROOT / "hypes_yaml" / "synthetic"
@@ -36,6 +38,7 @@ SLOW_DDP_CONFIGS = [name for name in FUSION_CONFIGS
 TRAIN_SCALARS = ("loss", "lr", "grad_norm", "samples_per_s")
 VAL_SCALARS = ("loss", "ap_50")
 CPU = torch.device("cpu")
+trainer = load_tool("train")   # tools/train.py: the flow a user runs
 
 
 @pytest.fixture(autouse=True)
@@ -118,8 +121,8 @@ def _main_on_rank(rank, world_size, port, argv):
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     written = []  # files this rank's trainer asked to write (both ranks share the folder)
     prepared = {}
-    save_checkpoint, save_config = trainer.save_checkpoint, trainer.save_config
-    save_with_history = trainer.save_with_history
+    save_checkpoint, save_config = train_state.save_checkpoint, trainer.save_config
+    save_with_history = train_state.save_with_history
     prepare_model = trainer.prepare_model
 
     def checkpoint_spy(path, state):
@@ -139,8 +142,8 @@ def _main_on_rank(rank, world_size, port, argv):
         prepared.update(_describe_prepared_model(model, bare, info))
         return model, bare, ema
 
-    trainer.save_checkpoint, trainer.save_config = checkpoint_spy, config_spy
-    trainer.save_with_history = history_spy
+    train_state.save_checkpoint, trainer.save_config = checkpoint_spy, config_spy
+    train_state.save_with_history = history_spy
     trainer.prepare_model = prepare_spy
     try:
         return {"result": trainer.main(argv), "written": written, "model": prepared}
@@ -149,8 +152,8 @@ def _main_on_rank(rank, world_size, port, argv):
     except BaseException:  # reported by the test that owns this part
         return {"error": traceback.format_exc()}
     finally:
-        trainer.save_checkpoint, trainer.save_config = save_checkpoint, save_config
-        trainer.save_with_history = save_with_history
+        train_state.save_checkpoint, trainer.save_config = save_checkpoint, save_config
+        train_state.save_with_history = save_with_history
         trainer.prepare_model = prepare_model
 
 
@@ -339,11 +342,14 @@ def test_model_summary_does_not_change_the_model(data_root):
     cfg = load_config(SMOKE_YAML, [arg for arg in data_args(data_root, validate=None)
                                    if arg != "--set"])
     info = DistInfo(0, 1, 0, False, None, CPU)
-    _, loader, _, _ = trainer.build_loaders(cfg, info, micro_batch=2, seed=0)
+    from opencood.data.collate import collate_samples
+    from opencood.data.datasets import build_dataset
+    loader = torch.utils.data.DataLoader(build_dataset(cfg, "train", train=True), batch_size=2,
+                                         collate_fn=collate_samples)
     model, _, _ = trainer.prepare_model(cfg, info, None, None)
     before = {key: value.clone() for key, value in model.state_dict().items()}
     assert any("running_mean" in key for key in before)  # the summary's forward would move them
-    trainer.log_model_summary(model, BatchPreparer.from_config(cfg, CPU), loader)
+    recipe.log_model_summary(model, BatchPreparer.from_config(cfg, CPU), loader)
     changed = [key for key, value in model.state_dict().items()
                if not torch.equal(value, before[key])]
     assert not changed
@@ -445,25 +451,25 @@ def test_resume_from_inside_an_epoch_matches_uninterrupted_training(straight_run
 
 
 def test_checkpoint_schedule_by_steps_and_refusal_of_negative_values():
-    every_two = trainer.MidEpochCheckpoints(every_steps=2, every_minutes=0)
+    every_two = train_state.MidEpochCheckpoints(every_steps=2, every_minutes=0)
     assert [step for step in range(1, 8) if every_two.due(step)] == [2, 4, 6]
-    assert not any(trainer.MidEpochCheckpoints(0, 0).due(step) for step in range(1, 8))
-    overdue = trainer.MidEpochCheckpoints(every_steps=0, every_minutes=1e-9)
+    assert not any(train_state.MidEpochCheckpoints(0, 0).due(step) for step in range(1, 8))
+    overdue = train_state.MidEpochCheckpoints(every_steps=0, every_minutes=1e-9)
     assert overdue.due(1)
-    with pytest.raises(trainer.ConfigError, match="checkpoint_every_steps"):
-        trainer.MidEpochCheckpoints(-1, 0)
+    with pytest.raises(ConfigError, match="checkpoint_every_steps"):
+        train_state.MidEpochCheckpoints(-1, 0)
 
 
 def test_restore_grad_scaler_loads_skips_or_ignores():
     saved = torch.amp.GradScaler("cpu", init_scale=1024.0).state_dict()
     enabled = torch.amp.GradScaler("cpu")
-    trainer.restore_grad_scaler(enabled, saved)
+    train_state.restore_grad_scaler(enabled, saved)
     assert enabled.get_scale() == 1024.0
     fresh = torch.amp.GradScaler("cpu", init_scale=4096.0)
-    trainer.restore_grad_scaler(fresh, {})    # saved without fp16: torch would raise here
+    train_state.restore_grad_scaler(fresh, {})    # saved without fp16: torch would raise here
     assert fresh.get_scale() == 4096.0
     disabled = torch.amp.GradScaler("cpu", enabled=False)
-    trainer.restore_grad_scaler(disabled, saved)  # an fp16 run resumed without fp16
+    train_state.restore_grad_scaler(disabled, saved)  # an fp16 run resumed without fp16
     assert not disabled.is_enabled() and disabled.state_dict() == {}
 
 
@@ -741,7 +747,7 @@ def test_corrupt_pcd_in_a_worker_is_a_one_line_error(tmp_path):
     """A file the loader cannot parse stops training with one line naming the file, even when
     the error is raised inside a DataLoader worker process."""
     from tests.opv2v_factory import write_simple_split
-    from opencood.engine.trainer import main
+    main = trainer.main
 
     split = write_simple_split(tmp_path / "data" / "train", num_cavs=2)
     broken = sorted(split.rglob("*.pcd"))[1]
@@ -757,7 +763,7 @@ def test_corrupt_pcd_in_a_worker_is_a_one_line_error(tmp_path):
 def test_amp_is_used_on_cuda_only():
     """The opv2v yamls enable bf16 for GPUs; on CPU training stays fp32 (autocast there is
     slower than fp32), and fp16 gets a GradScaler only on CUDA."""
-    from opencood.engine.trainer import amp_settings
+    from opencood.engine.recipe import amp_settings
 
     cfg = {"amp": {"enabled": True, "dtype": "bf16"}}
     dtype, scaler = amp_settings(cfg, torch.device("cpu"))
@@ -768,7 +774,7 @@ def test_amp_is_used_on_cuda_only():
 
 def test_unknown_model_name_is_a_one_line_error_listing_models(tmp_path):
     from tests.opv2v_factory import write_simple_split
-    from opencood.engine.trainer import main
+    main = trainer.main
 
     split = write_simple_split(tmp_path / "data" / "train", num_cavs=2)
     with pytest.raises(SystemExit) as info:

@@ -362,8 +362,8 @@ class ModelBench:
     def __init__(self, suite: Suite):
         from opencood.data.pipeline import BatchPreparer
         from opencood.engine.optim import build_optimizer
-        from opencood.engine.trainer import (amp_settings, configure_cuda, make_loss_fn,
-                                             prepare_model)
+        from opencood.engine.recipe import (amp_settings, configure_cuda, make_loss_fn,
+                                            prepare_model)
         from opencood.losses import build_loss
         from opencood.utils.dist import DistInfo
 

@@ -44,6 +44,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from opencood.config import ConfigError, get_key, load_config  # noqa: E402
 from opencood.errors import OpencoodError, one_line  # noqa: E402
+from opencood.utils.batching import epochs_for_steps, steps_per_epoch  # noqa: E402
 
 DEFAULT_PRESET_DIR = REPO_ROOT / "hypes_yaml" / "synthetic"
 # The README's row order.
@@ -58,27 +59,6 @@ class TableError(OpencoodError):
 
 
 # -- plain computations (unit-tested) ---------------------------------------------------------
-
-def steps_per_epoch(num_examples: int, global_batch: int, world_size: int = 1,
-                    max_micro_batch: Optional[int] = None) -> int:
-    """Optimizer steps of one epoch, exactly as ``opencood.engine.trainer`` counts them.
-
-    Each of ``world_size`` ranks gets ceil(N / world) indices, cut into micro-batches (an
-    incomplete one dropped), grouped ``accum`` at a time. When ``global_batch`` divides N this is
-    N / global_batch; otherwise the trainer drops the tail (the floor, not the ceiling).
-    """
-    from opencood.utils.batching import split_global_batch
-    micro, accum = split_global_batch(int(global_batch), int(world_size), max_micro_batch)
-    per_rank = -(-int(num_examples) // int(world_size))
-    return (per_rank // micro) // accum
-
-
-def epochs_for_steps(target_steps: int, epoch_steps: int) -> int:
-    """Fewest whole epochs reaching ``target_steps`` optimizer steps: ceil(target / per epoch)."""
-    if epoch_steps < 1:
-        raise ValueError(f"an epoch of {epoch_steps} steps cannot reach {target_steps} steps")
-    return max(1, math.ceil(int(target_steps) / int(epoch_steps)))
-
 
 def eval_file_name(split: str, fusion: str) -> str:
     """Name of the clean-setting result tools/eval.py writes (see ``evaluate_setting``)."""
@@ -292,13 +272,15 @@ def plan_model(path: Path, overrides: List[str], args, nproc: int) -> Dict:
     if epoch_steps < 1:
         raise TableError(f"{path}: {examples} training examples give no full global batch of "
                          f"{params['batch_size']} over {nproc} processes")
-    if args.steps is not None:
-        epochs = epochs_for_steps(args.steps, epoch_steps)
+    max_steps = args.steps   # tools/train.py stops there (train_params.max_steps)
+    if max_steps is not None:
+        epochs = epochs_for_steps(max_steps, epoch_steps)
     else:
         epochs = args.epochs if args.epochs is not None else int(params["epoches"])
     return {"model": path.stem, "config": path, "fusion": cfg["fusion"]["core_method"],
             "examples": examples, "steps_per_epoch": epoch_steps, "epochs": epochs,
-            "steps": epochs * epoch_steps, "base_seed": int(cfg.get("seed", 0))}
+            "steps": max_steps if max_steps is not None else epochs * epoch_steps,
+            "max_steps": max_steps, "base_seed": int(cfg.get("seed", 0))}
 
 
 def seed_runs(plan: Dict, seeds: int) -> List[Dict]:
@@ -333,7 +315,8 @@ def resolve_program(command: List[str]) -> List[str]:
 
 
 def train_command(plan: Dict, run_dir: Path, nproc: int, overrides: List[str]) -> List[str]:
-    """The torchrun command training one model for ``plan["epochs"]`` epochs."""
+    """The torchrun command training one model for ``plan["epochs"]`` epochs (the last one cut
+    at ``plan["max_steps"]`` optimizer steps when the table gives every model the same steps)."""
     epochs = plan["epochs"]
     command = ["torchrun", "--standalone", f"--nproc_per_node={nproc}",
                             _rel(REPO_ROOT / "tools" / "train.py"),
@@ -341,6 +324,8 @@ def train_command(plan: Dict, run_dir: Path, nproc: int, overrides: List[str]) -
                             "--set", f"train_params.epoches={epochs}",
                             "--set", f"train_params.eval_freq={epochs}",
                             "--set", f"train_params.save_freq={epochs}"]
+    if plan.get("max_steps") is not None:
+        command += ["--set", f"train_params.max_steps={plan['max_steps']}"]
     for override in overrides:
         command += ["--set", override]
     return command

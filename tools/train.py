@@ -1,9 +1,296 @@
 #!/usr/bin/env python
-"""Train a cooperative detector: ``torchrun --nproc_per_node=N tools/train.py --hypes_yaml X.yaml``.
+"""Train a cooperative detector, top to bottom in DESIGN §6's order.
 
-See ``opencood/engine/trainer.py`` for the whole flow (and ``--help``).
+    torchrun --nproc_per_node=N tools/train.py --hypes_yaml X.yaml [--model_dir RUN] [--set k=v]
+
+The same command runs with plain ``python`` (one process), under SLURM (``srun``), on CPU (gloo)
+and on GPU (nccl). Under ``torchrun --max-restarts`` restarted workers resume on their own from
+the run's newest readable checkpoint. The pieces live in ``opencood.engine`` (recipe: config,
+loaders, AMP, the loss step, validation; state: TrainState, checkpoints; loop: one optimizer
+step); this file is the order they run in.
 """
-from opencood.engine.trainer import main
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from pathlib import Path
+from typing import Dict
+
+import torch
+
+from opencood.config import ConfigError, save_config
+from opencood.data.collate import collate_samples, seed_worker
+from opencood.data.datasets import build_dataset
+from opencood.data.pipeline import BatchPreparer
+from opencood.engine.loop import group_micro_batches, optimizer_step
+from opencood.engine.optim import build_optimizer, build_scheduler
+from opencood.engine.recipe import (ScalarLogger, amp_settings, build_validation_loaders,
+                                    check_registered_names, configure_cuda, log_model_summary,
+                                    make_loss_fn, make_run_dir, make_validation_loss_fn,
+                                    prepare_model, progress_bar, resolve_config,
+                                    seed_everything, split_batch_or_refuse, step_budget,
+                                    validate)
+from opencood.engine.state import (MidEpochCheckpoints, TrainState, find_resume_checkpoint,
+                                   restore_training, save_mid_epoch_checkpoint,
+                                   save_run_checkpoints, training_state)
+from opencood.errors import run_cli
+from opencood.losses import build_loss
+from opencood.utils import dist as dist_utils
+from opencood.utils.batching import describe_batch
+from opencood.utils.samplers import build_train_sampler
+
+logger = logging.getLogger("opencood")
+
+
+def main(argv=None) -> Dict:
+    """Parse, load the config, start the process group, train; errors end in one line."""
+    return run_cli(_main, argv)
+
+
+def _main(argv=None) -> Dict:
+    args = parse_args(argv)
+    cfg = resolve_config(args.hypes_yaml, args.model_dir, args.overrides)
+    dist_cfg = cfg.get("distributed", {}) or {}
+    # init_distributed_mode: torchrun / SLURM / one process; the timeout bounds every collective.
+    with dist_utils.distributed_session(
+            backend=dist_cfg.get("backend"),
+            timeout_minutes=float(dist_cfg.get("timeout_minutes", 30))) as info:
+        return train(cfg, args, info)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="Train a cooperative detector (OPV2V format).")
+    parser.add_argument("--hypes_yaml", "-y", help="experiment config (yaml)")
+    parser.add_argument("--model_dir", help="run folder to resume (or to create)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="KEY=VALUE", help="override a config key, e.g. optimizer.lr=1e-3")
+    parser.add_argument("--runs_root", default="runs", help="where new run folders are made")
+    args = parser.parse_args(argv)
+    if not args.hypes_yaml and not args.model_dir:
+        parser.error("give --hypes_yaml (new run) or --model_dir (resume)")
+    return args
+
+
+def train(cfg: Dict, args, info: dist_utils.DistInfo) -> Dict:
+    """The run: returns {"run_dir", "history" {epoch: validation results}, "step",
+    "skipped_steps"}."""
+    train_params = cfg["train_params"]
+    # Checked before any file is written; every rank fails alike, so none waits in a collective.
+    micro, accum = split_batch_or_refuse(train_params, info.world_size)
+    check_registered_names(cfg, args.hypes_yaml or str(Path(args.model_dir) / "config.yaml"))
+    run_dir = make_run_dir(cfg["name"], args.model_dir, args.runs_root)
+    dist_utils.setup_logging(run_dir, info.rank)
+    seed = int(cfg.get("seed", 0))
+    seed_everything(seed)
+    configure_cuda(cfg)
+    ckpt_path, checkpoint = find_resume_checkpoint(run_dir)
+    if dist_utils.is_main_process() and checkpoint is None:
+        save_config(cfg, run_dir / "config.yaml")
+    logger.info("run folder %s | %s | device %s, backend %s", run_dir,
+                describe_batch(micro, info.world_size, accum), info.device, info.backend)
+
+    # Data: every rank the same number of shuffled micro-batches (DistributedSampler pads its
+    # shard, BatchSampler drops the incomplete tail); the validation split unpadded.
+    train_set = build_dataset(cfg, "train", train=True)
+    try:   # same length on every rank, so every rank fails alike
+        batch_sampler, train_sampler = build_train_sampler(   # BatchSampler(DistributedSampler)
+            len(train_set), micro, info.rank, info.world_size, seed=seed, shuffle=True)
+    except ValueError as error:
+        raise ConfigError(f"train_params.batch_size: {error}") from None
+    train_loader = torch.utils.data.DataLoader(
+        train_set, batch_sampler=batch_sampler,
+        num_workers=int(train_params.get("num_workers", 2)), collate_fn=collate_samples,
+        worker_init_fn=seed_worker,
+        pin_memory=info.device.type == "cuda", generator=torch.Generator())
+    val_loaders = build_validation_loaders(cfg, info, micro)
+    steps_per_epoch = len(train_loader) // accum
+    if steps_per_epoch == 0:
+        raise ConfigError(f"train_params.batch_size {train_params['batch_size']} is larger than "
+                          f"the training split ({len(train_set)} samples over "
+                          f"{info.world_size} ranks)")
+    epochs, total_steps = step_budget(train_params, steps_per_epoch)
+
+    # Model: build -> Xavier init -> SyncBN (CUDA, world > 1) -> device -> resume's weights ->
+    # EMA -> DDP; checkpoints are saved from model_without_ddp.
+    model, model_without_ddp, ema = prepare_model(cfg, info, checkpoint, ckpt_path)
+
+    preparer = BatchPreparer.from_config(cfg, info.device)
+    criterion = build_loss(cfg["loss"]).to(info.device)
+    loss_fn = make_loss_fn(preparer, criterion)
+    val_loss_fn = make_validation_loss_fn(preparer, criterion)
+    optimizer = build_optimizer(model_without_ddp.parameters(), cfg["optimizer"])
+    scheduler = build_scheduler(optimizer, cfg.get("lr_scheduler", {}), total_steps,
+                                steps_per_epoch)
+    amp_dtype, scaler = amp_settings(cfg, info.device)
+    progress = TrainState()
+    if checkpoint is not None:
+        progress = restore_training(checkpoint, optimizer, scheduler, scaler, info)
+        logger.info("resumed from %s at epoch %d (step %d)", ckpt_path, progress.epoch,
+                    progress.step)
+        if progress.epoch_steps_done:
+            logger.info("epoch %d continues after its first %d of %d steps", progress.epoch + 1,
+                        progress.epoch_steps_done, steps_per_epoch)
+    else:
+        log_model_summary(model_without_ddp, preparer, train_loader)
+
+    run = EpochRunner(cfg, info, run_dir, progress, seed, model, model_without_ddp, ema,
+                      loss_fn, optimizer, scheduler, scaler, amp_dtype, total_steps,
+                      steps_per_epoch, accum)
+    history = {}
+    try:
+        for epoch in range(progress.epoch + 1, epochs + 1):
+            train_sampler.set_epoch(epoch)        # a new shuffle every epoch, the same on all ranks
+            run.train_one_epoch(epoch, train_set, train_loader)
+            # Rank 0's weights (the EMA's when enabled) are validated and saved, exactly.
+            results = run.validate(epoch, val_loaders, val_loss_fn, preparer)
+            if results is not None:
+                history[epoch] = results
+            run.save_epoch_end(epoch, results)
+    finally:
+        run.scalars.close()
+    return {"run_dir": str(run_dir), "history": history, "step": progress.step,
+            "skipped_steps": progress.skipped_steps}
+
+
+class EpochRunner:
+    """One epoch of steps, its validation and its checkpoints, for ``train`` above. Holds the
+    run's objects so that each stage reads as one call there."""
+
+    def __init__(self, cfg, info, run_dir, progress: TrainState, seed, model, model_without_ddp,
+                 ema, loss_fn, optimizer, scheduler, scaler, amp_dtype, total_steps,
+                 steps_per_epoch, accum):
+        self.cfg, self.info, self.run_dir, self.progress, self.seed = cfg, info, run_dir, \
+            progress, seed
+        self.model, self.model_without_ddp, self.ema = model, model_without_ddp, ema
+        self.loss_fn, self.optimizer, self.scheduler, self.scaler = loss_fn, optimizer, \
+            scheduler, scaler
+        self.amp_dtype, self.total_steps = amp_dtype, total_steps
+        self.steps_per_epoch, self.accum = steps_per_epoch, accum
+        train_params = cfg["train_params"]
+        self.grad_clip = train_params.get("grad_clip")
+        # Steps with a non-finite loss or gradients to skip before stopping (0: stop at once).
+        self.skip_budget = int(train_params.get("skip_nonfinite_steps", 0))
+        self.keep_checkpoints = int(train_params.get("keep_checkpoints", 3))
+        self.save_freq = int(train_params.get("save_freq", 1))
+        self.mid_epoch = MidEpochCheckpoints(int(train_params.get("checkpoint_every_steps", 0)),
+                                             float(train_params.get("checkpoint_every_minutes",
+                                                                    0)))
+        self.barrier_timeout_s = 60.0 * float((cfg.get("distributed") or {})
+                                              .get("timeout_minutes", 30))
+        self.scalars = ScalarLogger(run_dir, resume_step=progress.step if progress.step else None)
+        self.last_stats: Dict = {}
+
+    def train_one_epoch(self, epoch: int, train_set, train_loader) -> None:
+        progress = self.progress
+        train_set.set_epoch(epoch)                # augmentation draws: f(seed, epoch, index)
+        # The loader's generator seeds its workers: a function of (seed, epoch) only, so a
+        # resumed run draws exactly what an uninterrupted one would.
+        train_loader.generator.manual_seed(self.seed * 100003 + epoch)
+        # Resumed inside this epoch: the same shuffled order without the steps already done.
+        train_loader.batch_sampler.resume_in_epoch(epoch, progress.epoch_steps_done * self.accum)
+        self.model.train()
+        bar = progress_bar(self.steps_per_epoch, epoch, progress.epoch_steps_done)
+        epoch_start, epoch_samples = time.perf_counter(), 0
+        for micro_batches in group_micro_batches(train_loader, self.accum):
+            if progress.step >= self.total_steps:
+                break                              # train_params.max_steps ends inside an epoch
+            stats = self.train_step(epoch, micro_batches)
+            epoch_samples += stats["samples"] * self.info.world_size
+            if bar is not None:
+                bar.set_postfix(loss=f"{stats['loss']:.3f}", lr=f"{stats['lr']:.2e}",
+                                sps=f"{stats['samples_per_s']:.1f}")
+                bar.update(1)
+            progress.epoch_steps_done += 1
+            if progress.epoch_steps_done < self.steps_per_epoch and \
+                    self.mid_epoch.due(progress.step):
+                self.save_mid_epoch()
+        if bar is not None:
+            bar.close()
+        # A rank stuck in its data or dead is named here, instead of leaving the others in the
+        # next collective until the process-group timeout with no name.
+        dist_utils.monitored_barrier(f"the end of epoch {epoch}", self.barrier_timeout_s)
+        elapsed = time.perf_counter() - epoch_start
+        if self.last_stats:
+            logger.info("epoch %d: loss %.4f, lr %.2e, %.1f samples/s (step %d of %d)", epoch,
+                        self.last_stats["loss"], self.last_stats["lr"],
+                        epoch_samples / max(elapsed, 1e-9), progress.step, self.total_steps)
+
+    def train_step(self, epoch: int, micro_batches) -> Dict:
+        """One optimizer step (accumulated micro-batches, DDP all-reduce), schedule, EMA, log."""
+        progress, step_start = self.progress, time.perf_counter()
+        stats = optimizer_step(self.model, micro_batches, self.loss_fn, self.optimizer,
+                               self.scaler, self.info.device, self.amp_dtype, self.grad_clip,
+                               where=f"epoch {epoch} step {progress.step + 1}",
+                               skip_nonfinite=progress.skipped_steps < self.skip_budget)
+        # A skipped step still counts (lr schedule and step numbers stay aligned with an
+        # uninterrupted run); only the weights and their EMA stay where they were.
+        self.scheduler.step()
+        if self.ema is not None and not stats["skipped"]:
+            self.ema.update(self.model_without_ddp)
+        progress.step += 1
+        progress.skipped_steps += stats.pop("skipped")
+        nonfinite = stats.pop("nonfinite")
+        if nonfinite is not None:
+            logger.warning("skipped step %d: %s (%d of %d allowed skips used)", progress.step,
+                           nonfinite, progress.skipped_steps, self.skip_budget)
+        stats["skipped_steps"] = progress.skipped_steps
+        global_samples = stats["samples"] * self.info.world_size
+        stats["samples_per_s"] = global_samples / max(1e-9, time.perf_counter() - step_start)
+        stats["lr"] = self.optimizer.param_groups[0]["lr"]
+        self.scalars.scalars({k: v for k, v in stats.items() if k != "samples"}, progress.step,
+                             "train")
+        self.last_stats = stats
+        return stats
+
+    def validate(self, epoch: int, val_loaders, val_loss_fn, preparer) -> Dict | None:
+        """Validation results of this epoch on every rank's copy of rank 0's model (the EMA's
+        weights when enabled); None without a validation split."""
+        if val_loaders is None:
+            return None
+        # Every rank validates rank 0's model (the one saved): the same weights, and the same
+        # BatchNorm statistics, which each rank's last forward moved its way.
+        if self.ema is not None:
+            self.ema.broadcast_from(0)
+        else:
+            dist_utils.broadcast_buffers(self.model_without_ddp, src=0)
+        eval_model = self.ema.module if self.ema is not None else self.model_without_ddp
+        results, count, pictures = validate(eval_model, val_loaders, val_loss_fn, self.info,
+                                            self.amp_dtype, self.cfg, epoch, preparer)
+        self.scalars.scalars(results, self.progress.step, "val")
+        for picture in pictures:
+            self.scalars.image("val/bev", picture, self.progress.step)
+        logger.info("epoch %d validation (%d samples): %s", epoch, count,
+                    ", ".join(f"{k} {v:.4f}" for k, v in results.items() if v is not None))
+        return results
+
+    def save_epoch_end(self, epoch: int, results: Dict | None) -> None:
+        """last.pth + history (+ epoch_N.pth, best.pth); a run that ran out of ``max_steps``
+        inside this epoch saves as from inside it."""
+        progress = self.progress
+        is_best = results is not None and results["loss"] < progress.best_val_loss
+        if results is not None:
+            progress.best_val_loss = min(progress.best_val_loss, results["loss"])
+        whole = progress.epoch_steps_done >= self.steps_per_epoch
+        if whole:
+            progress.epoch, progress.epoch_steps_done = epoch, 0
+        state = training_state(self.model_without_ddp, self.ema, self.optimizer, self.scheduler,
+                               self.scaler, progress, self.cfg, self.seed)
+        # Rank 0 writes alone: should that fail (disk full), the others stop too, not wait.
+        dist_utils.run_together(
+            lambda: save_run_checkpoints(self.run_dir, state, epoch, self.save_freq if whole
+                                         else 0, is_best and whole, self.keep_checkpoints),
+            "saving checkpoints")
+        self.mid_epoch.saved()
+
+    def save_mid_epoch(self) -> None:
+        state = training_state(self.model_without_ddp, self.ema, self.optimizer, self.scheduler,
+                               self.scaler, self.progress, self.cfg, self.seed)
+        dist_utils.run_together(
+            lambda: save_mid_epoch_checkpoint(self.run_dir, state, self.keep_checkpoints),
+            "saving a mid-epoch checkpoint")
+        self.mid_epoch.saved()
+
 
 if __name__ == "__main__":
     main()

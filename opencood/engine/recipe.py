@@ -1,11 +1,41 @@
-"""The training and evaluation recipe shared by the tools: what tools/train.py, tools/eval.py and
-the benchmarks assemble, so none of them re-assembles it."""
+"""The training and evaluation recipe shared by the tools: the pieces tools/train.py assembles in
+DESIGN §6's order (and tools/eval.py and tools/bench.py reuse), so that no tool re-assembles
+them: config and run folder, AMP, the step budget, validation loaders, model preparation
+settings, the loss step, exact validation, logging.
+"""
 from __future__ import annotations
 
-from typing import Dict
+import logging
+import math
+import os
+import random
+from datetime import datetime
+from pathlib import Path
+from typing import Dict, Mapping
 
-from opencood.config import ConfigError, get_key
+import numpy as np
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from opencood.config import ConfigError, get_key, load_config
+from opencood.data.collate import collate_samples, seed_worker
+from opencood.data.datasets import build_dataset
+from opencood.data.pipeline import BatchPreparer
+from opencood.engine.loop import validation_loss
+from opencood.eval.inference import evaluate_loader
+from opencood.models.build import build_model
 from opencood.registry import FUSIONS, LOSSES, MODELS, RegistryError
+from opencood.utils import dist as dist_utils
+from opencood.utils.batching import epochs_for_steps, split_global_batch
+from opencood.utils.checkpoint import check_state_dict_compatible
+from opencood.utils.ema import ModelEMA
+from opencood.utils.init import init_weights
+from opencood.utils.samplers import InferenceSampler
+
+logger = logging.getLogger("opencood")
+
+AMP_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+              "fp16": torch.float16, "float16": torch.float16}
 
 
 def check_registered_names(cfg: Dict, source: str) -> None:
@@ -24,3 +54,320 @@ def check_registered_names(cfg: Dict, source: str) -> None:
             registry.get(name)
         except RegistryError as error:
             raise ConfigError(f"{source}: {dotted}: {error}") from None
+
+
+# -- configuration and run folder ------------------------------------------------------------
+
+def resolve_config(hypes_yaml: str | None, model_dir: str | None, overrides) -> Dict:
+    """Config from ``hypes_yaml``, else the run folder's saved config.yaml (resume)."""
+    if hypes_yaml:
+        return load_config(hypes_yaml, overrides)
+    saved = Path(model_dir) / "config.yaml"
+    if not saved.exists():
+        raise ConfigError(f"{saved}: not found; --model_dir without --hypes_yaml must be a run "
+                          f"folder written by tools/train.py")
+    return load_config(saved, overrides)
+
+
+def new_run_folder_name(name: str, env: Mapping[str, str], now: datetime) -> str:
+    """The folder of a run started without --model_dir.
+
+    A restarted job must find its own folder again, so where the launcher can restart workers
+    the name comes from the job, not the clock: SLURM's job id (stable across requeues), or
+    torchrun's rendezvous run id under ``--max-restarts`` (stable across restarts). A torchrun
+    job that may restart but has no run id (``--rdzv-id`` left at "none") must name its folder.
+    """
+    if env.get("SLURM_JOB_ID"):
+        return f"{name}_slurm{env['SLURM_JOB_ID']}"
+    if int(env.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0:
+        run_id = env.get("TORCHELASTIC_RUN_ID", "none")
+        if run_id in ("", "none"):
+            raise ConfigError("torchrun --max-restarts needs --model_dir RUN (or --rdzv-id): a "
+                              "restarted worker must find the run folder to resume from")
+        return f"{name}_{run_id}"
+    return f"{name}_{now.strftime('%Y_%m_%d_%H_%M_%S')}"
+
+
+def make_run_dir(name: str, model_dir: str | None, runs_root: str) -> Path:
+    """Rank 0 creates the run folder; every rank gets the same path."""
+    # Named on every rank (the environment is the same): a refusal stops them all alike.
+    run_dir = Path(model_dir) if model_dir else \
+        Path(runs_root) / new_run_folder_name(name, os.environ, datetime.now())
+    if dist_utils.is_main_process():
+        run_dir.mkdir(parents=True, exist_ok=True)
+    return Path(dist_utils.broadcast_object(str(run_dir) if dist_utils.is_main_process()
+                                            else None))
+
+
+def split_batch_or_refuse(train_params: Dict, world_size: int) -> tuple:
+    """(micro-batch, accumulation steps) of the global batch, or a one-line ConfigError."""
+    try:
+        return split_global_batch(int(train_params["batch_size"]), world_size,
+                                  train_params.get("max_micro_batch"))
+    except ValueError as error:
+        raise ConfigError(f"train_params.batch_size: {error}") from None
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def configure_cuda(cfg: Dict) -> None:
+    perf = cfg.get("performance", {})
+    if torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = bool(perf.get("tf32", True))
+        torch.backends.cudnn.allow_tf32 = bool(perf.get("tf32", True))
+        torch.backends.cudnn.benchmark = bool(perf.get("cudnn_benchmark", True))
+
+
+def amp_settings(cfg: Dict, device: torch.device):
+    """(autocast dtype or None, GradScaler). fp16 needs a scaler; bf16 does not."""
+    amp_cfg = cfg.get("amp", {}) or {}
+    if amp_cfg.get("enabled", False) and device.type != "cuda":
+        # CPU autocast runs slower than fp32 for these convolutions: mixed precision is for GPUs.
+        logger.info("amp.enabled ignored on %s: mixed precision is used on CUDA only", device)
+        return None, torch.amp.GradScaler(device.type, enabled=False)
+    if not amp_cfg.get("enabled", False):
+        return None, torch.amp.GradScaler(device.type, enabled=False)
+    name = str(amp_cfg.get("dtype", "bf16"))
+    if name not in AMP_DTYPES:
+        raise ConfigError(f"amp.dtype {name!r} is unknown; use bf16 or fp16")
+    dtype = AMP_DTYPES[name]
+    use_scaler = dtype == torch.float16 and device.type == "cuda"
+    return dtype, torch.amp.GradScaler(device.type, enabled=use_scaler)
+
+
+# -- step budget -----------------------------------------------------------------------------
+
+def step_budget(train_params: Dict, steps_per_epoch: int) -> tuple:
+    """(epochs, total optimizer steps) of a run.
+
+    ``train_params.max_steps`` (> 0) fixes the steps, so models whose epochs differ in length
+    (late fusion trains per CAV) get the same optimizer steps; the run stops part-way through
+    its last epoch when the budget ends there. Otherwise ``epoches`` whole epochs.
+    """
+    max_steps = int(train_params.get("max_steps") or 0)
+    if max_steps < 0:
+        raise ConfigError(f"train_params.max_steps must be >= 0, got {max_steps}")
+    if max_steps:
+        return epochs_for_steps(max_steps, steps_per_epoch), max_steps
+    epochs = int(train_params["epoches"])
+    return epochs, epochs * steps_per_epoch
+
+
+# -- data ------------------------------------------------------------------------------------
+
+def build_validation_loaders(cfg: Dict, info: dist_utils.DistInfo, micro_batch: int):
+    """(loss loader, AP loader) over the validation split, each sample once across ranks
+    (unpadded shards); None without ``validate_dir``."""
+    if not cfg.get("validate_dir"):
+        return None
+    ap_set = build_dataset(cfg, "validate", train=False)
+    # The loss needs no visibility counts (AP does). Late fusion trains per CAV: its
+    # validation loss is per CAV too (AP uses whole samples).
+    per_cav = {"per_cav": True} if cfg["fusion"]["core_method"] == "late" else {}
+    loss_set = build_dataset(cfg, "validate", train=False, count_ego_points=False, **per_cav)
+    workers = int(cfg.get("train_params", {}).get("num_workers", 2))
+    return tuple(
+        torch.utils.data.DataLoader(
+            dataset, batch_size=micro_batch,
+            sampler=InferenceSampler(len(dataset), info.rank, info.world_size),
+            num_workers=workers, collate_fn=collate_samples, worker_init_fn=seed_worker)
+        for dataset in (loss_set, ap_set))
+
+
+# -- model -----------------------------------------------------------------------------------
+
+def use_sync_batchnorm(info: dist_utils.DistInfo) -> bool:
+    """SyncBN where its all_gather of batch statistics can run: CUDA with world > 1 (on CPU,
+    torch's SyncBatchNorm refuses to run; BatchNorm stays plain, per rank)."""
+    return info.device.type == "cuda" and info.world_size > 1
+
+
+def init_settings(cfg: Dict) -> Dict:
+    """Keyword arguments of ``init_weights`` from the yaml's ``init`` section."""
+    init_cfg = cfg.get("init", {}) or {}
+    return {"method": init_cfg.get("method", "xavier_uniform"),
+            "cls_prior": float(init_cfg.get("cls_prior", 0.01))}
+
+
+def build_ema(model: torch.nn.Module, cfg: Dict, checkpoint: Dict | None) -> ModelEMA | None:
+    """The EMA of ``model`` (before DDP wraps it) when ``ema.enabled``, resumed if saved."""
+    ema_cfg = cfg.get("ema", {}) or {}
+    if not ema_cfg.get("enabled", False):
+        return None
+    ema = ModelEMA(model, decay=float(ema_cfg.get("decay", 0.999)),
+                   tau=float(ema_cfg.get("tau", 200)))
+    if checkpoint is not None and checkpoint.get("ema") is not None:
+        ema.load_state_dict(checkpoint["ema"])
+    return ema
+
+
+def ddp_settings(cfg: Dict, info: dist_utils.DistInfo) -> Dict:
+    """Keyword arguments of ``DistributedDataParallel`` for this run."""
+    dist_cfg = cfg.get("distributed", {}) or {}
+    return {"device_ids": [info.device.index] if info.device.type == "cuda" else None,
+            "find_unused_parameters": bool(dist_cfg.get("find_unused_parameters", False)),
+            "gradient_as_bucket_view": True}
+
+
+def load_model_weights(model: torch.nn.Module, checkpoint: Dict | None, path) -> None:
+    """Resume's model weights, after a check that lists mismatched keys and shapes."""
+    if checkpoint is not None:
+        check_state_dict_compatible(model, checkpoint["model"], path)
+        model.load_state_dict(checkpoint["model"])
+
+
+def prepare_model(cfg: Dict, info: dist_utils.DistInfo, checkpoint: Dict | None, ckpt_path):
+    """(model to train: DDP-wrapped when distributed, model_without_ddp, EMA or None).
+
+    The order matters: Xavier init before anything copies the weights; SyncBN conversion before
+    the move to the device and before DDP; resume's weights before the EMA copies them; DDP last,
+    on the device, and the checkpoint saved from ``model_without_ddp`` (no ``module.`` prefix).
+    """
+    model = build_model(cfg["model"])
+    init_weights(model, **init_settings(cfg))
+    if use_sync_batchnorm(info):           # CUDA with world > 1
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    model.to(info.device)
+    load_model_weights(model, checkpoint, ckpt_path)
+    ema = build_ema(model, cfg, checkpoint)
+    model_without_ddp = model
+    if info.distributed:
+        model = DistributedDataParallel(model, **ddp_settings(cfg, info))
+    return model, model_without_ddp, ema
+
+
+# -- the loss step ---------------------------------------------------------------------------
+
+def make_loss_fn(preparer: BatchPreparer, criterion):
+    """loss_fn(model, batch) -> (loss, per-term floats, samples): the detection step."""
+
+    def loss_fn(model, batch):
+        inputs, targets = preparer(batch)
+        outputs = model(inputs)
+        loss, terms = criterion(outputs, targets)
+        terms = {name: float(value) for name, value in terms.items()}
+        return loss, terms, len(batch["record_len"])
+
+    return loss_fn
+
+
+def make_validation_loss_fn(preparer: BatchPreparer, criterion):
+    """loss_fn(model, batch) -> (mean per-sample loss, {}, samples), for validation_loss.
+
+    The training loss is normalised per micro-batch; validation takes each sample's own
+    normalisation (``per_sample_losses``, float64), so validation_loss's sum of loss x samples
+    is the sum of per-sample losses and the split's mean does not depend on the micro-batch
+    size or the number of ranks (``best.pth`` neither).
+    """
+
+    def loss_fn(model, batch):
+        inputs, targets = preparer(batch)
+        per_sample = criterion.per_sample_losses(model(inputs), targets)
+        return per_sample.mean(), {}, per_sample.numel()
+
+    return loss_fn
+
+
+# -- validation ------------------------------------------------------------------------------
+
+def first_sample_picture(cfg: Dict, pictures: list):
+    """on_sample hook: rank 0 renders its first validation sample (points, GT, detections)."""
+    if not dist_utils.is_main_process():
+        return None
+    from opencood.eval.vis import render_detection_sample
+
+    def on_sample(key, batch, row, boxes, scores):
+        if not pictures:
+            pictures.append(render_detection_sample(batch, row, boxes,
+                                                    cfg["preprocess"]["cav_lidar_range"]))
+
+    return on_sample
+
+
+def validate(model_for_eval, val_loaders, loss_fn, info, amp_dtype, cfg, epoch, preparer):
+    """Validation loss (exact over ranks) every epoch; AP every ``eval_freq`` epochs.
+
+    Returns ({"loss", and "ap_30/50/70", "ap_50_ego_occluded" on rank 0 when computed},
+    samples in the loss,
+    [a BEV picture (H, W, 3) BGR of the first sample when AP was computed, on rank 0]).
+    """
+    loss_loader, ap_loader = val_loaders
+    loss, count = validation_loss(model_for_eval, loss_loader, loss_fn, info.device, amp_dtype)
+    results, pictures = {"loss": loss}, []
+    eval_freq = int(cfg["train_params"].get("eval_freq", 1))
+    if epoch % eval_freq == 0:
+        metrics = evaluate_loader(model_for_eval, ap_loader, preparer, cfg, info.device,
+                                  on_sample=first_sample_picture(cfg, pictures))
+        if metrics is not None:
+            results.update({k: metrics[k] for k in ("ap_30", "ap_50", "ap_70")})
+            if "visibility" in metrics:
+                # The cars only other agents see: the curve that shows cooperation working.
+                results["ap_50_ego_occluded"] = metrics["visibility"]["ego-occluded"]["ap_50"]
+    return results, count, pictures
+
+
+# -- logging ---------------------------------------------------------------------------------
+
+class ScalarLogger:
+    """TensorBoard scalars on rank 0 (no-op elsewhere)."""
+
+    def __init__(self, run_dir: Path, resume_step: int | None = None):
+        self.writer = None
+        if dist_utils.is_main_process():
+            from torch.utils.tensorboard import SummaryWriter
+            # A resumed run drops what the interrupted one logged after its checkpoint: those
+            # steps run again, and the curves must not hold them twice.
+            purge = resume_step + 1 if resume_step is not None else None
+            self.writer = SummaryWriter(log_dir=str(run_dir), purge_step=purge)
+
+    def scalars(self, values: Dict[str, float], step: int, prefix: str) -> None:
+        if self.writer is None:
+            return
+        for name, value in values.items():
+            if value is not None and math.isfinite(float(value)):
+                self.writer.add_scalar(f"{prefix}/{name}", float(value), step)
+
+    def image(self, tag: str, image_bgr, step: int) -> None:
+        """A (H, W, 3) uint8 BGR picture (OpenCV order) as an RGB TensorBoard image."""
+        if self.writer is not None:
+            self.writer.add_image(tag, image_bgr[..., ::-1].copy(), step, dataformats="HWC")
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.flush()
+            self.writer.close()
+
+
+def progress_bar(total: int, epoch: int, done: int = 0):
+    if not dist_utils.is_main_process():
+        return None
+    from tqdm import tqdm
+    return tqdm(total=total, initial=done, desc=f"epoch {epoch}", unit="step",
+                dynamic_ncols=True, leave=False)
+
+
+def log_model_summary(model, preparer, loader) -> None:
+    """Parameters and forward FLOPs of one real batch, at training start (rank 0).
+
+    The forward runs in eval mode, on rank 0 alone: in training mode a SyncBatchNorm layer
+    all_gathers its batch statistics, a collective the other ranks would never join (a hang on
+    GPUs), and BatchNorm would move its running statistics. In eval mode neither happens, and the
+    FLOP count is the same (convolutions and matmuls only).
+    """
+    if not dist_utils.is_main_process():
+        return
+    from opencood.utils.model_stats import format_model_summary
+    was_training = model.training
+    model.eval()
+    try:
+        batch = next(iter(loader))
+        inputs, _ = preparer(batch, with_targets=False)
+        logger.info("model: %s", format_model_summary(model, inputs))
+    except StopIteration:
+        logger.warning("model summary skipped: the training loader is empty")
+    finally:
+        model.train(was_training)

@@ -6,6 +6,9 @@ The yaml states the global batch (samples per optimizer step), so one config tra
 
 from __future__ import annotations
 
+import math
+from typing import Optional
+
 
 def _divisors(number: int) -> list[int]:
     return [candidate for candidate in range(1, number + 1) if number % candidate == 0]
@@ -47,3 +50,23 @@ def describe_batch(micro_batch: int, world_size: int, accum_steps: int) -> str:
     global_batch = micro_batch * world_size * accum_steps
     return (f"global batch {global_batch} = micro {micro_batch} x world {world_size} "
             f"x accum {accum_steps}")
+
+
+def steps_per_epoch(num_examples: int, global_batch: int, world_size: int = 1,
+                    max_micro_batch: Optional[int] = None) -> int:
+    """Optimizer steps of one epoch, as tools/train.py's loader yields them.
+
+    Each of ``world_size`` ranks gets ceil(N / world) indices, cut into micro-batches (an
+    incomplete one dropped), grouped ``accum`` at a time. When ``global_batch`` divides N this is
+    N / global_batch; otherwise the trainer drops the tail (the floor, not the ceiling).
+    """
+    micro, accum = split_global_batch(int(global_batch), int(world_size), max_micro_batch)
+    per_rank = -(-int(num_examples) // int(world_size))
+    return (per_rank // micro) // accum
+
+
+def epochs_for_steps(target_steps: int, epoch_steps: int) -> int:
+    """Fewest whole epochs reaching ``target_steps`` optimizer steps: ceil(target / per epoch)."""
+    if epoch_steps < 1:
+        raise ValueError(f"an epoch of {epoch_steps} steps cannot reach {target_steps} steps")
+    return max(1, math.ceil(int(target_steps) / int(epoch_steps)))

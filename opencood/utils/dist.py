@@ -207,6 +207,19 @@ def any_across_ranks(flag: bool) -> bool:
     return bool(flag_tensor.item())
 
 
+class CollectiveTimeoutError(OpencoodError, RuntimeError):
+    """A collective waited longer than the process-group timeout for a rank that never came."""
+
+
+def is_peer_failure(error: BaseException) -> bool:
+    """Whether ``error`` is a backend's report of a missing peer: a collective timeout (gloo:
+    "Timed out waiting ...", "Application timeout caused pair closure"; NCCL's watchdog:
+    "... operation timeout") or a peer that left (gloo: "Connection closed by peer")."""
+    text = str(error).lower()
+    return not isinstance(error, OpencoodError) and any(
+        sign in text for sign in ("timed out", "timeout", "closed by peer", "connection reset"))
+
+
 class PeerRankError(OpencoodError, RuntimeError):
     """Another rank failed in a step every rank takes together; this rank stops with its message
     (the failing rank reports its own error, with its traceback if it is a bug)."""
@@ -496,6 +509,13 @@ def distributed_session(backend: str | None = None, timeout_minutes: float = 30,
     info = init_distributed_mode(backend=backend, timeout_minutes=timeout_minutes, env=env)
     try:
         yield info
+    except RuntimeError as error:
+        if info.distributed and is_peer_failure(error):
+            raise CollectiveTimeoutError(
+                f"rank {info.rank}: a collective failed: another rank did not join it within "
+                f"{60 * timeout_minutes:g} s (distributed.timeout_minutes) or left (it died, "
+                f"hangs, or runs other code); {one_line(error)}") from error
+        raise
     finally:
         cleanup_distributed()
 
