@@ -31,6 +31,10 @@ def baseline_cfg(core_method, **fusion_args):
 
 BASELINES = {
     "v2vnet": baseline_cfg("v2vnet", num_iteration=2, cell_size=1.0, grid_center=[8.0, 0.0]),
+    # Window 3 does not divide the 16x16 map: exercises the padding.
+    "v2xvit": baseline_cfg("v2xvit", depth=2, num_blocks=1, heads=2, dim_head=4,
+                           window_sizes=[3, 4], window_heads=[2, 1], window_dim_heads=[4, 8],
+                           mlp_dim=16),
 }
 
 
@@ -174,6 +178,90 @@ def test_v2vnet_masks_messages_from_cells_outside_the_senders_view():
         out_near = fusion(features, record_len).features
     torch.testing.assert_close(out_far, out_alone)
     assert not torch.allclose(out_near, out_alone)
+
+
+# ---------------------------------------------------------------------------------------------
+# V2X-ViT
+# ---------------------------------------------------------------------------------------------
+
+def v2xvit_model(**overrides):
+    cfg = copy.deepcopy(BASELINES["v2xvit"])
+    cfg["args"]["fusion"]["args"].update(overrides)
+    torch.manual_seed(0)
+    return build_model(cfg).eval()
+
+
+def with_agent_info(batch, types, latency):
+    batch = dict(batch)
+    batch["agent_types"] = torch.tensor(types, dtype=torch.int64)
+    batch["agent_latency"] = torch.tensor(latency, dtype=torch.int64)
+    return batch
+
+
+def test_v2xvit_agent_types_have_their_own_projections():
+    model = v2xvit_model()
+    attention = model.fusion.blocks[0][0].agent_attention
+    for layers in (attention.to_q, attention.to_k, attention.to_v, attention.to_out):
+        vehicle, infrastructure = layers
+        assert vehicle.weight is not infrastructure.weight
+        assert vehicle.weight.data_ptr() != infrastructure.weight.data_ptr()
+        assert not torch.equal(vehicle.weight, infrastructure.weight)
+    batch = make_batch([3], seed=4)
+    with torch.no_grad():
+        all_vehicles = model(with_agent_info(batch, [0, 0, 0], [0, 0, 0]))["reg_preds"]
+        with_rsu = model(with_agent_info(batch, [0, 0, 1], [0, 0, 0]))["reg_preds"]
+    assert (all_vehicles - with_rsu).abs().max() > 1e-5
+    # Control: make every type's weights identical and the type stops mattering.
+    with torch.no_grad():
+        for blocks in model.fusion.blocks:
+            for block in blocks:
+                hmsa = block.agent_attention
+                for layers in (hmsa.to_q, hmsa.to_k, hmsa.to_v, hmsa.to_out):
+                    layers[1].load_state_dict(layers[0].state_dict())
+                hmsa.relation_att.copy_(hmsa.relation_att[:1].expand_as(hmsa.relation_att))
+                hmsa.relation_msg.copy_(hmsa.relation_msg[:1].expand_as(hmsa.relation_msg))
+        same_vehicles = model(with_agent_info(batch, [0, 0, 0], [0, 0, 0]))["reg_preds"]
+        same_rsu = model(with_agent_info(batch, [0, 0, 1], [0, 0, 0]))["reg_preds"]
+    torch.testing.assert_close(same_rsu, same_vehicles, atol=1e-6, rtol=0)
+
+
+def test_v2xvit_latency_acts_only_through_the_delay_encoding():
+    model = v2xvit_model()
+    batch = make_batch([3, 2], seed=5)
+    on_time = with_agent_info(batch, [0, 0, 1, 0, 0], [0, 0, 0, 0, 0])
+    late = with_agent_info(batch, [0, 0, 1, 0, 0], [0, 0, 3, 0, 0])   # the RSU of sample 0
+    with torch.no_grad():
+        reference, delayed = model(on_time)["reg_preds"], model(late)["reg_preds"]
+    assert (reference[0] - delayed[0]).abs().max() > 1e-5
+    torch.testing.assert_close(reference[1], delayed[1], atol=0, rtol=0)
+    # With the encoding zeroed (its linear layer: the only path latency takes) nothing changes.
+    with torch.no_grad():
+        model.fusion.delay_encoding.linear.weight.zero_()
+        model.fusion.delay_encoding.linear.bias.zero_()
+        torch.testing.assert_close(model(late)["reg_preds"], model(on_time)["reg_preds"],
+                                   atol=0, rtol=0)
+    # Same for a model built without the encoding: latency is ignored.
+    plain = v2xvit_model(use_delay_encoding=False)
+    with torch.no_grad():
+        torch.testing.assert_close(plain(late)["reg_preds"], plain(on_time)["reg_preds"],
+                                   atol=0, rtol=0)
+
+
+def test_intermediate_dataset_reports_each_agents_latency(tmp_path):
+    from opencood.data.collate import collate_samples
+    from opencood.data.datasets import IntermediateFusionDataset
+    from opencood.data.pipeline import BatchPreparer
+    from opencood.data.wild import WildSetting
+    from opv2v_factory import write_simple_split
+    write_simple_split(tmp_path / "split", num_cavs=2, timestamps=("000000", "000002", "000004"))
+    dataset = IntermediateFusionDataset(tmp_path / "split", wild=WildSetting(latency_frames=1))
+    # The first frame has no earlier one: the delay is clamped to what was applied.
+    assert [dataset[i]["agent_latency"].tolist() for i in range(3)] == [[0, 0], [0, 1], [0, 1]]
+    batch = collate_samples([dataset[0], dataset[2]])
+    assert batch["agent_latency"].tolist() == [0, 0, 0, 1]
+    preparer = BatchPreparer(lidar_range=[-51.2, -25.6, -3.0, 51.2, 25.6, 1.0],
+                             voxel_size=[0.8, 0.8, 4.0])
+    assert preparer.model_inputs(batch)["agent_latency"].tolist() == [0, 0, 0, 1]
 
 
 # ---------------------------------------------------------------------------------------------
