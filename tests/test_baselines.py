@@ -35,6 +35,8 @@ BASELINES = {
     "v2xvit": baseline_cfg("v2xvit", depth=2, num_blocks=1, heads=2, dim_head=4,
                            window_sizes=[3, 4], window_heads=[2, 1], window_dim_heads=[4, 8],
                            mlp_dim=16),
+    # Window 3 leaves padding here too (16 = 5 x 3 + 1).
+    "cobevt": baseline_cfg("cobevt", depth=2, window=3, dim_head=8, mlp_dim=16),
 }
 
 
@@ -74,6 +76,8 @@ def test_ego_output_ignores_the_order_of_non_ego_agents(name):
         reference, permuted = model(batch), model(shuffled)
     for key in ("cls_preds", "reg_preds", "dir_preds", "comm_bytes"):
         torch.testing.assert_close(permuted[key], reference[key], atol=1e-5, rtol=1e-5)
+    if name == "cobevt":
+        return      # its mean over agents is symmetric in the ego too (as OpenCOOD's)
     # Control: the ego is special, so putting another agent first changes the output.
     with torch.no_grad():
         swapped = model(permute_non_ego(batch, record_len, [[1, 0, 2, 3], [0], [0, 1, 2]]))
@@ -265,29 +269,71 @@ def test_intermediate_dataset_reports_each_agents_latency(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
+# CoBEVT
+# ---------------------------------------------------------------------------------------------
+
+def test_cobevt_windows_are_local_blocks_and_grid_groups_are_dilated():
+    from opencood.models.cobevt import from_windows, to_windows
+    height, width, window = 6, 4, 2
+    cells = torch.arange(height * width).view(1, 1, height, width, 1).float()
+    two_agents = torch.cat([cells, cells + 100], dim=1)                 # (1, 2, 6, 4, 1)
+    local = to_windows(two_agents, window, grid=False)                  # (1, 3, 2, 2, 4, 1)
+    sparse = to_windows(two_agents, window, grid=True)
+    # Local group (1, 0): rows 2-3, cols 0-1, every agent's copy in the same group.
+    assert local[0, 1, 0, :, :, 0].tolist() == [[8, 9, 12, 13], [108, 109, 112, 113]]
+    # Grid group (1, 0): rows 1 and 1 + 3, cols 0 and 0 + 2 (stride = size / window).
+    assert sparse[0, 1, 0, 0, :, 0].tolist() == [4, 6, 16, 18]
+    for grid, groups in ((False, local), (True, sparse)):
+        assert torch.equal(from_windows(groups, height, width, grid), two_agents)
+
+
+def test_cobevt_padding_and_absent_agents_do_not_leak():
+    from opencood.models.cobevt import FuseBEVT
+    torch.manual_seed(0)
+    fusion = FuseBEVT(8, depth=1, window=4, dim_head=4, mlp_dim=8).eval()
+    features = torch.randn(3, 8, 6, 7)            # 6 x 7 pads to 8 x 8
+    with torch.no_grad():
+        alone = fusion(features[:1], torch.tensor([1])).features
+        batched = fusion(features, torch.tensor([1, 2])).features
+        three = fusion(features, torch.tensor([3])).features
+    torch.testing.assert_close(batched[0], alone[0], atol=1e-6, rtol=0)
+    assert not torch.allclose(three[0], alone[0], atol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------
 # DDP and the trainer
 # ---------------------------------------------------------------------------------------------
 
-def _ddp_step_on_rank(rank, world_size, cfg):
-    torch.manual_seed(0)
-    model = build_model(cfg)
-    ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=False)
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
-    for step in range(2):        # a parameter without gradient makes the 2nd forward raise
-        record_len = [1, 2] if rank == 0 else [3]
-        batch = make_batch(record_len, seed=10 * rank + step)
-        optimizer.zero_grad()
-        forward_backward(ddp, batch, len(record_len))
-        optimizer.step()
-    return [p.detach().clone() for p in model.parameters()]
+def _ddp_steps_on_rank(rank, world_size, cfgs):
+    """Two SGD steps of each model under DDP without unused-parameter search (a parameter left
+    without gradient makes the second forward raise); ranks see different agent counts."""
+    trained = {}
+    for name, cfg in cfgs.items():
+        torch.manual_seed(0)
+        model = build_model(cfg)
+        ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=False)
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
+        for step in range(2):
+            record_len = [1, 2] if rank == 0 else [3]
+            batch = make_batch(record_len, seed=10 * rank + step)
+            optimizer.zero_grad()
+            forward_backward(ddp, batch, len(record_len))
+            optimizer.step()
+        trained[name] = [p.detach().clone() for p in model.parameters()]
+    return trained
 
 
-@pytest.mark.parametrize("name", list(BASELINES))
-def test_two_rank_ddp_training_steps_keep_ranks_in_sync(name):
-    params = run_on_ranks(_ddp_step_on_rank, world_size=2, args=(BASELINES[name],),
-                          timeout_s=120)
-    for first, second in zip(*params):
-        torch.testing.assert_close(first, second)
+def test_two_rank_ddp_training_steps_keep_ranks_in_sync():
+    # One 2-process session for every model: spawning ranks costs seconds each.
+    ranks = run_on_ranks(_ddp_steps_on_rank, world_size=2, args=(BASELINES,), timeout_s=180)
+    assert set(ranks[0]) == set(BASELINES)
+    for name in BASELINES:
+        torch.manual_seed(0)                   # the ranks' initial weights
+        initial = build_model(BASELINES[name])
+        for first, second in zip(ranks[0][name], ranks[1][name]):
+            torch.testing.assert_close(first, second)
+        moved = [not torch.equal(a, b) for a, b in zip(ranks[0][name], initial.parameters())]
+        assert any(moved), f"{name}: the steps changed nothing"
 
 
 LITE_CONFIGS = [f"point_pillar_{name}" for name in BASELINES]
