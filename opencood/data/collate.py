@@ -6,6 +6,7 @@ Batch layout (CPU tensors; ``opencood.data.pipeline`` moves them and pillarises 
     agent_index       (N,) int64       global agent index of each point (0 .. sum(record_len)-1)
     record_len        (B,) int64       agents per sample (ego first within each sample)
     agent_types       (A,) int64       per agent: 0 vehicle, 1 infrastructure (A = sum(record_len))
+    agent_latency     (A,) int64       per agent: frames its data lags the ego's (0 for the ego)
     transforms_to_ego (A, 4, 4) float32, A = sum(record_len)
     gt_boxes          (B, M_max, 7) float32, zero padded
     gt_mask           (B, M_max) bool
@@ -48,6 +49,9 @@ def collate_samples(samples: List[Dict]) -> Dict:
         "record_len": torch.tensor(record_len, dtype=torch.int64),
         "agent_types": torch.from_numpy(np.concatenate(
             [np.asarray(s["agent_types"], dtype=np.int64) for s in samples])),
+        "agent_latency": torch.from_numpy(np.concatenate(
+            [np.asarray(s.get("agent_latency", np.zeros(len(s["agent_points"]))),
+                        dtype=np.int64) for s in samples])),
         "transforms_to_ego": torch.cat(transforms).reshape(-1, 4, 4),
         "gt_boxes": gt_boxes,
         "gt_mask": gt_mask,

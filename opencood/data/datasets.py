@@ -10,6 +10,9 @@ A sample is a dict::
     agent_ids         [cav_id, ...]                  ego first
     agent_types       (n,) int64                     per agent of the model input: 0 vehicle,
                                                      1 infrastructure (negative cav id, V2XSet)
+    agent_latency     (n,) int64                     per agent: frames its data is older than the
+                                                     ego's (wild_setting.latency_frames, fewer at
+                                                     a scenario's start; 0 for the ego)
     agent_points      [(N_i, 4) float32, ...]        one entry per agent of the model input
     transforms_to_ego (n, 4, 4) float32              agent -> ego as used (noisy for non-ego)
     gt_boxes          (M, 7) float32 [x, y, z, h, w, l, yaw]
@@ -160,10 +163,13 @@ class BaseFusionDataset(torch.utils.data.Dataset):
         for cav_id in info.cav_ids:
             cav = sample["cavs"][cav_id]
             is_ego = cav_id == info.ego_id
+            latency = 0
             if not is_ego and self.wild.latency_frames > 0:
-                stamp = delayed_timestamp(self.split.timestamps(info.scenario), info.timestamp,
-                                          self.wild.latency_frames)
+                stamps = self.split.timestamps(info.scenario)
+                stamp = delayed_timestamp(stamps, info.timestamp, self.wild.latency_frames)
                 cav = self.split.load_cav_frame(info.scenario, cav_id, stamp)
+                # The delay actually applied (clamped at the scenario's first frame).
+                latency = stamps.index(info.timestamp) - stamps.index(stamp)
             reported_pose = cav["lidar_pose"] if is_ego else noisy_pose(
                 cav["lidar_pose"], self.wild, noise_rng)
             agents.append({
@@ -172,6 +178,7 @@ class BaseFusionDataset(torch.utils.data.Dataset):
                 "lidar_pose": np.asarray(cav["lidar_pose"], dtype=np.float64),
                 "vehicles": cav.get("params", {}).get("vehicles", {}),
                 "T_to_ego": relative_transform(reported_pose, ego_pose),
+                "latency": latency,
             })
         return {"info": info, "agents": agents, "gt_boxes": sample["gt_boxes"],
                 "gt_ids": sample["gt_ids"],
@@ -186,8 +193,11 @@ class BaseFusionDataset(torch.utils.data.Dataset):
         return ego_points_per_box(points, boxes, self.order)
 
     def _finish(self, index: int, key, agent_ids, points_list, transforms, gt_boxes, gt_ids,
-                shared_points: int, gt_ego_points: np.ndarray) -> Dict:
-        """Augment (one transform for all agents), crop points and boxes, cast dtypes."""
+                shared_points: int, gt_ego_points: np.ndarray, agent_latency=None) -> Dict:
+        """Augment (one transform for all agents), crop points and boxes, cast dtypes.
+        ``agent_latency``: frames of delay per agent, default 0 (one merged or own cloud)."""
+        if agent_latency is None:
+            agent_latency = [0] * len(agent_ids)
         points_list, gt_boxes, _ = augment_sample(points_list, np.asarray(gt_boxes, np.float64),
                                                   self.augment_cfg,
                                                   self._rng(index, _AUGMENT_STREAM))
@@ -198,6 +208,7 @@ class BaseFusionDataset(torch.utils.data.Dataset):
             "sample_key": key,
             "agent_ids": list(agent_ids),
             "agent_types": agent_types(agent_ids),
+            "agent_latency": np.asarray(agent_latency, dtype=np.int64),
             "agent_points": points_list,
             "transforms_to_ego": np.asarray(transforms, dtype=np.float32).reshape(-1, 4, 4),
             "gt_boxes": gt_boxes[keep].astype(np.float32).reshape(-1, 7),
@@ -261,7 +272,8 @@ class IntermediateFusionDataset(BaseFusionDataset):
         return self._finish(index, key, [a["cav_id"] for a in agents], _points_to_ego(agents),
                             [a["T_to_ego"] for a in agents], loaded["gt_boxes"],
                             loaded["gt_ids"], shared_points=0,
-                            gt_ego_points=loaded["gt_ego_points"])
+                            gt_ego_points=loaded["gt_ego_points"],
+                            agent_latency=[a["latency"] for a in agents])
 
 
 @DATASETS.register("late")
@@ -306,7 +318,8 @@ class LateFusionDataset(BaseFusionDataset):
         return self._finish(index, key, [a["cav_id"] for a in agents],
                             [a["points"] for a in agents], [a["T_to_ego"] for a in agents],
                             loaded["gt_boxes"], loaded["gt_ids"], shared_points=0,
-                            gt_ego_points=loaded["gt_ego_points"])
+                            gt_ego_points=loaded["gt_ego_points"],
+                            agent_latency=[a["latency"] for a in agents])
 
 
 def build_dataset(cfg: dict, split: str, train: bool, fusion_method: str | None = None,

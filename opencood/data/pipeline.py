@@ -78,6 +78,8 @@ class BatchPreparer:
         inputs = dict(pillars)
         inputs["record_len"] = batch["record_len"].to(self.device)
         inputs["agent_types"] = batch["agent_types"].to(self.device)
+        if "agent_latency" in batch:        # V2X-ViT's delay encoding
+            inputs["agent_latency"] = batch["agent_latency"].to(self.device)
         inputs["shared_points"] = batch["shared_points"].to(self.device)
         inputs["transforms_to_ego"] = batch["transforms_to_ego"].to(self.device)
         return inputs

@@ -4,6 +4,9 @@ Input ``batch`` (tensors on the model's device):
   voxel_features (P, M, 4), voxel_num_points (P,), voxel_coords (P, 4) [agent, z, y, x] with the
   agents of a sample consecutive and the ego first; record_len (B,) agents per sample;
   optional shared_points (B,) and num_agents_sent (B,) for early fusion's byte count.
+  optional agent_types (N_agents,) int64 (0 vehicle, 1 infrastructure) and agent_latency
+  (N_agents,) int64 (frames each agent's data is late), passed to fusion modules that ask for
+  them (``FusionModule.extra_inputs``; V2X-ViT).
 Output dict: cls_preds (B, A, H, W), reg_preds (B, 7A, H, W), dir_preds (B, 2A, H, W),
   comm_bytes (B,) float, and for where2comm conf_preds (N_agents, A, H, W) with
   conf_sample_index (N_agents,) (the sample each confidence map belongs to).
@@ -89,6 +92,31 @@ class PointPillar(nn.Module):
         return outputs
 
 
+class ShrinkHeader(nn.Module):
+    """OpenCOOD's ``shrink_header`` (V2VNet, V2X-ViT, CoBEVT): two 3x3 convs with ReLU, the
+    first strided, narrowing the backbone output before fusion so attention over agents and
+    windows stays affordable: (N, C_in, H, W) -> (N, dim, ceil(H / stride), ceil(W / stride)).
+    With stride 2 the head runs at feature stride 4 (``anchor_args.feature_stride: 4``)."""
+
+    def __init__(self, in_channels: int, dim: int, stride: int = 2):
+        super().__init__()
+        self.out_channels = dim
+        self.layers = nn.Sequential(
+            nn.Conv2d(in_channels, dim, 3, stride=stride, padding=1), nn.ReLU(),
+            nn.Conv2d(dim, dim, 3, padding=1), nn.ReLU())
+
+    @classmethod
+    def from_config(cls, args: dict, in_channels: int) -> "ShrinkHeader":
+        dim, stride = args["dim"], args.get("stride", 2)
+        # OpenCOOD writes one-entry lists (dim: [256], stride: [2]); accept both spellings.
+        dim = dim[0] if isinstance(dim, (list, tuple)) else dim
+        stride = stride[0] if isinstance(stride, (list, tuple)) else stride
+        return cls(in_channels, int(dim), int(stride))
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.layers(features)
+
+
 @MODELS.register("point_pillar_intermediate")
 class PointPillarIntermediate(nn.Module):
     """PointPillars with per-agent BEV features fused at the ego by a FUSIONS module.
@@ -96,11 +124,13 @@ class PointPillarIntermediate(nn.Module):
     ``stage`` is where fusion happens: "scatter" (on the pillar canvas, before the backbone),
     "multiscale" (on every backbone scale before its up block) or "backbone" (on the backbone
     output, before the head); the bytes reported are those of the maps fused there, summed over
-    scales for "multiscale".
+    scales for "multiscale". An optional ``shrink`` (``ShrinkHeader``) narrows the backbone
+    output: per agent before fusion at the "backbone" stage, on the fused map otherwise.
     """
 
     def __init__(self, vfe: PillarVFE, scatter: PointPillarScatter, backbone: BaseBEVBackbone,
-                 head: AnchorHead, fusion: FusionModule, stage: Optional[str] = None):
+                 head: AnchorHead, fusion: FusionModule, stage: Optional[str] = None,
+                 shrink: Optional[ShrinkHeader] = None):
         super().__init__()
         stage = stage or fusion.default_stage
         if stage not in fusion.supported_stages:
@@ -109,35 +139,49 @@ class PointPillarIntermediate(nn.Module):
         self.vfe, self.scatter, self.backbone, self.head = vfe, scatter, backbone, head
         self.fusion = fusion
         self.stage = stage
+        self.shrink = shrink if shrink is not None else nn.Identity()
 
     @classmethod
     def from_config(cls, args: dict) -> "PointPillarIntermediate":
         vfe, scatter, backbone, head = build_pillar_parts(args)
+        shrink = None
+        if args.get("shrink_header"):
+            shrink = ShrinkHeader.from_config(args["shrink_header"], backbone.out_channels)
+            head = AnchorHead.from_config(args, shrink.out_channels)
         fusion_cfg = args["fusion"]
         fusion_cls = FUSIONS.get(fusion_cfg["core_method"])
-        fusion = fusion_cls.from_config(fusion_cfg.get("args") or {},
-                                        in_channels=backbone.out_channels,
-                                        num_anchors=head.num_anchors)
-        return cls(vfe, scatter, backbone, head, fusion, stage=fusion_cfg.get("stage"))
+        fusion = fusion_cls.from_config(
+            fusion_cfg.get("args") or {},
+            in_channels=shrink.out_channels if shrink is not None else backbone.out_channels,
+            num_anchors=head.num_anchors)
+        return cls(vfe, scatter, backbone, head, fusion, stage=fusion_cfg.get("stage"),
+                   shrink=shrink)
 
-    def fuse_features(self, canvas: torch.Tensor, record_len: torch.Tensor):
-        """(N_agents, C, ny, nx) -> (B, C_out, H, W), list of FusionResult (one per fusion)."""
+    def fuse_features(self, canvas: torch.Tensor, record_len: torch.Tensor,
+                      extra: Optional[dict] = None):
+        """(N_agents, C, ny, nx) -> (B, C_out, H, W), list of FusionResult (one per fusion).
+
+        ``extra``: the per-agent inputs the fusion module asked for (``extra_inputs``)."""
         results = []
+        extra = extra or {}
 
         def fuse(features, lengths):
-            results.append(self.fusion(features, lengths))
+            results.append(self.fusion(features, lengths, **extra))
             return results[-1].features
 
         if self.stage == "scatter":
-            return self.backbone(fuse(canvas, record_len)), results
+            return self.shrink(self.backbone(fuse(canvas, record_len))), results
         if self.stage == "multiscale":
-            return self.backbone(canvas, fuse_fn=fuse, record_len=record_len), results
-        return fuse(self.backbone(canvas), record_len), results
+            fused = self.backbone(canvas, fuse_fn=fuse, record_len=record_len)
+            return self.shrink(fused), results
+        return fuse(self.shrink(self.backbone(canvas)), record_len), results
 
     def forward(self, batch: dict) -> dict:
         record_len = batch["record_len"]
         canvas = encode_agents(self.vfe, self.scatter, batch)
-        fused, results = self.fuse_features(canvas, record_len)
+        # Absent keys reach the module as None (hand-made batches, older loaders).
+        extra = {name: batch.get(name) for name in self.fusion.extra_inputs}
+        fused, results = self.fuse_features(canvas, record_len, extra)
         outputs = self.head(fused)
         outputs["comm_bytes"] = torch.stack([r.comm_bytes for r in results]).sum(dim=0)
         for result in results:

@@ -91,10 +91,13 @@ def mean_over_non_ego(per_agent: torch.Tensor, record_len: torch.Tensor) -> torc
 
 
 class FusionModule(nn.Module):
-    """Base: ``default_stage`` is where the detector applies it unless the yaml says otherwise."""
+    """Base: ``default_stage`` is where the detector applies it unless the yaml says otherwise.
+    ``extra_inputs``: model-input keys (per-agent tensors) the detector passes to ``forward`` as
+    keyword arguments, None when a batch lacks them."""
 
     default_stage = "backbone"
     supported_stages = STAGES
+    extra_inputs: tuple = ()
 
     def __init__(self, bytes_per_value: int = FP32_BYTES):
         super().__init__()

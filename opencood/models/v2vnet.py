@@ -1,0 +1,167 @@
+"""V2VNet (Wang et al., ECCV 2020): spatially aware graph message passing between agents.
+
+Every agent is a node whose state starts as its BEV map. In each of K rounds (``num_iteration``)
+every agent i receives, from every agent j of its sample (itself included, as OpenCOOD does, so a
+lone agent still runs the same layers), a message computed by a CNN over [receiver state,
+sender state warped into the receiver's frame], masked to the cells the sender's map covers;
+the messages are averaged over senders and a ConvGRU updates the receiver's state from
+[mean message, initial state]. The ego's final state, through a per-cell linear layer, feeds the
+head.
+
+Warping uses the pairwise transforms between the agents' feature frames (``affine_grid`` /
+``grid_sample``). Our intermediate dataset projects every cloud into the ego frame before
+pillarisation (OpenCOOD's ``proj_first``, which its V2VNet config also uses), so all feature
+frames coincide and the detector passes no transform: warping is then the identity and skipped.
+``forward(..., pairwise=...)`` takes explicit transforms for data in per-agent frames.
+
+Bytes: every agent broadcasts its current state once per round, so a non-ego agent sends
+K x C x H x W values (nothing when K = 0 or when the ego is alone).
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from opencood.models.fusion import FP32_BYTES, FusionModule, FusionResult, pad_by_sample
+from opencood.registry import FUSIONS
+
+
+def bev_affine(sender_to_receiver: torch.Tensor, grid_hw: Sequence[int],
+               cell_size: float, grid_center: Sequence[float] = (0.0, 0.0)) -> torch.Tensor:
+    """Metric 4x4 transforms -> ``affine_grid`` matrices that sample a sender's BEV map at the
+    receiver's cells.
+
+    sender_to_receiver (..., 4, 4): maps points of the sender's frame into the receiver's.
+    grid_hw (H, W): feature map size; cell_size: metres per feature cell (voxel x stride);
+    grid_center: (x, y) metres of the map centre in its own frame (0, 0 for a symmetric range).
+    Returns (..., 2, 3): normalised receiver coordinates -> normalised sender coordinates
+    (``align_corners=False``: -1 and 1 are the outer edges of the border cells).
+    """
+    receiver_to_sender = torch.linalg.inv(sender_to_receiver.double())
+    rotation = receiver_to_sender[..., :2, :2]
+    translation = receiver_to_sender[..., :2, 3]
+    height, width = grid_hw
+    half_extent = torch.tensor([width * cell_size / 2, height * cell_size / 2],
+                               dtype=torch.float64, device=rotation.device)
+    center = torch.tensor(list(grid_center), dtype=torch.float64, device=rotation.device)
+    # x_metric = c + S u  ->  u_sender = S^-1 (R (c + S u) + t - c)
+    linear = rotation * half_extent[None, :] / half_extent[:, None]
+    offset = (rotation @ center + translation - center) / half_extent
+    return torch.cat([linear, offset.unsqueeze(-1)], dim=-1).to(sender_to_receiver.dtype)
+
+
+def warp_to_receivers(features: torch.Tensor, theta: torch.Tensor):
+    """Sample every sender's map at every receiver's cells.
+
+    features (B, L, C, H, W) sender maps; theta (B, L_recv, L_send, 2, 3) from ``bev_affine``.
+    -> warped (B, L_recv, L_send, C, H, W), zero outside the sender's map, and
+       covered (B, L_recv, L_send, 1, H, W) bool: receiver cells whose centre falls inside it.
+    """
+    batch, agents, channels, height, width = features.shape
+    flat_theta = theta.reshape(-1, 2, 3)
+    grid = F.affine_grid(flat_theta, [flat_theta.shape[0], channels, height, width],
+                         align_corners=False)
+    senders = features.unsqueeze(1).expand(-1, agents, -1, -1, -1, -1)
+    warped = F.grid_sample(senders.reshape(-1, channels, height, width), grid,
+                           mode="bilinear", padding_mode="zeros", align_corners=False)
+    covered = (grid.abs() <= 1.0).all(dim=-1)
+    shape = (batch, agents, agents)
+    return warped.view(*shape, channels, height, width), covered.view(*shape, 1, height, width)
+
+
+class ConvGRUCell(nn.Module):
+    """Convolutional GRU: (x (N, C_in, H, W), h (N, C, H, W)) -> new h (N, C, H, W)."""
+
+    def __init__(self, input_channels: int, hidden_channels: int, kernel_size: int = 3):
+        super().__init__()
+        padding = kernel_size // 2
+        both = input_channels + hidden_channels
+        self.gates = nn.Conv2d(both, 2 * hidden_channels, kernel_size, padding=padding)
+        self.candidate = nn.Conv2d(both, hidden_channels, kernel_size, padding=padding)
+
+    def forward(self, x: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        reset, update = torch.sigmoid(self.gates(torch.cat([x, hidden], 1))).chunk(2, dim=1)
+        candidate = torch.tanh(self.candidate(torch.cat([x, reset * hidden], 1)))
+        return (1 - update) * hidden + update * candidate
+
+
+@FUSIONS.register("v2vnet")
+class V2VNetFusion(FusionModule):
+    """V2VNet message passing at the backbone output (after the optional shrink header).
+
+    Args:
+        in_channels: C of the per-agent maps.
+        num_iteration: K rounds of message passing (0: the ego's own map, through the output
+            layer).
+        kernel_size: of the ConvGRU convolutions.
+        cell_size: metres per feature cell, for warping with explicit pairwise transforms.
+        grid_center: (x, y) of the feature map centre in metres, same use.
+    """
+
+    supported_stages = ("backbone",)
+
+    def __init__(self, in_channels: int, num_iteration: int = 2, kernel_size: int = 3,
+                 cell_size: float = 0.8, grid_center: Sequence[float] = (0.0, 0.0),
+                 bytes_per_value: int = FP32_BYTES):
+        super().__init__(bytes_per_value)
+        if num_iteration < 0:
+            raise ValueError(f"v2vnet num_iteration must be >= 0, got {num_iteration}")
+        self.num_iteration = num_iteration
+        self.cell_size = float(cell_size)
+        self.grid_center = tuple(float(v) for v in grid_center)
+        self.message_cnn = nn.Conv2d(2 * in_channels, in_channels, 3, padding=1)
+        self.gru = ConvGRUCell(2 * in_channels, in_channels, kernel_size)
+        self.output = nn.Conv2d(in_channels, in_channels, 1)   # OpenCOOD's per-cell linear
+
+    @classmethod
+    def from_config(cls, args: dict, in_channels: int, num_anchors: int) -> "V2VNetFusion":
+        return cls(in_channels, num_iteration=args.get("num_iteration", 2),
+                   kernel_size=args.get("kernel_size", 3),
+                   cell_size=args.get("cell_size", 0.8),
+                   grid_center=args.get("grid_center", (0.0, 0.0)),
+                   bytes_per_value=args.get("bytes_per_value", FP32_BYTES))
+
+    def gather_senders(self, states: torch.Tensor, theta: Optional[torch.Tensor]):
+        """states (B, L, C, H, W) -> senders seen by each receiver (B, L, L, C, H, W) and the
+        covered cells (B, L, L, 1, H, W) (all True without warping)."""
+        batch, agents, _, height, width = states.shape
+        if theta is None:
+            senders = states.unsqueeze(1).expand(-1, agents, -1, -1, -1, -1)
+            covered = states.new_ones(batch, agents, agents, 1, height, width, dtype=torch.bool)
+            return senders, covered
+        return warp_to_receivers(states, theta)
+
+    def message_round(self, states: torch.Tensor, initial: torch.Tensor,
+                      is_real: torch.Tensor, theta: Optional[torch.Tensor]) -> torch.Tensor:
+        """One round: (B, L, C, H, W) states -> updated states, same shape."""
+        batch, agents, channels, height, width = states.shape
+        senders, covered = self.gather_senders(states, theta)
+        receivers = states.unsqueeze(2).expand_as(senders)
+        pairs = torch.cat([receivers, senders], dim=3).reshape(-1, 2 * channels, height, width)
+        messages = self.message_cnn(pairs).view(batch, agents, agents, channels, height, width)
+        # A sender counts where it is a real agent and its map covers the receiver's cell.
+        weight = (covered & is_real[:, None, :, None, None, None]).to(states.dtype)
+        mean_message = (messages * weight).sum(2) / weight.sum(2).clamp(min=1.0)
+        flat = (batch * agents, channels, height, width)
+        gru_input = torch.cat([mean_message.reshape(flat), initial.reshape(flat)], dim=1)
+        return self.gru(gru_input, states.reshape(flat)).view_as(states)
+
+    def forward(self, features: torch.Tensor, record_len: torch.Tensor,
+                pairwise: Optional[torch.Tensor] = None) -> FusionResult:
+        """features (N, C, H, W), record_len (B,); pairwise (B, L, L, 4, 4) optional, entry
+        [b, i, j] maps agent j's feature frame into agent i's (None: frames coincide).
+        -> FusionResult with the ego's final state through the output layer (B, C, H, W)."""
+        padded, is_real = pad_by_sample(features, record_len)
+        theta = None
+        if pairwise is not None:
+            theta = bev_affine(pairwise, features.shape[2:], self.cell_size, self.grid_center)
+        states = padded
+        for _ in range(self.num_iteration):
+            states = self.message_round(states, padded, is_real, theta)
+        fused = self.output(states[:, 0])
+        map_bytes = float(features[0].numel() * self.bytes_per_value * self.num_iteration)
+        comm_bytes = (record_len > 1).to(torch.float32) * map_bytes
+        return FusionResult(fused, comm_bytes, {})
