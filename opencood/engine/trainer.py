@@ -442,10 +442,17 @@ def train(cfg: Dict, args, info: dist_utils.DistInfo) -> Dict:
     except ValueError as error:
         raise ConfigError(f"train_params.batch_size: {error}") from None
     check_registered_names(cfg, args.hypes_yaml or str(Path(args.model_dir) / "config.yaml"))
-    run_dir = make_run_dir(cfg, args)
-    dist_utils.setup_logging(run_dir, info.rank)
     seed = int(cfg.get("seed", 0))
     seed_everything(seed)
+    # The data are indexed before the run folder exists: a data error leaves no folder behind.
+    train_set, train_loader, train_sampler, val_loaders = build_loaders(cfg, info, micro, seed)
+    steps_per_epoch = len(train_loader) // accum
+    if steps_per_epoch == 0:
+        raise ConfigError(f"train_params.batch_size {train_params['batch_size']} is larger than "
+                          f"the training split ({len(train_set)} samples over "
+                          f"{info.world_size} ranks)")
+    run_dir = make_run_dir(cfg, args)
+    dist_utils.setup_logging(run_dir, info.rank)
     configure_cuda(cfg)
     ckpt_path, checkpoint = find_resume_checkpoint(run_dir)
     if dist_utils.is_main_process() and checkpoint is None:
@@ -453,13 +460,6 @@ def train(cfg: Dict, args, info: dist_utils.DistInfo) -> Dict:
 
     logger.info("run folder %s | %s | device %s, backend %s", run_dir,
                 describe_batch(micro, info.world_size, accum), info.device, info.backend)
-
-    train_set, train_loader, train_sampler, val_loaders = build_loaders(cfg, info, micro, seed)
-    steps_per_epoch = len(train_loader) // accum
-    if steps_per_epoch == 0:
-        raise ConfigError(f"train_params.batch_size {train_params['batch_size']} is larger than "
-                          f"the training split ({len(train_set)} samples over "
-                          f"{info.world_size} ranks)")
     epochs = int(train_params["epoches"])
 
     model, model_without_ddp, ema = prepare_model(cfg, info, checkpoint, ckpt_path)
