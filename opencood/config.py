@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import copy
+import difflib
 import re
 from pathlib import Path
 from typing import Any, Iterable
@@ -169,8 +170,22 @@ def get_key(cfg: dict, dotted: str, default: Any = KeyError) -> Any:
     return node
 
 
+def _refuse_misspelt_keys(cfg: dict, source: str) -> None:
+    """A key one typo away from a known key beside it (``train_params.epochs`` for
+    ``epoches``) is refused, even when the right key is inherited: it would be silently ignored."""
+    known = {dotted for dotted, _, _ in _REQUIRED} | set(_POSITIVE_INTS)
+    for dotted in sorted(known):
+        section, _, name = dotted.rpartition(".")
+        node = get_key(cfg, section, default=None) if section else cfg
+        for key in node if isinstance(node, dict) else ():
+            near = ".".join(filter(None, (section, str(key))))
+            if near not in known and difflib.get_close_matches(str(key), [name], cutoff=0.8):
+                raise ConfigError(f"{source}: unknown key {near!r} (did you mean {dotted!r}?)")
+
+
 def validate_config(cfg: dict, source: str) -> None:
     """Check required keys and types; raise ConfigError naming ``source`` and the key."""
+    _refuse_misspelt_keys(cfg, source)
     for dotted, types, description in _REQUIRED:
         value = get_key(cfg, dotted, default=None)
         if value is None:

@@ -53,8 +53,9 @@ class Registry:
             return self._entries[name]
         except KeyError:
             known = ", ".join(sorted(self._entries)) or "(none)"
+            kinds = self.kind + ("es" if self.kind.endswith("s") else "s")   # losses, models
             raise RegistryError(
-                f"unknown {self.kind} {name!r}; registered {self.kind}s: {known}") from None
+                f"unknown {self.kind} {name!r}; registered {kinds}: {known}") from None
 
     def build(self, name: str, *args, **kwargs):
         """``get(name)(*args, **kwargs)``."""

@@ -244,15 +244,17 @@ def test_scenarios_sorted_and_samples_follow_ego_timestamps(tmp_path):
         == [("alpha", "000001"), ("zeta", "000004"), ("zeta", "000010")]
 
 
-def test_com_range_drops_far_cavs_then_max_cav_truncates(tmp_path):
+def test_com_range_drops_far_cavs_then_max_cav_keeps_the_nearest(tmp_path):
     split_dir = tmp_path / "train"
     # "2" is exactly 70 m away (kept, as the reference keeps distance == com_range), "3" is out.
     _make_scenario(split_dir, {"1": (0, 0), "2": (42, 56), "3": (70.5, 0), "4": (-3, 4),
                                "5": (1, 1)})
     assert _split(split_dir, tmp_path).info(0).cav_ids == ["1", "2", "4", "5"]
-    # Range first, then truncation: "3" must not take one of the two slots.
+    # Range first, then the nearest to the ego ("5" at 1.4 m, "4" at 5 m; not "2" at 70 m,
+    # although its folder sorts first), listed in folder order.
     truncated = _split(split_dir, tmp_path, max_cav=3)
-    assert truncated.info(0).cav_ids == ["1", "2", "4"]
+    assert truncated.info(0).cav_ids == ["1", "4", "5"]
+    assert _split(split_dir, tmp_path, max_cav=2).info(0).cav_ids == ["1", "5"]
     assert _split(split_dir, tmp_path, max_cav=1).info(1).cav_ids == ["1"]
     assert _split(split_dir, tmp_path, com_range=10.0).info(0).cav_ids == ["1", "4", "5"]
 

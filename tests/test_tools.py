@@ -7,7 +7,6 @@ seconds; the measured version of that check is marked slow).
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -19,6 +18,7 @@ import pytest
 import torch
 
 from opv2v_factory import write_simple_split
+from tool_modules import load_tool
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TOOLS = REPO_ROOT / "tools"
@@ -38,13 +38,6 @@ RATIO_FIGURES = {"pillarise", "targets", "bev_iou", "ap", "visibility_count"}
 # DESIGN §3: one training step of the OPV2V AttFuse model (704 x 200, batch 2, 3 CAVs).
 OPV2V_TRAIN_FLOPS = 0.88e12
 OPV2V_PARAMS = 6_585_876  # hand-derived below (6.586 M)
-
-
-def load_tool(name: str):
-    spec = importlib.util.spec_from_file_location(f"tool_{name}", TOOLS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def tool_env(tmp_path: Path) -> dict:

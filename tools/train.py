@@ -79,19 +79,10 @@ def train(cfg: Dict, args, info: dist_utils.DistInfo) -> Dict:
     # Checked before any file is written; every rank fails alike, so none waits in a collective.
     micro, accum = split_batch_or_refuse(train_params, info.world_size)
     check_registered_names(cfg, args.hypes_yaml or str(Path(args.model_dir) / "config.yaml"))
-    run_dir = make_run_dir(cfg["name"], args.model_dir, args.runs_root)
-    dist_utils.setup_logging(run_dir, info.rank)
     seed = int(cfg.get("seed", 0))
-    seed_everything(seed)
-    configure_cuda(cfg)
-    ckpt_path, checkpoint = find_resume_checkpoint(run_dir)
-    if dist_utils.is_main_process() and checkpoint is None:
-        save_config(cfg, run_dir / "config.yaml")
-    logger.info("run folder %s | %s | device %s, backend %s", run_dir,
-                describe_batch(micro, info.world_size, accum), info.device, info.backend)
-
-    # Data: every rank the same number of shuffled micro-batches (DistributedSampler pads its
-    # shard, BatchSampler drops the incomplete tail); the validation split unpadded.
+    # Data, indexed before the run folder exists (a data error leaves no folder behind): every
+    # rank the same number of shuffled micro-batches (DistributedSampler pads its shard,
+    # BatchSampler drops the incomplete tail); the validation split unpadded.
     train_set = build_dataset(cfg, "train", train=True)
     try:   # same length on every rank, so every rank fails alike
         batch_sampler, train_sampler = build_train_sampler(   # BatchSampler(DistributedSampler)
@@ -110,6 +101,15 @@ def train(cfg: Dict, args, info: dist_utils.DistInfo) -> Dict:
                           f"the training split ({len(train_set)} samples over "
                           f"{info.world_size} ranks)")
     epochs, total_steps = step_budget(train_params, steps_per_epoch)
+    run_dir = make_run_dir(cfg["name"], args.model_dir, args.runs_root)
+    dist_utils.setup_logging(run_dir, info.rank)
+    seed_everything(seed)
+    configure_cuda(cfg)
+    ckpt_path, checkpoint = find_resume_checkpoint(run_dir)
+    if dist_utils.is_main_process() and checkpoint is None:
+        save_config(cfg, run_dir / "config.yaml")
+    logger.info("run folder %s | %s | device %s, backend %s", run_dir,
+                describe_batch(micro, info.world_size, accum), info.device, info.backend)
 
     # Model: build -> Xavier init -> SyncBN (CUDA, world > 1) -> device -> resume's weights ->
     # EMA -> DDP; checkpoints are saved from model_without_ddp.

@@ -429,7 +429,8 @@ class OPV2VSplit:
     Args:
         split_dir: folder holding the scenario folders.
         com_range: CAVs whose lidar is farther than this (m, 2-D) from the ego's are dropped.
-        max_cav: at most this many CAVs per sample (ego included), after the range test.
+        max_cav: at most this many CAVs per sample (ego included), after the range test: the
+            ego and the CAVs nearest to it (2-D distance, ties in folder order).
         cache_dir: cache folder (None: ``default_cache_dir()``); clouds go to ``<cache_dir>/pcd``,
             the index to ``<cache_dir>/opv2v_index``. Never the data folder.
         use_point_cache: load clouds through PointCloudCache (.npy) instead of parsing the PCD.
@@ -469,11 +470,14 @@ class OPV2VSplit:
         samples = []
         for position, timestamp in enumerate(layout.timestamps):
             ego_pose = frames[layout.cav_ids[0]][position]["lidar_pose"]
+            distance = {cav_id: _planar_distance(frames[cav_id][position]["lidar_pose"], ego_pose)
+                        for cav_id in layout.cav_ids}
             in_range = [cav_id for cav_id in layout.cav_ids
-                        if _planar_distance(frames[cav_id][position]["lidar_pose"], ego_pose)
-                        <= self.com_range]
-            samples.append(SampleInfo(self.split_dir, layout.name, timestamp,
-                                      layout.cav_ids[0], in_range[:self.max_cav]))
+                        if distance[cav_id] <= self.com_range]
+            # More than max_cav in range: the ego and the nearest others, kept in folder order.
+            nearest = set(sorted(in_range[1:], key=distance.get)[:self.max_cav - 1])
+            samples.append(SampleInfo(self.split_dir, layout.name, timestamp, layout.cav_ids[0],
+                                      in_range[:1] + [c for c in in_range[1:] if c in nearest]))
         return samples
 
     def __len__(self) -> int:

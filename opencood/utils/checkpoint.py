@@ -144,6 +144,9 @@ def _unpickling_problem(error: BaseException) -> str:
     # torch's message is a long paragraph; the useful part is the "Unsupported global" line.
     detail = next((line.strip() for line in str(error).splitlines()
                    if "Unsupported global" in line), _first_line(error))
+    # Keep "Unsupported global: GLOBAL pkg.Class was not an allowed global by default", not the
+    # advice to allowlist the class that follows it (a checkpoint never needs one).
+    detail = detail.replace("WeightsUnpickler error: ", "").split(". Please use")[0]
     return f"it holds objects that torch.load(weights_only=True) refuses ({detail})"
 
 
