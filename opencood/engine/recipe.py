@@ -4,19 +4,20 @@ from __future__ import annotations
 
 from typing import Dict
 
-from opencood.config import ConfigError, get_key
+from opencood.config import ConfigError
 from opencood.registry import FUSIONS, LOSSES, MODELS, RegistryError
 
 
 def check_registered_names(cfg: Dict, source: str) -> None:
     """Every registry name of the config exists, checked before any file is written (a typo in
-    ``model.core_method`` must not leave an empty run folder behind)."""
+    ``model.core_method`` must not leave an empty run folder behind). ``cfg`` is resolved."""
     import opencood.losses  # noqa: F401  (registers losses)
     import opencood.models  # noqa: F401  (registers models and fusion modules)
-    names = [("model.core_method", MODELS, get_key(cfg, "model.core_method", None)),
+    fusion = cfg["model"]["args"].get("fusion")     # model args are model-specific
+    names = [("model.core_method", MODELS, cfg["model"]["core_method"]),
              ("model.args.fusion.core_method", FUSIONS,
-              get_key(cfg, "model.args.fusion.core_method", None)),
-             ("loss.core_method", LOSSES, get_key(cfg, "loss.core_method", None))]
+              fusion["core_method"] if isinstance(fusion, dict) else None),
+             ("loss.core_method", LOSSES, cfg["loss"]["core_method"])]
     for dotted, registry, name in names:
         if name is None:
             continue
