@@ -12,7 +12,8 @@
   Mappings merge key by key; any other value (lists included) is replaced whole. A key whose
   value is ``{_delete_: true, ...}`` replaces the base mapping instead of merging into it.
 * ``--set a.b=value`` overrides are parsed as yaml scalars (``3`` -> int, ``1e-3`` -> float,
-  ``true`` -> bool, ``[1, 2]`` -> list); the key must already exist unless ``allow_new=True``.
+  ``true`` -> bool, ``[1, 2]`` -> list); the key must already exist unless ``allow_new=True``
+  (with :func:`load_config`: exist in the schema, defaults included).
 """
 from __future__ import annotations
 
