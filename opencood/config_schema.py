@@ -468,10 +468,13 @@ _SCALARS = {bool: "a boolean", int: "an integer", float: "a number", str: "a str
 
 
 def _scalar(hint: type, value: Any, key: str) -> Any:
-    is_bool = isinstance(value, bool)
-    fits = (is_bool if hint is bool else
-            isinstance(value, hint) and not is_bool if hint in (int, str) else
-            isinstance(value, (int, float)) and not is_bool)
+    """bool, int, str or float (an int is a float too; a bool is neither: yaml's yes/no)."""
+    if isinstance(value, bool):
+        fits = hint is bool
+    elif hint is float:
+        fits = isinstance(value, (int, float))
+    else:
+        fits = isinstance(value, hint)
     if not fits:
         raise SchemaError(f"key {key!r} must be {_SCALARS[hint]}, got {value!r}{_bool_hint(value)}")
     return float(value) if hint is float else value
