@@ -1,4 +1,10 @@
-"""Experiment configs ("hypes yaml"): load, inherit, override, validate, save.
+"""Experiment configs ("hypes yaml"): load, inherit, override, validate, resolve, save.
+
+* The schema (``opencood.config_schema``: one frozen dataclass per section) is closed: unknown
+  keys, wrong types and bad enumerations are one-line ConfigErrors naming the file and the
+  dotted key. :func:`load_config` returns the *resolved* config, a plain nested dict with every
+  default filled in, so code indexes it (``cfg["train_params"]["eval_freq"]``) and the run
+  folder's saved ``config.yaml`` reloads to the same dict.
 
 * Files are parsed with ``yaml.safe_load`` semantics only (never ``eval`` of strings).
 * ``_base_: other.yaml`` (or a list of files) inherits from files resolved relative to the
@@ -6,19 +12,19 @@
   Mappings merge key by key; any other value (lists included) is replaced whole. A key whose
   value is ``{_delete_: true, ...}`` replaces the base mapping instead of merging into it.
 * ``--set a.b=value`` overrides are parsed as yaml scalars (``3`` -> int, ``1e-3`` -> float,
-  ``true`` -> bool, ``[1, 2]`` -> list); the key must already exist unless ``allow_new=True``.
-* Validation errors are one line naming the file and the dotted key.
+  ``true`` -> bool, ``[1, 2]`` -> list); the key must already exist unless ``allow_new=True``
+  (with :func:`load_config`: exist in the schema, defaults included).
 """
 from __future__ import annotations
 
 import copy
-import difflib
 import re
 from pathlib import Path
 from typing import Any, Iterable
 
 import yaml
 
+from opencood import config_schema as schema
 from opencood.errors import OpencoodError
 from opencood.utils.atomic import atomic_write
 
@@ -145,19 +151,6 @@ def apply_overrides(cfg: dict, overrides: Iterable[str], source: str = "--set",
     return cfg
 
 
-# Required keys and the types they must have: (dotted key, types, description).
-_REQUIRED = [
-    ("name", (str,), "a run name"),
-    ("fusion.core_method", (str,), "no | early | late | intermediate"),
-    ("model.core_method", (str,), "a registered model name"),
-    ("train_params.batch_size", (int,), "the global batch size"),
-    ("train_params.epoches", (int,), "the number of epochs"),
-]
-_POSITIVE_INTS = ["train_params.batch_size", "train_params.epoches", "train_params.max_cav",
-                  "train_params.eval_freq", "train_params.save_freq"]
-FUSION_METHODS = ("no", "early", "late", "intermediate")
-
-
 def get_key(cfg: dict, dotted: str, default: Any = KeyError) -> Any:
     """Value at a dotted key; ``default`` when absent (raises KeyError if no default given)."""
     node: Any = cfg
@@ -170,86 +163,50 @@ def get_key(cfg: dict, dotted: str, default: Any = KeyError) -> Any:
     return node
 
 
-def _refuse_misspelt_keys(cfg: dict, source: str) -> None:
-    """A key one typo away from a known key beside it (``train_params.epochs`` for
-    ``epoches``) is refused, even when the right key is inherited: it would be silently ignored."""
-    known = {dotted for dotted, _, _ in _REQUIRED} | set(_POSITIVE_INTS)
-    for dotted in sorted(known):
-        section, _, name = dotted.rpartition(".")
-        node = get_key(cfg, section, default=None) if section else cfg
-        for key in node if isinstance(node, dict) else ():
-            near = ".".join(filter(None, (section, str(key))))
-            if near not in known and difflib.get_close_matches(str(key), [name], cutoff=0.8):
-                raise ConfigError(f"{source}: unknown key {near!r} (did you mean {dotted!r}?)")
+def _schema_config(cfg: dict, source: str) -> schema.Config:
+    try:
+        return schema.parse(schema.Config, cfg)
+    except schema.SchemaError as error:
+        raise ConfigError(f"{source}: {error}") from None
+
+
+def resolve(cfg: dict, source: str, derive: bool = True) -> dict:
+    """The complete config: ``cfg`` validated against the schema (unknown keys, types and
+    enumerations refused with a ConfigError naming ``source`` and the dotted key), every default
+    filled in and, with ``derive``, the derived geometry (:func:`opencood.config_schema.derive`).
+
+    Idempotent: resolving a resolved config gives it back, so a saved config reloads unchanged.
+    """
+    config = _schema_config(cfg, source)
+    return schema.to_plain(schema.derive(config) if derive else config)
 
 
 def validate_config(cfg: dict, source: str) -> None:
-    """Check required keys and types; raise ConfigError naming ``source`` and the key."""
-    _refuse_misspelt_keys(cfg, source)
-    for dotted, types, description in _REQUIRED:
-        value = get_key(cfg, dotted, default=None)
-        if value is None:
-            raise ConfigError(f"{source}: missing required key {dotted!r} ({description})")
-        if not isinstance(value, types) or isinstance(value, bool) and bool not in types:
-            hint = " (yaml reads a bare no/yes/off as a boolean: quote it, 'no')" \
-                if isinstance(value, bool) else ""
-            raise ConfigError(f"{source}: key {dotted!r} must be {types[0].__name__}, "
-                              f"got {value!r}{hint}")
-    for dotted in _POSITIVE_INTS:
-        value = get_key(cfg, dotted, default=None)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                                  or value <= 0):
-            raise ConfigError(f"{source}: key {dotted!r} must be a positive integer, "
-                              f"got {value!r}")
-    fusion = cfg["fusion"]["core_method"]
-    if fusion not in FUSION_METHODS:
-        raise ConfigError(f"{source}: key 'fusion.core_method' is {fusion!r}; expected one of "
-                          f"{', '.join(FUSION_METHODS)}")
-    for dotted in ("preprocess.cav_lidar_range", "postprocess.gt_range"):
-        value = get_key(cfg, dotted, default=None)
-        if value is not None and not _is_range(value):
-            raise ConfigError(f"{source}: key {dotted!r} must be 6 numbers "
-                              f"[xmin, ymin, zmin, xmax, ymax, zmax] with min < max, got {value!r}")
+    """Raise ConfigError naming ``source`` and the key if ``cfg`` breaks the schema."""
+    _schema_config(cfg, source)
 
 
-def _is_range(value: Any) -> bool:
-    if not isinstance(value, list) or len(value) != 6:
-        return False
-    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
-        return False
-    return all(value[i] < value[i + 3] for i in range(3))
+def resolve_section(name: str, section: dict | None = None, source: str = "config") -> dict:
+    """One top-level section, complete: ``resolve_section("optimizer", {"lr": 0.1})`` gives
+    every optimizer key. For code (and tests) that build one part from a partial mapping."""
+    try:
+        return schema.to_plain(schema.convert(schema.section_schema(name), section, name))
+    except schema.SchemaError as error:
+        raise ConfigError(f"{source}: {error}") from None
 
 
-def fill_derived(cfg: dict) -> dict:
-    """Copy geometry the model needs from the data sections into ``model.args`` (computed here,
-    never by ``eval`` of a yaml string): ``lidar_range`` and ``voxel_size`` from ``preprocess``,
-    ``max_points_per_voxel``, and ``anchor_number`` from the anchor yaws. Explicit values win."""
-    cfg = copy.deepcopy(cfg)
-    preprocess = cfg.get("preprocess") or {}
-    model_args = cfg.setdefault("model", {}).setdefault("args", {})
-    if model_args is None:
-        model_args = cfg["model"]["args"] = {}
-    if "cav_lidar_range" in preprocess:
-        model_args.setdefault("lidar_range", list(preprocess["cav_lidar_range"]))
-    pre_args = preprocess.get("args") or {}
-    for key in ("voxel_size", "max_points_per_voxel"):
-        if key in pre_args:
-            model_args.setdefault(key, pre_args[key])
-    yaws = get_key(cfg, "postprocess.anchor_args.r", default=None)
-    if yaws is not None:
-        model_args.setdefault("anchor_number", len(yaws))
-    return cfg
+def load_config(path, overrides: Iterable[str] = ()) -> dict:
+    """Load ``path`` with its ``_base_`` chain and return the resolved config (:func:`resolve`).
 
-
-def load_config(path, overrides: Iterable[str] = (), validate: bool = True) -> dict:
-    """Load ``path`` with its ``_base_`` chain, apply ``--set`` overrides, validate, and fill
-    the derived model geometry (:func:`fill_derived`)."""
+    ``--set`` overrides may name any key of the schema, present in the file or not: they apply
+    to the config with its defaults filled in, before the derived values are."""
     path = Path(path)
     cfg = _load_with_bases(path, chain=())
-    cfg = apply_overrides(cfg, overrides, source=f"{path} (--set)")
-    if validate:
-        validate_config(cfg, source=str(path))
-    return fill_derived(cfg)
+    if not overrides:
+        return resolve(cfg, str(path))
+    cfg = resolve(cfg, str(path), derive=False)
+    source = f"{path} (--set)"
+    return resolve(apply_overrides(cfg, overrides, source=source), source)
 
 
 def save_config(cfg: dict, path) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from opencood.config import resolve_section
 from opencood.losses import DetectionLoss
 from opencood.models import build_model
 from opencood.models.v2vnet import V2VNetFusion, bev_affine, warp_to_receivers
@@ -27,7 +28,8 @@ SHRINK = {"dim": 16, "stride": 1}      # keeps the 16x16 anchor grid of make_tar
 def baseline_cfg(core_method, **fusion_args):
     args = model_args({"core_method": core_method, "args": fusion_args})
     args["shrink_header"] = dict(SHRINK)
-    return {"core_method": "point_pillar_intermediate", "args": args}
+    # Resolved, as build_model gets it (every default filled in).
+    return resolve_section("model", {"core_method": "point_pillar_intermediate", "args": args})
 
 
 BASELINES = {

@@ -155,7 +155,8 @@ def test_empty_cloud_and_no_vehicles_frames_load(tmp_path):
 
 
 def test_build_dataset_errors_are_clear(road):
-    cfg = {"fusion": {"core_method": "intermediate"}, "root_dir": str(road)}
+    from opencood.config import load_config
+    cfg = load_config("hypes_yaml/synthetic/smoke.yaml", [f"root_dir={road}", "validate_dir=null"])
     with pytest.raises(ValueError, match="validate_dir"):
         build_dataset(cfg, "validate", train=False)
     with pytest.raises(KeyError, match="registered dataset"):

@@ -28,8 +28,16 @@ def test_registry_refuses_duplicates_and_lists_known_names():
 MINIMAL = {
     "name": "run",
     "fusion": {"core_method": "intermediate"},
-    "model": {"core_method": "point_pillar_intermediate", "args": {"widths": [64, 128]}},
     "train_params": {"batch_size": 4, "epoches": 2},
+    "preprocess": {"args": {"voxel_size": [0.8, 0.8, 4.0]}},
+    "model": {"core_method": "point_pillar_intermediate", "args": {
+        "point_pillar_scatter": {"num_features": 16},
+        "base_bev_backbone": {"layer_nums": [1, 1], "layer_strides": [2, 2],
+                              "num_filters": [16, 32], "upsample_strides": [1, 2],
+                              "num_upsample_filter": [32, 32]},
+        "fusion": {"core_method": "attfuse"}}},
+    "loss": {"core_method": "point_pillar_loss"},
+    "optimizer": {"lr": 0.002},
 }
 
 
@@ -42,23 +50,27 @@ def test_base_inheritance_relative_to_including_file(tmp_path):
     (tmp_path / "bases").mkdir()
     _write(tmp_path / "bases" / "root.yaml", MINIMAL)
     _write(tmp_path / "bases" / "mid.yaml",
-           {"_base_": "root.yaml", "train_params": {"epoches": 5, "eval_freq": 1}})
+           {"_base_": "root.yaml", "train_params": {"epoches": 5, "eval_freq": 3}})
     child = _write(tmp_path / "child.yaml", {
         "_base_": "bases/mid.yaml", "name": "child",
-        "model": {"args": {"widths": [8]}}})
+        "model": {"args": {"base_bev_backbone": {"num_filters": [8, 8]}}}})
     cfg = load_config(child)
     assert cfg["name"] == "child"
-    assert cfg["train_params"] == {"batch_size": 4, "epoches": 5, "eval_freq": 1}
+    params = cfg["train_params"]
+    assert (params["batch_size"], params["epoches"], params["eval_freq"]) == (4, 5, 3)
     # Lists are replaced, not merged, and sibling keys from the base survive.
-    assert cfg["model"] == {"core_method": "point_pillar_intermediate", "args": {"widths": [8]}}
+    backbone = cfg["model"]["args"]["base_bev_backbone"]
+    assert backbone["num_filters"] == [8, 8] and backbone["layer_nums"] == [1, 1]
+    assert cfg["model"]["args"]["fusion"]["core_method"] == "attfuse"
     assert "_base_" not in cfg
 
 
 def test_base_list_order_and_delete(tmp_path):
-    _write(tmp_path / "a.yaml", {**MINIMAL, "extra": {"x": 1, "y": 2}})
-    _write(tmp_path / "b.yaml", {"extra": {"y": 3}})
+    _write(tmp_path / "a.yaml", {**MINIMAL, "wild_setting": {"xyz_std": 1, "yaw_std": 2}})
+    _write(tmp_path / "b.yaml", {"wild_setting": {"yaw_std": 3}})
     child = _write(tmp_path / "c.yaml", {"_base_": ["a.yaml", "b.yaml"]})
-    assert load_config(child)["extra"] == {"x": 1, "y": 3}
+    wild = load_config(child)["wild_setting"]
+    assert (wild["xyz_std"], wild["yaw_std"]) == (1.0, 3.0)
     assert merge_configs({"s": {"x": 1}}, {"s": {"_delete_": True, "z": 0}}) == {"s": {"z": 0}}
 
 
@@ -73,10 +85,11 @@ def test_base_cycle_and_missing_base_are_named(tmp_path):
 
 
 def test_set_overrides_are_typed():
-    cfg = apply_overrides(MINIMAL, ["train_params.batch_size=16", "model.args.widths=[1, 2]",
+    cfg = apply_overrides(MINIMAL, ["train_params.batch_size=16",
+                                    "model.args.point_pillar_scatter.num_features=8",
                                     "name=other", "train_params.epoches=3"])
     assert cfg["train_params"]["batch_size"] == 16
-    assert cfg["model"]["args"]["widths"] == [1, 2]
+    assert cfg["model"]["args"]["point_pillar_scatter"]["num_features"] == 8
     assert cfg["name"] == "other"
     assert parse_override("a.b=1e-3") == (["a", "b"], 1e-3)
     assert parse_override("a=true") == (["a"], True)
@@ -104,7 +117,8 @@ def test_validation_names_file_and_key(tmp_path):
         load_config(_write(tmp_path / "fusion.yaml", dict(MINIMAL, fusion={"core_method": "x"})))
     with pytest.raises(ConfigError, match="preprocess.cav_lidar_range"):
         load_config(_write(tmp_path / "rng.yaml",
-                           dict(MINIMAL, preprocess={"cav_lidar_range": [1, 0, 0, 0, 1, 1]})))
+                           dict(MINIMAL, preprocess={**MINIMAL["preprocess"],
+                                                     "cav_lidar_range": [1, 0, 0, 0, 1, 1]})))
 
 
 def test_broken_yaml_and_missing_file_are_one_line_errors(tmp_path):
@@ -124,7 +138,9 @@ def test_broken_yaml_and_missing_file_are_one_line_errors(tmp_path):
 
 
 def test_save_config_round_trip(tmp_path):
+    resolved = load_config(_write(tmp_path / "minimal.yaml", MINIMAL))
     path = tmp_path / "saved.yaml"
-    save_config(MINIMAL, path)
-    assert load_config(path) == MINIMAL
+    save_config(resolved, path)
+    assert load_config(path) == resolved
+    assert yaml.safe_load(path.read_text()) == resolved     # nothing left to fill in
     assert not list(tmp_path.glob("*.tmp"))

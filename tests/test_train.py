@@ -16,7 +16,7 @@ import pytest
 import torch
 import yaml
 
-from opencood.config import ConfigError
+from opencood.config import ConfigError, resolve_section
 from opencood.engine import recipe, state as train_state
 from opencood.engine.optim import build_optimizer, build_scheduler, lr_factor
 from opencood.utils import dist as dist_utils
@@ -644,8 +644,8 @@ def test_model_dir_without_config_is_a_one_line_error(tmp_path):
 # ----------------------------------------------------------------------------------------------
 
 def test_cosine_with_warmup_hand_values():
-    cfg = {"core_method": "cosine", "warmup_epochs": 1, "warmup_start_ratio": 0.1,
-           "min_lr_ratio": 0.2}
+    cfg = resolve_section("lr_scheduler", {"core_method": "cosine", "warmup_epochs": 1,
+                                           "warmup_start_ratio": 0.1, "min_lr_ratio": 0.2})
     # 4 steps per epoch, 3 epochs: warm-up steps 0-3, cosine over the remaining 8 steps.
     factors = [lr_factor(step, 12, 4, cfg) for step in range(13)]
     warmup = [0.1, 0.325, 0.55, 0.775]
@@ -657,28 +657,34 @@ def test_cosine_with_warmup_hand_values():
 
 
 def test_multistep_with_warmup_hand_values():
-    cfg = {"core_method": "multistep", "warmup_epochs": 0.5, "warmup_start_ratio": 0.0,
-           "step_size": [2, 3], "gamma": 0.5}
+    cfg = resolve_section("lr_scheduler", {"core_method": "multistep", "warmup_epochs": 0.5,
+                                           "warmup_start_ratio": 0.0, "step_size": [2, 3],
+                                           "gamma": 0.5})
     factors = [lr_factor(step, 20, 4, cfg) for step in range(16)]
     expected = [0.0, 0.5] + [1.0] * 6 + [0.5] * 4 + [0.25] * 4  # milestones at steps 8 and 12
     assert factors == pytest.approx(expected, abs=1e-12)
 
 
 def test_constant_and_unknown_schedules():
-    assert lr_factor(7, 10, 2, {"core_method": "constant"}) == 1.0
-    assert lr_factor(0, 10, 2, {}) == 1.0
+    constant = resolve_section("lr_scheduler", {"core_method": "constant"})
+    assert lr_factor(7, 10, 2, constant) == 1.0
+    assert lr_factor(0, 10, 2, resolve_section("lr_scheduler")) == 1.0
+    with pytest.raises(ConfigError, match="'lr_scheduler.core_method' is 'poly'"):
+        resolve_section("lr_scheduler", {"core_method": "poly"})
     with pytest.raises(ValueError, match="lr_scheduler.core_method 'poly' is unknown"):
         build_scheduler(build_optimizer([torch.nn.Parameter(torch.zeros(1))],
-                                        {"core_method": "SGD", "lr": 0.1}),
-                        {"core_method": "poly"}, 10, 2)
+                                        resolve_section("optimizer", {"core_method": "SGD",
+                                                                      "lr": 0.1})),
+                        dict(resolve_section("lr_scheduler"), core_method="poly"), 10, 2)
 
 
 def test_scheduler_steps_per_optimiser_step():
     param = torch.nn.Parameter(torch.zeros(1))
-    optimizer = build_optimizer([param], {"core_method": "AdamW", "lr": 0.5,
-                                          "args": {"weight_decay": 0.0}})
-    scheduler = build_scheduler(optimizer, {"core_method": "cosine", "warmup_epochs": 1,
-                                            "warmup_start_ratio": 0.5, "min_lr_ratio": 0.0}, 4, 2)
+    optimizer = build_optimizer([param], resolve_section("optimizer", {
+        "core_method": "AdamW", "lr": 0.5, "args": {"weight_decay": 0.0}}))
+    scheduler = build_scheduler(optimizer, resolve_section("lr_scheduler", {
+        "core_method": "cosine", "warmup_epochs": 1, "warmup_start_ratio": 0.5,
+        "min_lr_ratio": 0.0}), 4, 2)
     lrs = []
     for _ in range(4):
         lrs.append(optimizer.param_groups[0]["lr"])

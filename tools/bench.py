@@ -329,7 +329,7 @@ class Suite:
         self.args, self.cfg, self.device, self.split_dir = args, cfg, device, split_dir
         self.preset_name, self.preset = preset_name, PRESETS[preset_name]
         self.workers = (args.num_workers if args.num_workers is not None
-                        else int(cfg.get("train_params", {}).get("num_workers", 2)))
+                        else int(cfg["train_params"]["num_workers"]))
         self.results: Dict[str, float] = {}
         self.common = {
             "device": device.type,
@@ -369,7 +369,7 @@ class ModelBench:
 
         args, cfg, device = suite.args, suite.cfg, suite.device
         self.suite, self.args, self.cfg, self.device = suite, args, cfg, device
-        torch.manual_seed(int(cfg.get("seed", 0)))
+        torch.manual_seed(int(cfg["seed"]))
         configure_cuda(cfg)
         self.single_agent = cfg["model"]["core_method"] == "point_pillar"
         self.batch_size = args.batch_size
@@ -380,13 +380,13 @@ class ModelBench:
         self.criterion = build_loss(cfg["loss"]).to(device)
         self.loss_fn = make_loss_fn(self.preparer, self.criterion)
         self.optimizer = build_optimizer(self.model_without_ddp.parameters(), cfg["optimizer"])
-        amp_cfg = cfg.get("amp", {}) or {}
-        amp_yaml = str(amp_cfg.get("dtype", "bf16")) if amp_cfg.get("enabled") else "off"
+        amp_cfg = cfg["amp"]
+        amp_yaml = str(amp_cfg["dtype"]) if amp_cfg["enabled"] else "off"
         if device.type == "cuda":
             self.amp_dtype, self.scaler = amp_settings(cfg, device)
         else:  # AMP is a GPU setting; on CPU the bench runs fp32 (amp_yaml still says the yaml)
             self.amp_dtype, self.scaler = None, torch.amp.GradScaler("cpu", enabled=False)
-        self.grad_clip = cfg["train_params"].get("grad_clip")
+        self.grad_clip = cfg["train_params"]["grad_clip"]
         self.batch = self._fake_batch()
         self.common = self._config_fields(amp_yaml)
 
@@ -396,7 +396,7 @@ class ModelBench:
         cpu_batch = fake_collated_batch(self.cfg, self.batch_size, args.agents, args.pillars,
                                         points_per_pillar=args.points_per_pillar,
                                         max_gt=args.gt_boxes, single_agent=self.single_agent,
-                                        seed=int(self.cfg.get("seed", 0)))
+                                        seed=int(self.cfg["seed"]))
         batch = {key: value.to(self.device) if torch.is_tensor(value) else value
                  for key, value in cpu_batch.items()}
         synchronize(self.device)
@@ -404,7 +404,7 @@ class ModelBench:
 
     def _config_fields(self, amp_yaml: str) -> Dict:
         nx, ny, _ = self.preparer.grid
-        perf = self.cfg.get("performance", {}) or {}
+        perf = self.cfg["performance"]
         return {
             "config": display_path(self.args.hypes_yaml),
             "grid": f"{nx}x{ny}",
@@ -412,7 +412,7 @@ class ModelBench:
             "agents": 1 if self.single_agent else self.args.agents,
             "pillars_per_agent": min(self.args.pillars, nx * ny),
             "amp_yaml": amp_yaml,
-            "tf32": bool(perf.get("tf32", True)) if self.device.type == "cuda" else None,
+            "tf32": bool(perf["tf32"]) if self.device.type == "cuda" else None,
         }
 
     def record(self, figure: str, autocast: bool = False, **values) -> Dict:
@@ -437,9 +437,9 @@ class ModelBench:
         if self.ema is not None:
             return self.ema
         from opencood.utils.ema import ModelEMA
-        ema_cfg = self.cfg.get("ema", {}) or {}
-        return ModelEMA(self.model_without_ddp, decay=float(ema_cfg.get("decay", 0.999)),
-                        tau=float(ema_cfg.get("tau", 200)))
+        ema_cfg = self.cfg["ema"]
+        return ModelEMA(self.model_without_ddp, decay=float(ema_cfg["decay"]),
+                        tau=float(ema_cfg["tau"]))
 
 
 # -- figures on the model and the fake batch ---------------------------------------------------
@@ -600,7 +600,7 @@ def bench_eval_postprocess(suite: Suite) -> List[Dict]:
     from opencood.eval.inference import detections_per_sample, postprocess_settings
     bench = suite.model_bench
     settings = postprocess_settings(bench.cfg)
-    outputs = fake_head_outputs(bench, seed=int(bench.cfg.get("seed", 0)))
+    outputs = fake_head_outputs(bench, seed=int(bench.cfg["seed"]))
     # The synthetic maps are per sample, in the ego frame: no per-agent (late) step here.
     decode_inputs = {"record_len": bench.batch["record_len"],
                      "transforms_to_ego": bench.batch["transforms_to_ego"]}
@@ -677,7 +677,7 @@ def build_bench_loader(bench: ModelBench, split_dir: Path, batches: int, workers
     dataset = build_dataset(cfg, "train", train=True, fusion_method=fusion)
     if len(dataset) == 0:
         raise BenchError(f"--data: no samples in {split_dir}")
-    generator = torch.Generator().manual_seed(int(cfg.get("seed", 0)))
+    generator = torch.Generator().manual_seed(int(cfg["seed"]))
     sampler = torch.utils.data.RandomSampler(dataset, num_samples=batches * bench.batch_size,
                                              generator=generator)
     batch_sampler = torch.utils.data.BatchSampler(sampler, bench.batch_size, drop_last=True)

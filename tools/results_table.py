@@ -241,7 +241,7 @@ def count_train_examples(cfg: Dict, source: str) -> int:
     from opencood.data.opv2v import OPV2VFormatError
     from opencood.data.pcd import PcdError
     from opencood.registry import RegistryError
-    train_dir = cfg.get("root_dir")
+    train_dir = cfg["root_dir"]
     if not train_dir or not Path(train_dir).is_dir():
         raise TableError(f"{source}: training folder {train_dir} (root_dir) not found; "
                          f"generate it or pass --data DIR")
@@ -259,14 +259,11 @@ def plan_model(path: Path, overrides: List[str], args, nproc: int) -> Dict:
         check_registered_names(cfg, str(path))
     except ConfigError as error:
         raise TableError(str(error)) from None
-    if args.seeds > 1 and "seed" not in cfg:
-        # tools/train.py --set accepts only existing keys: refuse before anything trains.
-        raise TableError(f"{path}: no top-level 'seed' key for --seeds to vary")
     params = cfg["train_params"]
     examples = count_train_examples(cfg, str(path))
     try:
         epoch_steps = steps_per_epoch(examples, params["batch_size"], nproc,
-                                      params.get("max_micro_batch"))
+                                      params["max_micro_batch"])
     except ValueError as error:
         raise TableError(f"{path}: train_params.batch_size: {error}") from None
     if epoch_steps < 1:
@@ -280,7 +277,7 @@ def plan_model(path: Path, overrides: List[str], args, nproc: int) -> Dict:
     return {"model": path.stem, "config": path, "fusion": cfg["fusion"]["core_method"],
             "examples": examples, "steps_per_epoch": epoch_steps, "epochs": epochs,
             "steps": max_steps if max_steps is not None else epochs * epoch_steps,
-            "max_steps": max_steps, "base_seed": int(cfg.get("seed", 0))}
+            "max_steps": max_steps, "base_seed": int(cfg["seed"])}
 
 
 def seed_runs(plan: Dict, seeds: int) -> List[Dict]:

@@ -51,11 +51,10 @@ def main(argv=None) -> Dict:
 def _main(argv=None) -> Dict:
     args = parse_args(argv)
     cfg = resolve_config(args.hypes_yaml, args.model_dir, args.overrides)
-    dist_cfg = cfg.get("distributed", {}) or {}
+    dist_cfg = cfg["distributed"]
     # init_distributed_mode: torchrun / SLURM / one process; the timeout bounds every collective.
     with dist_utils.distributed_session(
-            backend=dist_cfg.get("backend"),
-            timeout_minutes=float(dist_cfg.get("timeout_minutes", 30))) as info:
+            backend=dist_cfg["backend"], timeout_minutes=dist_cfg["timeout_minutes"]) as info:
         return train(cfg, args, info)
 
 
@@ -79,7 +78,7 @@ def train(cfg: Dict, args, info: dist_utils.DistInfo) -> Dict:
     # Checked before any file is written; every rank fails alike, so none waits in a collective.
     micro, accum = split_batch_or_refuse(train_params, info.world_size)
     check_registered_names(cfg, args.hypes_yaml or str(Path(args.model_dir) / "config.yaml"))
-    seed = int(cfg.get("seed", 0))
+    seed = cfg["seed"]
     # Data, indexed before the run folder exists (a data error leaves no folder behind): every
     # rank the same number of shuffled micro-batches (DistributedSampler pads its shard,
     # BatchSampler drops the incomplete tail); the validation split unpadded.
@@ -91,7 +90,7 @@ def train(cfg: Dict, args, info: dist_utils.DistInfo) -> Dict:
         raise ConfigError(f"train_params.batch_size: {error}") from None
     train_loader = torch.utils.data.DataLoader(
         train_set, batch_sampler=batch_sampler,
-        num_workers=int(train_params.get("num_workers", 2)), collate_fn=collate_samples,
+        num_workers=train_params["num_workers"], collate_fn=collate_samples,
         worker_init_fn=seed_worker,
         pin_memory=info.device.type == "cuda", generator=torch.Generator())
     val_loaders = build_validation_loaders(cfg, info, micro)
@@ -120,7 +119,7 @@ def train(cfg: Dict, args, info: dist_utils.DistInfo) -> Dict:
     loss_fn = make_loss_fn(preparer, criterion)
     val_loss_fn = make_validation_loss_fn(preparer, criterion)
     optimizer = build_optimizer(model_without_ddp.parameters(), cfg["optimizer"])
-    scheduler = build_scheduler(optimizer, cfg.get("lr_scheduler", {}), total_steps,
+    scheduler = build_scheduler(optimizer, cfg["lr_scheduler"], total_steps,
                                 steps_per_epoch)
     amp_dtype, scaler = amp_settings(cfg, info.device)
     progress = TrainState()
@@ -168,16 +167,14 @@ class EpochRunner:
         self.amp_dtype, self.total_steps = amp_dtype, total_steps
         self.steps_per_epoch, self.accum = steps_per_epoch, accum
         train_params = cfg["train_params"]
-        self.grad_clip = train_params.get("grad_clip")
+        self.grad_clip = train_params["grad_clip"]
         # Steps with a non-finite loss or gradients to skip before stopping (0: stop at once).
-        self.skip_budget = int(train_params.get("skip_nonfinite_steps", 0))
-        self.keep_checkpoints = int(train_params.get("keep_checkpoints", 3))
-        self.save_freq = int(train_params.get("save_freq", 1))
-        self.mid_epoch = MidEpochCheckpoints(int(train_params.get("checkpoint_every_steps", 0)),
-                                             float(train_params.get("checkpoint_every_minutes",
-                                                                    0)))
-        self.barrier_timeout_s = 60.0 * float((cfg.get("distributed") or {})
-                                              .get("timeout_minutes", 30))
+        self.skip_budget = train_params["skip_nonfinite_steps"]
+        self.keep_checkpoints = train_params["keep_checkpoints"]
+        self.save_freq = train_params["save_freq"]
+        self.mid_epoch = MidEpochCheckpoints(train_params["checkpoint_every_steps"],
+                                             train_params["checkpoint_every_minutes"])
+        self.barrier_timeout_s = 60.0 * cfg["distributed"]["timeout_minutes"]
         self.scalars = ScalarLogger(run_dir, resume_step=progress.step if progress.step else None)
         self.last_stats: Dict = {}
 

@@ -10,6 +10,9 @@ Config (OpenCOOD/OpenPCDet names)::
       - {NAME: random_world_flip, ALONG_AXIS_LIST: [x]}
       - {NAME: random_world_rotation, WORLD_ROT_ANGLE: [-0.7854, 0.7854]}
       - {NAME: random_world_scaling, WORLD_SCALE_RANGE: [0.95, 1.05]}
+
+The entries' keys and defaults are in the config schema (opencood.config_schema): a resolved
+config gives every key of every entry.
 """
 from __future__ import annotations
 
@@ -69,18 +72,18 @@ def augment_sample(points_list: List[np.ndarray], boxes: np.ndarray, augment_cfg
     for entry in augment_cfg or []:
         name = entry["NAME"]
         if name == "random_world_flip":
-            for axis in entry.get("ALONG_AXIS_LIST", ["x"]):
+            for axis in entry["ALONG_AXIS_LIST"]:
                 flip = bool(rng.random() < 0.5)
                 params[f"flip_{axis}"] = flip
                 if flip:
                     _flip(points_list, boxes, axis)
         elif name == "random_world_rotation":
-            low, high = entry.get("WORLD_ROT_ANGLE", [-np.pi / 4, np.pi / 4])
+            low, high = entry["WORLD_ROT_ANGLE"]
             angle = float(rng.uniform(low, high))
             params["rotation"] = angle
             _rotate(points_list, boxes, angle)
         elif name == "random_world_scaling":
-            low, high = entry.get("WORLD_SCALE_RANGE", [0.95, 1.05])
+            low, high = entry["WORLD_SCALE_RANGE"]
             factor = float(rng.uniform(low, high))
             params["scale"] = factor
             _scale(points_list, boxes, factor)

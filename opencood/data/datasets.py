@@ -119,19 +119,18 @@ class BaseFusionDataset(torch.utils.data.Dataset):
 
     @classmethod
     def from_config(cls, cfg: dict, split_dir, train: bool, cache_dir=None, **extra):
-        preprocess = cfg.get("preprocess", {})
-        postprocess = cfg.get("postprocess", {})
-        lidar_range = preprocess.get("cav_lidar_range", DEFAULT_LIDAR_RANGE)
+        """From a resolved config (opencood.config.load_config)."""
+        postprocess = cfg["postprocess"]
         return cls(split_dir,
-                   lidar_range=lidar_range,
-                   gt_range=postprocess.get("gt_range", lidar_range),
+                   lidar_range=cfg["preprocess"]["cav_lidar_range"],
+                   gt_range=postprocess["gt_range"],
                    train=train,
-                   augment_cfg=cfg.get("data_augment", []),
-                   wild=WildSetting.from_config(cfg.get("wild_setting")),
-                   seed=int(cfg.get("seed", 0)),
-                   max_cav=cfg.get("train_params", {}).get("max_cav", 5),
-                   com_range=float(cfg.get("comm_range", 70.0)),
-                   order=postprocess.get("order", "hwl"),
+                   augment_cfg=cfg["data_augment"],
+                   wild=WildSetting.from_config(cfg["wild_setting"]),
+                   seed=int(cfg["seed"]),
+                   max_cav=cfg["train_params"]["max_cav"],
+                   com_range=float(cfg["comm_range"]),
+                   order=postprocess["order"],
                    cache_dir=cache_dir, **extra)
 
     # -- reproducible randomness -------------------------------------------------------------
@@ -332,7 +331,7 @@ def build_dataset(cfg: dict, split: str, train: bool, fusion_method: str | None 
     split_keys = {"train": "root_dir", "validate": "validate_dir", "test": "test_dir"}
     if split not in split_keys:
         raise ValueError(f"unknown split {split!r}; expected one of {', '.join(split_keys)}")
-    split_dir = cfg.get(split_keys[split])
+    split_dir = cfg[split_keys[split]]
     if not split_dir:
         raise ValueError(f"config key {split_keys[split]!r} (the {split} folder) is not set")
     method = fusion_method or cfg["fusion"]["core_method"]

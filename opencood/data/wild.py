@@ -28,17 +28,17 @@ class WildSetting:
     latency_frames: int = 0
 
     @classmethod
-    def from_config(cls, cfg: dict | None) -> "WildSetting":
-        cfg = dict(cfg or {})
-        known = {"seed", "loc_err", "xyz_std", "yaw_std", "latency_frames"}
-        unknown = sorted(set(cfg) - known)
-        if unknown:
-            raise ValueError(f"wild_setting: unknown key(s) {', '.join(unknown)}; "
-                             f"known: {', '.join(sorted(known))}")
-        setting = cls(**cfg)
-        if setting.xyz_std < 0 or setting.yaw_std < 0 or setting.latency_frames < 0:
-            raise ValueError("wild_setting: xyz_std, yaw_std and latency_frames must be >= 0")
-        return setting
+    def from_config(cls, section: dict | None) -> "WildSetting":
+        """From a ``wild_setting`` section; missing keys take the defaults above, unknown keys
+        and negative spreads are refused (opencood.config_schema)."""
+        from opencood.config_schema import parse
+        return parse(cls, section, "wild_setting")
+
+    def problems(self):
+        """What the config schema refuses, as (key, what is wrong)."""
+        for key in ("xyz_std", "yaw_std", "latency_frames"):
+            if getattr(self, key) < 0:
+                yield key, f"must be >= 0, got {getattr(self, key)}"
 
     @property
     def has_pose_noise(self) -> bool:

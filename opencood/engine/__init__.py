@@ -1,1 +1,7 @@
-"""Training and evaluation engine: optimiser/schedule builders and the training loop."""
+"""The run stage: how tools/train.py and tools/eval.py assemble everything.
+
+``recipe.py`` (config and run folder, loaders, model preparation, AMP, the loss step, exact
+validation, logging), ``state.py`` (``TrainState``, what a checkpoint holds, when to save, resume),
+``loop.py`` (one optimizer step with accumulation and collective non-finite checks; exact
+validation loss), ``optim.py`` (optimizers and lr schedules), ``evaluator.py`` (tools/eval.py).
+"""

@@ -19,11 +19,10 @@ import numpy as np
 import torch
 import yaml
 
-from opencood.config import ConfigError, apply_overrides, load_config
+from opencood.config import ConfigError, apply_overrides, load_config, resolve
 from opencood.data.collate import collate_samples
 from opencood.data.datasets import build_dataset
 from opencood.data.pipeline import BatchPreparer
-from opencood.data.wild import WildSetting
 from opencood.engine.recipe import check_registered_names
 from opencood.errors import run_cli
 from opencood.eval.inference import evaluate_loader
@@ -199,8 +198,8 @@ def vis_callback(run_dir: Path, tag: str, count: int, bev_range):
 
 def evaluate_setting(cfg, args, run_dir, model, device, setting) -> Dict | None:
     protocol = PROTOCOLS[args.protocol]
-    cfg_run = apply_overrides(cfg, setting["overrides"] + protocol.config_overrides(),
-                              source="eval sweep", allow_new=True)
+    cfg_run = resolve(apply_overrides(cfg, setting["overrides"] + protocol.config_overrides(),
+                                      source="eval sweep"), "eval sweep")
     fusion = args.fusion_method or cfg_run["fusion"]["core_method"]
     dataset = build_dataset(cfg_run, args.split, train=False, fusion_method=fusion)
     loader = torch.utils.data.DataLoader(
@@ -254,10 +253,10 @@ def evaluate(args) -> List[Dict]:
                           f"written by tools/train.py")
     cfg = load_config(config_path, args.overrides)
     check_registered_names(cfg, str(config_path))
-    dist_cfg = cfg.get("distributed") or {}
+    dist_cfg = cfg["distributed"]
     with dist_utils.distributed_session(
-            backend=dist_cfg.get("backend"),
-            timeout_minutes=float(dist_cfg.get("timeout_minutes", 30))) as info:
+            backend=dist_cfg["backend"],
+            timeout_minutes=float(dist_cfg["timeout_minutes"])) as info:
         dist_utils.setup_logging(None, info.rank)
         checkpoint_path = pick_checkpoint(run_dir, args.checkpoint)
         model = load_eval_model(cfg, checkpoint_path, args.use_ema, info.device)
@@ -270,7 +269,7 @@ def evaluate(args) -> List[Dict]:
             from torch.utils.tensorboard import SummaryWriter
             writer = SummaryWriter(log_dir=str(run_dir))
         settings = settings_to_run(args.pose_noise, args.latency, args.seeds,
-                                   WildSetting.from_config(cfg.get("wild_setting")).seed)
+                                   cfg["wild_setting"]["seed"])
         for setting in settings:
             metrics = evaluate_setting(cfg, args, run_dir, model, info.device, setting)
             # Rank 0 writes alone: should that fail, the other ranks stop too, not wait.

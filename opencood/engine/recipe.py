@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from opencood.config import ConfigError, get_key, load_config
+from opencood.config import ConfigError, load_config
 from opencood.data.collate import collate_samples, seed_worker
 from opencood.data.datasets import build_dataset
 from opencood.data.pipeline import BatchPreparer
@@ -40,13 +40,14 @@ AMP_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
 
 def check_registered_names(cfg: Dict, source: str) -> None:
     """Every registry name of the config exists, checked before any file is written (a typo in
-    ``model.core_method`` must not leave an empty run folder behind)."""
+    ``model.core_method`` must not leave an empty run folder behind). ``cfg`` is resolved."""
     import opencood.losses  # noqa: F401  (registers losses)
     import opencood.models  # noqa: F401  (registers models and fusion modules)
-    names = [("model.core_method", MODELS, get_key(cfg, "model.core_method", None)),
+    fusion = cfg["model"]["args"].get("fusion")     # model args are model-specific
+    names = [("model.core_method", MODELS, cfg["model"]["core_method"]),
              ("model.args.fusion.core_method", FUSIONS,
-              get_key(cfg, "model.args.fusion.core_method", None)),
-             ("loss.core_method", LOSSES, get_key(cfg, "loss.core_method", None))]
+              fusion["core_method"] if isinstance(fusion, dict) else None),
+             ("loss.core_method", LOSSES, cfg["loss"]["core_method"])]
     for dotted, registry, name in names:
         if name is None:
             continue
@@ -103,7 +104,7 @@ def split_batch_or_refuse(train_params: Dict, world_size: int) -> tuple:
     """(micro-batch, accumulation steps) of the global batch, or a one-line ConfigError."""
     try:
         return split_global_batch(int(train_params["batch_size"]), world_size,
-                                  train_params.get("max_micro_batch"))
+                                  train_params["max_micro_batch"])
     except ValueError as error:
         raise ConfigError(f"train_params.batch_size: {error}") from None
 
@@ -115,11 +116,11 @@ def seed_everything(seed: int) -> None:
 
 
 def configure_cuda(cfg: Dict) -> None:
-    perf = cfg.get("performance", {})
+    perf = cfg["performance"]
     if torch.cuda.is_available():
-        torch.backends.cuda.matmul.allow_tf32 = bool(perf.get("tf32", True))
-        torch.backends.cudnn.allow_tf32 = bool(perf.get("tf32", True))
-        torch.backends.cudnn.benchmark = bool(perf.get("cudnn_benchmark", True))
+        torch.backends.cuda.matmul.allow_tf32 = perf["tf32"]
+        torch.backends.cudnn.allow_tf32 = perf["tf32"]
+        torch.backends.cudnn.benchmark = perf["cudnn_benchmark"]
 
 
 def amp_settings(cfg: Dict, device: torch.device):
@@ -148,7 +149,7 @@ def step_budget(train_params: Dict, steps_per_epoch: int) -> tuple:
     (late fusion trains per CAV) get the same optimizer steps; the run stops part-way through
     its last epoch when the budget ends there. Otherwise ``epoches`` whole epochs.
     """
-    max_steps = int(train_params.get("max_steps") or 0)
+    max_steps = train_params["max_steps"]
     if max_steps < 0:
         raise ConfigError(f"train_params.max_steps must be >= 0, got {max_steps}")
     if max_steps:
@@ -169,7 +170,7 @@ def build_validation_loaders(cfg: Dict, info: dist_utils.DistInfo, micro_batch: 
     # validation loss is per CAV too (AP uses whole samples).
     per_cav = {"per_cav": True} if cfg["fusion"]["core_method"] == "late" else {}
     loss_set = build_dataset(cfg, "validate", train=False, count_ego_points=False, **per_cav)
-    workers = int(cfg.get("train_params", {}).get("num_workers", 2))
+    workers = cfg["train_params"]["num_workers"]
     return tuple(
         torch.utils.data.DataLoader(
             dataset, batch_size=micro_batch,
@@ -188,18 +189,15 @@ def use_sync_batchnorm(info: dist_utils.DistInfo) -> bool:
 
 def init_settings(cfg: Dict) -> Dict:
     """Keyword arguments of ``init_weights`` from the yaml's ``init`` section."""
-    init_cfg = cfg.get("init", {}) or {}
-    return {"method": init_cfg.get("method", "xavier_uniform"),
-            "cls_prior": float(init_cfg.get("cls_prior", 0.01))}
+    return {"method": cfg["init"]["method"], "cls_prior": cfg["init"]["cls_prior"]}
 
 
 def build_ema(model: torch.nn.Module, cfg: Dict, checkpoint: Dict | None) -> ModelEMA | None:
     """The EMA of ``model`` (before DDP wraps it) when ``ema.enabled``, resumed if saved."""
-    ema_cfg = cfg.get("ema", {}) or {}
-    if not ema_cfg.get("enabled", False):
+    ema_cfg = cfg["ema"]
+    if not ema_cfg["enabled"]:
         return None
-    ema = ModelEMA(model, decay=float(ema_cfg.get("decay", 0.999)),
-                   tau=float(ema_cfg.get("tau", 200)))
+    ema = ModelEMA(model, decay=ema_cfg["decay"], tau=ema_cfg["tau"])
     if checkpoint is not None and checkpoint.get("ema") is not None:
         ema.load_state_dict(checkpoint["ema"])
     return ema
@@ -207,9 +205,9 @@ def build_ema(model: torch.nn.Module, cfg: Dict, checkpoint: Dict | None) -> Mod
 
 def ddp_settings(cfg: Dict, info: dist_utils.DistInfo) -> Dict:
     """Keyword arguments of ``DistributedDataParallel`` for this run."""
-    dist_cfg = cfg.get("distributed", {}) or {}
+    dist_cfg = cfg["distributed"]
     return {"device_ids": [info.device.index] if info.device.type == "cuda" else None,
-            "find_unused_parameters": bool(dist_cfg.get("find_unused_parameters", False)),
+            "find_unused_parameters": dist_cfg["find_unused_parameters"],
             "gradient_as_bucket_view": True}
 
 
@@ -298,7 +296,7 @@ def validate(model_for_eval, val_loaders, loss_fn, info, amp_dtype, cfg, epoch, 
     loss_loader, ap_loader = val_loaders
     loss, count = validation_loss(model_for_eval, loss_loader, loss_fn, info.device, amp_dtype)
     results, pictures = {"loss": loss}, []
-    eval_freq = int(cfg["train_params"].get("eval_freq", 1))
+    eval_freq = cfg["train_params"]["eval_freq"]
     if epoch % eval_freq == 0:
         metrics = evaluate_loader(model_for_eval, ap_loader, preparer, cfg, info.device,
                                   on_sample=first_sample_picture(cfg, pictures))

@@ -1,4 +1,8 @@
-"""Pillar encoder, BEV backbone, fusion modules, heads and detectors.
+"""Model stages: pillars -> features -> fusion -> head.
+
+``pillar_vfe.py`` (pillar encoder), ``scatter.py`` (to BEV), ``backbone.py`` (BEV backbone),
+``fusion.py`` (AttFuse, F-Cooper, Where2comm), ``v2vnet.py``, ``v2xvit.py``, ``cobevt.py`` (one file
+per baseline), ``heads.py`` (anchor head), ``detectors.py`` (the models that wire them).
 
 Importing this package registers every model (MODELS), backbone, fusion module and head.
 """

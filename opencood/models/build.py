@@ -21,12 +21,13 @@ def set_bn_momentum(model: nn.Module, momentum: float) -> None:
 def build_model(model_cfg: dict) -> nn.Module:
     """``{"core_method": name, "args": {...}}`` -> ``MODELS.get(name).from_config(args)``.
 
-    An unknown name raises the registry's error, which lists every registered model. The
-    optional ``args.bn_momentum`` overrides every BatchNorm's momentum.
+    ``model_cfg`` is the resolved ``model`` section (opencood.config.resolve_section). An
+    unknown name raises the registry's error, which lists every registered model. An
+    ``args.bn_momentum`` that is not None overrides every BatchNorm's momentum.
     """
     model_cls = MODELS.get(model_cfg["core_method"])
-    args = model_cfg.get("args") or {}
+    args = model_cfg["args"]
     model = model_cls.from_config(args)
-    if args.get("bn_momentum") is not None:
+    if args.get("bn_momentum") is not None:   # model-specific: not every model has the key
         set_bn_momentum(model, args["bn_momentum"])
     return model

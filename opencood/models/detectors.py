@@ -30,11 +30,12 @@ POINT_BYTES = 16  # x, y, z, intensity as fp32: what early fusion sends per poin
 
 
 def build_pillar_parts(args: dict):
-    """yaml model args -> (vfe, scatter, backbone, head), widths chained from one to the next."""
+    """Resolved model args (opencood.config_schema.PillarArgs) -> (vfe, scatter, backbone,
+    head), widths chained from one to the next."""
     from opencood.ops.voxelize import grid_size
 
     nx, ny, _ = grid_size(args["lidar_range"], args["voxel_size"])
-    vfe = PillarVFE.from_config(args.get("pillar_vfe", {}), args["voxel_size"],
+    vfe = PillarVFE.from_config(args["pillar_vfe"], args["voxel_size"],
                                 args["lidar_range"])
     scatter = PointPillarScatter.from_config(args["point_pillar_scatter"], nx=nx, ny=ny)
     if scatter.num_features != vfe.out_channels:
@@ -107,7 +108,7 @@ class ShrinkHeader(nn.Module):
 
     @classmethod
     def from_config(cls, args: dict, in_channels: int) -> "ShrinkHeader":
-        dim, stride = args["dim"], args.get("stride", 2)
+        dim, stride = args["dim"], args["stride"]
         # OpenCOOD writes one-entry lists (dim: [256], stride: [2]); accept both spellings.
         dim = dim[0] if isinstance(dim, (list, tuple)) else dim
         stride = stride[0] if isinstance(stride, (list, tuple)) else stride
@@ -151,10 +152,10 @@ class PointPillarIntermediate(nn.Module):
         fusion_cfg = args["fusion"]
         fusion_cls = FUSIONS.get(fusion_cfg["core_method"])
         fusion = fusion_cls.from_config(
-            fusion_cfg.get("args") or {},
+            fusion_cfg["args"],
             in_channels=shrink.out_channels if shrink is not None else backbone.out_channels,
             num_anchors=head.num_anchors)
-        return cls(vfe, scatter, backbone, head, fusion, stage=fusion_cfg.get("stage"),
+        return cls(vfe, scatter, backbone, head, fusion, stage=fusion_cfg["stage"],
                    shrink=shrink)
 
     def fuse_features(self, canvas: torch.Tensor, record_len: torch.Tensor,

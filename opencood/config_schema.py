@@ -1,0 +1,617 @@
+"""The typed, closed schema of an experiment config: one frozen dataclass per yaml section.
+
+Why: defaults used to live at the read sites (``section.get(key, default)``), so a run folder's
+saved ``config.yaml`` lacked what had been applied, a misspelt key was silently ignored and a
+bad enumeration failed (or not) deep inside training. Here every key has one type and one
+default, in one place; :func:`parse` refuses unknown keys, wrong types and bad enumerations
+with a :class:`SchemaError` naming the dotted key, and ``to_plain(parse(...))`` is the complete
+(resolved) config: the plain nested dict the code reads, that the run folder saves and that
+``--model_dir`` reloads to the same dict. OpenCOOD key names are kept (``train_params.epoches``,
+``preprocess.args.max_voxel_train``, ``data_augment[].NAME``).
+
+How a section class reads:
+* its fields are the keys, in the order a saved config lists them; a field without a default is
+  required, except a section (or ``spec(args_of=...)``) field, which an absent key gives the
+  defaults of (and names its first required key when it has one);
+* ``spec(check=f)``: ``f(value)`` returns what is wrong ("must be > 0") or None;
+* ``spec(args_of=("core_method", TABLE))``: the field's schema is ``TABLE[core_method]``, and an
+  open mapping for a name not in the table (a model or loss of another branch validates its own
+  arguments when built);
+* ``ALIASES``: an accepted other spelling of a key, rewritten to the key on load, so the
+  resolved config has one spelling;
+* ``problems()``: cross-field errors, as (key, what is wrong) pairs.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import math
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any, Callable, Dict, Iterator, Literal, Optional, Tuple, Union, get_args, \
+    get_origin, get_type_hints
+
+from opencood.data.wild import WildSetting
+
+MISSING = dataclasses.MISSING
+section = dataclass(frozen=True, kw_only=True)
+Problems = Iterator[Tuple[str, str]]
+
+# OpenCOOD's OPV2V crop: the range the data sets used when a config named none.
+DEFAULT_LIDAR_RANGE = (-140.8, -40.0, -3.0, 140.8, 40.0, 1.0)
+
+
+class SchemaError(ValueError):
+    """A config value that the schema refuses; the message names the dotted key (the loader
+    adds the file)."""
+
+
+def spec(default: Any = MISSING, *, check: Callable[[Any], Optional[str]] | None = None,
+         args_of: Tuple[str, Dict[str, type]] | None = None):
+    """A field with a value check and/or a schema chosen by a sibling key (see module doc)."""
+    return field(default=default, metadata={"check": check, "args_of": args_of})
+
+
+# -- value checks: what is wrong, or None ------------------------------------------------------
+
+def positive(value) -> Optional[str]:
+    return None if value > 0 else "must be > 0"
+
+
+def non_negative(value) -> Optional[str]:
+    return None if value >= 0 else "must be >= 0"
+
+
+def probability(value) -> Optional[str]:
+    return None if 0 < value < 1 else "must be in (0, 1)"
+
+
+def non_empty(value) -> Optional[str]:
+    return None if len(value) else "must not be empty"
+
+
+def all_positive(value) -> Optional[str]:
+    return None if all(v > 0 for v in value) else "must be numbers > 0"
+
+
+def box_range(value) -> Optional[str]:
+    """[xmin, ymin, zmin, xmax, ymax, zmax] with min < max."""
+    if len(value) == 6 and all(value[i] < value[i + 3] for i in range(3)):
+        return None
+    return "must be 6 numbers [xmin, ymin, zmin, xmax, ymax, zmax] with min < max"
+
+
+# -- sections ----------------------------------------------------------------------------------
+
+@section
+class FusionSection:
+    core_method: Literal["no", "early", "late", "intermediate"]
+
+
+@section
+class TrainParams:
+    batch_size: int = spec(check=positive)          # global: micro x world x accumulation
+    epoches: int = spec(check=positive)             # OpenCOOD's spelling
+    max_steps: int = spec(0, check=non_negative)    # > 0: stop after N optimizer steps
+    max_micro_batch: Optional[int] = spec(None, check=positive)   # None: no per-process cap
+    eval_freq: int = spec(1, check=positive)
+    save_freq: int = spec(1, check=positive)
+    keep_checkpoints: int = spec(3, check=non_negative)
+    skip_nonfinite_steps: int = spec(0, check=non_negative)
+    checkpoint_every_steps: int = spec(0, check=non_negative)       # 0: epoch ends only
+    checkpoint_every_minutes: float = spec(0.0, check=non_negative)  # 0: epoch ends only
+    max_cav: int = spec(5, check=positive)
+    num_workers: int = spec(2, check=non_negative)
+    grad_clip: Optional[float] = None               # None: no gradient-norm clipping
+
+
+@section
+class PreprocessArgs:
+    voxel_size: Tuple[float, float, float] = spec(check=all_positive)
+    max_points_per_voxel: int = spec(32, check=positive)
+    max_voxel_train: Optional[int] = spec(None, check=positive)   # pillars kept; None: all
+    max_voxel_test: Optional[int] = spec(None, check=positive)
+
+
+@section
+class PreprocessSection:
+    core_method: Literal["SpVoxelPreprocessor"] = "SpVoxelPreprocessor"   # pillars only
+    args: PreprocessArgs
+    cav_lidar_range: Tuple[float, ...] = spec(DEFAULT_LIDAR_RANGE, check=box_range)
+
+
+@section
+class Augmentation:
+    """One ``data_augment`` entry; its ``NAME`` picks the subclass (``AUGMENTATIONS``)."""
+
+    NAME: str
+
+    @classmethod
+    def choose(cls, value: Any, key: str) -> type:
+        name = value.get("NAME") if isinstance(value, dict) else None
+        if name not in AUGMENTATIONS:
+            raise SchemaError(f"key {key + '.NAME'!r} is {name!r}; expected one of "
+                              f"{', '.join(AUGMENTATIONS)}")
+        return AUGMENTATIONS[name]
+
+
+@section
+class WorldFlip(Augmentation):
+    NAME: Literal["random_world_flip"]
+    ALONG_AXIS_LIST: Tuple[Literal["x", "y"], ...] = ("x",)
+
+
+@section
+class WorldRotation(Augmentation):
+    NAME: Literal["random_world_rotation"]
+    WORLD_ROT_ANGLE: Tuple[float, float] = (-math.pi / 4, math.pi / 4)     # radians
+
+
+@section
+class WorldScaling(Augmentation):
+    NAME: Literal["random_world_scaling"]
+    WORLD_SCALE_RANGE: Tuple[float, float] = spec((0.95, 1.05), check=all_positive)
+
+
+AUGMENTATIONS: Dict[str, type] = {"random_world_flip": WorldFlip,
+                                  "random_world_rotation": WorldRotation,
+                                  "random_world_scaling": WorldScaling}
+
+
+@section
+class AnchorArgs:
+    l: float = 3.9                  # noqa: E741  (OpenCOOD's key)
+    w: float = 1.6
+    h: float = 1.56
+    z: float = -1.0
+    r: Tuple[float, ...] = spec((0.0, 90.0), check=non_empty)     # yaws, degrees
+    feature_stride: int = spec(2, check=positive)
+
+
+@section
+class TargetArgs:
+    pos_threshold: float = 0.6
+    neg_threshold: float = 0.45
+    score_threshold: float = 0.2
+
+    def problems(self) -> Problems:
+        if self.neg_threshold > self.pos_threshold:
+            yield "neg_threshold", f"({self.neg_threshold}) must be <= pos_threshold"
+
+
+@section
+class PostprocessSection:
+    core_method: str = "VoxelPostprocessor"
+    gt_range: Optional[Tuple[float, ...]] = spec(None, check=box_range)   # None: cav_lidar_range
+    anchor_args: AnchorArgs
+    target_args: TargetArgs
+    order: Literal["hwl", "lwh"] = "hwl"
+    max_num: int = spec(100, check=positive)
+    nms_thresh: float = 0.15
+    pre_nms_max: int = spec(500, check=positive)    # candidates kept before the rotated NMS
+
+
+@section
+class DenseFusionArgs:
+    bytes_per_value: int = spec(4, check=positive)   # fp32 maps
+
+
+@section
+class Where2commArgs:
+    threshold: float = 0.01
+    max_bytes_per_agent: Optional[int] = spec(None, check=non_negative)   # None: no budget
+    fusion_mode: Literal["attention", "max"] = "attention"
+    bytes_per_value: int = spec(4, check=positive)
+
+
+@section
+class V2VNetArgs:
+    num_iteration: int = spec(2, check=non_negative)    # K rounds of message passing
+    kernel_size: int = spec(3, check=positive)
+    cell_size: float = spec(0.8, check=positive)         # metres per fused-map cell
+    grid_center: Tuple[float, float] = (0.0, 0.0)        # metres: the map's centre in the ego frame
+    bytes_per_value: int = spec(4, check=positive)
+
+
+@section
+class V2XViTArgs:
+    depth: int = spec(3, check=positive)
+    num_blocks: int = spec(1, check=positive)
+    heads: int = spec(8, check=positive)
+    dim_head: int = spec(32, check=positive)
+    window_sizes: Tuple[int, ...] = (4, 8, 16)
+    window_heads: Tuple[int, ...] = (16, 8, 4)
+    window_dim_heads: Tuple[int, ...] = (16, 32, 64)
+    window_merge: Literal["split_attn", "mean"] = "split_attn"
+    mlp_dim: int = spec(256, check=positive)
+    dropout: float = spec(0.0, check=non_negative)
+    rte_ratio: int = spec(2, check=positive)
+    use_delay_encoding: bool = True
+    bytes_per_value: int = spec(4, check=positive)
+
+
+@section
+class CoBEVTArgs:
+    depth: int = spec(3, check=positive)
+    window: int = spec(4, check=positive)
+    dim_head: int = spec(32, check=positive)
+    mlp_dim: int = spec(256, check=positive)
+    dropout: float = spec(0.0, check=non_negative)
+    bytes_per_value: int = spec(4, check=positive)
+
+
+FUSION_ARGS: Dict[str, type] = {"attfuse": DenseFusionArgs, "fcooper": DenseFusionArgs,
+                                "where2comm": Where2commArgs, "v2vnet": V2VNetArgs,
+                                "v2xvit": V2XViTArgs, "cobevt": CoBEVTArgs}
+
+
+@section
+class ModelFusion:
+    core_method: str
+    args: Any = spec(args_of=("core_method", FUSION_ARGS))
+    stage: Optional[Literal["scatter", "multiscale", "backbone"]] = None   # None: the module's
+
+
+@section
+class PillarVFEArgs:
+    in_channels: int = spec(4, check=positive)
+    num_filters: Tuple[int, ...] = spec((64,), check=non_empty)
+    with_distance: bool = False
+
+
+@section
+class ScatterArgs:
+    num_features: int = spec(check=positive)
+
+
+@section
+class BackboneArgs:
+    ALIASES = {"num_upsample_filters": "num_upsample_filter"}    # OpenPCDet's spelling
+    layer_nums: Tuple[int, ...]
+    layer_strides: Tuple[int, ...]
+    num_filters: Tuple[int, ...]
+    upsample_strides: Tuple[int, ...]
+    num_upsample_filter: Tuple[int, ...]
+
+    def problems(self) -> Problems:
+        for name in ("layer_strides", "num_filters", "upsample_strides", "num_upsample_filter"):
+            if len(getattr(self, name)) != len(self.layer_nums):
+                yield name, f"needs one entry per layer_nums entry ({len(self.layer_nums)})"
+
+
+@section
+class PillarArgs:
+    """PointPillars arguments. The first four are derived from the data sections unless given."""
+
+    lidar_range: Optional[Tuple[float, ...]] = spec(None, check=box_range)
+    voxel_size: Optional[Tuple[float, float, float]] = spec(None, check=all_positive)
+    max_points_per_voxel: Optional[int] = spec(None, check=positive)
+    anchor_number: Optional[int] = spec(None, check=positive)
+    bn_momentum: Optional[float] = None             # None: PyTorch's BatchNorm momentum
+    pillar_vfe: PillarVFEArgs
+    point_pillar_scatter: ScatterArgs
+    base_bev_backbone: BackboneArgs
+    fusion: Optional[ModelFusion] = None
+
+
+@section
+class PointPillarArgs(PillarArgs):
+    def problems(self) -> Problems:
+        if self.fusion is not None:
+            yield "fusion", ("must be null: point_pillar is single-agent (point_pillar_intermediate "
+                             "fuses features)")
+
+
+@section
+class ShrinkHeaderArgs:
+    """OpenCOOD's ``shrink_header`` before fusion (V2VNet, V2X-ViT, CoBEVT configs)."""
+
+    dim: int = spec(check=positive)
+    stride: int = spec(2, check=positive)
+
+
+@section
+class PointPillarIntermediateArgs(PillarArgs):
+    shrink_header: Optional[ShrinkHeaderArgs] = None
+
+    def problems(self) -> Problems:
+        if self.fusion is None:
+            yield "fusion", "is required by point_pillar_intermediate ({core_method, args})"
+
+
+# Model name -> its arguments' schema; a model not listed here keeps an open ``args`` mapping.
+MODEL_ARGS: Dict[str, type] = {"point_pillar": PointPillarArgs,
+                               "point_pillar_intermediate": PointPillarIntermediateArgs}
+
+
+@section
+class ModelSection:
+    core_method: str
+    args: Any = spec(args_of=("core_method", MODEL_ARGS))
+
+
+@section
+class PointPillarLossArgs:
+    ALIASES = {"reg": "reg_weight"}                  # OpenCOOD's spelling
+    cls_weight: float = 1.0
+    reg_weight: float = 2.0
+    dir_weight: float = 0.2
+    conf_weight: float = 1.0                         # where2comm's confidence map
+    focal_alpha: float = 0.25
+    focal_gamma: float = 2.0
+    smooth_l1_beta: float = 1.0 / 9.0
+    code_weights: Optional[Tuple[float, ...]] = None    # None: every box code weighs 1
+    dir_offset: float = 0.7854                       # direction-bin offset, radians
+
+
+LOSS_ARGS: Dict[str, type] = {"point_pillar_loss": PointPillarLossArgs}
+
+
+@section
+class LossSection:
+    core_method: str
+    args: Any = spec(args_of=("core_method", LOSS_ARGS))
+
+
+@section
+class OptimizerSection:
+    core_method: Literal["Adam", "AdamW", "SGD"] = "Adam"
+    lr: float = spec(check=positive)
+    args: Dict[str, Any]                             # torch.optim keyword arguments
+
+    def problems(self) -> Problems:
+        """Refuse a keyword the torch optimiser does not take (checked here, not at step 0)."""
+        import inspect
+
+        import torch
+        accepted = set(inspect.signature(getattr(torch.optim, self.core_method)).parameters)
+        accepted -= {"self", "params", "lr"}
+        for name in self.args:
+            if name not in accepted:
+                yield f"args.{name}", (f"is not an argument of torch.optim.{self.core_method} "
+                                       f"(accepted: {', '.join(sorted(accepted))})")
+
+
+@section
+class LrSchedulerSection:
+    core_method: Literal["cosine", "multistep", "constant"] = "constant"
+    warmup_epochs: float = spec(0.0, check=non_negative)
+    warmup_start_ratio: float = spec(0.01, check=non_negative)
+    min_lr_ratio: float = spec(0.0, check=non_negative)     # cosine floor, fraction of lr
+    step_size: Tuple[int, ...] = ()                  # multistep milestones, epochs
+    gamma: float = spec(0.1, check=positive)
+
+
+@section
+class InitSection:
+    method: Literal["xavier_uniform", "xavier_normal", "kaiming", "default"] = "xavier_uniform"
+    cls_prior: float = spec(0.01, check=probability)
+
+
+@section
+class EmaSection:
+    enabled: bool = False
+    decay: float = spec(0.999, check=probability)
+    tau: float = spec(200.0, check=non_negative)     # warm-up steps of the decay
+
+
+@section
+class AmpSection:
+    enabled: bool = False                            # CUDA only
+    dtype: Literal["bf16", "bfloat16", "fp16", "float16"] = "bf16"
+
+
+@section
+class DistributedSection:
+    backend: Optional[Literal["nccl", "gloo"]] = None    # None: nccl on CUDA, else gloo
+    timeout_minutes: float = spec(30.0, check=positive)
+    find_unused_parameters: bool = False
+
+
+@section
+class PerformanceSection:
+    tf32: bool = True
+    cudnn_benchmark: bool = True
+
+
+@section
+class Config:
+    name: str
+    root_dir: Optional[str] = None                   # the train split
+    validate_dir: Optional[str] = None               # None: no validation
+    test_dir: Optional[str] = None
+    seed: int = 0
+    comm_range: float = spec(70.0, check=positive)   # metres; farther CAVs are dropped
+    fusion: FusionSection
+    train_params: TrainParams
+    preprocess: PreprocessSection
+    data_augment: Tuple[Augmentation, ...] = ()
+    postprocess: PostprocessSection
+    model: ModelSection
+    loss: LossSection
+    optimizer: OptimizerSection
+    lr_scheduler: LrSchedulerSection
+    init: InitSection
+    ema: EmaSection
+    amp: AmpSection
+    distributed: DistributedSection
+    performance: PerformanceSection
+    wild_setting: WildSetting
+
+
+# -- parsing -------------------------------------------------------------------------------------
+
+def _join(prefix: str, key: str) -> str:
+    return f"{prefix}.{key}" if prefix else key
+
+
+def _unknown_key(cls: type, prefix: str, key: str) -> SchemaError:
+    names = [f.name for f in fields(cls)]
+    close = difflib.get_close_matches(str(key), names, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    where = f"in {prefix}" if prefix else "at the top level"
+    return SchemaError(f"unknown key {_join(prefix, str(key))!r} ({hint}known {where}: "
+                       f"{', '.join(names)})")
+
+
+def _unalias(cls: type, data: dict, prefix: str) -> dict:
+    """Rewrite the accepted other spellings of ``cls`` to its keys (both given: an error)."""
+    data = dict(data)
+    for alias, key in getattr(cls, "ALIASES", {}).items():
+        if alias in data:
+            if key in data:
+                raise SchemaError(f"keys {_join(prefix, alias)!r} and {_join(prefix, key)!r} "
+                                  f"are the same setting: give one")
+            data[key] = data.pop(alias)
+    return data
+
+
+def _field_type(cls: type, item: dataclasses.Field, parsed: dict) -> Any:
+    if item.metadata.get("args_of"):
+        sibling, table = item.metadata["args_of"]
+        return table.get(parsed[sibling], Dict[str, Any])
+    return get_type_hints(cls)[item.name]
+
+
+def _is_section(hint: Any) -> bool:
+    return is_dataclass(hint) or hint == Dict[str, Any]
+
+
+def parse(cls: type, data: Any, prefix: str = "") -> Any:
+    """``data`` (a mapping; None reads as empty) -> a ``cls`` with every default filled in."""
+    data = {} if data is None else data
+    if not isinstance(data, dict):
+        raise SchemaError(f"key {prefix!r} must be a mapping, got {data!r}")
+    data = _unalias(cls, data, prefix)
+    known = {f.name for f in fields(cls)}
+    for key in data:
+        if key not in known:
+            raise _unknown_key(cls, prefix, key)
+    parsed: dict = {}
+    for item in fields(cls):
+        key = _join(prefix, item.name)
+        hint = _field_type(cls, item, parsed)
+        parsed[item.name] = _field_value(item, hint, data, key)
+    obj = cls(**parsed)
+    for name, problem in getattr(obj, "problems", lambda: ())():
+        raise SchemaError(f"key {_join(prefix, name)!r} {problem}")
+    return obj
+
+
+def _field_value(item: dataclasses.Field, hint: Any, data: dict, key: str) -> Any:
+    if item.name in data:
+        value = convert(hint, data[item.name], key)
+    elif item.default is not MISSING:
+        value = item.default
+    elif _is_section(hint):
+        value = convert(hint, {}, key)
+    else:
+        raise SchemaError(f"missing required key {key!r}")
+    check = item.metadata.get("check")
+    problem = check(value) if check is not None and value is not None else None
+    if problem:
+        raise SchemaError(f"key {key!r} {problem}, got {to_plain(value)!r}")
+    return value
+
+
+_SCALARS = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}
+
+
+def _scalar(hint: type, value: Any, key: str) -> Any:
+    """bool, int, str or float (an int is a float too; a bool is neither: yaml's yes/no)."""
+    if isinstance(value, bool):
+        fits = hint is bool
+    elif hint is float:
+        fits = isinstance(value, (int, float))
+    else:
+        fits = isinstance(value, hint)
+    if not fits:
+        raise SchemaError(f"key {key!r} must be {_SCALARS[hint]}, got {value!r}{_bool_hint(value)}")
+    return float(value) if hint is float else value
+
+
+def _bool_hint(value: Any) -> str:
+    return " (yaml reads a bare no/yes/off as a boolean: quote it, 'no')" \
+        if isinstance(value, bool) else ""
+
+
+def _sequence(params: tuple, value: Any, key: str) -> tuple:
+    if not isinstance(value, (list, tuple)):
+        raise SchemaError(f"key {key!r} must be a list, got {value!r}")
+    if len(params) == 2 and params[1] is Ellipsis:
+        params = (params[0],) * len(value)
+    elif len(value) != len(params):
+        raise SchemaError(f"key {key!r} must be a list of {len(params)}, got {value!r}")
+    return tuple(convert(hint, item, f"{key}[{index}]")
+                 for index, (hint, item) in enumerate(zip(params, value)))
+
+
+def convert(hint: Any, value: Any, key: str) -> Any:
+    """Check ``value`` against the type ``hint`` (int -> float where a float is expected)."""
+    origin, params = get_origin(hint), get_args(hint)
+    if hint is Any:
+        return copy.deepcopy(value)
+    if isinstance(hint, type) and "choose" in vars(hint):
+        return parse(hint.choose(value, key), value, key)
+    if is_dataclass(hint):
+        return parse(hint, value, key)
+    if origin is Union:
+        if value is None and type(None) in params:
+            return None
+        inner = [p for p in params if p is not type(None)]
+        return convert(inner[0], value, key)
+    if origin is Literal:
+        if not any(type(value) is type(option) and value == option for option in params):
+            raise SchemaError(f"key {key!r} is {value!r}; expected one of "
+                              f"{', '.join(map(str, params))}{_bool_hint(value)}")
+        return value
+    if origin is tuple:
+        return _sequence(params, value, key)
+    if origin is dict:
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise SchemaError(f"key {key!r} must be a mapping, got {value!r}")
+        return copy.deepcopy(value)
+    return _scalar(hint, value, key)
+
+
+def to_plain(value: Any) -> Any:
+    """Sections -> dicts (keys in schema order), tuples -> lists: what yaml and the code read."""
+    if is_dataclass(value):
+        return {item.name: to_plain(getattr(value, item.name)) for item in fields(value)}
+    if isinstance(value, (list, tuple)):
+        return [to_plain(item) for item in value]
+    if isinstance(value, dict):
+        return {key: to_plain(item) for key, item in value.items()}
+    return value
+
+
+# -- derived values --------------------------------------------------------------------------
+
+def derive(config: Config) -> Config:
+    """Fill what the data sections determine and a config left out: ``postprocess.gt_range``
+    (the crop range) and the model's ``lidar_range``, ``voxel_size``, ``max_points_per_voxel``
+    and ``anchor_number`` (one anchor per yaw). Computed here, never by ``eval`` of a yaml
+    string; a value the config gives wins."""
+    pre = config.preprocess
+    post = config.postprocess
+    if post.gt_range is None:
+        post = dataclasses.replace(post, gt_range=pre.cav_lidar_range)
+    derived = {"lidar_range": pre.cav_lidar_range, "voxel_size": pre.args.voxel_size,
+               "max_points_per_voxel": pre.args.max_points_per_voxel,
+               "anchor_number": len(post.anchor_args.r)}
+    args = config.model.args
+    if isinstance(args, PillarArgs):
+        args = dataclasses.replace(args, **{key: value for key, value in derived.items()
+                                            if getattr(args, key) is None})
+    else:       # a model without a schema here: its open mapping gets what it lacks
+        args = {**to_plain(derived), **args}
+    model = dataclasses.replace(config.model, args=args)
+    return dataclasses.replace(config, postprocess=post, model=model)
+
+
+def section_schema(name: str) -> type:
+    """The schema of the top-level key ``name`` (e.g. "optimizer" -> OptimizerSection)."""
+    hints = get_type_hints(Config)
+    if name not in hints:
+        raise _unknown_key(Config, "", name)
+    return hints[name]
