@@ -1,5 +1,6 @@
 """The registered detection postprocessor (issue 12): selection by ``postprocess.core_method``,
-and ``postprocess.order: lwh`` equivalent to 'hwl' end to end."""
+``postprocess.order: lwh`` equivalent to 'hwl' end to end, and the ``max_voxel_*`` pillar caps."""
+import math
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ from opencood.losses import build_loss
 from opencood.models.build import build_model
 from opencood.postprocess import VoxelPostprocessor, build_postprocessor
 from opencood.postprocess.layout import BOX_CODE_SIZE
-from opencood.utils.fake_batch import random_vehicle_boxes
+from opencood.utils.fake_batch import fake_collated_batch, random_vehicle_boxes
 from opencood.utils.init import init_weights
 
 SMOKE = Path(__file__).resolve().parents[1] / "hypes_yaml" / "synthetic" / "smoke.yaml"
@@ -155,3 +156,41 @@ def test_lwh_run_and_hwl_run_give_the_same_loss_and_ap(tmp_path):
     assert ap_hwl["ap_30"] > 0
     for key in ("ap_30", "ap_50", "ap_70", "num_det", "num_gt"):
         assert ap_lwh[key] == ap_hwl[key], key
+
+
+# ------------------------------------------------------------------------ max_voxel caps
+
+
+def pillars_per_agent(inputs: dict, agents: int) -> list:
+    return torch.bincount(inputs["voxel_coords"][:, 0], minlength=agents).tolist()
+
+
+def test_max_voxel_caps_pillars_per_agent_by_mode():
+    cfg = smoke_config()
+    batch = fake_collated_batch(cfg, batch_size=1, agents_per_sample=3, pillars_per_agent=300,
+                                points_per_pillar=2, seed=0)
+    uncapped = BatchPreparer.from_config(cfg, CPU).model_inputs(batch)
+    occupied = pillars_per_agent(uncapped, 3)
+    assert min(occupied) > 250
+    cfg["preprocess"]["args"].update(max_voxel_train=100, max_voxel_test=200)
+    train = BatchPreparer.from_config(cfg, CPU, training=True).model_inputs(batch)
+    test = BatchPreparer.from_config(cfg, CPU, training=False).model_inputs(batch)
+    assert pillars_per_agent(train, 3) == [100] * 3
+    assert pillars_per_agent(test, 3) == [200] * 3
+    # The kept pillars are each agent's first in key order, with all their points.
+    first = torch.cat([torch.nonzero(uncapped["voxel_coords"][:, 0] == agent).squeeze(1)[:100]
+                       for agent in range(3)])
+    for key in ("voxel_coords", "voxel_num_points", "voxel_features"):
+        assert torch.equal(train[key], uncapped[key][first]), key
+
+
+def test_max_voxel_cap_not_hit_changes_nothing():
+    cfg = smoke_config()
+    batch = fake_collated_batch(cfg, batch_size=2, agents_per_sample=2, pillars_per_agent=300,
+                                points_per_pillar=3, seed=1)
+    uncapped = BatchPreparer.from_config(cfg, CPU).model_inputs(batch)
+    cfg["preprocess"]["args"].update(max_voxel_train=2048, max_voxel_test=2048)  # the whole grid
+    capped = BatchPreparer.from_config(cfg, CPU).model_inputs(batch)
+    for key in ("voxel_coords", "voxel_num_points", "voxel_features"):
+        assert torch.equal(capped[key], uncapped[key]), key
+    assert math.prod(uncapped["voxel_coords"].shape) > 0

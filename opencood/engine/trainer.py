@@ -429,7 +429,8 @@ def train(cfg: Dict, args, info: dist_utils.DistInfo) -> Dict:
     preparer = BatchPreparer.from_config(cfg, info.device)
     criterion = build_loss(cfg["loss"]).to(info.device)
     loss_fn = make_loss_fn(preparer, criterion)
-    val_loss_fn = make_validation_loss_fn(preparer, criterion)
+    val_loss_fn = make_validation_loss_fn(
+        BatchPreparer.from_config(cfg, info.device, training=False), criterion)
     optimizer = build_optimizer(model_without_ddp.parameters(), cfg["optimizer"])
     scheduler = build_scheduler(optimizer, cfg.get("lr_scheduler", {}),
                                 epochs * steps_per_epoch, steps_per_epoch)
