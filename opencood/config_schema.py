@@ -280,6 +280,14 @@ class BackboneArgs:
 
 
 @section
+class ShrinkHeaderArgs:
+    """OpenCOOD's ``shrink_header`` before fusion (V2VNet, V2X-ViT, CoBEVT configs)."""
+
+    dim: int = spec(check=positive)
+    stride: int = spec(2, check=positive)
+
+
+@section
 class PillarArgs:
     """PointPillars arguments. The first four are derived from the data sections unless given."""
 
@@ -292,28 +300,21 @@ class PillarArgs:
     point_pillar_scatter: ScatterArgs
     base_bev_backbone: BackboneArgs
     fusion: Optional[ModelFusion] = None
+    shrink_header: Optional[ShrinkHeaderArgs] = None   # intermediate fusion only
 
 
 @section
 class PointPillarArgs(PillarArgs):
     def problems(self) -> Problems:
+        if self.shrink_header is not None:
+            yield "shrink_header", "must be null: point_pillar has no fusion to shrink for"
         if self.fusion is not None:
             yield "fusion", ("must be null: point_pillar is single-agent (point_pillar_intermediate "
                              "fuses features)")
 
 
 @section
-class ShrinkHeaderArgs:
-    """OpenCOOD's ``shrink_header`` before fusion (V2VNet, V2X-ViT, CoBEVT configs)."""
-
-    dim: int = spec(check=positive)
-    stride: int = spec(2, check=positive)
-
-
-@section
 class PointPillarIntermediateArgs(PillarArgs):
-    shrink_header: Optional[ShrinkHeaderArgs] = None
-
     def problems(self) -> Problems:
         if self.fusion is None:
             yield "fusion", "is required by point_pillar_intermediate ({core_method, args})"

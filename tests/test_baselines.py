@@ -257,6 +257,7 @@ def test_v2xvit_latency_acts_only_through_the_delay_encoding():
 def test_intermediate_dataset_reports_each_agents_latency(tmp_path):
     from opencood.data.collate import collate_samples
     from opencood.data.datasets import IntermediateFusionDataset
+    from opencood.config import load_config
     from opencood.data.pipeline import BatchPreparer
     from opencood.data.wild import WildSetting
     from opv2v_factory import write_simple_split
@@ -266,8 +267,8 @@ def test_intermediate_dataset_reports_each_agents_latency(tmp_path):
     assert [dataset[i]["agent_latency"].tolist() for i in range(3)] == [[0, 0], [0, 1], [0, 1]]
     batch = collate_samples([dataset[0], dataset[2]])
     assert batch["agent_latency"].tolist() == [0, 0, 0, 1]
-    preparer = BatchPreparer(lidar_range=[-51.2, -25.6, -3.0, 51.2, 25.6, 1.0],
-                             voxel_size=[0.8, 0.8, 4.0])
+    smoke = Path(__file__).resolve().parents[1] / "hypes_yaml" / "synthetic" / "smoke.yaml"
+    preparer = BatchPreparer.from_config(load_config(smoke), "cpu")
     assert preparer.model_inputs(batch)["agent_latency"].tolist() == [0, 0, 0, 1]
 
 

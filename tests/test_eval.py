@@ -28,6 +28,8 @@ from opencood.eval import inference
 from opencood.eval.ap import APAccumulator
 from opencood.models.build import build_model
 from opencood.ops.transforms import relative_transform
+from opencood.postprocess import VoxelPostprocessor
+from opencood.postprocess.voxel_postprocessor import boxes_to_ego
 from opencood.utils import dist as dist_utils
 from opencood.utils.checkpoint import save_checkpoint
 from opencood.utils.init import init_weights
@@ -392,14 +394,14 @@ def test_boxes_to_ego_hand_computed():
                               [0.0, 0.0, 0.0, 1.0]])
     boxes = torch.tensor([[10.0, 0.0, -1.0, 1.5, 1.8, 4.2, 0.0],
                           [0.0, 2.0, -0.5, 1.6, 2.0, 5.0, 0.3]], dtype=torch.float64)
-    out = inference.boxes_to_ego(boxes, transform)
+    out = boxes_to_ego(boxes, transform)
     expected = torch.tensor([[5.0, 15.0, -1.0, 1.5, 1.8, 4.2, math.pi / 2],
                              [3.0, 5.0, -0.5, 1.6, 2.0, 5.0, 0.3 + math.pi / 2]],
                             dtype=torch.float64)
     torch.testing.assert_close(out, expected, atol=1e-6, rtol=0)
     # The same agent as the data pipeline builds its transform from lidar poses (yaw in deg).
     from_poses = torch.from_numpy(relative_transform([5, 5, 0, 0, 90, 0], [0, 0, 0, 0, 0, 0]))
-    torch.testing.assert_close(inference.boxes_to_ego(boxes, from_poses), expected,
+    torch.testing.assert_close(boxes_to_ego(boxes, from_poses), expected,
                                atol=1e-6, rtol=0)
 
 
@@ -411,15 +413,12 @@ def test_late_fusion_bytes_are_boxes_sent_times_32(monkeypatch):
     per_agent = [boxes_at([0, 10]), boxes_at([20, 30, 40]), boxes_at([]),
                  boxes_at([0]), boxes_at([10, 20, 30, 40])]
     decoded = [(b, torch.linspace(0.9, 0.5, b.shape[0])) for b in per_agent]
-    monkeypatch.setattr(inference, "decode_predictions", lambda *args: decoded)
     shift = torch.eye(4)
     shift[1, 3] = 100.0                       # agent b/c sees the world 100 m to the side
     transforms = torch.stack([torch.eye(4), torch.eye(4), shift, torch.eye(4), shift])
-    inputs = {"record_len": torch.tensor([3, 2]), "transforms_to_ego": transforms}
-    results = inference.detections_per_sample(
-        {"cls_preds": None, "reg_preds": None}, inputs,
-        SimpleNamespace(anchors=None, box_coder=None), inference.postprocess_settings({}),
-        late=True)
+    postprocessor = VoxelPostprocessor.from_config(_config(Path("unused")), torch.device("cpu"))
+    monkeypatch.setattr(postprocessor, "decode", lambda outputs: decoded)
+    results = postprocessor.detections({}, torch.tensor([3, 2]), transforms, late=True)
     (boxes0, scores0, bytes0), (boxes1, scores1, bytes1) = results
     assert bytes0 == (3 * 32 + 0 * 32) / 2 and bytes1 == 4 * 32
     assert boxes0.shape[0] == 5 and boxes1.shape[0] == 5

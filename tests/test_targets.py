@@ -5,11 +5,12 @@ import math
 import pytest
 import torch
 
-from opencood.ops.anchors import anchors_from_config, generate_anchors
-from opencood.ops.box_coder import ResidualBoxCoder
-from opencood.ops.target_assigner import (assign_targets, decode_predictions,
-                                          flatten_predictions, standup_bev)
 from opencood.ops.transforms import limit_period
+from opencood.postprocess.anchors import generate_anchors
+from opencood.postprocess.box_coder import ResidualBoxCoder
+from opencood.postprocess.layout import flatten_anchor_maps
+from opencood.postprocess.target_assigner import assign_targets, standup_bev
+from opencood.postprocess.voxel_postprocessor import VoxelPostprocessor, anchors_from_config
 from opencood.utils.fake_batch import random_vehicle_boxes
 
 from reference_impls import reference_assign_targets
@@ -52,9 +53,9 @@ def test_small_anchor_grid_and_config():
     assert anchors.shape == (4, 4, 2, 7)
     torch.testing.assert_close(anchors[1, 2, 1],
                                torch.tensor([5.0, 3.0, -1.0, 1.5, 1.0, 2.0, math.pi / 2]))
-    from_yaml = anchors_from_config({"cav_lidar_range": SMALL_RANGE, "h": 1.5, "w": 1.0,
-                                     "l": 2.0, "r": [0, 90], "feature_stride": 2, "num": 2},
-                                    voxel_size=[1, 1, 4])
+    anchor_args = {"h": 1.5, "w": 1.0, "l": 2.0, "r": [0, 90], "feature_stride": 2, "num": 2}
+    preprocess = {"cav_lidar_range": SMALL_RANGE, "args": {"voxel_size": [1, 1, 4]}}
+    from_yaml = anchors_from_config(anchor_args, preprocess, order="hwl")
     torch.testing.assert_close(from_yaml, anchors)
 
 
@@ -296,7 +297,8 @@ def test_flatten_predictions_lines_up_with_anchors():
     cls_preds = (torch.arange(2).view(1, 2, 1, 1) * 100 + h_idx * 10 + w_idx).float()
     reg_preds = (torch.arange(14).view(1, 14, 1, 1) * 100 + h_idx * 10 + w_idx).float()
     dir_preds = (torch.arange(4).view(1, 4, 1, 1) * 100 + h_idx * 10 + w_idx).float()
-    cls, reg, direction = flatten_predictions(cls_preds, reg_preds, dir_preds, num_anchors=2)
+    cls, reg, direction = (flatten_anchor_maps(cls_preds, 1), flatten_anchor_maps(reg_preds, 7),
+                           flatten_anchor_maps(dir_preds, 2))
     assert cls.shape == (1, 32) and reg.shape == (1, 32, 7) and direction.shape == (1, 32, 2)
     n = flat(1, 2, 1)                          # row 1, column 2, anchor 1
     assert cls[0, n] == 112                    # channel a=1 at (h=1, w=2)
@@ -314,8 +316,11 @@ def test_decode_predictions_hand_made():
     cls_preds[0, 0, 1, 1] = 2.0                # anchor (1, 1, 0) at (3, 3), yaw 0
     reg_preds[0, 0, 1, 1] = 0.5                # dx: x = 3 + 0.5 * sqrt5
     dir_preds[0, 0, 1, 1] = 1.0                # bin 0 for anchor 0: yaw 0 -> pi
-    detections = decode_predictions(cls_preds, reg_preds, dir_preds, anchors,
-                                    ResidualBoxCoder(), score_threshold=0.5)
+    postprocessor = VoxelPostprocessor(anchors, ResidualBoxCoder(), pos_iou=0.6, neg_iou=0.45,
+                                       score_threshold=0.5, nms_thresh=0.15, max_num=100,
+                                       pre_nms_max=500)
+    detections = postprocessor.decode({"cls_preds": cls_preds, "reg_preds": reg_preds,
+                                       "dir_preds": dir_preds})
     boxes, scores = detections[0]
     expected = torch.tensor([[3 + 0.5 * SQRT5, 3.0, -1.0, 1.5, 1.0, 2.0, math.pi]])
     torch.testing.assert_close(boxes, expected)

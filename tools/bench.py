@@ -403,7 +403,7 @@ class ModelBench:
         return batch
 
     def _config_fields(self, amp_yaml: str) -> Dict:
-        nx, ny, _ = self.preparer.grid
+        nx, ny, _ = self.preparer.pillarize.grid_size
         perf = self.cfg["performance"]
         return {
             "config": display_path(self.args.hypes_yaml),
@@ -452,9 +452,9 @@ def bench_pillarise(suite: Suite) -> List[Dict]:
     summary = summarise(times)
     refs = suite.references
     points, agent_index = batch["points"].cpu(), batch["agent_index"].cpu()
+    grid = preparer.pillarize
     reference_fn = None if refs is None else (lambda: refs.reference_pillarize(
-        points, agent_index, preparer.lidar_range, preparer.voxel_size,
-        preparer.max_points_per_voxel))
+        points, agent_index, grid.lidar_range, grid.voxel_size, grid.max_points_per_pillar))
     return [bench.record("pillarise", **summary, points=int(points.shape[0]), pillars=pillars,
                          **versus(summary["ms"], "per-point Python dict (CPU)", reference_fn))]
 
@@ -465,13 +465,14 @@ def bench_targets(suite: Suite) -> List[Dict]:
     times = bench.time(lambda: preparer.targets(batch))
     summary = summarise(times)
     refs = suite.references
-    anchors = preparer.anchors.reshape(-1, 7).tolist()
+    post = preparer.postprocessor
+    anchors = post.anchors.reshape(-1, 7).tolist()
     gt_per_sample = [boxes[mask].tolist() for boxes, mask in
                      zip(batch["gt_boxes"].cpu(), batch["gt_mask"].cpu())]
 
     def reference():
         for gt_boxes in gt_per_sample:
-            refs.reference_assign_targets(anchors, gt_boxes, preparer.pos_iou, preparer.neg_iou)
+            refs.reference_assign_targets(anchors, gt_boxes, post.pos_iou, post.neg_iou)
 
     return [bench.record("targets", **summary, anchors_per_sample=len(anchors),
                          gt_boxes=int(batch["gt_mask"].sum()),
@@ -553,10 +554,10 @@ def fake_head_outputs(bench: ModelBench, seed: int = 0) -> Dict:
     """Head maps as a trained detector would give: in the 3x3 feature cells around every GT
     centre, every anchor is confident and regresses (with a little noise) to that GT; plus a
     sprinkle of false positives elsewhere. Decoding and NMS then face realistic candidates."""
-    anchors = bench.preparer.anchors.cpu()               # (H, W, A, 7)
-    coder = bench.preparer.box_coder
+    anchors = bench.preparer.postprocessor.anchors.cpu()     # (H, W, A, 7)
+    coder = bench.preparer.postprocessor.box_coder
     height, width, num_anchors, _ = anchors.shape
-    lidar_range = bench.preparer.lidar_range
+    lidar_range = bench.preparer.pillarize.lidar_range
     generator = torch.Generator().manual_seed(seed)
     size = bench.batch_size
     cls = torch.full((size, height, width, num_anchors), -8.0)
@@ -597,18 +598,15 @@ def fake_head_outputs(bench: ModelBench, seed: int = 0) -> Dict:
 def bench_eval_postprocess(suite: Suite) -> List[Dict]:
     """Decode + NMS on the device, then AP matching on the CPU, of synthetic head outputs."""
     from opencood.eval.ap import APAccumulator
-    from opencood.eval.inference import detections_per_sample, postprocess_settings
     bench = suite.model_bench
-    settings = postprocess_settings(bench.cfg)
+    postprocessor = bench.preparer.postprocessor
     outputs = fake_head_outputs(bench, seed=int(bench.cfg["seed"]))
-    # The synthetic maps are per sample, in the ego frame: no per-agent (late) step here.
-    decode_inputs = {"record_len": bench.batch["record_len"],
-                     "transforms_to_ego": bench.batch["transforms_to_ego"]}
     detections = []
 
     def decode_nms():
-        detections[:] = detections_per_sample(outputs, decode_inputs, bench.preparer, settings,
-                                              late=False)
+        # The synthetic maps are per sample, in the ego frame: no per-agent (late) step here.
+        detections[:] = postprocessor.detections(outputs, bench.batch["record_len"],
+                                                 bench.batch["transforms_to_ego"], late=False)
 
     decode_ms = statistics.median(bench.time(decode_nms)) / bench.batch_size
     per_frame = [(boxes.float().cpu(), scores.float().cpu()) for boxes, scores, _ in detections]
@@ -618,7 +616,7 @@ def bench_eval_postprocess(suite: Suite) -> List[Dict]:
     last_metrics = {}
 
     def accumulate_ap():
-        accumulator = APAccumulator(order=settings["order"])
+        accumulator = APAccumulator(order=postprocessor.order)
         for frame in range(frames):
             boxes, scores = per_frame[frame % len(per_frame)]
             accumulator.add_frame(boxes, scores, gts[frame % len(gts)],
@@ -638,10 +636,8 @@ def bench_eval_postprocess(suite: Suite) -> List[Dict]:
 
 def bench_eval_inference(suite: Suite) -> List[Dict]:
     """What tools/eval.py times per batch: pillarise + forward + decode + NMS (fp32, eval)."""
-    from opencood.eval.inference import (detections_per_sample, late_model_inputs,
-                                         postprocess_settings)
+    from opencood.eval.inference import late_model_inputs
     bench = suite.model_bench
-    settings = postprocess_settings(bench.cfg)
     late = bench.cfg["fusion"]["core_method"] == "late"
     model = bench.model_without_ddp
     counts = []
@@ -650,7 +646,8 @@ def bench_eval_inference(suite: Suite) -> List[Dict]:
     def inference():
         inputs, _ = bench.preparer(bench.batch, with_targets=False)
         outputs = model(late_model_inputs(inputs) if late else inputs)
-        results = detections_per_sample(outputs, inputs, bench.preparer, settings, late)
+        results = bench.preparer.postprocessor.detections(
+            outputs, inputs["record_len"], inputs["transforms_to_ego"], late)
         counts.append(sum(int(r[1].shape[0]) for r in results))
 
     model.eval()

@@ -114,10 +114,13 @@ def train(cfg: Dict, args, info: dist_utils.DistInfo) -> Dict:
     # EMA -> DDP; checkpoints are saved from model_without_ddp.
     model, model_without_ddp, ema = prepare_model(cfg, info, checkpoint, ckpt_path)
 
+    # Batches -> model inputs and targets: pillars capped by max_voxel_train in training, by
+    # max_voxel_test in validation (eval_preparer).
     preparer = BatchPreparer.from_config(cfg, info.device)
+    eval_preparer = BatchPreparer.from_config(cfg, info.device, training=False)
     criterion = build_loss(cfg["loss"]).to(info.device)
     loss_fn = make_loss_fn(preparer, criterion)
-    val_loss_fn = make_validation_loss_fn(preparer, criterion)
+    val_loss_fn = make_validation_loss_fn(eval_preparer, criterion)
     optimizer = build_optimizer(model_without_ddp.parameters(), cfg["optimizer"])
     scheduler = build_scheduler(optimizer, cfg["lr_scheduler"], total_steps,
                                 steps_per_epoch)
@@ -142,7 +145,7 @@ def train(cfg: Dict, args, info: dist_utils.DistInfo) -> Dict:
             train_sampler.set_epoch(epoch)        # a new shuffle every epoch, the same on all ranks
             run.train_one_epoch(epoch, train_set, train_loader)
             # Rank 0's weights (the EMA's when enabled) are validated and saved, exactly.
-            results = run.validate(epoch, val_loaders, val_loss_fn, preparer)
+            results = run.validate(epoch, val_loaders, val_loss_fn, eval_preparer)
             if results is not None:
                 history[epoch] = results
             run.save_epoch_end(epoch, results)

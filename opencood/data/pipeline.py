@@ -2,70 +2,39 @@
 
 DataLoader workers only read, project, augment and crop (``opencood.data.datasets``); the
 scatter-based pillarisation and the batched target assignment run here, on the training device,
-inside the training step.
+inside the training step. Targets come from the config's postprocessor
+(``opencood.postprocess``), which also decodes the model's outputs at evaluation.
 """
 from __future__ import annotations
 
-import math
 from typing import Dict, Tuple
 
 import torch
 
-from opencood.ops.anchors import generate_anchors
-from opencood.ops.box_coder import ResidualBoxCoder
-from opencood.ops.target_assigner import assign_targets
-from opencood.ops.voxelize import grid_size, pillarize
+from opencood.ops.voxelize import PillarizeConfig
+from opencood.postprocess import build_postprocessor
 
 
 class BatchPreparer:
     """Turns a collated CPU batch into model inputs (and training targets) on ``device``.
 
     Args:
-        lidar_range: [xmin, ymin, zmin, xmax, ymax, zmax] of the pillar grid.
-        voxel_size: [vx, vy, vz] pillar size.
-        max_points_per_voxel: points kept per pillar.
-        anchor_hwl, anchor_z, anchor_yaws_deg, feature_stride: anchor layout.
-        pos_iou, neg_iou: target assignment thresholds.
+        pillarize: the pillar grid and the caps (points per pillar, pillars per agent).
+        postprocessor: anchors and target assignment (e.g. ``VoxelPostprocessor``).
+        device: where the batch goes.
     """
 
-    def __init__(self, lidar_range, voxel_size, max_points_per_voxel: int = 32,
-                 anchor_hwl=(1.56, 1.6, 3.9), anchor_z: float = -1.0,
-                 anchor_yaws_deg=(0.0, 90.0), feature_stride: int = 2,
-                 pos_iou: float = 0.6, neg_iou: float = 0.45, dir_offset: float = 0.7854,
-                 device: torch.device | str = "cpu"):
-        self.lidar_range = [float(v) for v in lidar_range]
-        self.voxel_size = [float(v) for v in voxel_size]
-        self.max_points_per_voxel = int(max_points_per_voxel)
-        self.grid = grid_size(self.lidar_range, self.voxel_size)
+    def __init__(self, pillarize: PillarizeConfig, postprocessor, device: torch.device | str):
+        self.pillarize = pillarize
+        self.postprocessor = postprocessor
         self.device = torch.device(device)
-        self.box_coder = ResidualBoxCoder(dir_offset=dir_offset)
-        self.pos_iou, self.neg_iou = float(pos_iou), float(neg_iou)
-        self.anchors = generate_anchors(
-            self.lidar_range, self.voxel_size, feature_stride=feature_stride,
-            anchor_hwl=tuple(anchor_hwl), anchor_z=anchor_z,
-            yaws=tuple(math.radians(y) for y in anchor_yaws_deg), device=self.device)
 
     @classmethod
-    def from_config(cls, cfg: dict, device) -> "BatchPreparer":
-        preprocess = cfg["preprocess"]
-        anchor_args = cfg["postprocess"].get("anchor_args", {})
-        target_args = cfg["postprocess"].get("target_args", {})
-        return cls(lidar_range=preprocess["cav_lidar_range"],
-                   voxel_size=preprocess["args"]["voxel_size"],
-                   max_points_per_voxel=preprocess["args"].get("max_points_per_voxel", 32),
-                   anchor_hwl=(anchor_args.get("h", 1.56), anchor_args.get("w", 1.6),
-                               anchor_args.get("l", 3.9)),
-                   anchor_z=anchor_args.get("z", -1.0),
-                   anchor_yaws_deg=anchor_args.get("r", [0, 90]),
-                   feature_stride=anchor_args.get("feature_stride", 2),
-                   pos_iou=target_args.get("pos_threshold", 0.6),
-                   neg_iou=target_args.get("neg_threshold", 0.45),
-                   dir_offset=cfg.get("loss", {}).get("args", {}).get("dir_offset", 0.7854),
-                   device=device)
-
-    @property
-    def num_anchors_per_location(self) -> int:
-        return self.anchors.shape[2]
+    def from_config(cls, cfg: dict, device, training: bool = True) -> "BatchPreparer":
+        """``training`` picks the pillar cap ``preprocess.args.max_voxel_train`` (training
+        steps) or ``max_voxel_test`` (validation and evaluation), as OpenCOOD does."""
+        return cls(pillarize=PillarizeConfig.from_config(cfg["preprocess"], training),
+                   postprocessor=build_postprocessor(cfg, torch.device(device)), device=device)
 
     def model_inputs(self, batch: Dict) -> Dict:
         """Pillarise on the device. Returns the model's input dict (see opencood.models), with
@@ -73,9 +42,7 @@ class BatchPreparer:
         treat roadside units apart (V2X-ViT); the others ignore it."""
         points = batch["points"].to(self.device, non_blocking=True)
         agent_index = batch["agent_index"].to(self.device, non_blocking=True)
-        pillars = pillarize(points, agent_index, self.lidar_range, self.voxel_size,
-                            max_points_per_pillar=self.max_points_per_voxel)
-        inputs = dict(pillars)
+        inputs = dict(self.pillarize(points, agent_index))
         inputs["record_len"] = batch["record_len"].to(self.device)
         inputs["agent_types"] = batch["agent_types"].to(self.device)
         if "agent_latency" in batch:        # V2X-ViT's delay encoding
@@ -88,8 +55,7 @@ class BatchPreparer:
         """Anchor targets for the batch's GT (ego frame, or the CAV frame for late training)."""
         gt_boxes = batch["gt_boxes"].to(self.device, non_blocking=True)
         gt_mask = batch["gt_mask"].to(self.device, non_blocking=True)
-        return assign_targets(self.anchors, gt_boxes, gt_mask, pos_iou=self.pos_iou,
-                              neg_iou=self.neg_iou, box_coder=self.box_coder)
+        return self.postprocessor.targets(gt_boxes, gt_mask)
 
     def __call__(self, batch: Dict, with_targets: bool = True) -> Tuple[Dict, Dict | None]:
         inputs = self.model_inputs(batch)

@@ -205,7 +205,7 @@ def evaluate_setting(cfg, args, run_dir, model, device, setting) -> Dict | None:
     loader = torch.utils.data.DataLoader(
         dataset, batch_size=args.batch_size, collate_fn=collate_samples,
         sampler=InferenceSampler(len(dataset)), num_workers=args.num_workers)
-    preparer = BatchPreparer.from_config(cfg_run, device)
+    preparer = BatchPreparer.from_config(cfg_run, device, training=False)
     on_sample = None
     if args.save_vis:
         on_sample = vis_callback(run_dir, setting["tag"], args.vis_count,

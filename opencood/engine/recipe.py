@@ -24,7 +24,7 @@ from opencood.data.pipeline import BatchPreparer
 from opencood.engine.loop import validation_loss
 from opencood.eval.inference import evaluate_loader
 from opencood.models.build import build_model
-from opencood.registry import FUSIONS, LOSSES, MODELS, RegistryError
+from opencood.registry import FUSIONS, LOSSES, MODELS, POSTPROCESSORS, RegistryError
 from opencood.utils import dist as dist_utils
 from opencood.utils.batching import epochs_for_steps, split_global_batch
 from opencood.utils.checkpoint import check_state_dict_compatible
@@ -43,11 +43,13 @@ def check_registered_names(cfg: Dict, source: str) -> None:
     ``model.core_method`` must not leave an empty run folder behind). ``cfg`` is resolved."""
     import opencood.losses  # noqa: F401  (registers losses)
     import opencood.models  # noqa: F401  (registers models and fusion modules)
+    import opencood.postprocess  # noqa: F401  (registers postprocessors)
     fusion = cfg["model"]["args"].get("fusion")     # model args are model-specific
     names = [("model.core_method", MODELS, cfg["model"]["core_method"]),
              ("model.args.fusion.core_method", FUSIONS,
               fusion["core_method"] if isinstance(fusion, dict) else None),
-             ("loss.core_method", LOSSES, cfg["loss"]["core_method"])]
+             ("loss.core_method", LOSSES, cfg["loss"]["core_method"]),
+             ("postprocess.core_method", POSTPROCESSORS, cfg["postprocess"]["core_method"])]
     for dotted, registry, name in names:
         if name is None:
             continue

@@ -20,35 +20,33 @@ import torch.nn.functional as F
 from torch import nn
 from torchvision.ops import sigmoid_focal_loss
 
+from opencood.postprocess.layout import (BOX_CODE_SIZE, NUM_DIR_BINS, YAW_CODE,
+                                         flatten_anchor_maps)
 from opencood.registry import LOSSES
 
-BOX_CODE_SIZE = 7
-YAW_INDEX = 6
 
-
-def flatten_anchor_maps(maps: torch.Tensor, values_per_anchor: int) -> torch.Tensor:
-    """(B, K*A, H, W) -> (B, H*W*A, K) (or (B, H*W*A) for K=1), anchor order (H, W, A)."""
-    batch = maps.shape[0]
-    # float32 even under AMP: focal and smooth-L1 sums lose too much in half precision.
-    flat = maps.float().permute(0, 2, 3, 1).reshape(batch, -1, values_per_anchor)
-    return flat.squeeze(-1) if values_per_anchor == 1 else flat
+def flat_float(maps: torch.Tensor, values_per_anchor: int) -> torch.Tensor:
+    """Head maps -> per-anchor rows (:func:`flatten_anchor_maps`) in float32, even under AMP:
+    focal and smooth-L1 sums lose too much in half precision."""
+    return flatten_anchor_maps(maps, values_per_anchor).float()
 
 
 def sine_difference(pred: torch.Tensor, target: torch.Tensor):
     """Replace the yaw residuals by sin(p)cos(t) and cos(p)sin(t): their difference is
     sin(p - t), so a box off by pi costs nothing here (the direction classifier settles it)."""
-    pred_yaw, target_yaw = pred[..., YAW_INDEX:], target[..., YAW_INDEX:]
+    pred_yaw, target_yaw = pred[..., YAW_CODE:], target[..., YAW_CODE:]
     pred_sin = torch.sin(pred_yaw) * torch.cos(target_yaw)
     target_sin = torch.cos(pred_yaw) * torch.sin(target_yaw)
-    return (torch.cat([pred[..., :YAW_INDEX], pred_sin], dim=-1),
-            torch.cat([target[..., :YAW_INDEX], target_sin], dim=-1))
+    return (torch.cat([pred[..., :YAW_CODE], pred_sin], dim=-1),
+            torch.cat([target[..., :YAW_CODE], target_sin], dim=-1))
 
 
 @LOSSES.register("point_pillar_loss")
 class DetectionLoss(nn.Module):
     """``forward(outputs, targets) -> (total, terms)``.
 
-    outputs: cls_preds (B, A, H, W), reg_preds (B, 7A, H, W), dir_preds (B, 2A, H, W), optional
+    outputs: head maps (layout in opencood.postprocess.layout): cls_preds (B, A, H, W), reg_preds
+      (B, 7A, H, W), dir_preds (B, 2A, H, W), optional
       where2comm conf_preds (N_agents, A, H, W) with conf_sample_index (N_agents,).
     targets: labels (B, N) int64 in {-1 ignore, 0 negative, 1 positive}, reg_targets (B, N, 7),
       dir_targets (B, N) int64, reg_weights (B, N); N = H*W*A.
@@ -98,8 +96,9 @@ class DetectionLoss(nn.Module):
         return self.focal_map(logits, labels).sum() / positive.sum().clamp(min=1.0)
 
     def regression_map(self, reg_preds, targets, positive) -> torch.Tensor:
-        """(B, 7A, H, W) predictions -> (B, N, 7) weighted smooth-L1, 0 off the positives."""
-        boxes_pred = flatten_anchor_maps(reg_preds, BOX_CODE_SIZE)
+        """(B, 7A, H, W) predictions -> (B, N, 7) weighted smooth-L1, 0 off the positives.
+        Codes keep the box order, so ``code_weights`` follow ``postprocess.order``."""
+        boxes_pred = flat_float(reg_preds, BOX_CODE_SIZE)
         boxes_pred, boxes_target = sine_difference(boxes_pred, targets["reg_targets"].float())
         per_code = F.smooth_l1_loss(boxes_pred, boxes_target, reduction="none",
                                     beta=self.smooth_l1_beta)
@@ -111,9 +110,10 @@ class DetectionLoss(nn.Module):
         return self.regression_map(reg_preds, targets, positive).sum() / normaliser
 
     def direction_map(self, dir_preds, targets, positive) -> torch.Tensor:
-        """(B, 2A, H, W) logits -> (B, N) direction cross-entropy, 0 off the positives."""
-        dir_logits = flatten_anchor_maps(dir_preds, 2)
-        per_anchor = F.cross_entropy(dir_logits.reshape(-1, 2), targets["dir_targets"].reshape(-1),
+        """(B, bins*A, H, W) logits -> (B, N) direction cross-entropy, 0 off the positives."""
+        dir_logits = flat_float(dir_preds, NUM_DIR_BINS)
+        per_anchor = F.cross_entropy(dir_logits.reshape(-1, NUM_DIR_BINS),
+                                     targets["dir_targets"].reshape(-1),
                                      reduction="none").view_as(positive)
         return per_anchor * positive
 
@@ -124,7 +124,7 @@ class DetectionLoss(nn.Module):
         labels = targets["labels"]
         positive = (labels == 1).to(torch.float32)
         normaliser = positive.sum().clamp(min=1.0)
-        cls_logits = flatten_anchor_maps(outputs["cls_preds"], 1)
+        cls_logits = flat_float(outputs["cls_preds"], 1)
         terms = {
             "cls_loss": self.cls_weight * self.focal_term(cls_logits, labels),
             "reg_loss": self.reg_weight * self.regression_term(outputs["reg_preds"], targets,
@@ -136,7 +136,7 @@ class DetectionLoss(nn.Module):
             # Every agent's confidence map is in the ego frame: supervise it with its sample's
             # labels, so it learns "an object the ego cares about is here".
             agent_labels = labels[outputs["conf_sample_index"]]
-            conf_logits = flatten_anchor_maps(outputs["conf_preds"], 1)
+            conf_logits = flat_float(outputs["conf_preds"], 1)
             terms["conf_loss"] = self.conf_weight * self.focal_term(conf_logits, agent_labels)
         total = sum(terms.values())
         terms = {name: value.detach() for name, value in terms.items()}
@@ -152,7 +152,7 @@ class DetectionLoss(nn.Module):
         positive = (labels == 1).to(torch.float32)
         positives = positive.sum(dim=1, dtype=torch.float64)                      # (B,)
         normaliser = positives.clamp(min=1.0)
-        cls_logits = flatten_anchor_maps(outputs["cls_preds"], 1)
+        cls_logits = flat_float(outputs["cls_preds"], 1)
         total = (self.cls_weight * self.focal_map(cls_logits, labels).double().sum(dim=1)
                  + self.reg_weight * self.regression_map(outputs["reg_preds"], targets, positive)
                  .double().sum(dim=(1, 2))
@@ -168,7 +168,7 @@ class DetectionLoss(nn.Module):
         """(B,) float64 where2comm confidence term per sample: its agents' focal sums over
         their positives (agents x the sample's positives), as ``forward`` on that sample alone."""
         sample_index = outputs["conf_sample_index"]                                # (N_agents,)
-        conf_logits = flatten_anchor_maps(outputs["conf_preds"], 1)
+        conf_logits = flat_float(outputs["conf_preds"], 1)
         agent_sums = self.focal_map(conf_logits, labels[sample_index]).double().sum(dim=1)
         batch = labels.shape[0]
         sums = agent_sums.new_zeros(batch).index_add_(0, sample_index, agent_sums)

@@ -6,9 +6,8 @@ import math
 import torch
 from torch import nn
 
+from opencood.postprocess.layout import BOX_CODE_SIZE, NUM_DIR_BINS
 from opencood.registry import HEADS
-
-BOX_CODE_SIZE = 7  # [x, y, z, h, w, l, yaw] residuals
 
 
 def prior_bias(prior: float) -> float:
@@ -19,11 +18,9 @@ def prior_bias(prior: float) -> float:
 
 @HEADS.register("anchor_head")
 class AnchorHead(nn.Module):
-    """(B, C, H, W) -> cls (B, A, H, W), reg (B, 7A, H, W), dir (B, 2A, H, W).
-
-    Channel layout: reg channel ``a * 7 + k`` is code k of anchor a, so
-    ``reg.permute(0, 2, 3, 1).reshape(B, H * W * A, 7)`` lines up with anchors laid out
-    (H, W, A, 7); the same holds for cls (1 per anchor) and dir (2 per anchor).
+    """(B, C, H, W) -> cls (B, A, H, W), reg (B, 7A, H, W), dir (B, 2A, H, W), in the channel
+    layout of :mod:`opencood.postprocess.layout` (reg channel ``a * 7 + k`` is code k of anchor
+    a), which lines up with the postprocessor's anchors (H, W, A, 7).
     """
 
     def __init__(self, in_channels: int, num_anchors: int = 2, cls_prior: float = 0.01):
@@ -31,7 +28,7 @@ class AnchorHead(nn.Module):
         self.num_anchors = num_anchors
         self.cls_conv = nn.Conv2d(in_channels, num_anchors, 1)
         self.reg_conv = nn.Conv2d(in_channels, BOX_CODE_SIZE * num_anchors, 1)
-        self.dir_conv = nn.Conv2d(in_channels, 2 * num_anchors, 1)
+        self.dir_conv = nn.Conv2d(in_channels, NUM_DIR_BINS * num_anchors, 1)
         self.reset_cls_prior(cls_prior)
 
     @classmethod

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from opencood.ops.transforms import boxes_to_bev_corners
+from opencood.ops.transforms import boxes_to_bev_corners, size_columns
 
 # Pairs processed per batch of tensor ops: bounds the temporaries (a few KB per pair) to about
 # 100 MB while keeping each op large enough to amortise its launch overhead.
@@ -157,15 +157,6 @@ def polygon_intersection_area(poly_a, poly_b, pairs_per_chunk: int = PAIRS_PER_C
     return area.numpy() if is_numpy else area
 
 
-def _size_columns(order: str):
-    """Column indices of (length, width) in a 7-value box."""
-    if order == "hwl":
-        return 5, 4
-    if order == "lwh":
-        return 3, 4
-    raise ValueError(f"unknown box order {order!r}; expected 'hwl' or 'lwh'")
-
-
 class _BevBoxes(NamedTuple):
     """What the IoU of a set of boxes needs, computed once per set."""
     centres: torch.Tensor          # (N, 2) BEV centres
@@ -185,7 +176,7 @@ def _as_box_tensor(boxes) -> tuple[torch.Tensor, bool]:
 
 
 def _bev_boxes(boxes: torch.Tensor, order: str) -> _BevBoxes:
-    length_col, width_col = _size_columns(order)
+    _, width_col, length_col = size_columns(order)
     centred = boxes.clone()
     centred[:, :2] = 0.0
     corners = boxes_to_bev_corners(centred, order)

@@ -21,6 +21,8 @@ Conventions
 """
 from __future__ import annotations
 
+from typing import Tuple
+
 import numpy as np
 import torch
 
@@ -79,12 +81,22 @@ def extent_corners(extent) -> np.ndarray:
     return _UNIT_CORNERS * 2.0 * np.asarray(extent, dtype=np.float64)
 
 
-def _to_lwh(boxes, order: str):
+BOX_ORDERS = ("hwl", "lwh")
+
+
+def size_columns(order: str) -> Tuple[int, int, int]:
+    """Columns ``(h, w, l)`` of a 7-value box of ``order``: (3, 4, 5) for 'hwl', (5, 4, 3) for
+    'lwh'. The one place that knows the orders; ValueError for any other."""
     if order == "hwl":
-        return boxes[..., [0, 1, 2, 5, 4, 3, 6]]
+        return 3, 4, 5
     if order == "lwh":
-        return boxes
+        return 5, 4, 3
     raise ValueError(f"unknown box order {order!r}; expected 'hwl' or 'lwh'")
+
+
+def _to_lwh(boxes, order: str):
+    h, w, length = size_columns(order)
+    return boxes if order == "lwh" else boxes[..., [0, 1, 2, length, w, h, 6]]
 
 
 def boxes_to_corners_3d(boxes, order: str = "hwl"):
@@ -124,13 +136,11 @@ def corners_to_boxes(corners: np.ndarray, order: str = "hwl") -> np.ndarray:
     width = np.linalg.norm(width_edges, axis=2).mean(axis=1)
     heading = length_edges.sum(axis=1)
     yaw = np.arctan2(heading[:, 1], heading[:, 0])
-    if order == "hwl":
-        sizes = np.stack([height, width, length], axis=1)
-    elif order == "lwh":
-        sizes = np.stack([length, width, height], axis=1)
-    else:
-        raise ValueError(f"unknown box order {order!r}; expected 'hwl' or 'lwh'")
-    return np.concatenate([center, sizes, yaw[:, None]], axis=1)
+    boxes = np.empty((corners.shape[0], 7))
+    boxes[:, :3], boxes[:, 6] = center, yaw
+    for column, size in zip(size_columns(order), (height, width, length)):
+        boxes[:, column] = size
+    return boxes
 
 
 def corners_in_range_mask(corners: np.ndarray, limit_range, min_corners: int = 8) -> np.ndarray:

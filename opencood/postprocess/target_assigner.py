@@ -1,29 +1,27 @@
-"""Anchor target assignment and the shared flattening/decoding of detection-head outputs.
+"""Anchor target assignment, batched over the samples of a batch.
 
 Matching uses BEV IoU of the axis-aligned rectangles enclosing the rotated boxes ("standup"
 boxes), as PointPillars and OpenCOOD do: cheap, and good enough to pick which anchors learn.
-Everything is batched over the samples (GT padded to ``Mmax`` with a mask) and follows the device
-of ``gt_boxes``.
-
-Head layout (the contract with the models): ``cls_preds`` (B, A, H, W), ``reg_preds``
-(B, 7*A, H, W) with channel ``a * 7 + k`` holding code ``k`` of anchor ``a``, ``dir_preds``
-(B, bins*A, H, W) likewise; anchor ``n = (i_y * W + i_x) * A + a`` of
-``anchors.reshape(-1, 7)`` (anchors (H, W, A, 7)) lines up with :func:`flatten_predictions`.
+GT are padded to ``Mmax`` with a mask, and everything follows the device of ``gt_boxes``.
+Anchor ``n`` is row ``n`` of ``anchors.reshape(-1, 7)``, the row order of the flattened head
+outputs (:mod:`opencood.postprocess.layout`).
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Optional
 
 import torch
 
-from opencood.ops.box_coder import ResidualBoxCoder
+from opencood.ops.transforms import size_columns
+from opencood.postprocess.box_coder import ResidualBoxCoder
 
 
-def standup_bev(boxes: torch.Tensor) -> torch.Tensor:
-    """Boxes (..., 7) ``[x, y, z, h, w, l, yaw]`` -> (..., 4) ``[xmin, ymin, xmax, ymax]`` of the
-    axis-aligned rectangle enclosing the rotated BEV box."""
+def standup_bev(boxes: torch.Tensor, order: str = "hwl") -> torch.Tensor:
+    """Boxes (..., 7) of ``order`` -> (..., 4) ``[xmin, ymin, xmax, ymax]`` of the axis-aligned
+    rectangle enclosing the rotated BEV box."""
+    _, width_col, length_col = size_columns(order)
     cos, sin = torch.cos(boxes[..., 6]).abs(), torch.sin(boxes[..., 6]).abs()
-    half_l, half_w = boxes[..., 5] / 2, boxes[..., 4] / 2
+    half_l, half_w = boxes[..., length_col] / 2, boxes[..., width_col] / 2
     half_x = cos * half_l + sin * half_w
     half_y = sin * half_l + cos * half_w
     x, y = boxes[..., 0], boxes[..., 1]
@@ -80,12 +78,13 @@ def assign_targets(anchors: torch.Tensor, gt_boxes: torch.Tensor, gt_mask: torch
 
     Args:
         anchors: (H, W, A, 7) (or any (..., 7)), flattened to N = H*W*A anchors.
-        gt_boxes: (B, Mmax, 7) ``[x, y, z, h, w, l, yaw]``, padded rows arbitrary.
+        gt_boxes: (B, Mmax, 7) in ``box_coder.order``, padded rows arbitrary.
         gt_mask: (B, Mmax) bool, True for real boxes.
         pos_iou / neg_iou: positive if max standup IoU >= pos_iou, negative if < neg_iou, else
             ignored. Each GT also makes its best anchor positive (if that IoU > 0), regressing to
             that GT even when the anchor overlaps another GT more.
-        box_coder: defaults to ``ResidualBoxCoder()``.
+        box_coder: encodes the targets and says the box order; defaults to
+            ``ResidualBoxCoder()`` ('hwl').
 
     Returns a dict on ``gt_boxes.device``:
         ``labels`` (B, N) int64 in {-1 ignore, 0 negative, 1 positive};
@@ -103,8 +102,8 @@ def assign_targets(anchors: torch.Tensor, gt_boxes: torch.Tensor, gt_mask: torch
         gt_mask = gt_mask.new_zeros((gt_boxes.shape[0], 1))
 
     # Padded GT become the zero-area rectangle at the origin: IoU exactly 0 with everything.
-    gt_rects = torch.where(gt_mask[..., None], standup_bev(gt_boxes), 0.0)
-    iou = standup_iou(standup_bev(anchors_flat), gt_rects)                # (B, N, M)
+    gt_rects = torch.where(gt_mask[..., None], standup_bev(gt_boxes, box_coder.order), 0.0)
+    iou = standup_iou(standup_bev(anchors_flat, box_coder.order), gt_rects)  # (B, N, M)
     max_iou, best_gt = iou.max(dim=2)                                     # (B, N)
     forced_gt = _gt_claiming_each_anchor(iou, gt_mask)
     forced = forced_gt >= 0
@@ -127,39 +126,3 @@ def assign_targets(anchors: torch.Tensor, gt_boxes: torch.Tensor, gt_mask: torch
         "num_positives": positive.sum(dim=1),
         "matched_gt": matched_gt.masked_fill(~positive, -1),
     }
-
-
-def flatten_predictions(cls_preds: torch.Tensor, reg_preds: torch.Tensor,
-                        dir_preds: Optional[torch.Tensor], num_anchors: int
-                        ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """Head maps -> per-anchor rows lined up with ``anchors.reshape(-1, 7)``.
-
-    cls_preds (B, A, H, W), reg_preds (B, 7*A, H, W), dir_preds (B, bins*A, H, W) or None
-    -> cls (B, N), reg (B, N, 7), dir (B, N, bins) or None, with N = H*W*A.
-    """
-    batch, _, height, width = cls_preds.shape
-    num = height * width * num_anchors
-    cls = cls_preds.permute(0, 2, 3, 1).reshape(batch, num)
-    reg = reg_preds.permute(0, 2, 3, 1).reshape(batch, num, -1)
-    direction = None
-    if dir_preds is not None:
-        direction = dir_preds.permute(0, 2, 3, 1).reshape(batch, num, -1)
-    return cls, reg, direction
-
-
-def decode_predictions(cls_preds: torch.Tensor, reg_preds: torch.Tensor,
-                       dir_preds: Optional[torch.Tensor], anchors: torch.Tensor,
-                       box_coder: ResidualBoxCoder, score_threshold: float
-                       ) -> List[Tuple[torch.Tensor, torch.Tensor]]:
-    """Head maps (see :func:`flatten_predictions`) + anchors (H, W, A, 7) -> per batch element
-    ``(boxes (K, 7), scores (K,))`` with sigmoid score > score_threshold, direction applied.
-    Decoding runs in the anchors' dtype (float32 even under AMP). NMS is done elsewhere."""
-    num_anchors = anchors.shape[-2]
-    cls, reg, direction = flatten_predictions(cls_preds, reg_preds, dir_preds, num_anchors)
-    anchors_flat = anchors.reshape(-1, 7).to(device=reg.device)
-    boxes = box_coder.decode(reg.to(anchors_flat.dtype), anchors_flat[None])
-    if direction is not None:
-        boxes = box_coder.apply_direction(boxes, direction)
-    scores = torch.sigmoid(cls.to(anchors_flat.dtype))
-    keep = scores > score_threshold
-    return [(boxes[b][keep[b]], scores[b][keep[b]]) for b in range(cls.shape[0])]
