@@ -319,6 +319,8 @@ def test_teacher_is_frozen_and_unchanged_by_training(straight_run, teacher_run):
     for key, value in teacher.model.state_dict().items():      # running statistics included
         assert torch.equal(value, seen["teacher_at_start"][key]), key
         assert torch.equal(value, saved[key]), key
+    assert f"feature distillation from the frozen teacher {teacher_run / 'last.pth'}" in \
+        (run_dir / "train.log").read_text()
     # Control: the student did train.
     student = load_checkpoint(run_dir / "last.pth")["model"]
     initial = load_checkpoint(run_dir / "epoch_1.pth")["model"]

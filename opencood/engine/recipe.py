@@ -286,6 +286,9 @@ def make_loss_fn(preparer: BatchPreparer, criterion, teacher: FrozenTeacher | No
     map and the teacher's map of the batch's early-fusion input; it is reported as ``kd_loss``
     (TensorBoard's train/kd_loss) and ``total_loss`` includes it.
     """
+    if teacher is not None:
+        logger.info("loss: detection + %g x feature distillation from the frozen teacher %s",
+                    teacher.weight, teacher.source)
 
     def loss_fn(model, batch):
         inputs, targets = preparer(batch)

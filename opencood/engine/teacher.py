@@ -14,7 +14,6 @@ yaml::
 """
 from __future__ import annotations
 
-import logging
 import math
 from pathlib import Path
 from typing import Dict
@@ -26,8 +25,6 @@ from opencood.losses.distillation import feature_distillation_loss
 from opencood.models.build import build_model
 from opencood.utils.checkpoint import (CheckpointError, check_state_dict_compatible,
                                        load_checkpoint)
-
-logger = logging.getLogger("opencood")
 
 KD_KEYS = ("teacher", "weight")
 DEFAULT_KD_WEIGHT = 10000.0      # HEAL's lidar_disco.yaml (the loss is a mean over channels too)
@@ -121,5 +118,4 @@ def load_teacher(source: str, weight: float, student_cfg: Dict,
     state = (checkpoint.get("ema") or {}).get("module") or checkpoint["model"]
     check_state_dict_compatible(model, state, path)
     model.load_state_dict(state)
-    logger.info("kd: frozen early-fusion teacher from %s, weight %g", path, weight)
     return FrozenTeacher(model.to(device), weight, str(path))
