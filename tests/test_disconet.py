@@ -228,6 +228,7 @@ def test_build_teacher_loads_a_frozen_model_and_refuses_mismatches(tmp_path):
     assert "unknown key 'techer'" in refused({"techer": str(good)})
     assert "kd.teacher: not set" in refused({"weight": 1.0})
     assert "kd.weight must be > 0" in refused({"teacher": str(good), "weight": 0})
+    assert "kd.weight must be a number" in refused({"teacher": str(good), "weight": "lots"})
     other_grid = save_fake_run(tmp_path / "grid.pth", smoke_cfg(
         tmp_path, "point_pillar_early_fusion", "preprocess.args.voxel_size=[0.4,0.4,4.0]"))
     assert "preprocess.args.voxel_size" in refused({"teacher": str(other_grid)})

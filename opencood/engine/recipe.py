@@ -260,7 +260,10 @@ def build_teacher(cfg: Dict, device: torch.device) -> FrozenTeacher | None:
     if not kd_cfg.get("teacher"):
         raise ConfigError("kd.teacher: not set; name the early-fusion teacher's run folder or "
                           ".pth (or remove the kd section to train without distillation)")
-    weight = float(kd_cfg.get("weight", DEFAULT_KD_WEIGHT))
+    try:
+        weight = float(kd_cfg.get("weight", DEFAULT_KD_WEIGHT))
+    except (TypeError, ValueError):
+        raise ConfigError(f"kd.weight must be a number, got {kd_cfg['weight']!r}") from None
     if not weight > 0:
         raise ConfigError(f"kd.weight must be > 0, got {weight} (remove the kd section to "
                           f"train without distillation)")
@@ -284,7 +287,9 @@ def make_loss_fn(preparer: BatchPreparer, criterion, teacher: FrozenTeacher | No
 
     With a ``teacher`` the loss adds the weighted distillation term between the student's fused
     map and the teacher's map of the batch's early-fusion input; it is reported as ``kd_loss``
-    (TensorBoard's train/kd_loss) and ``total_loss`` includes it.
+    (TensorBoard's train/kd_loss) and ``total_loss`` includes it. The validation loss stays
+    detection only (``make_validation_loss_fn``): comparable with the other models' and free of
+    teacher forwards.
     """
     if teacher is not None:
         logger.info("loss: detection + %g x feature distillation from the frozen teacher %s",
