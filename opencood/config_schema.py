@@ -231,6 +231,12 @@ class V2XViTArgs:
 
 
 @section
+class DiscoNetArgs:
+    hidden: Tuple[int, ...] = (128, 32, 8)      # widths of the 1x1 edge-scoring net
+    bytes_per_value: int = spec(4, check=positive)
+
+
+@section
 class CoBEVTArgs:
     depth: int = spec(3, check=positive)
     window: int = spec(4, check=positive)
@@ -242,7 +248,8 @@ class CoBEVTArgs:
 
 FUSION_ARGS: Dict[str, type] = {"attfuse": DenseFusionArgs, "fcooper": DenseFusionArgs,
                                 "where2comm": Where2commArgs, "v2vnet": V2VNetArgs,
-                                "v2xvit": V2XViTArgs, "cobevt": CoBEVTArgs}
+                                "v2xvit": V2XViTArgs, "cobevt": CoBEVTArgs,
+                                "disconet": DiscoNetArgs}
 
 
 @section
@@ -416,6 +423,14 @@ class PerformanceSection:
 
 
 @section
+class KdSection:
+    """Knowledge distillation from a frozen early-fusion teacher (DiscoNet)."""
+
+    teacher: Optional[str] = None                # run folder or .pth; checked by build_teacher
+    weight: float = spec(1e4, check=positive)
+
+
+@section
 class Config:
     name: str
     root_dir: Optional[str] = None                   # the train split
@@ -438,6 +453,7 @@ class Config:
     distributed: DistributedSection
     performance: PerformanceSection
     wild_setting: WildSetting
+    kd: Optional[KdSection] = None                   # None: no distillation
 
 
 # -- parsing -------------------------------------------------------------------------------------

@@ -111,6 +111,7 @@ MODEL_CFGS = {
     "where2comm": intermediate_cfg("where2comm", max_bytes_per_agent=10_000),
     "where2comm_max_no_budget": intermediate_cfg("where2comm", fusion_mode="max"),
     "where2comm_budget0": intermediate_cfg("where2comm", max_bytes_per_agent=0),
+    "disconet": intermediate_cfg("disconet", hidden=[16, 8]),
 }
 
 

@@ -25,8 +25,9 @@ from opencood.data.datasets import build_dataset
 from opencood.data.pipeline import BatchPreparer
 from opencood.engine.loop import group_micro_batches, optimizer_step
 from opencood.engine.optim import build_optimizer, build_scheduler
-from opencood.engine.recipe import (ScalarLogger, amp_settings, build_validation_loaders,
-                                    check_registered_names, configure_cuda, log_model_summary,
+from opencood.engine.recipe import (ScalarLogger, amp_settings, build_teacher,
+                                    build_validation_loaders, check_registered_names,
+                                    configure_cuda, distillation_dataset_args, log_model_summary,
                                     make_loss_fn, make_run_dir, make_validation_loss_fn,
                                     prepare_model, progress_bar, resolve_config,
                                     seed_everything, split_batch_or_refuse, step_budget,
@@ -78,11 +79,14 @@ def train(cfg: Dict, args, info: dist_utils.DistInfo) -> Dict:
     # Checked before any file is written; every rank fails alike, so none waits in a collective.
     micro, accum = split_batch_or_refuse(train_params, info.world_size)
     check_registered_names(cfg, args.hypes_yaml or str(Path(args.model_dir) / "config.yaml"))
+    # Distillation (yaml kd, DiscoNet): a frozen early-fusion teacher, None without kd; never in
+    # DDP, the optimizer, the EMA or a checkpoint.
+    teacher = build_teacher(cfg, info.device)
     seed = cfg["seed"]
     # Data, indexed before the run folder exists (a data error leaves no folder behind): every
     # rank the same number of shuffled micro-batches (DistributedSampler pads its shard,
     # BatchSampler drops the incomplete tail); the validation split unpadded.
-    train_set = build_dataset(cfg, "train", train=True)
+    train_set = build_dataset(cfg, "train", train=True, **distillation_dataset_args(teacher))
     try:   # same length on every rank, so every rank fails alike
         batch_sampler, train_sampler = build_train_sampler(   # BatchSampler(DistributedSampler)
             len(train_set), micro, info.rank, info.world_size, seed=seed, shuffle=True)
@@ -119,7 +123,7 @@ def train(cfg: Dict, args, info: dist_utils.DistInfo) -> Dict:
     preparer = BatchPreparer.from_config(cfg, info.device)
     eval_preparer = BatchPreparer.from_config(cfg, info.device, training=False)
     criterion = build_loss(cfg["loss"]).to(info.device)
-    loss_fn = make_loss_fn(preparer, criterion)
+    loss_fn = make_loss_fn(preparer, criterion, teacher)
     val_loss_fn = make_validation_loss_fn(eval_preparer, criterion)
     optimizer = build_optimizer(model_without_ddp.parameters(), cfg["optimizer"])
     scheduler = build_scheduler(optimizer, cfg["lr_scheduler"], total_steps,

@@ -15,6 +15,10 @@ Batch layout (CPU tensors; ``opencood.data.pipeline`` moves them and pillarises 
     gt_ids            list of B int64 arrays
     gt_ego_points     list of B int64 arrays: ego points in each GT box (-1: not computed)
     points_in_agent_frame  bool: clouds in their agent's own frame (late fusion) or the ego's
+    early_fusion      only when samples carry ``early_fusion_points`` (DiscoNet's teacher
+                      input): a batch of one merged cloud per sample with the keys above that
+                      ``BatchPreparer.model_inputs`` reads (points, agent_index = the sample,
+                      record_len of ones, agent_types, shared_points, transforms_to_ego)
 """
 from __future__ import annotations
 
@@ -43,7 +47,7 @@ def collate_samples(samples: List[Dict]) -> Dict:
         count = len(sample["gt_boxes"])
         gt_boxes[row, :count] = torch.from_numpy(sample["gt_boxes"])
         gt_mask[row, :count] = True
-    return {
+    batch = {
         "points": torch.cat(clouds) if clouds else torch.zeros((0, 4)),
         "agent_index": torch.cat(agent_index) if agent_index else torch.zeros(0, dtype=torch.int64),
         "record_len": torch.tensor(record_len, dtype=torch.int64),
@@ -60,6 +64,24 @@ def collate_samples(samples: List[Dict]) -> Dict:
         "gt_ids": [s["gt_ids"] for s in samples],
         "gt_ego_points": [s["gt_ego_points"] for s in samples],
         "points_in_agent_frame": bool(samples[0].get("points_in_agent_frame", False)),
+    }
+    if "early_fusion_points" in samples[0]:
+        batch["early_fusion"] = collate_early_fusion([s["early_fusion_points"] for s in samples])
+    return batch
+
+
+def collate_early_fusion(clouds: List[np.ndarray]) -> Dict:
+    """B merged (N_b, 4) clouds -> the model-input part of a batch, one agent per sample."""
+    count = len(clouds)
+    return {
+        "points": torch.cat([torch.from_numpy(np.ascontiguousarray(c[:, :4], np.float32))
+                             for c in clouds]),
+        "agent_index": torch.cat([torch.full((len(c),), row, dtype=torch.int64)
+                                  for row, c in enumerate(clouds)]),
+        "record_len": torch.ones(count, dtype=torch.int64),
+        "agent_types": torch.zeros(count, dtype=torch.int64),
+        "shared_points": torch.zeros(count, dtype=torch.int64),
+        "transforms_to_ego": torch.eye(4).expand(count, 4, 4).clone(),
     }
 
 

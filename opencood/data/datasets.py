@@ -177,6 +177,8 @@ class BaseFusionDataset(torch.utils.data.Dataset):
                 "lidar_pose": np.asarray(cav["lidar_pose"], dtype=np.float64),
                 "vehicles": cav.get("params", {}).get("vehicles", {}),
                 "T_to_ego": relative_transform(reported_pose, ego_pose),
+                # The true alignment, for the view of DiscoNet's early-fusion teacher.
+                "T_to_ego_clean": relative_transform(cav["lidar_pose"], ego_pose),
                 "latency": latency,
             })
         return {"info": info, "agents": agents, "gt_boxes": sample["gt_boxes"],
@@ -262,17 +264,41 @@ class EarlyFusionDataset(BaseFusionDataset):
 
 @DATASETS.register("intermediate")
 class IntermediateFusionDataset(BaseFusionDataset):
-    """Per-agent clouds projected to the ego frame, kept apart for feature-level fusion."""
+    """Per-agent clouds projected to the ego frame, kept apart for feature-level fusion.
+
+    ``with_early_fusion``: each sample also carries ``early_fusion_points`` (N, 4) float32, the
+    early-fusion cloud of the same index (every agent's points merged in the ego frame, the same
+    augmentation and crop), the input of DiscoNet's teacher. It uses the true poses: the
+    teacher stands for the ideal shared view (as HEAL's), so pose noise perturbs the student
+    only; without noise it equals ``EarlyFusionDataset``'s cloud.
+    """
 
     fusion_method = "intermediate"
 
+    def __init__(self, *args, with_early_fusion: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.with_early_fusion = bool(with_early_fusion)
+
     def _build(self, index, key, loaded):
         agents = loaded["agents"]
-        return self._finish(index, key, [a["cav_id"] for a in agents], _points_to_ego(agents),
-                            [a["T_to_ego"] for a in agents], loaded["gt_boxes"],
-                            loaded["gt_ids"], shared_points=0,
-                            gt_ego_points=loaded["gt_ego_points"],
-                            agent_latency=[a["latency"] for a in agents])
+        sample = self._finish(index, key, [a["cav_id"] for a in agents], _points_to_ego(agents),
+                              [a["T_to_ego"] for a in agents], loaded["gt_boxes"],
+                              loaded["gt_ids"], shared_points=0,
+                              gt_ego_points=loaded["gt_ego_points"],
+                              agent_latency=[a["latency"] for a in agents])
+        if self.with_early_fusion:
+            sample["early_fusion_points"] = self._early_fusion_points(index, agents)
+        return sample
+
+    def _early_fusion_points(self, index: int, agents: List[Dict]) -> np.ndarray:
+        """Every agent's cloud through its true transform, merged, augmented and cropped ->
+        (N, 4) float32. The augmentation generator is re-created from (seed, epoch, index) and
+        its draws do not depend on the clouds, so the transform is the one ``_finish`` drew."""
+        merged = np.concatenate([apply_transform(a["points"], a["T_to_ego_clean"])
+                                 for a in agents], axis=0)
+        (merged,), _, _ = augment_sample([merged], np.zeros((0, 7)), self.augment_cfg,
+                                         self._rng(index, _AUGMENT_STREAM))
+        return merged[points_in_range_mask(merged, self.lidar_range)].astype(np.float32)
 
 
 @DATASETS.register("late")

@@ -22,6 +22,7 @@ from opencood.data.collate import collate_samples, seed_worker
 from opencood.data.datasets import build_dataset
 from opencood.data.pipeline import BatchPreparer
 from opencood.engine.loop import validation_loss
+from opencood.engine.teacher import DEFAULT_KD_WEIGHT, KD_KEYS, FrozenTeacher, load_teacher
 from opencood.eval.inference import evaluate_loader
 from opencood.models.build import build_model
 from opencood.registry import FUSIONS, LOSSES, MODELS, POSTPROCESSORS, RegistryError
@@ -240,15 +241,69 @@ def prepare_model(cfg: Dict, info: dist_utils.DistInfo, checkpoint: Dict | None,
     return model, model_without_ddp, ema
 
 
+# -- knowledge distillation (DiscoNet) -------------------------------------------------------
+
+def build_teacher(cfg: Dict, device: torch.device) -> FrozenTeacher | None:
+    """The frozen early-fusion teacher of the yaml's ``kd`` section, or None without one.
+
+    Checked before any file is written: unknown ``kd`` keys, a missing teacher, a teacher of
+    another model or grid, and a student that is not intermediate fusion are one-line errors.
+    """
+    kd_cfg = cfg.get("kd")
+    if not kd_cfg:
+        return None
+    if not isinstance(kd_cfg, dict):
+        raise ConfigError(f"kd: expected a mapping with {' and '.join(KD_KEYS)}, got {kd_cfg!r}")
+    unknown = sorted(set(kd_cfg) - set(KD_KEYS))
+    if unknown:
+        raise ConfigError(f"kd: unknown key {unknown[0]!r} (known: {', '.join(KD_KEYS)})")
+    if not kd_cfg.get("teacher"):
+        raise ConfigError("kd.teacher: not set; name the early-fusion teacher's run folder or "
+                          ".pth (or remove the kd section to train without distillation)")
+    try:
+        weight = float(kd_cfg.get("weight", DEFAULT_KD_WEIGHT))
+    except (TypeError, ValueError):
+        raise ConfigError(f"kd.weight must be a number, got {kd_cfg['weight']!r}") from None
+    if not weight > 0:
+        raise ConfigError(f"kd.weight must be > 0, got {weight} (remove the kd section to "
+                          f"train without distillation)")
+    fusion = cfg["fusion"]["core_method"]
+    if fusion != "intermediate":
+        raise ConfigError(f"kd: distillation trains an intermediate-fusion student (its fused "
+                          f"map learns the teacher's); fusion.core_method is {fusion!r}")
+    return load_teacher(str(kd_cfg["teacher"]), weight, cfg, device)
+
+
+def distillation_dataset_args(teacher: FrozenTeacher | None) -> Dict:
+    """build_dataset keywords: with a teacher, each training sample also carries the
+    early-fusion input of the same index (the teacher's view)."""
+    return {"with_early_fusion": True} if teacher is not None else {}
+
+
 # -- the loss step ---------------------------------------------------------------------------
 
-def make_loss_fn(preparer: BatchPreparer, criterion):
-    """loss_fn(model, batch) -> (loss, per-term floats, samples): the detection step."""
+def make_loss_fn(preparer: BatchPreparer, criterion, teacher: FrozenTeacher | None = None):
+    """loss_fn(model, batch) -> (loss, per-term floats, samples): the detection step.
+
+    With a ``teacher`` the loss adds the weighted distillation term between the student's fused
+    map and the teacher's map of the batch's early-fusion input; it is reported as ``kd_loss``
+    (TensorBoard's train/kd_loss) and ``total_loss`` includes it. The validation loss stays
+    detection only (``make_validation_loss_fn``): comparable with the other models' and free of
+    teacher forwards.
+    """
+    if teacher is not None:
+        logger.info("loss: detection + %g x feature distillation from the frozen teacher %s",
+                    teacher.weight, teacher.source)
 
     def loss_fn(model, batch):
         inputs, targets = preparer(batch)
         outputs = model(inputs)
         loss, terms = criterion(outputs, targets)
+        if teacher is not None:
+            teacher_inputs = preparer.model_inputs(batch["early_fusion"])
+            kd_loss = teacher.distillation_loss(outputs["fused_features"], teacher_inputs)
+            loss = loss + kd_loss
+            terms = {**terms, "kd_loss": kd_loss.detach(), "total_loss": loss.detach()}
         terms = {name: float(value) for name, value in terms.items()}
         return loss, terms, len(batch["record_len"])
 

@@ -7,5 +7,5 @@ per baseline), ``heads.py`` (anchor head), ``detectors.py`` (the models that wir
 Importing this package registers every model (MODELS), backbone, fusion module and head.
 """
 from opencood.models import backbone, detectors, fusion, heads, pillar_vfe, scatter  # noqa: F401
-from opencood.models import cobevt, v2vnet, v2xvit  # noqa: F401  (register their fusions)
+from opencood.models import cobevt, disconet, v2vnet, v2xvit  # noqa: F401  (fusions)
 from opencood.models.build import build_model  # noqa: F401

@@ -9,7 +9,9 @@ Input ``batch`` (tensors on the model's device):
   them (``FusionModule.extra_inputs``; V2X-ViT).
 Output dict: cls_preds (B, A, H, W), reg_preds (B, 7A, H, W), dir_preds (B, 2A, H, W),
   comm_bytes (B,) float, and for where2comm conf_preds (N_agents, A, H, W) with
-  conf_sample_index (N_agents,) (the sample each confidence map belongs to).
+  conf_sample_index (N_agents,) (the sample each confidence map belongs to); intermediate
+  fusion also fused_features (B, C, H, W), the map the head reads, and the fusion module's
+  auxiliary outputs (DiscoNet: edge_weights (B, L, H, W)).
 H, W = (ny, nx) / backbone output stride (2 for layer_strides [2, 2, 2], upsample [1, 2, 4]).
 """
 from __future__ import annotations
@@ -82,14 +84,19 @@ class PointPillar(nn.Module):
     def from_config(cls, args: dict) -> "PointPillar":
         return cls(*build_pillar_parts(args))
 
-    def forward(self, batch: dict) -> dict:
-        record_len = batch["record_len"]
+    def bev_features(self, batch: dict) -> torch.Tensor:
+        """The BEV map the head reads: (B, C, H, W). An early-fusion model's map is DiscoNet's
+        distillation target (``opencood.engine.teacher``)."""
         canvas = encode_agents(self.vfe, self.scatter, batch)
-        if canvas.shape[0] != record_len.shape[0]:
+        if canvas.shape[0] != batch["record_len"].shape[0]:
             raise ValueError("point_pillar is single-agent: every record_len entry must be 1 "
                              "(merge points for early fusion, one sample per CAV for late)")
-        outputs = self.head(self.backbone(canvas))
-        outputs["comm_bytes"] = early_fusion_bytes(batch, record_len.shape[0], canvas.device)
+        return self.backbone(canvas)
+
+    def forward(self, batch: dict) -> dict:
+        features = self.bev_features(batch)
+        outputs = self.head(features)
+        outputs["comm_bytes"] = early_fusion_bytes(batch, features.shape[0], features.device)
         return outputs
 
 
@@ -184,6 +191,8 @@ class PointPillarIntermediate(nn.Module):
         extra = {name: batch.get(name) for name in self.fusion.extra_inputs}
         fused, results = self.fuse_features(canvas, record_len, extra)
         outputs = self.head(fused)
+        # The map the head reads, for feature distillation (DiscoNet's teacher matches it).
+        outputs["fused_features"] = fused
         outputs["comm_bytes"] = torch.stack([r.comm_bytes for r in results]).sum(dim=0)
         for result in results:
             outputs.update(result.aux)
