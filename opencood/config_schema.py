@@ -83,9 +83,17 @@ def box_range(value) -> Optional[str]:
 
 # -- sections ----------------------------------------------------------------------------------
 
+def registered_strategy(value) -> Optional[str]:
+    """A fusion method is a strategy of opencood/strategies (one file per strategy)."""
+    from opencood.strategies import strategy_names
+    names = strategy_names()
+    return None if value in names else \
+        f"is not a registered fusion method; expected one of {', '.join(names)}"
+
+
 @section
 class FusionSection:
-    core_method: Literal["no", "early", "late", "intermediate"]
+    core_method: str = spec(check=registered_strategy)     # no, early, late, intermediate
 
 
 @section

@@ -75,6 +75,7 @@ class Registry:
 
 
 DATASETS = Registry("dataset")
+STRATEGIES = Registry("fusion method")
 MODELS = Registry("model")
 BACKBONES = Registry("backbone")
 FUSIONS = Registry("fusion")

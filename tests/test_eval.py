@@ -25,6 +25,7 @@ from opv2v_factory import write_simple_split
 from opencood.config import load_config, save_config
 from opencood.engine import evaluator
 from opencood.eval import inference
+from opencood.strategies import get_strategy
 from opencood.eval.ap import APAccumulator
 from opencood.models.build import build_model
 from opencood.ops.transforms import relative_transform
@@ -434,7 +435,7 @@ def test_late_fusion_bytes_end_to_end_are_whole_boxes(reference):
 def test_late_model_inputs_run_each_agent_alone():
     inputs = {"record_len": torch.tensor([3, 2]), "shared_points": torch.tensor([0, 0]),
               "voxel_coords": torch.zeros(1, 4)}
-    model_inputs = inference.late_model_inputs(inputs)
+    model_inputs = get_strategy("late").model_inputs(inputs)
     assert model_inputs["record_len"].tolist() == [1] * 5
     assert inputs["record_len"].tolist() == [3, 2]       # grouping for the boxes is kept
 

@@ -60,7 +60,6 @@ REFERENCE_FILE = REPO_ROOT / "tests" / "reference_impls.py"
 STEP_PARTS = ["pillarise", "targets", "forward", "loss", "backward", "grad_clip",
               "optimizer_step"]
 AP_THRESHOLDS = (0.3, 0.5, 0.7)
-FUSION_METHODS = ("no", "early", "late", "intermediate")
 
 logger = logging.getLogger("opencood.bench")
 
@@ -636,18 +635,17 @@ def bench_eval_postprocess(suite: Suite) -> List[Dict]:
 
 def bench_eval_inference(suite: Suite) -> List[Dict]:
     """What tools/eval.py times per batch: pillarise + forward + decode + NMS (fp32, eval)."""
-    from opencood.eval.inference import late_model_inputs
+    from opencood.strategies import get_strategy
     bench = suite.model_bench
-    late = bench.cfg["fusion"]["core_method"] == "late"
+    strategy = get_strategy(bench.cfg["fusion"]["core_method"])
     model = bench.model_without_ddp
     counts = []
 
     @torch.no_grad()
     def inference():
         inputs, _ = bench.preparer(bench.batch, with_targets=False)
-        outputs = model(late_model_inputs(inputs) if late else inputs)
-        results = bench.preparer.postprocessor.detections(
-            outputs, inputs["record_len"], inputs["transforms_to_ego"], late)
+        outputs = model(strategy.model_inputs(inputs))
+        results = strategy.detections(bench.preparer.postprocessor, outputs, inputs)
         counts.append(sum(int(r[1].shape[0]) for r in results))
 
     model.eval()
@@ -730,7 +728,8 @@ def bench_loader(suite: Suite) -> List[Dict]:
 def bench_loader_by_fusion(suite: Suite) -> List[Dict]:
     """Samples/s per fusion strategy; workers read, project, augment and crop (pillarisation
     runs on the training device). After the dataloader figure the point cache is warm."""
-    rates = {fusion: measure_loader(suite, fusion)["samples_per_s"] for fusion in FUSION_METHODS}
+    from opencood.strategies import strategy_names
+    rates = {fusion: measure_loader(suite, fusion)["samples_per_s"] for fusion in strategy_names()}
     record = suite.model_bench.record("dataloader_by_fusion", samples_per_s=rates,
                                         num_workers=suite.workers, data=str(suite.split_dir))
     record.pop("pillars_per_agent")

@@ -49,6 +49,7 @@ from opencood.data.wild import WildSetting, delayed_timestamp, noisy_pose
 from opencood.ops.transforms import (apply_transform, count_points_in_boxes, points_in_range_mask,
                                      relative_transform)
 from opencood.registry import DATASETS
+from opencood.strategies import get_strategy
 
 DEFAULT_LIDAR_RANGE = [-140.8, -40.0, -3.0, 140.8, 40.0, 1.0]
 DEFAULT_GT_RANGE = [-140.0, -40.0, -3.0, 140.0, 40.0, 1.0]
@@ -360,6 +361,6 @@ def build_dataset(cfg: dict, split: str, train: bool, fusion_method: str | None 
     split_dir = cfg[split_keys[split]]
     if not split_dir:
         raise ValueError(f"config key {split_keys[split]!r} (the {split} folder) is not set")
-    method = fusion_method or cfg["fusion"]["core_method"]
-    dataset_cls = DATASETS.get(method)
+    strategy = get_strategy(fusion_method or cfg["fusion"]["core_method"])
+    dataset_cls = DATASETS.get(strategy.dataset_name)
     return dataset_cls.from_config(cfg, split_dir, train=train, cache_dir=cache_dir, **extra)

@@ -28,6 +28,7 @@ from opencood.errors import run_cli
 from opencood.eval.inference import evaluate_loader
 from opencood.eval.protocols import DEFAULT_PROTOCOL, PROTOCOLS
 from opencood.models.build import build_model
+from opencood.strategies import get_strategy, strategy_names
 from opencood.utils import dist as dist_utils
 from opencood.utils.checkpoint import CheckpointError, check_state_dict_compatible, load_checkpoint
 from opencood.utils.atomic import atomic_write
@@ -40,7 +41,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="Evaluate a trained run (AP in BEV).")
     parser.add_argument("--model_dir", required=True, help="run folder written by tools/train.py")
     parser.add_argument("--checkpoint", help="checkpoint file (default RUN/best.pth, else last.pth)")
-    parser.add_argument("--fusion_method", choices=["no", "early", "late", "intermediate"],
+    parser.add_argument("--fusion_method", choices=strategy_names(),
                         help="fusion strategy at test time (default: the run's)")
     parser.add_argument("--split", default="test", choices=["validate", "test"])
     parser.add_argument("--save_vis", action="store_true", help="BEV pictures in RUN/vis/")
@@ -89,19 +90,6 @@ def load_eval_model(cfg: Dict, checkpoint_path: Path, use_ema: bool, device) -> 
     check_state_dict_compatible(model, state, checkpoint_path)
     model.load_state_dict(state)
     return model.to(device).eval()
-
-
-def check_fusion_fits_model(model: torch.nn.Module, fusion: str, model_name: str) -> None:
-    """Late fusion runs a single-agent model on each CAV; intermediate needs a fusing model."""
-    fuses_agents = getattr(model, "fusion", None) is not None
-    if fusion == "late" and fuses_agents:
-        raise ConfigError(f"fusion method 'late' needs a single-agent model (point_pillar); this "
-                          f"run's model {model_name!r} fuses agents itself: use --fusion_method "
-                          f"intermediate (or no), or evaluate a run trained for late fusion")
-    if fusion == "intermediate" and not fuses_agents:
-        raise ConfigError(f"fusion method 'intermediate' needs a model with a fusion module; this "
-                          f"run's model {model_name!r} is single-agent: use --fusion_method "
-                          f"late, early or no")
 
 
 def settings_to_run(pose_noise: List[float], latency: List[int], seeds: int = 1,
@@ -260,8 +248,8 @@ def evaluate(args) -> List[Dict]:
         dist_utils.setup_logging(None, info.rank)
         checkpoint_path = pick_checkpoint(run_dir, args.checkpoint)
         model = load_eval_model(cfg, checkpoint_path, args.use_ema, info.device)
-        check_fusion_fits_model(model, args.fusion_method or cfg["fusion"]["core_method"],
-                                cfg["model"]["core_method"])
+        get_strategy(args.fusion_method or cfg["fusion"]["core_method"]).check_model(
+            model, cfg["model"]["core_method"])
         logger.info("evaluating %s on %s", checkpoint_path, args.split)
         results = []
         writer = None

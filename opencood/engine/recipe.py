@@ -26,6 +26,7 @@ from opencood.engine.teacher import DEFAULT_KD_WEIGHT, KD_KEYS, FrozenTeacher, l
 from opencood.eval.inference import evaluate_loader
 from opencood.models.build import build_model
 from opencood.registry import FUSIONS, LOSSES, MODELS, POSTPROCESSORS, RegistryError
+from opencood.strategies import get_strategy
 from opencood.utils import dist as dist_utils
 from opencood.utils.batching import epochs_for_steps, split_global_batch
 from opencood.utils.checkpoint import check_state_dict_compatible
@@ -169,10 +170,10 @@ def build_validation_loaders(cfg: Dict, info: dist_utils.DistInfo, micro_batch: 
     if not cfg.get("validate_dir"):
         return None
     ap_set = build_dataset(cfg, "validate", train=False)
-    # The loss needs no visibility counts (AP does). Late fusion trains per CAV: its
-    # validation loss is per CAV too (AP uses whole samples).
-    per_cav = {"per_cav": True} if cfg["fusion"]["core_method"] == "late" else {}
-    loss_set = build_dataset(cfg, "validate", train=False, count_ego_points=False, **per_cav)
+    # The loss needs no visibility counts (AP does); its examples are what the strategy trains on.
+    strategy = get_strategy(cfg["fusion"]["core_method"])
+    loss_set = build_dataset(cfg, "validate", train=False, count_ego_points=False,
+                             **strategy.loss_dataset_args())
     workers = cfg["train_params"]["num_workers"]
     return tuple(
         torch.utils.data.DataLoader(

@@ -15,17 +15,8 @@ import torch
 
 from opencood.eval.ap import APAccumulator
 from opencood.eval.protocols import DEFAULT_PROTOCOL, PROTOCOLS, APProtocol
+from opencood.strategies import get_strategy
 from opencood.utils import dist as dist_utils
-
-
-def late_model_inputs(inputs: Dict) -> Dict:
-    """Late fusion runs the single-agent model on every agent's own cloud: each agent is its
-    own sample for the model (record_len all ones); ``inputs`` keeps the per-sample record_len
-    that groups the agents' boxes afterwards."""
-    num_agents = int(inputs["record_len"].sum())
-    model_inputs = {k: v for k, v in inputs.items() if k != "shared_points"}
-    model_inputs["record_len"] = inputs["record_len"].new_ones(num_agents)
-    return model_inputs
 
 
 @torch.no_grad()
@@ -37,7 +28,7 @@ def run_inference(model, loader, preparer, cfg: Dict, device, fusion_method: str
     ``protocol`` sets the detection sort and range of the AP (opencood.eval.protocols).
     """
     postprocessor = preparer.postprocessor
-    late = (fusion_method or cfg["fusion"]["core_method"]) == "late"
+    strategy = get_strategy(fusion_method or cfg["fusion"]["core_method"])
     accumulator = APAccumulator(order=postprocessor.order, **protocol.accumulator_args())
     was_training = model.training
     model.eval()
@@ -45,9 +36,8 @@ def run_inference(model, loader, preparer, cfg: Dict, device, fusion_method: str
     for batch in loader:
         start = time.perf_counter()
         inputs, _ = preparer(batch, with_targets=False)
-        outputs = model(late_model_inputs(inputs) if late else inputs)
-        results = postprocessor.detections(outputs, inputs["record_len"],
-                                           inputs["transforms_to_ego"], late)
+        outputs = model(strategy.model_inputs(inputs))
+        results = strategy.detections(postprocessor, outputs, inputs)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         seconds += time.perf_counter() - start
