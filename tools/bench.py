@@ -363,6 +363,7 @@ class ModelBench:
         from opencood.engine.optim import build_optimizer
         from opencood.engine.recipe import (amp_settings, configure_cuda, make_loss_fn,
                                             prepare_model)
+        from opencood.strategies import fuses_agents
         from opencood.losses import build_loss
         from opencood.utils.dist import DistInfo
 
@@ -370,10 +371,10 @@ class ModelBench:
         self.suite, self.args, self.cfg, self.device = suite, args, cfg, device
         torch.manual_seed(int(cfg["seed"]))
         configure_cuda(cfg)
-        self.single_agent = cfg["model"]["core_method"] == "point_pillar"
         self.batch_size = args.batch_size
         info = DistInfo(0, 1, 0, False, None, device)
         self.model, self.model_without_ddp, self.ema = prepare_model(cfg, info, None, None)
+        self.single_agent = not fuses_agents(self.model_without_ddp)
         self.model.train()
         self.preparer = BatchPreparer.from_config(cfg, device)
         self.criterion = build_loss(cfg["loss"]).to(device)

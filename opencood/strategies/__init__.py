@@ -21,6 +21,11 @@ from opencood.config import ConfigError
 from opencood.registry import STRATEGIES
 
 
+def fuses_agents(model: torch.nn.Module) -> bool:
+    """Whether ``model`` fuses several agents itself (it has a fusion module)."""
+    return getattr(model, "fusion", None) is not None
+
+
 class FusionStrategy:
     """The default behaviour: the model sees the batch as prepared and decodes per sample."""
 
@@ -45,10 +50,10 @@ class FusionStrategy:
 
     def check_model(self, model: torch.nn.Module, model_name: str) -> None:
         """ConfigError (one line) when ``model`` cannot run this strategy."""
-        fuses_agents = getattr(model, "fusion", None) is not None
-        if self.needs_fusing_model is None or fuses_agents == self.needs_fusing_model:
+        fusing = fuses_agents(model)
+        if self.needs_fusing_model is None or fusing == self.needs_fusing_model:
             return
-        if fuses_agents:
+        if fusing:
             raise ConfigError(f"fusion method {self.name!r} needs a single-agent model "
                               f"(point_pillar); this run's model {model_name!r} fuses agents "
                               f"itself: use --fusion_method intermediate (or no), or evaluate a "
