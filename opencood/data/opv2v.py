@@ -34,7 +34,7 @@ from opencood.ops.transforms import (
     relative_transform,
 )
 from opencood.utils.atomic import atomic_write
-from opencood.utils.dist import get_rank
+from opencood.utils.collectives import get_rank
 
 logger = logging.getLogger(__name__)
 

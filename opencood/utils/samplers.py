@@ -14,7 +14,7 @@ from typing import Iterator
 
 from torch.utils.data import BatchSampler, DistributedSampler, Sampler
 
-from opencood.utils.dist import get_rank, get_world_size
+from opencood.utils.collectives import get_rank, get_world_size
 
 
 def _check_rank(rank: int, world_size: int) -> None:
