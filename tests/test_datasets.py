@@ -240,3 +240,21 @@ def test_agent_types_mark_the_rsu_from_dataset_to_model_inputs(road_with_rsu):
     assert inputs["agent_types"].tolist() == [0, 0, 1, 0, 0, 1]
     # Models that do not use the type still take the inputs that carry it.
     assert build_model(cfg["model"])(inputs)["cls_preds"].shape[0] == 2
+
+
+def test_settle_loader_threads_waits_for_ending_queue_feeders():
+    """A queue feeder still ending (what a finished DataLoader iterator leaves) has ended when
+    settle_loader_threads returns, so the next fork meets no ending thread (CPython gh-112275);
+    other threads are left alone."""
+    import threading
+    import time
+    from opencood.data.collate import settle_loader_threads
+    release = threading.Event()
+    feeder = threading.Thread(target=time.sleep, args=(0.5,), name="QueueFeederThread")
+    bystander = threading.Thread(target=release.wait, name="tensorboard-writer")
+    feeder.start(), bystander.start()
+    settle_loader_threads(timeout_s=5)
+    assert not feeder.is_alive()
+    assert bystander.is_alive()                      # not joined (it would block the run)
+    release.set()
+    bystander.join()

@@ -23,6 +23,7 @@ Batch layout (CPU tensors; ``opencood.data.pipeline`` moves them and pillarises 
 from __future__ import annotations
 
 import random
+import threading
 from typing import Dict, List
 
 import numpy as np
@@ -96,3 +97,16 @@ def seed_worker(worker_id: int) -> None:
     worker_seed = torch.initial_seed() % 2**32
     np.random.seed(worker_seed)
     random.seed(worker_seed)
+
+
+def settle_loader_threads(timeout_s: float = 2.0) -> None:
+    """Wait for the queue-feeder threads of finished DataLoader iterators to end.
+
+    A loader starts its workers with fork. On CPython before 3.11.8 / 3.12 (gh-112275) a fork at
+    the moment another thread is ending can deadlock the child in ``PyOS_AfterFork_Child``; the
+    threads that end right then are the feeders of the loader that has just finished (training,
+    then validation at once). Joining them first closes that window. Each join is bounded.
+    """
+    for thread in threading.enumerate():
+        if thread.name == "QueueFeederThread" and thread is not threading.current_thread():
+            thread.join(timeout_s)

@@ -18,7 +18,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from opencood.config import ConfigError, load_config
-from opencood.data.collate import collate_samples, seed_worker
+from opencood.data.collate import collate_samples, seed_worker, settle_loader_threads
 from opencood.data.datasets import build_dataset
 from opencood.data.pipeline import BatchPreparer
 from opencood.engine.loop import validation_loss
@@ -356,6 +356,7 @@ def validate(model_for_eval, val_loaders, loss_fn, info, amp_dtype, cfg, epoch, 
     results, pictures = {"loss": loss}, []
     eval_freq = cfg["train_params"]["eval_freq"]
     if epoch % eval_freq == 0:
+        settle_loader_threads()     # the loss loader has just finished; the AP loader forks next
         metrics = evaluate_loader(model_for_eval, ap_loader, preparer, cfg, info.device,
                                   on_sample=first_sample_picture(cfg, pictures))
         if metrics is not None:
