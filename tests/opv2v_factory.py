@@ -79,3 +79,8 @@ def write_simple_split(split_dir: Path, num_cavs=2, timestamps=("000000", "00000
                 points = np.zeros((0, 4), np.float32)
             write_frame(split_dir / scenario / cav_id, stamp, points, pose, vehicles)
     return split_dir
+
+
+def frame_stamps(count: int) -> tuple:
+    """``count`` OPV2V timestamps 000000, 000002, ... (the simulator saves every other frame)."""
+    return tuple(f"{2 * i:06d}" for i in range(count))

@@ -347,11 +347,11 @@ LITE_CONFIGS = [f"point_pillar_{name}" for name in BASELINES]
 def test_lite_config_trains_with_the_trainer(name, tmp_path, monkeypatch):
     """Two optimiser steps of the lite config (smoke geometry) through trainer.main."""
     trainer = load_tool("train")
-    from opv2v_factory import write_simple_split
+    from opv2v_factory import frame_stamps, write_simple_split
     from process_state import preserved_opencood_logger, preserved_torch_switches
     from test_train import fusion_yaml
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    stamps = tuple(f"{2 * i:06d}" for i in range(4))
+    stamps = frame_stamps(4)
     write_simple_split(tmp_path / "train", num_cavs=2, timestamps=stamps)
     argv = ["--hypes_yaml", str(fusion_yaml(tmp_path, name)),
             "--model_dir", str(tmp_path / "run"),

@@ -24,7 +24,7 @@ from opencood.losses.distillation import feature_distillation_loss
 from opencood.models import build_model
 from opencood.utils.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from dist_helpers import free_port, run_on_ranks
-from opv2v_factory import write_simple_split
+from opv2v_factory import frame_stamps, write_simple_split
 from process_state import preserved_opencood_logger
 from test_models import (BACKBONE_CHANNELS, H, W, intermediate_cfg, make_batch, make_targets,
                          model_args, permute_non_ego)
@@ -248,14 +248,10 @@ def test_build_teacher_loads_a_frozen_model_and_refuses_mismatches(tmp_path):
 # The trainer
 # ---------------------------------------------------------------------------------------------
 
-def _stamps(count):
-    return tuple(f"{2 * i:06d}" for i in range(count))
-
-
 @pytest.fixture(scope="module")
 def data_root(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("disconet_data")
-    write_simple_split(root / "train4", num_cavs=2, timestamps=_stamps(4))
+    write_simple_split(root / "train4", num_cavs=2, timestamps=frame_stamps(4))
     return root
 
 

@@ -16,7 +16,7 @@ import torch
 from opencood.config import ConfigError
 from opencood.engine.recipe import new_run_folder_name
 from opencood.utils.checkpoint import load_checkpoint
-from opv2v_factory import write_simple_split
+from opv2v_factory import frame_stamps, write_simple_split
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SMOKE_YAML = REPO_ROOT / "hypes_yaml" / "synthetic" / "smoke.yaml"
@@ -86,7 +86,7 @@ def test_kill_9_of_a_worker_mid_epoch_restarts_and_ends_with_the_uninterrupted_w
     """A checkpoint every step; one worker killed inside the first epoch. The restarted workers
     resume inside that epoch and end bit-identical to an uninterrupted run."""
     data = write_simple_split(tmp_path / "data" / "train", num_cavs=2,
-                              timestamps=tuple(f"{2 * i:06d}" for i in range(TIMESTAMPS)))
+                              timestamps=frame_stamps(TIMESTAMPS))
     straight = launch(tmp_path / "straight", data, tmp_path)
     assert straight.wait(timeout=300) == 0, (tmp_path / "straight.log").read_text()
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dist_helpers import free_port, run_on_ranks
-from opv2v_factory import write_simple_split
+from opv2v_factory import frame_stamps, write_simple_split
 from process_state import preserved_opencood_logger, preserved_torch_switches
 from tool_modules import load_tool
 from opencood.config import load_config
@@ -45,7 +45,7 @@ def data_root(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("practices")
     for split, count in (("train8", 8), ("validate3", 3)):
         write_simple_split(root / split, num_cavs=2,
-                           timestamps=tuple(f"{2 * i:06d}" for i in range(count)))
+                           timestamps=frame_stamps(count))
     return root
 
 

@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from tool_modules import load_tool
 from dist_helpers import free_port, run_on_ranks
-from opv2v_factory import write_simple_split
+from opv2v_factory import frame_stamps, write_simple_split
 from process_state import preserved_opencood_logger
 from opencood.config import load_config
 from opencood.data.collate import collate_samples
@@ -48,16 +48,12 @@ def _restore_opencood_logger():
         yield
 
 
-def _stamps(count):
-    return tuple(f"{2 * i:06d}" for i in range(count))
-
-
 @pytest.fixture(scope="module")
 def data_root(tmp_path_factory) -> Path:
     """train4 (2 steps of global batch 2) and validate5, whose middle frame has no vehicle."""
     root = tmp_path_factory.mktemp("multirank")
-    write_simple_split(root / "train4", num_cavs=2, timestamps=_stamps(4))
-    validate = _stamps(VAL_SAMPLES)
+    write_simple_split(root / "train4", num_cavs=2, timestamps=frame_stamps(4))
+    validate = frame_stamps(VAL_SAMPLES)
     write_simple_split(root / "validate5", num_cavs=2, timestamps=validate,
                        no_vehicles_at=validate[2])
     return root

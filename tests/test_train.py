@@ -24,7 +24,7 @@ from opencood.utils.checkpoint import history_path, load_checkpoint
 from opencood.utils.dist import DistInfo
 from dist_helpers import free_port, run_on_ranks
 from process_state import TORCH_SWITCHES, preserved_opencood_logger, preserved_torch_switches
-from opv2v_factory import write_simple_split
+from opv2v_factory import frame_stamps, write_simple_split
 from tool_modules import load_tool
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -65,16 +65,12 @@ def cpu_only(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
 
 
-def _stamps(count):
-    return tuple(f"{2 * i:06d}" for i in range(count))
-
-
 @pytest.fixture(scope="module")
 def data_root(tmp_path_factory) -> Path:
     """train16 (2 steps of global batch 8), train4 (2 steps of batch 2), validate3, test2."""
     root = tmp_path_factory.mktemp("synthetic")
     for split, count in (("train16", 16), ("train4", 4), ("validate3", 3), ("test2", 2)):
-        write_simple_split(root / split, num_cavs=2, timestamps=_stamps(count))
+        write_simple_split(root / split, num_cavs=2, timestamps=frame_stamps(count))
     return root
 
 
