@@ -164,7 +164,7 @@ class FuseBEVT(FusionModule):
     @classmethod
     def from_config(cls, args: dict, in_channels: int, num_anchors: int) -> "FuseBEVT":
         known = ("depth", "window", "dim_head", "mlp_dim", "dropout", "bytes_per_value")
-        return cls(in_channels, **{key: args[key] for key in known if key in args})
+        return cls(in_channels, **{key: args[key] for key in known})
 
     def forward(self, features: torch.Tensor, record_len: torch.Tensor) -> FusionResult:
         """features (N, C, H, W), record_len (B,) -> FusionResult, fused map (B, C, H, W)."""

@@ -71,8 +71,8 @@ class DiscoFusion(FusionModule):
 
     @classmethod
     def from_config(cls, args: dict, in_channels: int, num_anchors: int) -> "DiscoFusion":
-        return cls(in_channels, hidden=tuple(args.get("hidden", DEFAULT_HIDDEN)),
-                   bytes_per_value=args.get("bytes_per_value", FP32_BYTES))
+        return cls(in_channels, hidden=tuple(args["hidden"]),
+                   bytes_per_value=args["bytes_per_value"])
 
     def edge_logits(self, features: torch.Tensor, record_len: torch.Tensor) -> torch.Tensor:
         """(N, C, H, W) agents, ego first per sample -> (N, 1, H, W) score of each agent's edge

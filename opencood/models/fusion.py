@@ -115,7 +115,7 @@ class DenseFusion(FusionModule):
 
     @classmethod
     def from_config(cls, args: dict, in_channels: int, num_anchors: int) -> "DenseFusion":
-        return cls(bytes_per_value=args.get("bytes_per_value", FP32_BYTES))
+        return cls(bytes_per_value=args["bytes_per_value"])
 
     def forward(self, features: torch.Tensor, record_len: torch.Tensor) -> FusionResult:
         padded, is_real = pad_by_sample(features, record_len)
@@ -181,10 +181,10 @@ class Where2comm(FusionModule):
 
     @classmethod
     def from_config(cls, args: dict, in_channels: int, num_anchors: int) -> "Where2comm":
-        return cls(in_channels, num_anchors, threshold=args.get("threshold", 0.01),
-                   max_bytes_per_agent=args.get("max_bytes_per_agent"),
-                   fusion_mode=args.get("fusion_mode", "attention"),
-                   bytes_per_value=args.get("bytes_per_value", FP32_BYTES))
+        return cls(in_channels, num_anchors, threshold=args["threshold"],
+                   max_bytes_per_agent=args["max_bytes_per_agent"],
+                   fusion_mode=args["fusion_mode"],
+                   bytes_per_value=args["bytes_per_value"])
 
     @torch.no_grad()
     def reset_cls_prior(self, prior: float) -> None:

@@ -118,11 +118,11 @@ class V2VNetFusion(FusionModule):
 
     @classmethod
     def from_config(cls, args: dict, in_channels: int, num_anchors: int) -> "V2VNetFusion":
-        return cls(in_channels, num_iteration=args.get("num_iteration", 2),
-                   kernel_size=args.get("kernel_size", 3),
-                   cell_size=args.get("cell_size", 0.8),
-                   grid_center=args.get("grid_center", (0.0, 0.0)),
-                   bytes_per_value=args.get("bytes_per_value", FP32_BYTES))
+        return cls(in_channels, num_iteration=args["num_iteration"],
+                   kernel_size=args["kernel_size"],
+                   cell_size=args["cell_size"],
+                   grid_center=args["grid_center"],
+                   bytes_per_value=args["bytes_per_value"])
 
     def gather_senders(self, states: torch.Tensor, theta: Optional[torch.Tensor]):
         """states (B, L, C, H, W) -> senders seen by each receiver (B, L, L, C, H, W) and the

@@ -294,7 +294,7 @@ class V2XViTFusion(FusionModule):
         known = ("depth", "num_blocks", "heads", "dim_head", "window_sizes", "window_heads",
                  "window_dim_heads", "window_merge", "mlp_dim", "dropout", "rte_ratio",
                  "use_delay_encoding", "bytes_per_value")
-        return cls(in_channels, **{key: args[key] for key in known if key in args})
+        return cls(in_channels, **{key: args[key] for key in known})
 
     def forward(self, features: torch.Tensor, record_len: torch.Tensor,
                 agent_types: Optional[torch.Tensor] = None,
