@@ -169,6 +169,42 @@ def test_v2vnet_warp_by_a_quarter_turn_rotates_the_map():
     assert covered.all()
 
 
+def literal_v2vnet(fusion: V2VNetFusion, features, record_len):
+    """V2VNet's rounds evaluated as written, all maps in one frame: every receiver, every
+    round, the message CNN over each [receiver, sender] pair, averaged over real senders."""
+    padded = torch.zeros(len(record_len), int(record_len.max()), *features.shape[1:])
+    starts = torch.cumsum(record_len, 0) - record_len
+    for sample, (start, count) in enumerate(zip(starts.tolist(), record_len.tolist())):
+        padded[sample, :count] = features[start:start + count]
+    states = padded
+    for _ in range(fusion.num_iteration):
+        updated = torch.zeros_like(states)
+        for sample, count in enumerate(record_len.tolist()):
+            for receiver in range(count):
+                messages = [fusion.message_cnn(torch.cat([states[sample, receiver],
+                                                          states[sample, sender]])[None])
+                            for sender in range(count)]
+                mean = torch.cat(messages).mean(0, keepdim=True)
+                gru_input = torch.cat([mean, padded[sample, receiver][None]], dim=1)
+                updated[sample, receiver] = fusion.gru(gru_input, states[sample, receiver][None])[0]
+        states = updated
+    return fusion.output(states[:, 0])
+
+
+@pytest.mark.parametrize("rounds", [1, 2, 3])
+def test_v2vnet_split_messages_and_ego_only_last_round_equal_the_literal_rounds(rounds):
+    torch.manual_seed(0)
+    fusion = V2VNetFusion(4, num_iteration=rounds, cell_size=1.0).eval()
+    features, record_len = torch.randn(6, 4, 5, 7), torch.tensor([3, 1, 2])
+    identity = torch.eye(4).expand(3, 3, 3, 4, 4)
+    with torch.no_grad():
+        expected = literal_v2vnet(fusion, features, record_len)
+        one_frame = fusion(features, record_len).features          # the split convolution
+        warped = fusion(features, record_len, pairwise=identity).features   # pairwise CNN
+    torch.testing.assert_close(one_frame, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(warped, expected, atol=1e-5, rtol=1e-5)
+
+
 def test_v2vnet_masks_messages_from_cells_outside_the_senders_view():
     torch.manual_seed(0)
     fusion = V2VNetFusion(3, num_iteration=1, cell_size=1.0)

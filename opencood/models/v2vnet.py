@@ -14,6 +14,11 @@ pillarisation (OpenCOOD's ``proj_first``, which its V2VNet config also uses), so
 frames coincide and the detector passes no transform: warping is then the identity and skipped.
 ``forward(..., pairwise=...)`` takes explicit transforms for data in per-agent frames.
 
+Two exact savings over evaluating the rounds literally: in one shared frame the message CNN
+(one linear convolution) is split into a receiver and a sender half, and the last round updates
+only the ego, whose state alone reaches the head (``tests/test_baselines.py`` checks both
+against the literal evaluation).
+
 Bytes: every agent broadcasts its current state once per round, so a non-ego agent sends
 K x C x H x W values (nothing when K = 0 or when the ego is alone).
 """
@@ -56,19 +61,21 @@ def bev_affine(sender_to_receiver: torch.Tensor, grid_hw: Sequence[int],
 def warp_to_receivers(features: torch.Tensor, theta: torch.Tensor):
     """Sample every sender's map at every receiver's cells.
 
-    features (B, L, C, H, W) sender maps; theta (B, L_recv, L_send, 2, 3) from ``bev_affine``.
-    -> warped (B, L_recv, L_send, C, H, W), zero outside the sender's map, and
-       covered (B, L_recv, L_send, 1, H, W) bool: receiver cells whose centre falls inside it.
+    features (B, L, C, H, W) sender maps; theta (B, R, L, 2, 3) from ``bev_affine``, the
+    first R agents (R <= L) as receivers.
+    -> warped (B, R, L, C, H, W), zero outside the sender's map, and
+       covered (B, R, L, 1, H, W) bool: receiver cells whose centre falls inside it.
     """
     batch, agents, channels, height, width = features.shape
+    receivers = theta.shape[1]
     flat_theta = theta.reshape(-1, 2, 3)
     grid = F.affine_grid(flat_theta, [flat_theta.shape[0], channels, height, width],
                          align_corners=False)
-    senders = features.unsqueeze(1).expand(-1, agents, -1, -1, -1, -1)
+    senders = features.unsqueeze(1).expand(-1, receivers, -1, -1, -1, -1)
     warped = F.grid_sample(senders.reshape(-1, channels, height, width), grid,
                            mode="bilinear", padding_mode="zeros", align_corners=False)
     covered = (grid.abs() <= 1.0).all(dim=-1)
-    shape = (batch, agents, agents)
+    shape = (batch, receivers, agents)
     return warped.view(*shape, channels, height, width), covered.view(*shape, 1, height, width)
 
 
@@ -124,30 +131,57 @@ class V2VNetFusion(FusionModule):
                    grid_center=args["grid_center"],
                    bytes_per_value=args["bytes_per_value"])
 
-    def gather_senders(self, states: torch.Tensor, theta: Optional[torch.Tensor]):
-        """states (B, L, C, H, W) -> senders seen by each receiver (B, L, L, C, H, W) and the
-        covered cells (B, L, L, 1, H, W) (all True without warping)."""
-        batch, agents, _, height, width = states.shape
-        if theta is None:
-            senders = states.unsqueeze(1).expand(-1, agents, -1, -1, -1, -1)
-            covered = states.new_ones(batch, agents, agents, 1, height, width, dtype=torch.bool)
-            return senders, covered
-        return warp_to_receivers(states, theta)
+    def mean_messages(self, states: torch.Tensor, is_real: torch.Tensor,
+                      theta: Optional[torch.Tensor], receivers: int) -> torch.Tensor:
+        """The first ``receivers`` agents' mean message over their real senders.
 
-    def message_round(self, states: torch.Tensor, initial: torch.Tensor,
-                      is_real: torch.Tensor, theta: Optional[torch.Tensor]) -> torch.Tensor:
-        """One round: (B, L, C, H, W) states -> updated states, same shape."""
+        states (B, L, C, H, W); is_real (B, L) bool; theta (B, L, L, 2, 3), or None when the
+        maps share one frame -> (B, receivers, C, H, W).
+        """
+        if theta is None:
+            return self.mean_messages_in_one_frame(states, is_real, receivers)
         batch, agents, channels, height, width = states.shape
-        senders, covered = self.gather_senders(states, theta)
-        receivers = states.unsqueeze(2).expand_as(senders)
-        pairs = torch.cat([receivers, senders], dim=3).reshape(-1, 2 * channels, height, width)
-        messages = self.message_cnn(pairs).view(batch, agents, agents, channels, height, width)
+        senders, covered = warp_to_receivers(states, theta[:, :receivers])
+        receiver_maps = states[:, :receivers].unsqueeze(2).expand_as(senders)
+        pairs = torch.cat([receiver_maps, senders], dim=3)
+        messages = self.message_cnn(pairs.reshape(-1, 2 * channels, height, width))
+        messages = messages.view(batch, receivers, agents, channels, height, width)
         # A sender counts where it is a real agent and its map covers the receiver's cell.
         weight = (covered & is_real[:, None, :, None, None, None]).to(states.dtype)
-        mean_message = (messages * weight).sum(2) / weight.sum(2).clamp(min=1.0)
-        flat = (batch * agents, channels, height, width)
-        gru_input = torch.cat([mean_message.reshape(flat), initial.reshape(flat)], dim=1)
-        return self.gru(gru_input, states.reshape(flat)).view_as(states)
+        return (messages * weight).sum(2) / weight.sum(2).clamp(min=1.0)
+
+    def mean_messages_in_one_frame(self, states: torch.Tensor, is_real: torch.Tensor,
+                                   receivers: int) -> torch.Tensor:
+        """``mean_messages`` for maps in one frame (no warp, every cell covered).
+
+        The message CNN is one linear convolution, so over the concatenation [h_i, h_j] it is
+        conv_receiver(h_i) + conv_sender(h_j) + bias, and the mean over senders j is
+        conv_receiver(h_i) + bias + mean_j conv_sender(h_j): 2L convolutions over C channels
+        instead of L^2 over 2C, the same messages up to float rounding.
+        """
+        batch, agents, channels, height, width = states.shape
+        conv = self.message_cnn
+        weight_receiver, weight_sender = conv.weight[:, :channels], conv.weight[:, channels:]
+        from_receivers = F.conv2d(states[:, :receivers].reshape(-1, channels, height, width),
+                                  weight_receiver, conv.bias, padding=conv.padding)
+        from_senders = F.conv2d(states.reshape(-1, channels, height, width), weight_sender,
+                                None, padding=conv.padding).view_as(states)
+        real = is_real[:, :, None, None, None].to(states.dtype)
+        sender_mean = (from_senders * real).sum(1, keepdim=True) / real.sum(1, keepdim=True)
+        return from_receivers.view(batch, receivers, channels, height, width) + sender_mean
+
+    def message_round(self, states: torch.Tensor, initial: torch.Tensor,
+                      is_real: torch.Tensor, theta: Optional[torch.Tensor],
+                      receivers: int) -> torch.Tensor:
+        """One round: states and initial maps (B, L, C, H, W) -> the first ``receivers``
+        agents' updated states (B, receivers, C, H, W)."""
+        batch, _, channels, height, width = states.shape
+        mean_message = self.mean_messages(states, is_real, theta, receivers)
+        flat = (batch * receivers, channels, height, width)
+        gru_input = torch.cat([mean_message.reshape(flat),
+                               initial[:, :receivers].reshape(flat)], dim=1)
+        hidden = states[:, :receivers].reshape(flat)
+        return self.gru(gru_input, hidden).view(batch, receivers, channels, height, width)
 
     def forward(self, features: torch.Tensor, record_len: torch.Tensor,
                 pairwise: Optional[torch.Tensor] = None) -> FusionResult:
@@ -159,8 +193,12 @@ class V2VNetFusion(FusionModule):
         if pairwise is not None:
             theta = bev_affine(pairwise, features.shape[2:], self.cell_size, self.grid_center)
         states = padded
-        for _ in range(self.num_iteration):
-            states = self.message_round(states, padded, is_real, theta)
+        for round_index in range(self.num_iteration):
+            # Only the ego's state after the last round reaches the head, so that round
+            # updates the ego alone (the other agents' last updates would be discarded).
+            last = round_index == self.num_iteration - 1
+            states = self.message_round(states, padded, is_real, theta,
+                                        receivers=1 if last else states.shape[1])
         fused = self.output(states[:, 0])
         map_bytes = float(features[0].numel() * self.bytes_per_value * self.num_iteration)
         comm_bytes = (record_len > 1).to(torch.float32) * map_bytes
