@@ -283,8 +283,12 @@ def distillation_dataset_args(teacher: FrozenTeacher | None) -> Dict:
 
 # -- the loss step ---------------------------------------------------------------------------
 
-def make_loss_fn(preparer: BatchPreparer, criterion, teacher: FrozenTeacher | None = None):
+def make_loss_fn(preparer: BatchPreparer, criterion, teacher: FrozenTeacher | None = None,
+                 host_terms: bool = True):
     """loss_fn(model, batch) -> (loss, per-term floats, samples): the detection step.
+
+    ``host_terms`` False (``performance.sync_free_step``): the terms stay detached device
+    tensors, read by ``optimizer_step(sync_free=True)`` in its one host read.
 
     With a ``teacher`` the loss adds the weighted distillation term between the student's fused
     map and the teacher's map of the batch's early-fusion input; it is reported as ``kd_loss``
@@ -305,7 +309,8 @@ def make_loss_fn(preparer: BatchPreparer, criterion, teacher: FrozenTeacher | No
             kd_loss = teacher.distillation_loss(outputs["fused_features"], teacher_inputs)
             loss = loss + kd_loss
             terms = {**terms, "kd_loss": kd_loss.detach(), "total_loss": loss.detach()}
-        terms = {name: float(value) for name, value in terms.items()}
+        if host_terms:
+            terms = {name: float(value) for name, value in terms.items()}
         return loss, terms, len(batch["record_len"])
 
     return loss_fn
