@@ -171,3 +171,42 @@ def test_static_inputs_really_hold_padded_slots_and_an_empty_agent():
     # Validation and evaluation keep the dynamic path (every pillar up to max_voxel_test).
     assert "voxel_valid" not in BatchPreparer.from_config(cfg, CPU, training=False)\
         .model_inputs(batch)
+
+
+# -- torch.compile without graph breaks ------------------------------------------------------
+
+def explain_step(config: str, overrides) -> "torch._dynamo.backends.debugging.ExplainOutput":
+    """Dynamo's trace (no compilation) of the training step's pillarise + targets + forward +
+    loss on the lite config."""
+    cfg, model, _, batch = lite_step_parts(config, overrides)
+    preparer = BatchPreparer.from_config(cfg, CPU)
+    criterion = build_loss(cfg["loss"])
+
+    def step_loss(batch):
+        inputs, targets = preparer(batch)
+        return criterion(model(inputs), targets)[0]
+
+    torch._dynamo.reset()
+    try:
+        return torch._dynamo.explain(step_loss)(batch)
+    finally:
+        torch._dynamo.reset()
+
+
+def break_reasons(explained) -> str:
+    return "\n".join(f"{reason.reason.splitlines()[0]} at {reason.user_stack[-1:]}"
+                     for reason in explained.break_reasons)
+
+
+@pytest.mark.parametrize("config", ["point_pillar_attfuse", "point_pillar_no_fusion"])
+def test_static_step_traces_as_one_graph(config):
+    static = explain_step(config, [f"performance.static_pillars={STATIC_PILLARS}"])
+    assert static.graph_break_count == 0, break_reasons(static)
+    assert static.graph_count == 1
+
+
+def test_the_dynamic_step_breaks_the_graph():
+    """What the test above would see without static pillars (so it can fail)."""
+    dynamic = explain_step("point_pillar_no_fusion", [])
+    reasons = break_reasons(dynamic)
+    assert "voxelize.py" in reasons and "scatter.py" in reasons   # .item(), unique, nonzero

@@ -447,6 +447,27 @@ def test_resume_from_inside_an_epoch_matches_uninterrupted_training(straight_run
     assert [event.step for event in events.Scalars("train/loss")] == list(range(1, 9))
 
 
+def test_fast_step_switches_train_to_the_weights_of_the_default_path(data_root, tmp_path,
+                                                                     cpu_only):
+    """performance.static_pillars + sync_free_step in the real flow: 2 SGD steps end where the
+    default path's do, up to float32 rounding (SGD: weight differences are lr x gradient
+    differences, which Adam's normalisation would blow up where a gradient is near 0)."""
+    fast = ["--set", "performance.static_pillars=2048",     # smoke grid 64 x 32: every cell
+            "--set", "performance.sync_free_step=true"]
+    weights = {}
+    for name, switches in (("default", []), ("fast", fast)):
+        with preserved_opencood_logger():
+            result = trainer.main([
+                "--hypes_yaml", str(SMOKE_YAML), "--model_dir", str(tmp_path / name),
+                "--set", "train_params.epoches=1", "--set", "optimizer.core_method=SGD",
+                *data_args(data_root, validate=None), *switches])
+        assert result["step"] == 2
+        weights[name] = load_checkpoint(tmp_path / name / "last.pth")["model"]
+    for key, value in weights["default"].items():
+        torch.testing.assert_close(weights["fast"][key], value, rtol=1e-4, atol=1e-6,
+                                   msg=lambda text, key=key: f"{key}: {text}")
+
+
 def test_checkpoint_schedule_by_steps_and_refusal_of_negative_values():
     every_two = train_state.MidEpochCheckpoints(every_steps=2, every_minutes=0)
     assert [step for step in range(1, 8) if every_two.due(step)] == [2, 4, 6]

@@ -242,6 +242,18 @@ def prepare_model(cfg: Dict, info: dist_utils.DistInfo, checkpoint: Dict | None,
     return model, model_without_ddp, ema
 
 
+def compile_for_training(model: torch.nn.Module, cfg: Dict) -> torch.nn.Module:
+    """``torch.compile(model)`` for training steps when ``performance.compile``, else ``model``.
+
+    Compiled lazily, on the first step. Parameters are shared with ``model``, so checkpoints,
+    the EMA and evaluation keep using the uncompiled ``model_without_ddp``. Without graph
+    breaks only with ``performance.static_pillars`` (tests/test_static_step.py)."""
+    if not cfg["performance"]["compile"]:
+        return model
+    logger.info("performance.compile: the training model is compiled on its first step")
+    return torch.compile(model)
+
+
 # -- knowledge distillation (DiscoNet) -------------------------------------------------------
 
 def build_teacher(cfg: Dict, device: torch.device) -> FrozenTeacher | None:
