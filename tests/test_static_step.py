@@ -210,3 +210,32 @@ def test_the_dynamic_step_breaks_the_graph():
     dynamic = explain_step("point_pillar_no_fusion", [])
     reasons = break_reasons(dynamic)
     assert "voxelize.py" in reasons and "scatter.py" in reasons   # .item(), unique, nonzero
+
+
+def _masked_sync_batch_norm_on_rank(rank: int, world_size: int):
+    """Each rank normalises its own rows with a SyncBatchNorm's masked statistics."""
+    generator = torch.Generator().manual_seed(rank)
+    values = (torch.randn(30, 3, generator=generator) * (rank + 1) + rank).requires_grad_()
+    mask = torch.rand(30, generator=generator) < 0.5
+    norm = torch.nn.SyncBatchNorm(3, eps=1e-3, momentum=0.1)
+    output = masked_batch_norm(norm, values, mask)
+    (output[mask] * torch.arange(1.0, 4.0)).sum().backward()
+    return values.detach(), mask, output.detach(), values.grad, norm.running_mean, \
+        norm.running_var
+
+
+def test_masked_statistics_of_a_sync_batch_norm_span_every_rank():
+    """Two gloo ranks (SyncBatchNorm itself runs on CUDA only; its masked form runs anywhere)
+    equal one BatchNorm over both ranks' real rows: outputs, input gradients, running stats."""
+    from dist_helpers import run_on_ranks
+    ranks = run_on_ranks(_masked_sync_batch_norm_on_rank, world_size=2, timeout_s=120)
+    values = torch.cat([rank[0] for rank in ranks]).requires_grad_()
+    mask = torch.cat([rank[1] for rank in ranks])
+    plain = torch.nn.BatchNorm1d(3, eps=1e-3, momentum=0.1)
+    expected = plain(values[mask])
+    (expected * torch.arange(1.0, 4.0)).sum().backward()
+    torch.testing.assert_close(torch.cat([rank[2] for rank in ranks])[mask], expected.detach())
+    torch.testing.assert_close(torch.cat([rank[3] for rank in ranks])[mask], values.grad[mask])
+    for rank in ranks:
+        torch.testing.assert_close(rank[4], plain.running_mean)
+        torch.testing.assert_close(rank[5], plain.running_var)

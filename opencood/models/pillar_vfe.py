@@ -23,16 +23,29 @@ def masked_batch_norm(norm: nn.BatchNorm1d, values: torch.Tensor,
                             False, 0.0, norm.eps)
     weight = mask.to(torch.float32).unsqueeze(1)
     rows = values.float()
-    count = weight.sum().clamp(min=1.0)
-    mean = (rows * weight).sum(dim=0) / count
+    count = sum_over_ranks(weight.sum(), norm).clamp(min=1.0)
+    mean = sum_over_ranks((rows * weight).sum(dim=0), norm) / count
     centred = rows - mean
-    variance = (centred.square() * weight).sum(dim=0) / count          # biased, as BatchNorm
+    variance = sum_over_ranks((centred.square() * weight).sum(dim=0), norm) / count  # biased
     if norm.training and norm.running_mean is not None:
         update_running_statistics(norm, mean.detach(), variance.detach(), count)
     normed = centred * torch.rsqrt(variance + norm.eps)
     if norm.affine:
         normed = normed * norm.weight + norm.bias
     return normed.to(values.dtype)
+
+
+def sum_over_ranks(local_sum: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    """A SyncBatchNorm (CUDA, world > 1) takes its statistics over every rank's rows: the sum
+    all-reduced (with its gradient all-reduced back, as SyncBatchNorm does); else unchanged."""
+    if not isinstance(norm, nn.SyncBatchNorm) or not torch.distributed.is_available() or \
+            not torch.distributed.is_initialized():
+        return local_sum
+    group = norm.process_group or torch.distributed.group.WORLD
+    if torch.distributed.get_world_size(group) == 1:
+        return local_sum
+    from torch.distributed.nn.functional import all_reduce
+    return all_reduce(local_sum, group=group)
 
 
 @torch.no_grad()
