@@ -132,34 +132,57 @@ def lite_step_parts(config: str, overrides=()):
     return cfg, model, loss_fn, batch
 
 
-def loss_and_gradients(config: str, overrides=()):
+def loss_and_gradients(config: str, overrides=(), dtype=torch.float32):
+    """One step's loss, gradients and buffers; ``dtype`` of the model and points (the loss
+    itself runs in float32 whatever the model's dtype: ``flat_float``)."""
     _, model, loss_fn, batch = lite_step_parts(config, overrides)
+    model.to(dtype)
+    batch["points"] = batch["points"].to(dtype)
     loss, _, _ = loss_fn(model, batch)
     loss.backward()
     return (loss.detach(), {name: p.grad for name, p in model.named_parameters()},
             dict(model.named_buffers()))
 
 
-def assert_close_to_scale(got: torch.Tensor, expected: torch.Tensor, name: str) -> None:
-    """Equal up to float32 rounding: the static path sums the same numbers in another order
-    (masked BatchNorm statistics, the VFE's GEMM over padded slots)."""
-    scale = expected.float().abs().max().clamp(min=1e-12)
-    error = (got.float() - expected.float()).abs().max()
-    assert error <= 5e-5 * scale, f"{name}: max error {error:.3g} vs scale {scale:.3g}"
+def assert_close_to_scale(got: torch.Tensor, expected: torch.Tensor, name: str,
+                          relative: float, floor: float = 0.0) -> None:
+    """max |got - expected| <= relative x max |expected| + floor."""
+    scale = expected.abs().max()
+    error = (got - expected).abs().max()
+    assert error <= relative * scale + floor, f"{name}: max error {error:.3g}, scale {scale:.3g}"
+
+
+def assert_same_step(config: str, dtype, relative: float) -> None:
+    loss, grads, buffers = loss_and_gradients(config, dtype=dtype)
+    static_loss, static_grads, static_buffers = loss_and_gradients(
+        config, [f"performance.static_pillars={STATIC_PILLARS}"], dtype)
+    torch.testing.assert_close(static_loss, loss, rtol=1e-6, atol=0)
+    assert grads.keys() == static_grads.keys()
+    # A floor for tensors whose gradient is 0 but for rounding (attention key biases).
+    floor = relative * 1e-3 * max(grad.abs().max() for grad in grads.values())
+    for name, grad in grads.items():
+        assert_close_to_scale(static_grads[name], grad, name, relative, floor)
+    for name, buffer in buffers.items():               # BatchNorm running statistics
+        assert_close_to_scale(static_buffers[name].double(), buffer.double(), name, relative)
 
 
 @pytest.mark.parametrize("config", ["point_pillar_attfuse", "point_pillar_no_fusion",
                                     "point_pillar_fcooper"])
 def test_static_step_has_the_loss_gradients_and_statistics_of_the_dynamic_step(config):
-    loss, grads, buffers = loss_and_gradients(config)
-    static_loss, static_grads, static_buffers = loss_and_gradients(
-        config, [f"performance.static_pillars={STATIC_PILLARS}"])
-    torch.testing.assert_close(static_loss, loss, rtol=1e-6, atol=0)
-    assert grads.keys() == static_grads.keys()
-    for name, grad in grads.items():
-        assert_close_to_scale(static_grads[name], grad, name)
-    for name, buffer in buffers.items():               # BatchNorm running statistics
-        torch.testing.assert_close(static_buffers[name], buffer, rtol=1e-4, atol=1e-5)
+    """float32, as trained: equal up to rounding (the same sums in another order, in the
+    masked BatchNorm statistics and the VFE's GEMM over padded slots)."""
+    assert_same_step(config, torch.float32, relative=5e-5)
+
+
+@pytest.mark.parametrize("config", ["point_pillar_attfuse", "point_pillar_no_fusion",
+                                    "point_pillar_fcooper", "point_pillar_where2comm",
+                                    "point_pillar_v2xvit", "point_pillar_disconet"])
+def test_static_step_equals_the_dynamic_step_in_float64(config):
+    """In float64 rounding no longer hides a difference: gradients agree to ~1e-14 (float32
+    differs up to 3% in a few V2X-ViT tensors, from rounding alone: this test is the proof).
+    Fusion modules other than attfuse/fcooper keep their record_len.max() sync, but run on
+    static pillars unchanged."""
+    assert_same_step(config, torch.float64, relative=1e-10)
 
 
 def test_static_inputs_really_hold_padded_slots_and_an_empty_agent():

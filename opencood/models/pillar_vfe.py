@@ -16,13 +16,13 @@ def masked_batch_norm(norm: nn.BatchNorm1d, values: torch.Tensor,
 
     The static-shape step's VFE: it cannot drop padded points by boolean indexing (a
     data-dependent size), and letting them into the statistics would change the model. Sums
-    run in float32 (the rows can be millions, under bf16 autocast too).
+    run in float32 at least (the rows can be millions, under bf16 autocast too).
     """
     if not (norm.training or norm.running_mean is None):
         return F.batch_norm(values, norm.running_mean, norm.running_var, norm.weight, norm.bias,
                             False, 0.0, norm.eps)
-    weight = mask.to(torch.float32).unsqueeze(1)
-    rows = values.float()
+    rows = values.to(torch.promote_types(values.dtype, torch.float32))    # fp16/bf16 -> fp32
+    weight = mask.to(rows.dtype).unsqueeze(1)
     count = sum_over_ranks(weight.sum(), norm).clamp(min=1.0)
     mean = sum_over_ranks((rows * weight).sum(dim=0), norm) / count
     centred = rows - mean
