@@ -428,6 +428,11 @@ class DistributedSection:
 class PerformanceSection:
     tf32: bool = True
     cudnn_benchmark: bool = True
+    # The fast training step (README "Fast step path"); off by default, results stay equal.
+    # > 0: pillar slots per agent in training steps (fixed shapes; see pillarize_static).
+    static_pillars: int = spec(0, check=non_negative)
+    sync_free_step: bool = False        # one host read per optimizer step (engine.loop)
+    compile: bool = False               # torch.compile the model for training steps
 
 
 @section

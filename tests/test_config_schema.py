@@ -65,7 +65,8 @@ DEFAULTS = {
     "ema": {"enabled": False, "decay": 0.999, "tau": 200.0},
     "amp": {"enabled": False, "dtype": "bf16"},
     "distributed": {"backend": None, "timeout_minutes": 30.0, "find_unused_parameters": False},
-    "performance": {"tf32": True, "cudnn_benchmark": True},
+    "performance": {"tf32": True, "cudnn_benchmark": True, "static_pillars": 0,
+                    "sync_free_step": False, "compile": False},
     "wild_setting": {"seed": 25, "loc_err": False, "xyz_std": 0.0, "yaw_std": 0.0,
                      "latency_frames": 0},
 }

@@ -223,8 +223,8 @@ def _trainer_job(rank, world_size, port, argv) -> dict:
                           for key, value in model_for_eval.state_dict().items()})
         return real["validate"](model_for_eval, *args)
 
-    def make_loss_fn_spy(*args):
-        loss_fn = real["make_loss_fn"](*args)
+    def make_loss_fn_spy(*args, **options):
+        loss_fn = real["make_loss_fn"](*args, **options)
 
         def drawing_loss_fn(model, batch):
             if rank == 1:

@@ -30,7 +30,7 @@ BENCH_FIGURES = {"pillarise", "targets", "profile", "train_step_model_only",
                  "train_step_no_pillarise", "peak_gpu_memory", "ema_update",
                  "eval_postprocess_per_frame", "eval_inference_per_frame", "dataloader",
                  "dataloader_by_fusion", "train_step_end_to_end", "bev_iou", "ap",
-                 "visibility_count", "pcd"}
+                 "visibility_count", "pcd", "host_syncs_per_step"}
 DATA_FIGURES = {"dataloader", "dataloader_by_fusion", "train_step_end_to_end"}
 # Figures timing ours against a reference on the same input.
 RATIO_FIGURES = {"pillarise", "targets", "bev_iou", "ap", "visibility_count"}
@@ -166,7 +166,8 @@ def check_figure(record: dict) -> None:
         return
     assert "error" not in record, record
     assert record["device"] == "cpu"
-    if record["figure"] in ("peak_gpu_memory", "profile", "pcd", "dataloader_by_fusion"):
+    if record["figure"] in ("peak_gpu_memory", "profile", "pcd", "dataloader_by_fusion",
+                            "host_syncs_per_step"):
         return
     assert record["ms"] > 0, record
     if record["figure"] in RATIO_FIGURES:
@@ -220,7 +221,10 @@ def test_bench_quick_cpu_prints_only_json_lines(tmp_path):
                             "read_pcd_binary", "cache_miss", "cache_hit"}
     assert methods["loadtxt"]["speedup_vs_loadtxt"] == 1.0
     assert by_name["profile"]["parameters"] > 0
-    plan = [line for line in result.stderr.splitlines() if "bench plan: 16 of 16" in line]
+    assert step["static_pillars"] == 0 and not step["sync_free_step"] and not step["compile"]
+    syncs = by_name["host_syncs_per_step"]
+    assert syncs["syncs"] == sum(syncs["by_kind"].values()) and syncs["by_kind"]["unique"] >= 1
+    plan = [line for line in result.stderr.splitlines() if "bench plan: 17 of 17" in line]
     assert len(plan) == 1 and "preset quick" in plan[0], result.stderr
     assert result.stderr.index("bench plan:") < result.stderr.index("measuring")   # said first
 
@@ -241,6 +245,19 @@ def test_bench_figures_selects_and_keeps_measuring_order(capsys):
     records = bench.main(["--quick", "--device", "cpu", "--figures", "pcd, ap"])
     assert [record["figure"] for record in records] == ["ap", "pcd"]
     assert parse_json_lines(capsys.readouterr().out) == json.loads(json.dumps(records))
+
+
+def test_bench_fast_step_flags_set_the_performance_keys_and_leave_one_host_read(capsys):
+    bench = load_tool("bench")
+    records = bench.main(["--quick", "--device", "cpu", "--figures",
+                          "pillarise,host_syncs_per_step", "--static_pillars", "320",
+                          "--sync_free"])
+    by_name = {record["figure"]: record for record in records}
+    syncs = by_name["host_syncs_per_step"]
+    assert (syncs["static_pillars"], syncs["sync_free_step"], syncs["compile"]) == (320, True,
+                                                                                   False)
+    assert syncs["syncs"] == 1 and syncs["by_kind"] == {"tolist": 1}
+    assert by_name["pillarise"]["pillars"] == 2 * 3 * 300       # real pillars, not slots
 
 
 def test_bench_list_names_every_figure_and_measures_nothing(capsys):

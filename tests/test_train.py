@@ -30,6 +30,9 @@ from tool_modules import load_tool
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = REPO_ROOT / "hypes_yaml" / "synthetic"
 SMOKE_YAML = CONFIG_DIR / "smoke.yaml"
+# The fast step path (README); 2048 pillar slots: every cell of the smoke grid (64 x 32).
+FAST_STEP = ["--set", "performance.static_pillars=2048",
+             "--set", "performance.sync_free_step=true"]
 FUSION_CONFIGS = sorted(path.stem for path in CONFIG_DIR.glob("point_pillar_*.yaml"))
 # attfuse is smoke.yaml's own base: the 2-rank end-to-end run trains it.
 FAST_DDP_CONFIGS = ["point_pillar_where2comm", "point_pillar_early_fusion"]
@@ -447,6 +450,25 @@ def test_resume_from_inside_an_epoch_matches_uninterrupted_training(straight_run
     assert [event.step for event in events.Scalars("train/loss")] == list(range(1, 9))
 
 
+def test_fast_step_switches_train_to_the_weights_of_the_default_path(data_root, tmp_path,
+                                                                     cpu_only):
+    """performance.static_pillars + sync_free_step in the real flow: 2 SGD steps end where the
+    default path's do, up to float32 rounding (SGD: weight differences are lr x gradient
+    differences, which Adam's normalisation would blow up where a gradient is near 0)."""
+    weights = {}
+    for name, switches in (("default", []), ("fast", FAST_STEP)):
+        with preserved_opencood_logger():
+            result = trainer.main([
+                "--hypes_yaml", str(SMOKE_YAML), "--model_dir", str(tmp_path / name),
+                "--set", "train_params.epoches=1", "--set", "optimizer.core_method=SGD",
+                *data_args(data_root, validate=None), *switches])
+        assert result["step"] == 2
+        weights[name] = load_checkpoint(tmp_path / name / "last.pth")["model"]
+    for key, value in weights["default"].items():
+        torch.testing.assert_close(weights["fast"][key], value, rtol=1e-4, atol=1e-6,
+                                   msg=lambda text, key=key: f"{key}: {text}")
+
+
 def test_checkpoint_schedule_by_steps_and_refusal_of_negative_values():
     every_two = train_state.MidEpochCheckpoints(every_steps=2, every_minutes=0)
     assert [step for step in range(1, 8) if every_two.due(step)] == [2, 4, 6]
@@ -531,8 +553,8 @@ def nan_at_step_3(monkeypatch):
     """The training loss of the 3rd optimizer step (epoch 2's first: 2 steps per epoch) is NaN."""
     real_make = trainer.make_loss_fn
 
-    def make_loss_fn(preparer, criterion, teacher=None):
-        loss_fn, calls = real_make(preparer, criterion, teacher), []
+    def make_loss_fn(preparer, criterion, teacher=None, **options):
+        loss_fn, calls = real_make(preparer, criterion, teacher, **options), []
 
         def poisoned(model, batch):
             loss, terms, count = loss_fn(model, batch)
@@ -544,23 +566,27 @@ def nan_at_step_3(monkeypatch):
     monkeypatch.setattr(trainer, "make_loss_fn", make_loss_fn)
 
 
+@pytest.mark.parametrize("switches", [[], FAST_STEP], ids=["default", "fast_step"])
 def test_a_nan_stops_training_naming_the_step_with_the_last_checkpoint_intact(
-        data_root, tmp_path, nan_at_step_3, cpu_only):
+        data_root, tmp_path, nan_at_step_3, cpu_only, switches):
     run_dir = tmp_path / "run"
     with pytest.raises(SystemExit) as info:
         trainer.main(["--hypes_yaml", str(SMOKE_YAML), "--model_dir", str(run_dir),
-                      "--set", "train_params.epoches=3", *data_args(data_root, validate=None)])
+                      "--set", "train_params.epoches=3", *data_args(data_root, validate=None),
+                      *switches])
     message = str(info.value.code)
     assert "non-finite loss (nan) at epoch 2 step 3" in message and "\n" not in message
     assert load_checkpoint(run_dir / "last.pth")["step"] == 2
 
 
-def test_skip_nonfinite_steps_skips_and_counts(data_root, tmp_path, nan_at_step_3, cpu_only):
+@pytest.mark.parametrize("switches", [[], FAST_STEP], ids=["default", "fast_step"])
+def test_skip_nonfinite_steps_skips_and_counts(data_root, tmp_path, nan_at_step_3, cpu_only,
+                                               switches):
     run_dir = tmp_path / "run"
     result = trainer.main(["--hypes_yaml", str(SMOKE_YAML), "--model_dir", str(run_dir),
                            "--set", "train_params.epoches=3",
                            "--set", "train_params.skip_nonfinite_steps=1",
-                           *data_args(data_root, validate=None)])
+                           *data_args(data_root, validate=None), *switches])
     assert result["step"] == 6 and result["skipped_steps"] == 1
     last = load_checkpoint(run_dir / "last.pth")
     assert last["skipped_steps"] == 1

@@ -4,6 +4,7 @@
     python tools/bench.py [--list] [--figures NAME[,NAME...]] [--preset quick|lite|opv2v]
                           [--device cuda|cpu] [--hypes_yaml X.yaml] [--set KEY=VALUE]
                           [--data DIR] [--num_workers N] [--steps N] [--warmup N] [--threads N]
+                          [--static_pillars N] [--sync_free] [--compile]
 
 ``--list`` names every figure and what it measures; ``--figures`` picks some (default: all).
 Stdout holds nothing but JSON, one line per figure; the plan and the logs go to stderr.
@@ -31,6 +32,12 @@ How to read a line
     A figure that cannot run here is ``{"figure": ..., "skipped": "reason"}``; one that failed is
     ``{"figure": ..., "error": ...}`` (and the exit status is 1). Bad input (a missing file, an
     unknown model or figure) is one ``error: ...`` line on stderr and exit status 1.
+
+The fast step path (README "Fast step path"): ``--static_pillars N``, ``--sync_free`` and
+``--compile`` set ``performance.static_pillars``, ``sync_free_step`` and ``compile`` (as
+``--set`` would), and every model figure's line states them; compare a run with them against
+one without on the same device. ``host_syncs_per_step`` counts what makes the host wait in one
+eager training step (opencood.utils.host_syncs).
 
 CPU figures on a machine shared with other jobs are noisy: torch's OpenMP threads then wait for
 each other on every op, which can make short ops (the EMA update) 10-50x slower than with
@@ -90,6 +97,7 @@ PRESETS = {
                     gt_boxes=5, loader_batches=2, eval_frames=4, ap_frames=4, iou_pairs=200,
                     visibility_points=2_000, pcd_points=2_000,
                     cpu_seconds={"setup": 4, "pillarise": 0.2, "train_step_model_only": 0.1,
+                                 "host_syncs_per_step": 0.2,
                                  "train_step_no_pillarise": 0.1, "ap": 0.1, "pcd": 1}),
     "lite": Preset("hypes_yaml/synthetic/point_pillar_attfuse.yaml", steps=10, warmup=3,
                    pillars=2_000, gt_boxes=10, loader_batches=20, eval_frames=64, ap_frames=100,
@@ -97,6 +105,7 @@ PRESETS = {
                    cpu_seconds={"setup": 5, "pillarise": 0.6, "targets": 0.2, "profile": 0.1,
                                 "eval_postprocess_per_frame": 0.4,
                                 "eval_inference_per_frame": 1.2, "train_step_model_only": 2.6,
+                                "host_syncs_per_step": 0.6,
                                 "train_step_no_pillarise": 2.5, "bev_iou": 1.3, "ap": 2.0,
                                 "visibility_count": 0.6, "pcd": 4.5}),
     "opv2v": Preset("hypes_yaml/opv2v/point_pillar_attfuse.yaml", steps=10, warmup=3,
@@ -106,6 +115,7 @@ PRESETS = {
                     cpu_seconds={"setup": 5, "pillarise": 4.7, "targets": 8.2, "profile": 5.0,
                                  "eval_postprocess_per_frame": 1.1,
                                  "eval_inference_per_frame": 59, "train_step_model_only": 173,
+                                 "host_syncs_per_step": 30,
                                  "train_step_no_pillarise": 158, "bev_iou": 5.1, "ap": 4.2,
                                  "visibility_count": 0.4, "pcd": 4.5}),
 }
@@ -125,6 +135,9 @@ FIGURES = {
                              "+ forward + loss + backward + clip + step (no EMA)",
     "peak_gpu_memory": "torch.cuda.max_memory_allocated over train_step_model_only (MiB)",
     "train_step_no_pillarise": "the same step with pillars and targets computed beforehand",
+    "host_syncs_per_step": "host syncs in one eager train_step_model_only step, by kind (.item(), "
+                           "tolist, nonzero, unique, boolean masks, ...): 1 with --static_pillars "
+                           "and --sync_free",
     "ema_update": "ms per ModelEMA.update; share_of_step_pct: ema / (train step + ema)",
     "dataloader": "samples/s of the training DataLoader over --data (workers, augmentation, "
                   "collate), timed over whole waves of num_workers batches",
@@ -179,15 +192,35 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="frames per AP accumulation of eval_postprocess_per_frame")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--static_pillars", type=int, default=None, metavar="N",
+                        help="performance.static_pillars=N: N pillar slots per agent (fixed "
+                             "shapes); at least the fake batch's --pillars keeps results equal")
+    parser.add_argument("--sync_free", action="store_true",
+                        help="performance.sync_free_step=true: one host read per step")
+    parser.add_argument("--compile", action="store_true",
+                        help="performance.compile=true: torch.compile the training model")
     args = parser.parse_args(argv)
     check_counts(args)
+    args.overrides = [*args.overrides, *fast_step_overrides(args)]
     return args
+
+
+def fast_step_overrides(args: argparse.Namespace) -> List[str]:
+    """The fast-step flags as the ``--set`` overrides they stand for."""
+    overrides = []
+    if args.static_pillars is not None:
+        overrides.append(f"performance.static_pillars={args.static_pillars}")
+    if args.sync_free:
+        overrides.append("performance.sync_free_step=true")
+    if args.compile:
+        overrides.append("performance.compile=true")
+    return overrides
 
 
 def check_counts(args: argparse.Namespace) -> None:
     """Refuse counts that cannot be measured, before anything is built."""
     at_least_one = ("steps", "batch_size", "agents", "pillars", "points_per_pillar",
-                    "gt_boxes", "loader_batches", "eval_frames", "threads")
+                    "gt_boxes", "loader_batches", "eval_frames", "threads", "static_pillars")
     for name in at_least_one:
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -361,8 +394,8 @@ class ModelBench:
     def __init__(self, suite: Suite):
         from opencood.data.pipeline import BatchPreparer
         from opencood.engine.optim import build_optimizer
-        from opencood.engine.recipe import (amp_settings, configure_cuda, make_loss_fn,
-                                            prepare_model)
+        from opencood.engine.recipe import (amp_settings, compile_for_training, configure_cuda,
+                                            make_loss_fn, prepare_model)
         from opencood.strategies import fuses_agents
         from opencood.losses import build_loss
         from opencood.utils.dist import DistInfo
@@ -376,9 +409,13 @@ class ModelBench:
         self.model, self.model_without_ddp, self.ema = prepare_model(cfg, info, None, None)
         self.single_agent = not fuses_agents(self.model_without_ddp)
         self.model.train()
+        # The step figures run the compiled model (performance.compile); the others, and the
+        # sync count (a dispatch mode), the eager one.
+        self.train_model = compile_for_training(self.model, cfg)
+        self.sync_free = cfg["performance"]["sync_free_step"]
         self.preparer = BatchPreparer.from_config(cfg, device)
         self.criterion = build_loss(cfg["loss"]).to(device)
-        self.loss_fn = make_loss_fn(self.preparer, self.criterion)
+        self.loss_fn = make_loss_fn(self.preparer, self.criterion, host_terms=not self.sync_free)
         self.optimizer = build_optimizer(self.model_without_ddp.parameters(), cfg["optimizer"])
         amp_cfg = cfg["amp"]
         amp_yaml = str(amp_cfg["dtype"]) if amp_cfg["enabled"] else "off"
@@ -413,6 +450,9 @@ class ModelBench:
             "pillars_per_agent": min(self.args.pillars, nx * ny),
             "amp_yaml": amp_yaml,
             "tf32": bool(perf["tf32"]) if self.device.type == "cuda" else None,
+            "static_pillars": perf["static_pillars"],
+            "sync_free_step": perf["sync_free_step"],
+            "compile": perf["compile"],
         }
 
     def record(self, figure: str, autocast: bool = False, **values) -> Dict:
@@ -428,10 +468,12 @@ class ModelBench:
     def time(self, fn: Callable[[], object]) -> List[float]:
         return self.suite.time(fn)
 
-    def train_step(self, batch, loss_fn) -> Dict:
+    def train_step(self, batch, loss_fn, eager: bool = False) -> Dict:
         from opencood.engine.loop import optimizer_step
-        return optimizer_step(self.model, [batch], loss_fn, self.optimizer, self.scaler,
-                              self.device, self.amp_dtype, self.grad_clip, where="bench")
+        model = self.model if eager else self.train_model
+        return optimizer_step(model, [batch], loss_fn, self.optimizer, self.scaler,
+                              self.device, self.amp_dtype, self.grad_clip, where="bench",
+                              sync_free=self.sync_free)
 
     def make_ema(self):
         if self.ema is not None:
@@ -447,7 +489,10 @@ class ModelBench:
 def bench_pillarise(suite: Suite) -> List[Dict]:
     bench = suite.model_bench
     preparer, batch = bench.preparer, bench.batch
-    pillars = int(preparer.model_inputs(batch)["voxel_coords"].shape[0])
+    inputs = preparer.model_inputs(batch)
+    # Real pillars: static pillars (--static_pillars) add padded slots, counted apart.
+    valid = inputs.get("voxel_valid")
+    pillars = int(inputs["voxel_coords"].shape[0] if valid is None else valid.sum())
     times = bench.time(lambda: preparer.model_inputs(batch))
     summary = summarise(times)
     refs = suite.references
@@ -531,11 +576,23 @@ def bench_train_step_no_pillarise(suite: Suite) -> List[Dict]:
     def prepared_loss_fn(model, _batch):
         outputs = model(dict(inputs))
         loss, terms = bench.criterion(outputs, targets)
-        return loss, {name: float(value) for name, value in terms.items()}, bench.batch_size
+        if not bench.sync_free:
+            terms = {name: float(value) for name, value in terms.items()}
+        return loss, terms, bench.batch_size
 
     times = bench.time(lambda: bench.train_step(None, prepared_loss_fn))
     return [bench.record("train_step_no_pillarise", autocast=True, **summarise(times),
                          includes=[p for p in STEP_PARTS if p not in ("pillarise", "targets")])]
+
+
+def bench_host_syncs(suite: Suite) -> List[Dict]:
+    from opencood.utils.host_syncs import HostSyncCounter, optimizer_host_tensors
+    bench = suite.model_bench
+    bench.train_step(bench.batch, bench.loss_fn, eager=True)     # creates the optimizer state
+    with HostSyncCounter(optimizer_host_tensors(bench.optimizer)) as syncs:
+        bench.train_step(bench.batch, bench.loss_fn, eager=True)
+    return [bench.record("host_syncs_per_step", autocast=True, syncs=syncs.total,
+                         by_kind=dict(sorted(syncs.counts.items())), includes=STEP_PARTS)]
 
 
 def bench_ema(suite: Suite) -> List[Dict]:
@@ -925,6 +982,7 @@ GROUPS = (
     Group(("eval_inference_per_frame",), "model", bench_eval_inference),
     Group(("train_step_model_only", "peak_gpu_memory"), "model", bench_train_step),
     Group(("train_step_no_pillarise",), "model", bench_train_step_no_pillarise),
+    Group(("host_syncs_per_step",), "model", bench_host_syncs),
     Group(("ema_update",), "model", bench_ema),
     Group(("dataloader",), "data", bench_loader),
     Group(("dataloader_by_fusion",), "data", bench_loader_by_fusion),

@@ -27,7 +27,8 @@ from opencood.engine.loop import group_micro_batches, optimizer_step
 from opencood.engine.optim import build_optimizer, build_scheduler
 from opencood.engine.recipe import (ScalarLogger, amp_settings, build_teacher,
                                     build_validation_loaders, check_registered_names,
-                                    configure_cuda, distillation_dataset_args, log_model_summary,
+                                    compile_for_training, configure_cuda,
+                                    distillation_dataset_args, log_model_summary,
                                     make_loss_fn, make_run_dir, make_validation_loss_fn,
                                     prepare_model, progress_bar, resolve_config,
                                     seed_everything, split_batch_or_refuse, step_budget,
@@ -117,13 +118,15 @@ def train(cfg: Dict, args, info: dist_utils.DistInfo) -> Dict:
     # Model: build -> Xavier init -> SyncBN (CUDA, world > 1) -> device -> resume's weights ->
     # EMA -> DDP; checkpoints are saved from model_without_ddp.
     model, model_without_ddp, ema = prepare_model(cfg, info, checkpoint, ckpt_path)
+    model = compile_for_training(model, cfg)
 
     # Batches -> model inputs and targets: pillars capped by max_voxel_train in training, by
     # max_voxel_test in validation (eval_preparer).
     preparer = BatchPreparer.from_config(cfg, info.device)
     eval_preparer = BatchPreparer.from_config(cfg, info.device, training=False)
     criterion = build_loss(cfg["loss"]).to(info.device)
-    loss_fn = make_loss_fn(preparer, criterion, teacher)
+    loss_fn = make_loss_fn(preparer, criterion, teacher,
+                           host_terms=not cfg["performance"]["sync_free_step"])
     val_loss_fn = make_validation_loss_fn(eval_preparer, criterion)
     optimizer = build_optimizer(model_without_ddp.parameters(), cfg["optimizer"])
     scheduler = build_scheduler(optimizer, cfg["lr_scheduler"], total_steps,
@@ -227,7 +230,8 @@ class EpochRunner:
         stats = optimizer_step(self.model, micro_batches, self.loss_fn, self.optimizer,
                                self.scaler, self.info.device, self.amp_dtype, self.grad_clip,
                                where=f"epoch {epoch} step {progress.step + 1}",
-                               skip_nonfinite=progress.skipped_steps < self.skip_budget)
+                               skip_nonfinite=progress.skipped_steps < self.skip_budget,
+                               sync_free=self.cfg["performance"]["sync_free_step"])
         # A skipped step still counts (lr schedule and step numbers stay aligned with an
         # uninterrupted run); only the weights and their EMA stay where they were.
         self.scheduler.step()

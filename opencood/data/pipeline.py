@@ -32,8 +32,12 @@ class BatchPreparer:
     @classmethod
     def from_config(cls, cfg: dict, device, training: bool = True) -> "BatchPreparer":
         """``training`` picks the pillar cap ``preprocess.args.max_voxel_train`` (training
-        steps) or ``max_voxel_test`` (validation and evaluation), as OpenCOOD does."""
-        return cls(pillarize=PillarizeConfig.from_config(cfg["preprocess"], training),
+        steps) or ``max_voxel_test`` (validation and evaluation), as OpenCOOD does, and
+        ``performance.static_pillars`` for training steps only: validation and evaluation keep
+        every pillar up to ``max_voxel_test``, which a fixed training-sized cap could cut."""
+        static_pillars = cfg["performance"]["static_pillars"] if training else 0
+        return cls(pillarize=PillarizeConfig.from_config(cfg["preprocess"], training,
+                                                         static_pillars),
                    postprocessor=build_postprocessor(cfg, torch.device(device)), device=device)
 
     def model_inputs(self, batch: Dict) -> Dict:
@@ -42,7 +46,9 @@ class BatchPreparer:
         treat roadside units apart (V2X-ViT); the others ignore it."""
         points = batch["points"].to(self.device, non_blocking=True)
         agent_index = batch["agent_index"].to(self.device, non_blocking=True)
-        inputs = dict(self.pillarize(points, agent_index))
+        # The agent count as a shape (no host sync): one transform per agent.
+        num_agents = batch["transforms_to_ego"].shape[0]
+        inputs = dict(self.pillarize(points, agent_index, num_agents))
         inputs["record_len"] = batch["record_len"].to(self.device)
         inputs["agent_types"] = batch["agent_types"].to(self.device)
         if "agent_latency" in batch:        # V2X-ViT's delay encoding

@@ -242,6 +242,18 @@ def prepare_model(cfg: Dict, info: dist_utils.DistInfo, checkpoint: Dict | None,
     return model, model_without_ddp, ema
 
 
+def compile_for_training(model: torch.nn.Module, cfg: Dict) -> torch.nn.Module:
+    """``torch.compile(model)`` for training steps when ``performance.compile``, else ``model``.
+
+    Compiled lazily, on the first step. Parameters are shared with ``model``, so checkpoints,
+    the EMA and evaluation keep using the uncompiled ``model_without_ddp``. Without graph
+    breaks only with ``performance.static_pillars`` (tests/test_static_step.py)."""
+    if not cfg["performance"]["compile"]:
+        return model
+    logger.info("performance.compile: the training model is compiled on its first step")
+    return torch.compile(model)
+
+
 # -- knowledge distillation (DiscoNet) -------------------------------------------------------
 
 def build_teacher(cfg: Dict, device: torch.device) -> FrozenTeacher | None:
@@ -283,8 +295,12 @@ def distillation_dataset_args(teacher: FrozenTeacher | None) -> Dict:
 
 # -- the loss step ---------------------------------------------------------------------------
 
-def make_loss_fn(preparer: BatchPreparer, criterion, teacher: FrozenTeacher | None = None):
+def make_loss_fn(preparer: BatchPreparer, criterion, teacher: FrozenTeacher | None = None,
+                 host_terms: bool = True):
     """loss_fn(model, batch) -> (loss, per-term floats, samples): the detection step.
+
+    ``host_terms`` False (``performance.sync_free_step``): the terms stay detached device
+    tensors, read by ``optimizer_step(sync_free=True)`` in its one host read.
 
     With a ``teacher`` the loss adds the weighted distillation term between the student's fused
     map and the teacher's map of the batch's early-fusion input; it is reported as ``kd_loss``
@@ -305,7 +321,8 @@ def make_loss_fn(preparer: BatchPreparer, criterion, teacher: FrozenTeacher | No
             kd_loss = teacher.distillation_loss(outputs["fused_features"], teacher_inputs)
             loss = loss + kd_loss
             terms = {**terms, "kd_loss": kd_loss.detach(), "total_loss": loss.detach()}
-        terms = {name: float(value) for name, value in terms.items()}
+        if host_terms:
+            terms = {name: float(value) for name, value in terms.items()}
         return loss, terms, len(batch["record_len"])
 
     return loss_fn

@@ -48,11 +48,19 @@ def build_pillar_parts(args: dict):
     return vfe, scatter, backbone, head
 
 
+def has_static_pillars(batch: dict) -> bool:
+    """The batch comes from ``pillarize_static`` (``voxel_valid`` (A, K)): the model then runs
+    without data-dependent sizes or host syncs where it can (``performance.static_pillars``)."""
+    return batch.get("voxel_valid") is not None
+
+
 def encode_agents(vfe: PillarVFE, scatter: PointPillarScatter, batch: dict) -> torch.Tensor:
     """Pillars of every agent -> (N_agents, C, ny, nx) BEV canvases."""
+    static = has_static_pillars(batch)
     pillar_features = vfe(batch["voxel_features"], batch["voxel_num_points"],
-                          batch["voxel_coords"])
-    return scatter(pillar_features, batch["voxel_coords"], batch["record_len"])
+                          batch["voxel_coords"], static_shapes=static)
+    return scatter(pillar_features, batch["voxel_coords"], batch["record_len"],
+                   batch["voxel_valid"] if static else None)
 
 
 def early_fusion_bytes(batch: dict, batch_size: int, device) -> torch.Tensor:
@@ -189,6 +197,10 @@ class PointPillarIntermediate(nn.Module):
         canvas = encode_agents(self.vfe, self.scatter, batch)
         # Absent keys reach the module as None (hand-made batches, older loaders).
         extra = {name: batch.get(name) for name in self.fusion.extra_inputs}
+        if has_static_pillars(batch) and self.fusion.pads_to_max_agents:
+            # The most agents a sample can have, from shapes alone: every other sample has at
+            # least one. Padding to it instead of record_len.max() (a host sync) fuses the same.
+            extra["max_agents"] = canvas.shape[0] - record_len.shape[0] + 1
         fused, results = self.fuse_features(canvas, record_len, extra)
         outputs = self.head(fused)
         # The map the head reads, for feature distillation (DiscoNet's teacher matches it).

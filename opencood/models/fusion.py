@@ -45,10 +45,15 @@ def agent_slots(record_len: torch.Tensor, num_agents: int):
     return sample_index, slot
 
 
-def pad_by_sample(features: torch.Tensor, record_len: torch.Tensor):
-    """(N, C, H, W) -> zero-padded (B, L, C, H, W) and (B, L) bool mask of real agents."""
+def pad_by_sample(features: torch.Tensor, record_len: torch.Tensor,
+                  max_agents: Optional[int] = None):
+    """(N, C, H, W) -> zero-padded (B, L, C, H, W) and (B, L) bool mask of real agents.
+
+    L = ``max_agents``, or the most agents in a sample (``record_len.max()``, a host sync) when
+    None; a larger L only adds padded slots."""
     sample_index, slot = agent_slots(record_len, features.shape[0])
-    max_agents = int(record_len.max())
+    if max_agents is None:
+        max_agents = int(record_len.max())
     shape = (record_len.shape[0], max_agents)
     padded = features.new_zeros(*shape, *features.shape[1:])
     padded = padded.index_put((sample_index, slot), features)
@@ -98,6 +103,9 @@ class FusionModule(nn.Module):
     default_stage = "backbone"
     supported_stages = STAGES
     extra_inputs: tuple = ()
+    # forward takes ``max_agents`` (an int >= the most agents of a sample), given by the
+    # static-shape step, and pads to it instead of reading record_len.max() (a host sync).
+    pads_to_max_agents = False
 
     def __init__(self, bytes_per_value: int = FP32_BYTES):
         super().__init__()
@@ -117,8 +125,13 @@ class DenseFusion(FusionModule):
     def from_config(cls, args: dict, in_channels: int, num_anchors: int) -> "DenseFusion":
         return cls(bytes_per_value=args["bytes_per_value"])
 
-    def forward(self, features: torch.Tensor, record_len: torch.Tensor) -> FusionResult:
-        padded, is_real = pad_by_sample(features, record_len)
+    pads_to_max_agents = True
+
+    def forward(self, features: torch.Tensor, record_len: torch.Tensor,
+                max_agents: Optional[int] = None) -> FusionResult:
+        """Padded agent slots get -inf (no attention weight, never the max): any
+        ``max_agents`` >= the real maximum gives the same result."""
+        padded, is_real = pad_by_sample(features, record_len, max_agents)
         attend = is_real[:, :, None, None].expand(-1, -1, *features.shape[2:])
         return FusionResult(self.combine(padded, attend),
                             dense_comm_bytes(features, record_len, self.bytes_per_value), {})

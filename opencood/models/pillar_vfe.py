@@ -4,7 +4,61 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+
+def masked_batch_norm(norm: nn.BatchNorm1d, values: torch.Tensor,
+                      mask: torch.Tensor) -> torch.Tensor:
+    """``norm`` applied to (R, C) ``values`` as if only the rows where ``mask`` (R,) is True
+    existed: in training, the batch statistics (and the running-statistics update) come from
+    those rows alone; the other rows are normalised too but meaningless.
+
+    The static-shape step's VFE: it cannot drop padded points by boolean indexing (a
+    data-dependent size), and letting them into the statistics would change the model. Sums
+    run in float32 at least (the rows can be millions, under bf16 autocast too).
+    """
+    if not (norm.training or norm.running_mean is None):
+        return F.batch_norm(values, norm.running_mean, norm.running_var, norm.weight, norm.bias,
+                            False, 0.0, norm.eps)
+    rows = values.to(torch.promote_types(values.dtype, torch.float32))    # fp16/bf16 -> fp32
+    weight = mask.to(rows.dtype).unsqueeze(1)
+    count = sum_over_ranks(weight.sum(), norm).clamp(min=1.0)
+    mean = sum_over_ranks((rows * weight).sum(dim=0), norm) / count
+    centred = rows - mean
+    variance = sum_over_ranks((centred.square() * weight).sum(dim=0), norm) / count  # biased
+    if norm.training and norm.running_mean is not None:
+        update_running_statistics(norm, mean.detach(), variance.detach(), count)
+    normed = centred * torch.rsqrt(variance + norm.eps)
+    if norm.affine:
+        normed = normed * norm.weight + norm.bias
+    return normed.to(values.dtype)
+
+
+def sum_over_ranks(local_sum: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    """A SyncBatchNorm (CUDA, world > 1) takes its statistics over every rank's rows: the sum
+    all-reduced (with its gradient all-reduced back, as SyncBatchNorm does); else unchanged."""
+    if not isinstance(norm, nn.SyncBatchNorm) or not torch.distributed.is_available() or \
+            not torch.distributed.is_initialized():
+        return local_sum
+    group = norm.process_group or torch.distributed.group.WORLD
+    if torch.distributed.get_world_size(group) == 1:
+        return local_sum
+    from torch.distributed.nn.functional import all_reduce
+    return all_reduce(local_sum, group=group)
+
+
+@torch.no_grad()
+def update_running_statistics(norm: nn.BatchNorm1d, mean: torch.Tensor, variance: torch.Tensor,
+                              count: torch.Tensor) -> None:
+    """BatchNorm's update from (C,) batch mean and biased variance over ``count`` rows: the
+    variance made unbiased, momentum (or the cumulative average when momentum is None)."""
+    norm.num_batches_tracked.add_(1)
+    momentum = norm.momentum if norm.momentum is not None else \
+        1.0 / norm.num_batches_tracked.to(mean.dtype)
+    unbiased = variance * count / (count - 1.0).clamp(min=1.0)
+    norm.running_mean.mul_(1.0 - momentum).add_(mean * momentum)
+    norm.running_var.mul_(1.0 - momentum).add_(unbiased * momentum)
 
 
 class PillarLayer(nn.Module):
@@ -24,11 +78,21 @@ class PillarLayer(nn.Module):
         self.norm = nn.BatchNorm1d(hidden, eps=1e-3, momentum=0.01)
         self.out_channels = out_channels if last_layer else 2 * hidden
 
-    def forward(self, point_features: torch.Tensor, point_mask: torch.Tensor) -> torch.Tensor:
-        """(P, M, C_in) features, (P, M) bool mask -> (P, C_out) if last else (P, M, C_out)."""
-        real_points = torch.relu(self.norm(self.linear(point_features[point_mask])))
-        per_point = real_points.new_zeros(*point_mask.shape, real_points.shape[-1])
-        per_point = per_point.index_put((point_mask,), real_points)
+    def forward(self, point_features: torch.Tensor, point_mask: torch.Tensor,
+                static_shapes: bool = False) -> torch.Tensor:
+        """(P, M, C_in) features, (P, M) bool mask -> (P, C_out) if last else (P, M, C_out).
+
+        ``static_shapes``: every point slot goes through the linear layer and the BatchNorm
+        statistics are masked (:func:`masked_batch_norm`), instead of selecting the real points
+        (a data-dependent size): same result, fixed shapes."""
+        if static_shapes:
+            encoded = self.linear(point_features)
+            normed = masked_batch_norm(self.norm, encoded.flatten(0, 1), point_mask.flatten())
+            per_point = torch.relu(normed.view_as(encoded)) * point_mask.unsqueeze(-1)
+        else:
+            real_points = torch.relu(self.norm(self.linear(point_features[point_mask])))
+            per_point = real_points.new_zeros(*point_mask.shape, real_points.shape[-1])
+            per_point = per_point.index_put((point_mask,), real_points)
         # ReLU outputs are >= 0, so the zeros left at padded slots never win the max.
         pillar_max = per_point.amax(dim=1)
         if self.last_layer:
@@ -85,11 +149,14 @@ class PillarVFE(nn.Module):
         return torch.cat(parts, dim=-1) * valid
 
     def forward(self, voxel_features: torch.Tensor, voxel_num_points: torch.Tensor,
-                voxel_coords: torch.Tensor) -> torch.Tensor:
-        """(P, M, 4), (P,), (P, 4) [agent, z, y, x] -> (P, C) pillar features."""
+                voxel_coords: torch.Tensor, static_shapes: bool = False) -> torch.Tensor:
+        """(P, M, 4), (P,), (P, 4) [agent, z, y, x] -> (P, C) pillar features.
+
+        ``static_shapes``: no data-dependent sizes inside (padded pillars, with 0 points, are
+        allowed and give zero features); see ``PillarLayer.forward``."""
         slots = torch.arange(voxel_features.shape[1], device=voxel_features.device)
         point_mask = slots.unsqueeze(0) < voxel_num_points.unsqueeze(1)
         features = self.decorate(voxel_features, voxel_num_points, voxel_coords, point_mask)
         for layer in self.layers:
-            features = layer(features, point_mask)
+            features = layer(features, point_mask, static_shapes)
         return features

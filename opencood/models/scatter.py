@@ -1,6 +1,8 @@
 """Scatter pillar vectors onto a dense BEV canvas per agent (PointPillars' pseudo-image)."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
@@ -23,13 +25,25 @@ class PointPillarScatter(nn.Module):
         return cls(num_features=args["num_features"], nx=nx, ny=ny)
 
     def forward(self, pillar_features: torch.Tensor, voxel_coords: torch.Tensor,
-                record_len: torch.Tensor) -> torch.Tensor:
+                record_len: torch.Tensor, voxel_valid: Optional[torch.Tensor] = None
+                ) -> torch.Tensor:
         """pillar_features (P, C), voxel_coords (P, 4), record_len (B,) -> (sum(record_len), C,
-        ny, nx)."""
-        num_agents = int(record_len.sum())
+        ny, nx).
+
+        ``voxel_valid`` (A, K) bool, P = A * K (static-shape pillars): padded pillars write
+        into a spare cell cut off afterwards, and the agent count is A (a shape) instead of
+        ``record_len.sum()`` (a host sync)."""
         cells_per_agent = self.ny * self.nx
         coords = voxel_coords.long()
         flat_index = coords[:, 0] * cells_per_agent + coords[:, 2] * self.nx + coords[:, 3]
-        canvas = pillar_features.new_zeros(num_agents * cells_per_agent, pillar_features.shape[1])
-        canvas = canvas.index_put((flat_index,), pillar_features)
+        if voxel_valid is None:
+            num_agents = int(record_len.sum())
+            spare = 0
+        else:
+            num_agents, spare = voxel_valid.shape[0], 1
+            flat_index = torch.where(voxel_valid.flatten(), flat_index,
+                                     num_agents * cells_per_agent)
+        canvas = pillar_features.new_zeros(num_agents * cells_per_agent + spare,
+                                           pillar_features.shape[1])
+        canvas = canvas.index_put((flat_index,), pillar_features)[:num_agents * cells_per_agent]
         return canvas.view(num_agents, self.ny, self.nx, -1).permute(0, 3, 1, 2).contiguous()

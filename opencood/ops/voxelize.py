@@ -47,14 +47,13 @@ def grid_size(lidar_range: Sequence[float], voxel_size: Sequence[float]) -> Tupl
     return tuple(sizes)
 
 
-def _point_keys(points: torch.Tensor, batch_index: torch.Tensor, lidar_range, voxel_size,
-                grid) -> Tuple[torch.Tensor, int]:
-    """points (N, C), batch_index (N,) -> (keys (N,), number of points inside the range).
+def _cell_keys(points: torch.Tensor, batch_index: torch.Tensor, lidar_range, voxel_size,
+               grid) -> Tuple[torch.Tensor, torch.Tensor]:
+    """points (N, C), batch_index (N,) -> (keys (N,) int64, inside (N,) bool).
 
-    ``key = ((b * nz + z) * ny + y) * nx + x``; points outside the range get a key past every
-    pillar, so a sort puts them last. Cell indices come from float64 arithmetic on the float32
-    coordinates (exact conversion), so boundary decisions match a plain-Python reference and
-    are the same on every device. Keys are int32 when they fit (CPU sorts those ~3x faster).
+    ``key = ((b * nz + z) * ny + y) * nx + x``, meaningful where ``inside``. Cell indices come
+    from float64 arithmetic on the float32 coordinates (exact conversion), so boundary decisions
+    match a plain-Python reference and are the same on every device.
     """
     batch_index = batch_index.to(torch.int64)
     keys = batch_index
@@ -67,12 +66,27 @@ def _point_keys(points: torch.Tensor, batch_index: torch.Tensor, lidar_range, vo
         # may land on index n, and far-away points must not overflow the cast.
         cell = torch.floor((coord - low) / float(voxel_size[axis])).clamp_(0, grid[axis] - 1)
         keys = keys * grid[axis] + cell.to(torch.int64)
+    return keys, inside
+
+
+def _point_keys(points: torch.Tensor, batch_index: torch.Tensor, lidar_range, voxel_size,
+                grid) -> Tuple[torch.Tensor, int]:
+    """points (N, C), batch_index (N,) -> (keys (N,), number of points inside the range).
+
+    Points outside the range get a key past every pillar, so a sort puts them last. Keys are
+    int32 when they fit (CPU sorts those ~3x faster).
+    """
+    keys, inside = _cell_keys(points, batch_index, lidar_range, voxel_size, grid)
     num_batches = int(batch_index.max()) + 1 if batch_index.numel() else 1
     outside_key = num_batches * grid[0] * grid[1] * grid[2]
+    return _sortable_keys(keys, inside, outside_key), int(inside.sum())
+
+
+def _sortable_keys(keys: torch.Tensor, inside: torch.Tensor, outside_key: int) -> torch.Tensor:
+    """Keys (N,) with the points outside at ``outside_key`` (past every pillar: a sort puts
+    them last), int32 when they fit (CPU sorts those ~3x faster)."""
     keys = keys.masked_fill_(~inside, outside_key)
-    if outside_key < 2 ** 31:
-        keys = keys.to(torch.int32)
-    return keys, int(inside.sum())
+    return keys.to(torch.int32) if outside_key < 2 ** 31 else keys
 
 
 def _keys_to_coords(keys: torch.Tensor, grid) -> torch.Tensor:
@@ -176,6 +190,114 @@ def pillarize(points: torch.Tensor, batch_index: torch.Tensor, lidar_range: Sequ
     }
 
 
+def _write_unique(buffer: torch.Tensor, size: int, target: torch.Tensor, write: torch.Tensor,
+                  values: torch.Tensor) -> torch.Tensor:
+    """``buffer`` (size + N, ...) with ``values[i]`` copied to row ``target[i]`` where
+    ``write[i]``; (N,) target and write, (N, ...) values -> its first ``size`` rows.
+
+    Rows not written go to a spare row of their own (``size + i``), cut off at the end: every
+    row is written at most once, so the copy is deterministic on every device, and its size
+    does not depend on how many rows are written (no host sync)."""
+    spare = size + torch.arange(target.shape[0], device=target.device)
+    return buffer.index_copy_(0, torch.where(write, target, spare), values)[:size]
+
+
+def pillarize_static(points: torch.Tensor, batch_index: torch.Tensor, num_agents: int,
+                     lidar_range: Sequence[float], voxel_size: Sequence[float],
+                     max_points_per_pillar: int, pillars_per_agent: int,
+                     max_pillars: Optional[int] = None) -> Dict[str, torch.Tensor]:
+    """:func:`pillarize` with output shapes fixed by the arguments alone: every agent gets
+    ``pillars_per_agent`` (K) pillar slots, its real pillars first (in key order), then padded
+    slots. No host sync and no data-dependent size, so a training step built on it can be
+    captured in a CUDA graph or compiled without graph breaks.
+
+    Why a fixed cap per agent rather than the batch's pillar count rounded up to a bucket:
+    reading the count is itself a host sync, and every new bucket size is a new graph to
+    capture or compile. With K per agent the shapes depend on the number of agents only.
+
+    The real pillars (``voxel_valid``) are exactly :func:`pillarize`'s with ``max_pillars``
+    replaced by ``min(K, max_pillars)``: equal to the dynamic output whenever no agent has more
+    than K pillars (or K >= max_pillars).
+
+    Args:
+        points, batch_index, lidar_range, voxel_size, max_points_per_pillar, max_pillars: as
+            :func:`pillarize`; ``batch_index`` values must be < ``num_agents``.
+        num_agents: A, agents in the batch (a shape, not read from the data).
+        pillars_per_agent: K, pillar slots per agent.
+
+    Returns a dict, all on ``points.device``, P = A * K rows, agent a's slots at a*K..a*K+K-1:
+        ``voxel_features`` (P, M, C), zero on padded slots;
+        ``voxel_num_points`` (P,) int32, 0 on padded slots;
+        ``voxel_coords`` (P, 4) int64 ``[agent, z, y, x]``, ``[agent, 0, 0, 0]`` on padded slots;
+        ``voxel_valid`` (A, K) bool, True for real pillars.
+    """
+    grid = grid_size(lidar_range, voxel_size)
+    cells = grid[0] * grid[1] * grid[2]
+    limit = pillars_per_agent if max_pillars is None else min(pillars_per_agent, max_pillars)
+    keys, inside = _cell_keys(points, batch_index, lidar_range, voxel_size, grid)
+    # The same stable sort as pillarize; points outside sort last and are never kept.
+    order = torch.argsort(_sortable_keys(keys, inside, num_agents * cells), stable=True)
+    sorted_keys = keys.index_select(0, order)
+    starts, ends, rank_in_pillar = _pillar_groups(sorted_keys)
+    pillar_kept, slot, pillars_of_agent = _agent_slots(sorted_keys, starts, num_agents, cells,
+                                                       pillars_per_agent, limit)
+    slots, max_points = num_agents * pillars_per_agent, max_points_per_pillar
+    num, channels = sorted_keys.shape[0], points.shape[1]
+    features = _write_unique(points.new_zeros((slots * max_points + num, channels)),
+                             slots * max_points, slot * max_points + rank_in_pillar,
+                             pillar_kept & (rank_in_pillar < max_points),
+                             points.index_select(0, order))
+    # A pillar's last point knows the pillar's size; its first point knows the pillar's key.
+    num_points = _write_unique(torch.zeros(slots + num, dtype=torch.int64, device=points.device),
+                               slots, slot, pillar_kept & ends,
+                               (rank_in_pillar + 1).clamp(max=max_points))
+    slot_agent = torch.div(torch.arange(slots + num, device=points.device), pillars_per_agent,
+                           rounding_mode="floor")
+    pillar_keys = _write_unique(slot_agent * cells, slots, slot, pillar_kept & starts,
+                                sorted_keys)
+    valid = torch.arange(pillars_per_agent, device=points.device)[None, :] < \
+        pillars_of_agent.clamp(max=limit)[:, None]
+    return {
+        "voxel_features": features.view(slots, max_points, channels),
+        "voxel_num_points": num_points.to(torch.int32),
+        "voxel_coords": _keys_to_coords(pillar_keys, grid),
+        "voxel_valid": valid,
+    }
+
+
+def _pillar_groups(sorted_keys: torch.Tensor):
+    """Sorted point keys (N,) -> (starts (N,) bool: first point of its key, ends (N,) bool:
+    last one, rank_in_pillar (N,) int64: position inside its key's run)."""
+    num = sorted_keys.shape[0]
+    position = torch.arange(num, device=sorted_keys.device)
+    starts = torch.ones(num, dtype=torch.bool, device=sorted_keys.device)
+    starts[1:] = sorted_keys[1:] != sorted_keys[:-1]
+    ends = torch.ones_like(starts)
+    ends[:-1] = starts[1:]
+    rank_in_pillar = position - torch.cummax(torch.where(starts, position, 0), dim=0).values
+    return starts, ends, rank_in_pillar
+
+
+def _agent_slots(sorted_keys: torch.Tensor, starts: torch.Tensor, num_agents: int, cells: int,
+                 pillars_per_agent: int, limit: int):
+    """Sorted point keys (N,) (points outside at ``num_agents * cells``), run starts (N,) ->
+    (pillar_kept (N,) bool: the point's pillar is among its agent's first ``limit``,
+    slot (N,) int64: that pillar's output row ``agent * pillars_per_agent + rank``, meaningful
+    where kept, pillars_of_agent (A,) int64: the agent's pillars before any cap)."""
+    is_inside = sorted_keys < num_agents * cells
+    pillar_index = torch.cumsum(starts & is_inside, dim=0) - 1    # (N,) over the whole batch
+    # Where each agent's points begin in the sorted order (the agent is the key's high part),
+    # and so how many pillars the agents before it have.
+    agent_starts = torch.searchsorted(sorted_keys, torch.arange(
+        num_agents + 1, device=sorted_keys.device, dtype=sorted_keys.dtype) * cells)
+    pillars_before = torch.cat([pillar_index.new_zeros(1), pillar_index + 1])
+    first_of_agent = pillars_before.index_select(0, agent_starts)                  # (A + 1,)
+    agent = torch.div(sorted_keys, cells, rounding_mode="floor").clamp_(max=num_agents - 1)
+    rank_in_agent = pillar_index - first_of_agent.index_select(0, agent)
+    pillar_kept = is_inside & (rank_in_agent < limit)
+    return pillar_kept, agent * pillars_per_agent + rank_in_agent, first_of_agent.diff()
+
+
 @dataclass(frozen=True)
 class PillarizeConfig:
     """The pillarisation settings of one experiment; call it like :func:`pillarize`."""
@@ -184,22 +306,34 @@ class PillarizeConfig:
     voxel_size: Tuple[float, ...]
     max_points_per_pillar: int = 32
     max_pillars: Optional[int] = None
+    static_pillars: int = 0          # > 0: pillarize_static with this many slots per agent
 
     @classmethod
-    def from_config(cls, preprocess: dict, training: bool) -> "PillarizeConfig":
+    def from_config(cls, preprocess: dict, training: bool,
+                    static_pillars: int = 0) -> "PillarizeConfig":
         """From an OpenCOOD ``preprocess`` section: ``cav_lidar_range`` and ``args`` with
-        ``voxel_size``, ``max_points_per_voxel``, ``max_voxel_train`` / ``max_voxel_test``."""
+        ``voxel_size``, ``max_points_per_voxel``, ``max_voxel_train`` / ``max_voxel_test``;
+        ``static_pillars``: ``performance.static_pillars``."""
         args = preprocess["args"]
         max_pillars = args.get("max_voxel_train" if training else "max_voxel_test")
         return cls(lidar_range=tuple(float(v) for v in preprocess["cav_lidar_range"]),
                    voxel_size=tuple(float(v) for v in args["voxel_size"]),
                    max_points_per_pillar=int(args.get("max_points_per_voxel", 32)),
-                   max_pillars=None if max_pillars is None else int(max_pillars))
+                   max_pillars=None if max_pillars is None else int(max_pillars),
+                   static_pillars=int(static_pillars))
 
     @property
     def grid_size(self) -> Tuple[int, int, int]:
         return grid_size(self.lidar_range, self.voxel_size)
 
-    def __call__(self, points: torch.Tensor, batch_index: torch.Tensor) -> Dict[str, torch.Tensor]:
+    def __call__(self, points: torch.Tensor, batch_index: torch.Tensor,
+                 num_agents: Optional[int] = None) -> Dict[str, torch.Tensor]:
+        """``num_agents`` (the agents of the batch) is needed with ``static_pillars`` only."""
+        if self.static_pillars:
+            if num_agents is None:
+                raise ValueError("static pillars need num_agents (the agents of the batch)")
+            return pillarize_static(points, batch_index, num_agents, self.lidar_range,
+                                    self.voxel_size, self.max_points_per_pillar,
+                                    self.static_pillars, self.max_pillars)
         return pillarize(points, batch_index, self.lidar_range, self.voxel_size,
                          self.max_points_per_pillar, self.max_pillars)
