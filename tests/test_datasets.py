@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from opencood.data.augment import augment_sample
-from opencood.data.collate import collate_samples, seed_worker
+from opencood.data.collate import WORKER_PRELOAD, collate_samples, seed_worker, worker_context
 from opencood.data.datasets import (EarlyFusionDataset, IntermediateFusionDataset,
                                     LateFusionDataset, NoFusionDataset, build_dataset)
 from opencood.data.wild import WildSetting
@@ -127,7 +127,8 @@ def _loader(dataset, seed):
     generator = torch.Generator().manual_seed(seed)
     return torch.utils.data.DataLoader(dataset, batch_size=2, shuffle=True, num_workers=2,
                                        collate_fn=collate_samples, worker_init_fn=seed_worker,
-                                       generator=generator)
+                                       generator=generator,
+                                       multiprocessing_context=worker_context(2))
 
 
 def test_same_seed_same_batches(road):
@@ -242,19 +243,46 @@ def test_agent_types_mark_the_rsu_from_dataset_to_model_inputs(road_with_rsu):
     assert build_model(cfg["model"])(inputs)["cls_preds"].shape[0] == 2
 
 
-def test_settle_loader_threads_waits_for_ending_queue_feeders():
-    """A queue feeder still ending (what a finished DataLoader iterator leaves) has ended when
-    settle_loader_threads returns, so the next fork meets no ending thread (CPython gh-112275);
-    other threads are left alone."""
-    import threading
-    import time
-    from opencood.data.collate import settle_loader_threads
-    release = threading.Event()
-    feeder = threading.Thread(target=time.sleep, args=(0.5,), name="QueueFeederThread")
-    bystander = threading.Thread(target=release.wait, name="tensorboard-writer")
-    feeder.start(), bystander.start()
-    settle_loader_threads(timeout_s=5)
-    assert not feeder.is_alive()
-    assert bystander.is_alive()                      # not joined (it would block the run)
-    release.set()
-    bystander.join()
+class _ParentPid(torch.utils.data.Dataset):
+    """Each sample: the pid of the process that started the worker loading it."""
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):
+        import os
+        return os.getppid()
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="no fork on this platform")
+def test_loader_workers_are_not_forks_of_the_trainer():
+    """CPython < 3.11.8 (gh-112275): a fork of the multi-threaded trainer can deadlock its child,
+    so workers come from a forkserver that has imported torch and the datasets once."""
+    import os
+    context = worker_context(2)
+    assert context.get_start_method() == "forkserver"
+    assert {"torch", "opencood.data.datasets", "__main__"} <= set(WORKER_PRELOAD)
+    assert worker_context(0) is None                 # DataLoader refuses a context without workers
+    loader = torch.utils.data.DataLoader(_ParentPid(), batch_size=None, num_workers=2,
+                                         multiprocessing_context=context)
+    parents = set(loader) | set(loader)              # two epochs: workers started twice
+    assert len(parents) == 1 and os.getpid() not in parents
+
+
+def test_every_loader_starts_its_workers_through_worker_context():
+    """Every DataLoader the project builds passes multiprocessing_context=worker_context(...)."""
+    import ast
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    found = []
+    sources = [*root.joinpath("opencood").rglob("*.py"), *root.joinpath("tools").glob("*.py")]
+    for path in sorted(sources):
+        for node in ast.walk(ast.parse(path.read_text())):
+            name = getattr(getattr(node, "func", None), "attr", None) or \
+                getattr(getattr(node, "func", None), "id", None)
+            if isinstance(node, ast.Call) and name == "DataLoader":
+                context = {k.arg: k.value for k in node.keywords}.get("multiprocessing_context")
+                assert isinstance(context, ast.Call) and \
+                    getattr(context.func, "id", None) == "worker_context", f"{path}:{node.lineno}"
+                found.append(path.name)
+    assert {"train.py", "recipe.py", "evaluator.py", "bench.py"} <= set(found)

@@ -20,7 +20,7 @@ from typing import Dict
 import torch
 
 from opencood.config import ConfigError, save_config
-from opencood.data.collate import collate_samples, seed_worker, settle_loader_threads
+from opencood.data.collate import collate_samples, seed_worker, worker_context
 from opencood.data.datasets import build_dataset
 from opencood.data.pipeline import BatchPreparer
 from opencood.engine.loop import group_micro_batches, optimizer_step
@@ -93,10 +93,10 @@ def train(cfg: Dict, args, info: dist_utils.DistInfo) -> Dict:
             len(train_set), micro, info.rank, info.world_size, seed=seed, shuffle=True)
     except ValueError as error:
         raise ConfigError(f"train_params.batch_size: {error}") from None
+    workers = train_params["num_workers"]
     train_loader = torch.utils.data.DataLoader(
-        train_set, batch_sampler=batch_sampler,
-        num_workers=train_params["num_workers"], collate_fn=collate_samples,
-        worker_init_fn=seed_worker,
+        train_set, batch_sampler=batch_sampler, num_workers=workers, collate_fn=collate_samples,
+        worker_init_fn=seed_worker, multiprocessing_context=worker_context(workers),
         pin_memory=info.device.type == "cuda", generator=torch.Generator())
     val_loaders = build_validation_loaders(cfg, info, micro)
     steps_per_epoch = len(train_loader) // accum
@@ -196,7 +196,6 @@ class EpochRunner:
         train_loader.generator.manual_seed(self.seed * 100003 + epoch)
         # Resumed inside this epoch: the same shuffled order without the steps already done.
         train_loader.batch_sampler.resume_in_epoch(epoch, progress.epoch_steps_done * self.accum)
-        settle_loader_threads()                   # before the loader forks its workers
         self.model.train()
         bar = progress_bar(self.steps_per_epoch, epoch, progress.epoch_steps_done)
         epoch_start, epoch_samples = time.perf_counter(), 0
@@ -257,7 +256,6 @@ class EpochRunner:
         weights when enabled); None without a validation split."""
         if val_loaders is None:
             return None
-        settle_loader_threads()                   # the training loader has just finished
         # Every rank validates rank 0's model (the one saved): the same weights, and the same
         # BatchNorm statistics, which each rank's last forward moved its way.
         if self.ema is not None:

@@ -1,4 +1,4 @@
-"""Collate samples with a variable number of agents into one batch, and seed loader workers.
+"""Collate samples into batches (any number of agents each); seed and start loader workers.
 
 Batch layout (CPU tensors; ``opencood.data.pipeline`` moves them and pillarises on the device)::
 
@@ -22,8 +22,8 @@ Batch layout (CPU tensors; ``opencood.data.pipeline`` moves them and pillarises 
 """
 from __future__ import annotations
 
+import multiprocessing
 import random
-import threading
 from typing import Dict, List
 
 import numpy as np
@@ -99,14 +99,29 @@ def seed_worker(worker_id: int) -> None:
     random.seed(worker_seed)
 
 
-def settle_loader_threads(timeout_s: float = 2.0) -> None:
-    """Wait for the queue-feeder threads of finished DataLoader iterators to end.
+# Imported by the forkserver before its first fork: each loader worker is a fork of that
+# already-initialised, single-threaded process, so starting one costs no re-import. "__main__" is
+# the script that builds the loader (tools/train.py, eval.py, bench.py), run once there under the
+# name "__mp_main__" as the stdlib's spawn does, so a worker does not run it again.
+WORKER_PRELOAD = ("__main__", "numpy", "numpy.random", "torch", "opencood.data.collate",
+                  "opencood.data.datasets")
 
-    A loader starts its workers with fork. On CPython before 3.11.8 / 3.12 (gh-112275) a fork at
-    the moment another thread is ending can deadlock the child in ``PyOS_AfterFork_Child``; the
-    threads that end right then are the feeders of the loader that has just finished (training,
-    then validation at once). Joining them first closes that window. Each join is bounded.
+
+def worker_context(num_workers: int):
+    """The ``multiprocessing_context`` of every DataLoader we build (None without workers).
+
+    Workers are started by a forkserver, never by forking the trainer: the trainer has threads
+    (gloo, pin-memory, queue feeders, TensorBoard), and on CPython before 3.11.8 (gh-112275) a
+    fork made while one of them creates or deletes its thread state deadlocks the child in
+    ``PyOS_AfterFork_Child``. The server is started by fork+exec and stays single-threaded. What a
+    worker receives is pickled (dataset, collate_fn, worker_init_fn), so they are module-level,
+    and a script that builds a loader runs its work under ``if __name__ == "__main__":``.
     """
-    for thread in threading.enumerate():
-        if thread.name == "QueueFeederThread" and thread is not threading.current_thread():
-            thread.join(timeout_s)
+    if num_workers == 0:
+        return None                     # DataLoader refuses a context without workers
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context()          # e.g. spawn on macOS / Windows
+    context = multiprocessing.get_context("forkserver")
+    # Read when the server first starts (the first loader's first epoch); a no-op afterwards.
+    context.set_forkserver_preload(list(WORKER_PRELOAD))
+    return context

@@ -20,7 +20,7 @@ import torch
 import yaml
 
 from opencood.config import ConfigError, apply_overrides, load_config, resolve
-from opencood.data.collate import collate_samples
+from opencood.data.collate import collate_samples, worker_context
 from opencood.data.datasets import build_dataset
 from opencood.data.pipeline import BatchPreparer
 from opencood.engine.recipe import check_registered_names
@@ -192,7 +192,8 @@ def evaluate_setting(cfg, args, run_dir, model, device, setting) -> Dict | None:
     dataset = build_dataset(cfg_run, args.split, train=False, fusion_method=fusion)
     loader = torch.utils.data.DataLoader(
         dataset, batch_size=args.batch_size, collate_fn=collate_samples,
-        sampler=InferenceSampler(len(dataset)), num_workers=args.num_workers)
+        sampler=InferenceSampler(len(dataset)), num_workers=args.num_workers,
+        multiprocessing_context=worker_context(args.num_workers))
     preparer = BatchPreparer.from_config(cfg_run, device, training=False)
     on_sample = None
     if args.save_vis:

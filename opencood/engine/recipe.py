@@ -18,7 +18,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from opencood.config import ConfigError, load_config
-from opencood.data.collate import collate_samples, seed_worker, settle_loader_threads
+from opencood.data.collate import collate_samples, seed_worker, worker_context
 from opencood.data.datasets import build_dataset
 from opencood.data.pipeline import BatchPreparer
 from opencood.engine.loop import validation_loss
@@ -179,7 +179,8 @@ def build_validation_loaders(cfg: Dict, info: dist_utils.DistInfo, micro_batch: 
         torch.utils.data.DataLoader(
             dataset, batch_size=micro_batch,
             sampler=InferenceSampler(len(dataset), info.rank, info.world_size),
-            num_workers=workers, collate_fn=collate_samples, worker_init_fn=seed_worker)
+            num_workers=workers, collate_fn=collate_samples, worker_init_fn=seed_worker,
+            multiprocessing_context=worker_context(workers))
         for dataset in (loss_set, ap_set))
 
 
@@ -373,7 +374,6 @@ def validate(model_for_eval, val_loaders, loss_fn, info, amp_dtype, cfg, epoch, 
     results, pictures = {"loss": loss}, []
     eval_freq = cfg["train_params"]["eval_freq"]
     if epoch % eval_freq == 0:
-        settle_loader_threads()     # the loss loader has just finished; the AP loader forks next
         metrics = evaluate_loader(model_for_eval, ap_loader, preparer, cfg, info.device,
                                   on_sample=first_sample_picture(cfg, pictures))
         if metrics is not None:
