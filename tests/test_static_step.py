@@ -168,10 +168,26 @@ def assert_same_step(config: str, dtype, relative: float) -> None:
 
 @pytest.mark.parametrize("config", ["point_pillar_attfuse", "point_pillar_no_fusion",
                                     "point_pillar_fcooper"])
-def test_static_step_has_the_loss_gradients_and_statistics_of_the_dynamic_step(config):
-    """float32, as trained: equal up to rounding (the same sums in another order, in the
-    masked BatchNorm statistics and the VFE's GEMM over padded slots)."""
-    assert_same_step(config, torch.float32, relative=5e-5)
+def test_static_step_in_float32_differs_from_the_dynamic_step_by_rounding_only(config):
+    """float32, as trained: the static step's distance from the exact (float64) dynamic step
+    is of the size of the float32 dynamic step's own distance from it. A fixed tolerance does
+    not serve: the same sums in another order (masked BatchNorm statistics, the VFE's GEMM over
+    padded slots, a multithreaded reduction) move a BatchNorm-amplified gradient by up to ~0.4%
+    with 2 threads and by far less with 1."""
+    exact_loss, exact_grads, exact_buffers = loss_and_gradients(config, dtype=torch.float64)
+    loss, grads, buffers = loss_and_gradients(config)
+    static_loss, static_grads, static_buffers = loss_and_gradients(
+        config, [f"performance.static_pillars={STATIC_PILLARS}"])
+    torch.testing.assert_close(static_loss.double(), exact_loss.double(), rtol=1e-5, atol=0)
+    pairs = [(name, static_grads[name], grads[name], exact) for name, exact in exact_grads.items()]
+    pairs += [(name, static_buffers[name], buffers[name], exact)
+              for name, exact in exact_buffers.items()]
+    for name, static, dynamic, exact in pairs:
+        scale = exact.abs().max()
+        rounding = (dynamic.double() - exact).abs().max()
+        error = (static.double() - exact).abs().max()
+        assert error <= 8 * rounding + 1e-5 * scale + 1e-9, \
+            f"{name}: static error {error:.3g}, float32 rounding {rounding:.3g}, scale {scale:.3g}"
 
 
 @pytest.mark.parametrize("config", ["point_pillar_attfuse", "point_pillar_no_fusion",
