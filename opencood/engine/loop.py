@@ -30,6 +30,13 @@ def autocast_context(device: torch.device, amp_dtype: torch.dtype | None):
     return torch.autocast(device_type=device.type, dtype=amp_dtype)
 
 
+def nonfinite_error(reason: str) -> NonFiniteLossError:
+    """The one-line error of a non-finite step that is not skipped (both step paths)."""
+    return NonFiniteLossError(f"{reason}; lower the lr, enable grad_clip, or check the data "
+                              f"(train_params.skip_nonfinite_steps skips such steps); the last "
+                              f"checkpoint is intact")
+
+
 def accumulation_context(model: torch.nn.Module, is_last: bool):
     """DDP's ``no_sync`` for every micro-batch but the last (the gradient all-reduce runs once
     per step); also through torch.compile's wrapper (``performance.compile``)."""
@@ -75,9 +82,7 @@ def optimizer_step(model: torch.nn.Module, micro_batches: Sequence, loss_fn: Los
                 nonfinite = (f"non-finite loss ({loss.item() if bad else 'on another rank'}) "
                              f"at {where} micro-batch {position}")
                 if not skip_nonfinite:
-                    raise NonFiniteLossError(f"{nonfinite}; lower the lr, enable grad_clip, or "
-                                             f"check the data (train_params.skip_nonfinite_steps "
-                                             f"skips such steps); the last checkpoint is intact")
+                    raise nonfinite_error(nonfinite)
             scaler.scale(loss / accum_steps).backward()
         totals["loss"] = totals.get("loss", 0.0) + float(loss.detach()) / accum_steps
         for name, value in terms.items():
@@ -88,9 +93,7 @@ def optimizer_step(model: torch.nn.Module, micro_batches: Sequence, loss_fn: Los
     if nonfinite is None and not scaler.is_enabled() and not math.isfinite(float(grad_norm)):
         nonfinite = f"non-finite gradients (norm {float(grad_norm)}) at {where}"
         if not skip_nonfinite:
-            raise NonFiniteLossError(f"{nonfinite}; lower the lr or enable grad_clip "
-                                     f"(train_params.skip_nonfinite_steps skips such steps); "
-                                     f"the last checkpoint is intact")
+            raise nonfinite_error(nonfinite)
     finish_step(optimizer, scaler, take_step=nonfinite is None)
     totals["grad_norm"] = float(grad_norm)
     totals["samples"] = samples
@@ -162,9 +165,7 @@ def sync_free_optimizer_step(model: torch.nn.Module, micro_batches: Sequence, lo
     norm = values[2 * accum_steps]
     nonfinite = nonfinite_reason(finite_flags, micro_losses, norm, scaler, where)
     if nonfinite is not None and not skip_nonfinite:
-        raise NonFiniteLossError(f"{nonfinite}; lower the lr, enable grad_clip, or check the "
-                                 f"data (train_params.skip_nonfinite_steps skips such steps); "
-                                 f"the last checkpoint is intact")
+        raise nonfinite_error(nonfinite)
     finish_step(optimizer, scaler, take_step=nonfinite is None)
     totals: Dict[str, float] = {"loss": sum(micro_losses) / accum_steps}
     term_rows = values[2 * accum_steps + 1:]
