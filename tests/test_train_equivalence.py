@@ -1,8 +1,8 @@
 """The training step's distributed contract (DESIGN §6.3, 6.6, 6.10) on real gloo ranks.
 
-Toy model (no BatchNorm) and toy data, but the real machinery: ``build_train_sampler``,
-``split_global_batch``, ``group_micro_batches``, ``optimizer_step`` (DDP + ``no_sync``) and
-``validation_loss``. Each spawned rank imports torch, so every multi-rank check of this file runs
+Toy model (BatchNorm only in the skipped-step check) and toy data, but the real machinery:
+``build_train_sampler``, ``split_global_batch``, ``group_micro_batches``, ``optimizer_step`` (DDP
++ ``no_sync``) and ``validation_loss``. Each spawned rank imports torch, so every multi-rank check of this file runs
 in as few spawns as possible: one 2-rank session (module fixture) and one 3-rank one.
 """
 from __future__ import annotations
@@ -40,9 +40,10 @@ VAL_BATCH = 2          # shards of 4/3 (2 ranks) and 3/2/2 (3 ranks): uneven las
 
 # -- toy problem ---------------------------------------------------------------------------
 
-def toy_model() -> nn.Module:
+def toy_model(batch_norm: bool = False) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 2))
+    norm = [nn.BatchNorm1d(16)] if batch_norm else []
+    return nn.Sequential(nn.Linear(6, 16), *norm, nn.Tanh(), nn.Linear(16, 2))
 
 
 def toy_dataset(length: int, seed: int) -> torch.utils.data.TensorDataset:
@@ -175,9 +176,10 @@ def _two_rank_body(rank, world_size):
     _capture(results, "equivalence", equivalence)
     _capture(results, "validation", validation)
     def skip_non_finite():
-        """NaN on rank 1's second micro-batch with skipping on: both ranks skip, the weights stay,
-        and the next step trains normally (DDP's all-reduce still matched)."""
-        model = DistributedDataParallel(toy_model())
+        """An inf input on rank 1's second micro-batch with skipping on: both ranks skip, the
+        weights and every rank's BatchNorm statistics (NaN on rank 1 after its forward, moved
+        on rank 0) stay, and the next step trains normally (DDP's all-reduce still matched)."""
+        model = DistributedDataParallel(toy_model(batch_norm=True))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         before = copy.deepcopy(model.module.state_dict())
         dataset = toy_dataset(8, seed=3)
@@ -186,9 +188,12 @@ def _two_rank_body(rank, world_size):
         calls = []
 
         def nan_once_on_rank1(model_, batch):
-            loss, terms, count = mse_loss_fn(model_, batch)
             calls.append(1)
-            return (loss * float("nan") if rank == 1 and len(calls) == 2 else loss), terms, count
+            inputs, targets = batch
+            if rank == 1 and len(calls) == 2:
+                inputs = inputs.clone()
+                inputs[0, 0] = float("inf")
+            return mse_loss_fn(model_, (inputs, targets))
 
         scaler = torch.amp.GradScaler("cpu", enabled=False)
         first = optimizer_step(model, micro_batches, nan_once_on_rank1, optimizer, scaler,
@@ -412,4 +417,4 @@ def test_a_skipped_non_finite_step_is_skipped_on_both_ranks_and_training_goes_on
     for key, value in ranks[0]["weights"].items():       # and it kept the ranks in step
         assert torch.equal(value, ranks[1]["weights"][key]), key
     assert any(not torch.equal(value, ranks[0]["weights"][key]) for key, value in
-               toy_model().state_dict().items())
+               toy_model(batch_norm=True).state_dict().items())

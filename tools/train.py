@@ -230,12 +230,11 @@ class EpochRunner:
                                self.scaler, self.info.device, self.amp_dtype, self.grad_clip,
                                where=f"epoch {epoch} step {progress.step + 1}",
                                skip_nonfinite=progress.skipped_steps < self.skip_budget,
-                               sync_free=self.cfg["performance"]["sync_free_step"])
+                               sync_free=self.cfg["performance"]["sync_free_step"],
+                               ema=self.ema)
         # A skipped step still counts (lr schedule and step numbers stay aligned with an
-        # uninterrupted run); only the weights and their EMA stay where they were.
+        # uninterrupted run); only the weights, buffers and EMA stay where they were.
         self.scheduler.step()
-        if self.ema is not None and not stats["skipped"]:
-            self.ema.update(self.model_without_ddp)
         progress.step += 1
         progress.skipped_steps += stats.pop("skipped")
         nonfinite = stats.pop("nonfinite")

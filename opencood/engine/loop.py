@@ -50,8 +50,9 @@ def optimizer_step(model: torch.nn.Module, micro_batches: Sequence, loss_fn: Los
                    optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
                    device: torch.device, amp_dtype: torch.dtype | None = None,
                    grad_clip: float | None = None, where: str = "",
-                   skip_nonfinite: bool = False, sync_free: bool = False) -> Dict[str, float]:
-    """One optimiser step over ``len(micro_batches)`` accumulated micro-batches.
+                   skip_nonfinite: bool = False, sync_free: bool = False,
+                   ema=None) -> Dict[str, float]:
+    """One optimiser step over ``len(micro_batches)`` accumulated micro-batches (+ the EMA).
 
     Each micro-batch loss is divided by the number of micro-batches, and DDP averages over ranks,
     so the step equals one step on the whole global batch (for losses that are means over their
@@ -60,46 +61,100 @@ def optimizer_step(model: torch.nn.Module, micro_batches: Sequence, loss_fn: Los
     ``continue`` would leave the others waiting in the all-reduce), and so do non-finite
     gradients without a GradScaler (with one, fp16 overflow is the scaler's to handle). With
     ``skip_nonfinite`` the step is skipped instead, on every rank alike: the backward passes
-    still run (DDP's all-reduce must see every rank), then the gradients are dropped and the
-    optimizer does not move.
-    Returns {"loss", term means..., "grad_norm", "samples", "skipped" (0 or 1)} for this rank.
+    still run (DDP's all-reduce must see every rank), then the gradients are dropped.
 
-    ``sync_free`` (``performance.sync_free_step``): the same step with one host read instead of
-    several per micro-batch (:func:`sync_free_optimizer_step`).
+    A step not taken (skipped here, or by the fp16 GradScaler on inf gradients) leaves no trace:
+    the weights, the buffers the forward moved (BatchNorm running statistics) and ``ema``
+    (a ModelEMA, updated after every step taken) stay as they were, and the scaler is still
+    updated (its scale backs off).
+
+    When values are read back to the host: ``sync_free`` False checks each micro-batch's loss
+    before its backward (an error names the micro-batch at once); ``sync_free`` True
+    (``performance.sync_free_step``) reads losses, terms, finite flags, the gradient norm and
+    the scaler's overflow flag in ONE read after the clip (plus the collective that makes the
+    decision the same on every rank), so a non-finite loss is reported after the backward
+    passes of the whole step. Removing that read too needs the decision on the device (a fused
+    optimizer given ``found_inf``); on CUDA that is the GPU session's work.
+
+    Returns {"loss", term means..., "grad_norm", "samples", "skipped" (0 or 1: skipped as
+    non-finite), "overflow" (0 or 1: skipped by the GradScaler), "nonfinite" (reason or None)}
+    for this rank.
     """
-    if sync_free:
-        return sync_free_optimizer_step(model, micro_batches, loss_fn, optimizer, scaler, device,
-                                        amp_dtype, grad_clip, where, skip_nonfinite)
     accum_steps = len(micro_batches)
-    totals: Dict[str, float] = {}
-    samples, nonfinite = 0, None
+    # Only a step that may be dropped needs its buffers saved (without skipping or a scaler a
+    # bad step raises and the run stops at its last checkpoint).
+    saved_buffers = snapshot_buffers(model) if skip_nonfinite or scaler.is_enabled() else None
+    losses, term_values, samples, early = [], {}, 0, None
     for position, micro_batch in enumerate(micro_batches):
         with accumulation_context(model, is_last=position == accum_steps - 1):
             with autocast_context(device, amp_dtype):
                 loss, terms, count = loss_fn(model, micro_batch)
-            bad = not bool(torch.isfinite(loss.detach()).item())
-            if dist_utils.any_across_ranks(bad) and nonfinite is None:
-                nonfinite = (f"non-finite loss ({loss.item() if bad else 'on another rank'}) "
-                             f"at {where} micro-batch {position}")
-                if not skip_nonfinite:
-                    raise nonfinite_error(nonfinite)
+            if not sync_free and early is None:
+                early = check_loss_now(loss, where, position, skip_nonfinite)
             scaler.scale(loss / accum_steps).backward()
-        totals["loss"] = totals.get("loss", 0.0) + float(loss.detach()) / accum_steps
+        losses.append(loss.detach().float())
         for name, value in terms.items():
-            totals[name] = totals.get(name, 0.0) + float(value) / accum_steps
+            term_values.setdefault(name, []).append(
+                torch.as_tensor(value, dtype=torch.float32, device=losses[-1].device))
         samples += int(count)
     grad_norm = unscale_and_clip(optimizer, scaler, grad_clip)
-    # Gradients are all-reduced by now: every rank sees the same norm and decides alike.
-    if nonfinite is None and not scaler.is_enabled() and not math.isfinite(float(grad_norm)):
-        nonfinite = f"non-finite gradients (norm {float(grad_norm)}) at {where}"
-        if not skip_nonfinite:
-            raise nonfinite_error(nonfinite)
+    values = read_step_values(losses, term_values, grad_norm, scaler_overflow(scaler, optimizer))
+    nonfinite = early if not sync_free else nonfinite_reason(
+        values["finite"], values["losses"], values["grad_norm"], scaler, where)
+    if nonfinite is None and not sync_free:
+        nonfinite = nonfinite_gradients(values["grad_norm"], scaler, where)
+    if nonfinite is not None and not skip_nonfinite:
+        raise nonfinite_error(nonfinite)
+    overflow = nonfinite is None and values["overflow"]
     finish_step(optimizer, scaler, take_step=nonfinite is None)
-    totals["grad_norm"] = float(grad_norm)
-    totals["samples"] = samples
-    totals["skipped"] = int(nonfinite is not None)
-    totals["nonfinite"] = nonfinite
+    if nonfinite is not None or overflow:
+        restore_buffers(model, saved_buffers)
+    elif ema is not None:
+        ema.update(model)
+    totals: Dict[str, float] = {"loss": sum(values["losses"]) / accum_steps}
+    for name, rows in values["terms"].items():
+        totals[name] = sum(rows) / accum_steps
+    totals.update(grad_norm=values["grad_norm"], samples=samples,
+                  skipped=int(nonfinite is not None), overflow=int(overflow),
+                  nonfinite=nonfinite)
     return totals
+
+
+def check_loss_now(loss: torch.Tensor, where: str, position: int,
+                   skip_nonfinite: bool) -> str | None:
+    """The reason a micro-batch's loss (on any rank) makes the step non-finite, or None; raises
+    at once without ``skip_nonfinite`` (every rank alike: the check is collective)."""
+    bad = not bool(torch.isfinite(loss.detach()).item())
+    if not dist_utils.any_across_ranks(bad):
+        return None
+    reason = (f"non-finite loss ({loss.item() if bad else 'on another rank'}) "
+              f"at {where} micro-batch {position}")
+    if not skip_nonfinite:
+        raise nonfinite_error(reason)
+    return reason
+
+
+def read_step_values(losses: List[torch.Tensor], term_values: Dict[str, List[torch.Tensor]],
+                     grad_norm: torch.Tensor, overflow: torch.Tensor | None) -> Dict:
+    """The step's values in ONE host read: {"finite": [0./1. per micro-batch], "losses",
+    "grad_norm", "overflow" (bool), "terms": {name: [per micro-batch]}}.
+
+    ``losses``: 0-d float32 tensors, one per micro-batch; ``overflow``: 0-d, non-zero when the
+    GradScaler found inf gradients (None without a scaler)."""
+    accum_steps, names = len(losses), list(term_values)
+    device = losses[0].device
+    stacked = torch.stack(losses)
+    overflow = torch.zeros((), device=device) if overflow is None else overflow
+    packed = torch.cat([torch.isfinite(stacked).float(), stacked,
+                        grad_norm.detach().float().reshape(1).to(device),
+                        overflow.float().reshape(1).to(device),
+                        *[torch.stack(term_values[name]) for name in names]])
+    values = packed.tolist()                                   # the step's one host read
+    rows = values[2 * accum_steps + 2:]
+    return {"finite": values[:accum_steps], "losses": values[accum_steps:2 * accum_steps],
+            "grad_norm": values[2 * accum_steps], "overflow": values[2 * accum_steps + 1] > 0,
+            "terms": {name: rows[index * accum_steps:(index + 1) * accum_steps]
+                      for index, name in enumerate(names)}}
 
 
 def unscale_and_clip(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
@@ -112,82 +167,65 @@ def unscale_and_clip(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradSca
     return torch.nn.utils.clip_grad_norm_(params, max_norm) if params else torch.zeros(())
 
 
+def scaler_overflow(scaler: torch.amp.GradScaler,
+                    optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
+    """0-d tensor, non-zero when the enabled GradScaler's ``unscale_`` found inf/NaN gradients
+    (its ``step`` will then not move the weights); None for a disabled scaler."""
+    if not scaler.is_enabled():
+        return None
+    found = list(scaler._found_inf_per_device(optimizer).values())
+    return torch.stack([flag.to(found[0].device) for flag in found]).sum()
+
+
 def finish_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
                 take_step: bool) -> None:
-    """Step (unless skipped) and drop the gradients."""
+    """Step (unless skipped), update the scaler and drop the gradients.
+
+    The scaler is updated on EVERY step: ``unscale_`` may run once per ``update()``, so a
+    skipped step without one makes the next step's ``unscale_`` raise. A step skipped here is
+    marked as an overflow first, so the scale backs off as for one the scaler skipped itself.
+    """
     if take_step:
         scaler.step(optimizer)
-        scaler.update()
+    elif scaler.is_enabled():
+        for flag in scaler._found_inf_per_device(optimizer).values():
+            flag.fill_(1.0)
+    scaler.update()
     optimizer.zero_grad(set_to_none=True)
 
 
-def sync_free_optimizer_step(model: torch.nn.Module, micro_batches: Sequence, loss_fn: LossFn,
-                             optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
-                             device: torch.device, amp_dtype: torch.dtype | None = None,
-                             grad_clip: float | None = None, where: str = "",
-                             skip_nonfinite: bool = False) -> Dict[str, float]:
-    """:func:`optimizer_step` with ONE host read per optimizer step (plus, with DDP, the
-    collective that makes the non-finite decision the same on every rank).
+def snapshot_buffers(model: torch.nn.Module) -> List[torch.Tensor]:
+    """Copies of every buffer of ``model`` (BatchNorm running statistics and counters), which
+    the forward of a step moves before anyone knows whether the step is taken."""
+    return [buffer.detach().clone() for buffer in model.buffers()]
 
-    Every micro-batch's forward and backward is queued without looking at a value; the losses,
-    terms, finite flags and gradient norm stay on the device and are read in one go after the
-    clip, before the optimizer steps. That read remains because the host must decide whether to
-    step, skip or raise (and the log wants the numbers). Removing it too needs the decision on
-    the device (a fused optimizer given ``found_inf``, as GradScaler does for fp16) and a
-    deferred error; on CUDA that is the GPU session's work.
 
-    Same updates, returned values and errors as :func:`optimizer_step`, except that a
-    non-finite loss is reported after the backward passes of the whole step rather than
-    before its own (gradients are dropped either way; DDP's all-reduce runs on every rank).
-    Adam/AdamW's own ``.item()`` of their host-side step counters is no device sync.
-    """
-    accum_steps = len(micro_batches)
-    losses, finite, term_values, samples = [], [], {}, 0
-    for position, micro_batch in enumerate(micro_batches):
-        with accumulation_context(model, is_last=position == accum_steps - 1):
-            with autocast_context(device, amp_dtype):
-                loss, terms, count = loss_fn(model, micro_batch)
-            scaler.scale(loss / accum_steps).backward()
-        losses.append(loss.detach().float())
-        finite.append(torch.isfinite(losses[-1]))
-        for name, value in terms.items():
-            term_values.setdefault(name, []).append(torch.as_tensor(value, dtype=torch.float32,
-                                                                     device=losses[-1].device))
-        samples += int(count)
-    grad_norm = unscale_and_clip(optimizer, scaler, grad_clip)
-    names = list(term_values)
-    packed = torch.cat([torch.stack(finite).float(), torch.stack(losses),
-                        grad_norm.detach().float().reshape(1).to(losses[0].device),
-                        *[torch.stack(term_values[name]) for name in names]])
-    values = packed.tolist()                                   # the step's one host read
-    finite_flags = values[:accum_steps]
-    micro_losses = values[accum_steps:2 * accum_steps]
-    norm = values[2 * accum_steps]
-    nonfinite = nonfinite_reason(finite_flags, micro_losses, norm, scaler, where)
-    if nonfinite is not None and not skip_nonfinite:
-        raise nonfinite_error(nonfinite)
-    finish_step(optimizer, scaler, take_step=nonfinite is None)
-    totals: Dict[str, float] = {"loss": sum(micro_losses) / accum_steps}
-    term_rows = values[2 * accum_steps + 1:]
-    for index, name in enumerate(names):
-        totals[name] = sum(term_rows[index * accum_steps:(index + 1) * accum_steps]) / accum_steps
-    totals.update(grad_norm=norm, samples=samples, skipped=int(nonfinite is not None),
-                  nonfinite=nonfinite)
-    return totals
+@torch.no_grad()
+def restore_buffers(model: torch.nn.Module, saved: List[torch.Tensor] | None) -> None:
+    """Put back the buffers of :func:`snapshot_buffers` (a step that was not taken)."""
+    if saved is None:
+        return
+    for buffer, value in zip(model.buffers(), saved):
+        buffer.copy_(value)
 
 
 def nonfinite_reason(finite_flags: List[float], micro_losses: List[float], grad_norm: float,
                      scaler: torch.amp.GradScaler, where: str) -> str | None:
     """Why the step must not be taken (the same on every rank), or None.
 
-    A non-finite loss on any rank counts (one collective); non-finite gradients count without
-    a GradScaler only (with one, fp16 overflow is the scaler's to handle), and they are
-    all-reduced already, so every rank sees the same norm."""
+    A non-finite loss on any rank counts (one collective); then the gradients
+    (:func:`nonfinite_gradients`)."""
     bad = [position for position, flag in enumerate(finite_flags) if not flag]
     if dist_utils.any_across_ranks(bool(bad)):
         if not bad:
             return f"non-finite loss (on another rank) at {where}"
         return f"non-finite loss ({micro_losses[bad[0]]}) at {where} micro-batch {bad[0]}"
+    return nonfinite_gradients(grad_norm, scaler, where)
+
+
+def nonfinite_gradients(grad_norm: float, scaler: torch.amp.GradScaler, where: str) -> str | None:
+    """Non-finite gradients count without a GradScaler only (with one, fp16 overflow is the
+    scaler's to handle); they are all-reduced already, so every rank sees the same norm."""
     if not scaler.is_enabled() and not math.isfinite(grad_norm):
         return f"non-finite gradients (norm {grad_norm}) at {where}"
     return None
