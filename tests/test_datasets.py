@@ -269,12 +269,13 @@ def test_loader_workers_are_not_forks_of_the_trainer():
     assert len(parents) == 1 and os.getpid() not in parents
 
 
-def test_every_loader_starts_its_workers_through_worker_context():
-    """Every DataLoader the project builds passes multiprocessing_context=worker_context(...)."""
+def test_every_loader_is_built_by_build_loader_with_worker_context():
+    """The project builds DataLoaders in one place (collate.build_loader), which passes
+    multiprocessing_context=worker_context(...); every tool builds its loaders with it."""
     import ast
     from pathlib import Path
     root = Path(__file__).resolve().parents[1]
-    found = []
+    built, callers = [], set()
     sources = [*root.joinpath("opencood").rglob("*.py"), *root.joinpath("tools").glob("*.py")]
     for path in sorted(sources):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -284,5 +285,8 @@ def test_every_loader_starts_its_workers_through_worker_context():
                 context = {k.arg: k.value for k in node.keywords}.get("multiprocessing_context")
                 assert isinstance(context, ast.Call) and \
                     getattr(context.func, "id", None) == "worker_context", f"{path}:{node.lineno}"
-                found.append(path.name)
-    assert {"train.py", "recipe.py", "evaluator.py", "bench.py"} <= set(found)
+                built.append(path.name)
+            if isinstance(node, ast.Call) and name == "build_loader":
+                callers.add(path.name)
+    assert built == ["collate.py"]
+    assert {"train.py", "recipe.py", "evaluator.py", "bench.py"} <= callers

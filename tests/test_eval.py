@@ -22,6 +22,7 @@ import yaml
 
 from dist_helpers import free_port, run_on_ranks
 from opv2v_factory import write_simple_split
+from process_state import TORCH_SWITCHES, preserved_torch_switches
 from opencood.config import load_config, save_config
 from opencood.engine import evaluator
 from opencood.eval import inference
@@ -539,3 +540,41 @@ def test_noise_sweep_with_seeds_prints_and_writes_mean_and_std(runs, tmp_path,
     assert "mean ± std over 3 noise seeds" in printed
     noise_line = next(line for line in printed.splitlines() if line.strip().startswith("noise0.5"))
     assert noise_line.split()[1] == "3" and "±" in noise_line
+
+
+@pytest.mark.parametrize("tf32", [False, True])
+def test_eval_uses_the_tf32_switches_training_validates_with(runs, tmp_path, tf32):
+    """tools/eval.py sets TF32 and cudnn.benchmark from the run's config as training does, so
+    one checkpoint scores the same in both (the switches are inert on CPU, visible anyway)."""
+    run_dir = _copy_run(runs.inter, tmp_path / "run")
+    with preserved_torch_switches():
+        for owner, name in TORCH_SWITCHES:
+            setattr(owner, name, not tf32)
+        evaluator.main(_argv(run_dir, "--set", f"performance.tf32={str(tf32).lower()}",
+                             "--set", f"performance.cudnn_benchmark={str(tf32).lower()}"))
+        assert [getattr(owner, name) for owner, name in TORCH_SWITCHES] == [tf32] * 3
+
+
+def test_training_validation_and_eval_give_the_same_ap_on_one_checkpoint(runs, tmp_path):
+    """The two AP paths: training's validation (recipe.validate, the validation loaders) and
+    tools/eval.py --split validate, on the same weights."""
+    from opencood.data.pipeline import BatchPreparer
+    from opencood.engine import recipe
+    from opencood.losses import build_loss
+    from opencood.utils.dist import DistInfo
+    run_dir = _copy_run(runs.inter, tmp_path / "run")
+    (eval_metrics,) = evaluator.main(_argv(run_dir, "--split", "validate"))
+    cfg = load_config(run_dir / "config.yaml", ["train_params.num_workers=0"])
+    cpu = torch.device("cpu")
+    info = DistInfo(rank=0, world_size=1, local_rank=0, distributed=False, backend=None,
+                    device=cpu)
+    model = evaluator.load_eval_model(cfg, run_dir / "last.pth", True, cpu)
+    preparer = BatchPreparer.from_config(cfg, cpu, training=False)
+    loss_fn = recipe.make_validation_loss_fn(preparer, build_loss(cfg["loss"]))
+    loaders = recipe.build_validation_loaders(cfg, info, micro_batch=2)
+    results, count, _ = recipe.validate(model, loaders, loss_fn, info, None, cfg,
+                                        cfg["train_params"]["eval_freq"], preparer)
+    assert count == len(TIMESTAMPS) and eval_metrics["num_frames"] == len(TIMESTAMPS)
+    assert eval_metrics["ap_50"] > 0
+    for key in ("ap_30", "ap_50", "ap_70"):
+        assert results[key] == eval_metrics[key], key

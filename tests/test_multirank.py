@@ -214,7 +214,7 @@ def _trainer_job(rank, world_size, port, argv) -> dict:
     them. Rank 1 draws from its global generators at every step (as a model with per-rank
     randomness would), so its states differ from rank 0's."""
     from opencood.utils.checkpoint import capture_rng_state
-    validated, at_save, after_restore = [], [], []
+    validated, at_save, after_restore, first_step_rng = [], [], [], []
     real = {name: getattr(trainer, name) for name in
             ("validate", "make_loss_fn", "training_state", "restore_training")}
 
@@ -227,6 +227,8 @@ def _trainer_job(rank, world_size, port, argv) -> dict:
         loss_fn = real["make_loss_fn"](*args, **options)
 
         def drawing_loss_fn(model, batch):
+            if not first_step_rng:          # the stream a dropout mask of step 1 draws from
+                first_step_rng.append(torch.get_rng_state())
             if rank == 1:
                 torch.rand(3), random.random(), np.random.rand()
             return loss_fn(model, batch)
@@ -250,7 +252,7 @@ def _trainer_job(rank, world_size, port, argv) -> dict:
         for name, function in real.items():
             setattr(trainer, name, function)
     return dict(outcome, validated=validated, rng_at_save=at_save,
-                rng_after_restore=after_restore)
+                rng_after_restore=after_restore, first_step_rng=first_step_rng)
 
 
 def _session_body(rank, world_size, root, work, ports):
@@ -506,6 +508,23 @@ def test_each_rank_saves_and_resumes_its_own_generators(two_rank_session):
         assert _same_rng(saved["rng_per_rank"][rank], at_save[rank]), rank
         # The resumed rank continues from exactly where it was when epoch 1 was saved.
         assert _same_rng(resumed[rank]["rng_after_restore"][0], at_save[rank]), rank
+
+
+def test_each_rank_draws_its_own_dropout_masks_from_alike_initialised_weights(
+        two_rank_session):
+    """Model randomness (dropout) gets a per-rank stream once the model is initialised: the
+    ranks' torch generators differ at the first step, while the weights they start from and
+    the data they read stay functions of the seed alone (the validated models agree)."""
+    from opencood.engine.recipe import rank_seed
+    trained = _finished(_part(two_rank_session, "train"))
+    first = [outcome["first_step_rng"][0] for outcome in _part(two_rank_session, "train")]
+    assert not torch.equal(first[0], first[1])
+    seed = load_config(SMOKE_YAML)["seed"]
+    for rank in range(2):
+        own_stream = torch.Generator().manual_seed(rank_seed(seed, rank))
+        assert torch.equal(first[rank], own_stream.get_state())
+    assert len({rank_seed(seed, rank) for rank in range(8)} | {seed}) == 9
+    assert trained[0]["step"] == trained[1]["step"]
 
 
 def test_resume_on_another_world_size_restores_rank_0s_generators(two_rank_session, tmp_path,

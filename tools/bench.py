@@ -724,7 +724,7 @@ def build_bench_loader(bench: ModelBench, split_dir: Path, batches: int, workers
     """The training DataLoader of tools/train.py over ``split_dir`` (``fusion``: another
     strategy than the yaml's), drawing ``batches`` batches (several epochs' worth if the split
     is small) without restarting its workers."""
-    from opencood.data.collate import collate_samples, seed_worker, worker_context
+    from opencood.data.collate import build_loader
     from opencood.data.datasets import build_dataset
     cfg = dict(bench.cfg, root_dir=str(split_dir))
     dataset = build_dataset(cfg, "train", train=True, fusion_method=fusion)
@@ -734,10 +734,7 @@ def build_bench_loader(bench: ModelBench, split_dir: Path, batches: int, workers
     sampler = torch.utils.data.RandomSampler(dataset, num_samples=batches * bench.batch_size,
                                              generator=generator)
     batch_sampler = torch.utils.data.BatchSampler(sampler, bench.batch_size, drop_last=True)
-    loader = torch.utils.data.DataLoader(
-        dataset, batch_sampler=batch_sampler, num_workers=workers, collate_fn=collate_samples,
-        worker_init_fn=seed_worker, multiprocessing_context=worker_context(workers),
-        pin_memory=bench.device.type == "cuda")
+    loader = build_loader(dataset, bench.device, workers, batch_sampler=batch_sampler)
     return dataset, loader
 
 

@@ -20,7 +20,7 @@ from typing import Dict
 import torch
 
 from opencood.config import ConfigError, save_config
-from opencood.data.collate import collate_samples, seed_worker, worker_context
+from opencood.data.collate import build_loader
 from opencood.data.datasets import build_dataset
 from opencood.data.pipeline import BatchPreparer
 from opencood.engine.loop import group_micro_batches, optimizer_step
@@ -31,7 +31,8 @@ from opencood.engine.recipe import (ScalarLogger, amp_settings, build_teacher,
                                     distillation_dataset_args, log_model_summary,
                                     make_loss_fn, make_run_dir, make_validation_loss_fn,
                                     prepare_model, progress_bar, resolve_config,
-                                    seed_everything, split_batch_or_refuse, step_budget,
+                                    seed_everything, seed_model_randomness,
+                                    split_batch_or_refuse, step_budget,
                                     validate)
 from opencood.engine.state import (MidEpochCheckpoints, TrainState, find_resume_checkpoint,
                                    restore_training, save_mid_epoch_checkpoint,
@@ -94,10 +95,8 @@ def train(cfg: Dict, args, info: dist_utils.DistInfo) -> Dict:
     except ValueError as error:
         raise ConfigError(f"train_params.batch_size: {error}") from None
     workers = train_params["num_workers"]
-    train_loader = torch.utils.data.DataLoader(
-        train_set, batch_sampler=batch_sampler, num_workers=workers, collate_fn=collate_samples,
-        worker_init_fn=seed_worker, multiprocessing_context=worker_context(workers),
-        pin_memory=info.device.type == "cuda", generator=torch.Generator())
+    train_loader = build_loader(train_set, info.device, workers, batch_sampler=batch_sampler,
+                                generator=torch.Generator())
     val_loaders = build_validation_loaders(cfg, info, micro)
     steps_per_epoch = len(train_loader) // accum
     if steps_per_epoch == 0:
@@ -119,6 +118,8 @@ def train(cfg: Dict, args, info: dist_utils.DistInfo) -> Dict:
     # EMA -> DDP; checkpoints are saved from model_without_ddp.
     model, model_without_ddp, ema = prepare_model(cfg, info, checkpoint, ckpt_path)
     model = compile_for_training(model, cfg)
+    # Initialised alike on every rank above; from here each rank draws its own dropout masks.
+    seed_model_randomness(seed, info.rank)
 
     # Batches -> model inputs and targets: pillars capped by max_voxel_train in training, by
     # max_voxel_test in validation (eval_preparer).

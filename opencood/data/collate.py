@@ -125,3 +125,18 @@ def worker_context(num_workers: int):
     # Read when the server first starts (the first loader's first epoch); a no-op afterwards.
     context.set_forkserver_preload(list(WORKER_PRELOAD))
     return context
+
+
+def build_loader(dataset, device: torch.device, num_workers: int,
+                 **sampling) -> torch.utils.data.DataLoader:
+    """The one DataLoader builder of the project (training, validation, eval, bench).
+
+    Our collate and worker seeding, workers from :func:`worker_context`, and pinned host memory
+    when the batches go to a GPU: the preparer's ``non_blocking`` copies from pinned memory then
+    queue behind the running step instead of waiting for the GPU. ``sampling``: the DataLoader's
+    ``batch_size`` + ``sampler``, or ``batch_sampler``, and ``generator``.
+    """
+    return torch.utils.data.DataLoader(
+        dataset, num_workers=num_workers, collate_fn=collate_samples, worker_init_fn=seed_worker,
+        multiprocessing_context=worker_context(num_workers),
+        pin_memory=torch.device(device).type == "cuda", **sampling)

@@ -44,23 +44,27 @@ class BatchPreparer:
         """Pillarise on the device. Returns the model's input dict (see opencood.models), with
         ``agent_types`` (sum(record_len),) int64 (0 vehicle, 1 infrastructure) for models that
         treat roadside units apart (V2X-ViT); the others ignore it."""
-        points = batch["points"].to(self.device, non_blocking=True)
-        agent_index = batch["agent_index"].to(self.device, non_blocking=True)
+        points = self.to_device(batch["points"])
+        agent_index = self.to_device(batch["agent_index"])
         # The agent count as a shape (no host sync): one transform per agent.
         num_agents = batch["transforms_to_ego"].shape[0]
         inputs = dict(self.pillarize(points, agent_index, num_agents))
-        inputs["record_len"] = batch["record_len"].to(self.device)
-        inputs["agent_types"] = batch["agent_types"].to(self.device)
-        if "agent_latency" in batch:        # V2X-ViT's delay encoding
-            inputs["agent_latency"] = batch["agent_latency"].to(self.device)
-        inputs["shared_points"] = batch["shared_points"].to(self.device)
-        inputs["transforms_to_ego"] = batch["transforms_to_ego"].to(self.device)
+        for key in ("record_len", "agent_types", "shared_points", "transforms_to_ego",
+                    "agent_latency"):           # agent_latency: V2X-ViT's delay encoding
+            if key in batch:
+                inputs[key] = self.to_device(batch[key])
         return inputs
+
+    def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every host-to-device copy of a batch: non-blocking, so that from the loader's pinned
+        memory (``build_loader`` pins for CUDA) it queues behind the running step instead of
+        waiting for the GPU to finish it."""
+        return tensor.to(self.device, non_blocking=True)
 
     def targets(self, batch: Dict) -> Dict:
         """Anchor targets for the batch's GT (ego frame, or the CAV frame for late training)."""
-        gt_boxes = batch["gt_boxes"].to(self.device, non_blocking=True)
-        gt_mask = batch["gt_mask"].to(self.device, non_blocking=True)
+        gt_boxes = self.to_device(batch["gt_boxes"])
+        gt_mask = self.to_device(batch["gt_mask"])
         return self.postprocessor.targets(gt_boxes, gt_mask)
 
     def __call__(self, batch: Dict, with_targets: bool = True) -> Tuple[Dict, Dict | None]:

@@ -20,10 +20,10 @@ import torch
 import yaml
 
 from opencood.config import ConfigError, apply_overrides, load_config, resolve
-from opencood.data.collate import collate_samples, worker_context
+from opencood.data.collate import build_loader
 from opencood.data.datasets import build_dataset
 from opencood.data.pipeline import BatchPreparer
-from opencood.engine.recipe import check_registered_names
+from opencood.engine.recipe import check_registered_names, configure_cuda
 from opencood.errors import run_cli
 from opencood.eval.inference import evaluate_loader
 from opencood.eval.protocols import DEFAULT_PROTOCOL, PROTOCOLS
@@ -190,10 +190,8 @@ def evaluate_setting(cfg, args, run_dir, model, device, setting) -> Dict | None:
                                       source="eval sweep"), "eval sweep")
     fusion = args.fusion_method or cfg_run["fusion"]["core_method"]
     dataset = build_dataset(cfg_run, args.split, train=False, fusion_method=fusion)
-    loader = torch.utils.data.DataLoader(
-        dataset, batch_size=args.batch_size, collate_fn=collate_samples,
-        sampler=InferenceSampler(len(dataset)), num_workers=args.num_workers,
-        multiprocessing_context=worker_context(args.num_workers))
+    loader = build_loader(dataset, device, args.num_workers, batch_size=args.batch_size,
+                          sampler=InferenceSampler(len(dataset)))
     preparer = BatchPreparer.from_config(cfg_run, device, training=False)
     on_sample = None
     if args.save_vis:
@@ -247,6 +245,7 @@ def evaluate(args) -> List[Dict]:
             backend=dist_cfg["backend"],
             timeout_minutes=float(dist_cfg["timeout_minutes"])) as info:
         dist_utils.setup_logging(None, info.rank)
+        configure_cuda(cfg)      # the TF32 switches training validated with
         checkpoint_path = pick_checkpoint(run_dir, args.checkpoint)
         model = load_eval_model(cfg, checkpoint_path, args.use_ema, info.device)
         get_strategy(args.fusion_method or cfg["fusion"]["core_method"]).check_model(

@@ -18,7 +18,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from opencood.config import ConfigError, load_config
-from opencood.data.collate import collate_samples, seed_worker, worker_context
+from opencood.data.collate import build_loader
 from opencood.data.datasets import build_dataset
 from opencood.data.pipeline import BatchPreparer
 from opencood.engine.loop import validation_loss
@@ -119,12 +119,28 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def rank_seed(seed: int, rank: int) -> int:
+    """A seed of its own for each (seed, rank), well apart from other runs' seeds."""
+    return int(np.random.SeedSequence([seed, rank]).generate_state(1)[0])
+
+
+def seed_model_randomness(seed: int, rank: int) -> None:
+    """Give each rank its own torch stream for the model's randomness (dropout masks), once the
+    model is built and initialised alike on every rank: one stream for all would train V2X-ViT
+    and CoBEVT with the same masks on every GPU. Data order and augmentation draw from
+    (seed, epoch, index) generators of their own, so they stay the same for any rank count; a
+    resume then restores each rank's saved stream."""
+    torch.manual_seed(rank_seed(seed, rank))
+
+
 def configure_cuda(cfg: Dict) -> None:
+    """TF32 and cudnn.benchmark from the config's ``performance`` section, for training (and its
+    validation) and for tools/eval.py alike: the same checkpoint then scores the same in both.
+    Set on every machine (the switches are inert without CUDA), so CPU tests can see them."""
     perf = cfg["performance"]
-    if torch.cuda.is_available():
-        torch.backends.cuda.matmul.allow_tf32 = perf["tf32"]
-        torch.backends.cudnn.allow_tf32 = perf["tf32"]
-        torch.backends.cudnn.benchmark = perf["cudnn_benchmark"]
+    torch.backends.cuda.matmul.allow_tf32 = perf["tf32"]
+    torch.backends.cudnn.allow_tf32 = perf["tf32"]
+    torch.backends.cudnn.benchmark = perf["cudnn_benchmark"]
 
 
 def amp_settings(cfg: Dict, device: torch.device):
@@ -176,11 +192,8 @@ def build_validation_loaders(cfg: Dict, info: dist_utils.DistInfo, micro_batch: 
                              **strategy.loss_dataset_args())
     workers = cfg["train_params"]["num_workers"]
     return tuple(
-        torch.utils.data.DataLoader(
-            dataset, batch_size=micro_batch,
-            sampler=InferenceSampler(len(dataset), info.rank, info.world_size),
-            num_workers=workers, collate_fn=collate_samples, worker_init_fn=seed_worker,
-            multiprocessing_context=worker_context(workers))
+        build_loader(dataset, info.device, workers, batch_size=micro_batch,
+                     sampler=InferenceSampler(len(dataset), info.rank, info.world_size))
         for dataset in (loss_set, ap_set))
 
 
