@@ -558,9 +558,8 @@ def test_eval_uses_the_tf32_switches_training_validates_with(runs, tmp_path, tf3
 def test_training_validation_and_eval_give_the_same_ap_on_one_checkpoint(runs, tmp_path):
     """The two AP paths: training's validation (recipe.validate, the validation loaders) and
     tools/eval.py --split validate, on the same weights."""
-    from opencood.data.pipeline import BatchPreparer
     from opencood.engine import recipe
-    from opencood.losses import build_loss
+    from opencood.engine.task import DetectionTask
     from opencood.utils.dist import DistInfo
     run_dir = _copy_run(runs.inter, tmp_path / "run")
     (eval_metrics,) = evaluator.main(_argv(run_dir, "--split", "validate"))
@@ -569,11 +568,10 @@ def test_training_validation_and_eval_give_the_same_ap_on_one_checkpoint(runs, t
     info = DistInfo(rank=0, world_size=1, local_rank=0, distributed=False, backend=None,
                     device=cpu)
     model = evaluator.load_eval_model(cfg, run_dir / "last.pth", True, cpu)
-    preparer = BatchPreparer.from_config(cfg, cpu, training=False)
-    loss_fn = recipe.make_validation_loss_fn(preparer, build_loss(cfg["loss"]))
+    task = DetectionTask.from_config(cfg, cpu)
     loaders = recipe.build_validation_loaders(cfg, info, micro_batch=2)
-    results, count, _ = recipe.validate(model, loaders, loss_fn, info, None, cfg,
-                                        cfg["train_params"]["eval_freq"], preparer)
+    results, count, _ = recipe.validate(model, loaders, task, info, None, cfg,
+                                        cfg["train_params"]["eval_freq"])
     assert count == len(TIMESTAMPS) and eval_metrics["num_frames"] == len(TIMESTAMPS)
     assert eval_metrics["ap_50"] > 0
     for key in ("ap_30", "ap_50", "ap_70"):

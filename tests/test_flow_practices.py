@@ -19,7 +19,9 @@ from opv2v_factory import frame_stamps, write_simple_split
 from process_state import preserved_opencood_logger, preserved_torch_switches
 from tool_modules import load_tool
 from opencood.config import load_config
+from opencood.data.pipeline import BatchPreparer
 from opencood.engine import recipe
+from opencood.engine.task import DetectionTask
 from opencood.losses import build_loss
 from opencood.models.build import build_model
 from opencood.utils.checkpoint import load_checkpoint
@@ -113,13 +115,12 @@ def test_validation_and_best_checkpoint_use_the_ema_weights(data_root, tmp_path)
     checkpoint = load_checkpoint(run_dir / "last.pth")
     info = DistInfo(0, 1, 0, False, None, CPU)
     val_loaders = recipe.build_validation_loaders(cfg, info, micro_batch=2)
-    preparer = recipe.BatchPreparer.from_config(cfg, CPU)
-    loss_fn = recipe.make_validation_loss_fn(preparer, build_loss(cfg["loss"]))
+    task = DetectionTask(BatchPreparer.from_config(cfg, CPU), build_loss(cfg["loss"]))
 
     def loss_of(weights):
         model, _, _ = recipe.prepare_model(cfg, info, None, None)
         model.load_state_dict(weights)
-        return recipe.validate(model, val_loaders, loss_fn, info, None, cfg, 1, preparer)[0]["loss"]
+        return recipe.validate(model, val_loaders, task, info, None, cfg, 1)[0]["loss"]
 
     ema_loss, raw_loss = loss_of(checkpoint["ema"]["module"]), loss_of(checkpoint["model"])
     assert abs(ema_loss - raw_loss) > 1e-4          # the two are told apart

@@ -28,6 +28,7 @@ from opencood.data.datasets import build_dataset
 from opencood.data.pipeline import BatchPreparer
 from opencood.engine import recipe, state as train_state
 from opencood.engine.loop import validation_loss
+from opencood.engine.task import DetectionTask
 from opencood.losses import build_loss
 from opencood.utils import dist as dist_utils
 from opencood.utils.dist import DistInfo
@@ -216,24 +217,20 @@ def _trainer_job(rank, world_size, port, argv) -> dict:
     from opencood.utils.checkpoint import capture_rng_state
     validated, at_save, after_restore, first_step_rng = [], [], [], []
     real = {name: getattr(trainer, name) for name in
-            ("validate", "make_loss_fn", "training_state", "restore_training")}
+            ("validate", "training_state", "restore_training")}
+    real_loss = DetectionTask.training_loss
 
     def validate_spy(model_for_eval, *args):
         validated.append({key: value.detach().clone()
                           for key, value in model_for_eval.state_dict().items()})
         return real["validate"](model_for_eval, *args)
 
-    def make_loss_fn_spy(*args, **options):
-        loss_fn = real["make_loss_fn"](*args, **options)
-
-        def drawing_loss_fn(model, batch):
-            if not first_step_rng:          # the stream a dropout mask of step 1 draws from
-                first_step_rng.append(torch.get_rng_state())
-            if rank == 1:
-                torch.rand(3), random.random(), np.random.rand()
-            return loss_fn(model, batch)
-
-        return drawing_loss_fn
+    def drawing_loss(task, model, batch):
+        if not first_step_rng:          # the stream a dropout mask of step 1 draws from
+            first_step_rng.append(torch.get_rng_state())
+        if rank == 1:
+            torch.rand(3), random.random(), np.random.rand()
+        return real_loss(task, model, batch)
 
     def training_state_spy(*args):
         at_save.append(capture_rng_state())
@@ -244,13 +241,14 @@ def _trainer_job(rank, world_size, port, argv) -> dict:
         after_restore.append(capture_rng_state())
         return progress
 
-    trainer.validate, trainer.make_loss_fn = validate_spy, make_loss_fn_spy
+    trainer.validate, DetectionTask.training_loss = validate_spy, drawing_loss
     trainer.training_state, trainer.restore_training = training_state_spy, restore_spy
     try:
         outcome = _run_trainer_on_rank(rank, world_size, port, argv)
     finally:
         for name, function in real.items():
             setattr(trainer, name, function)
+        DetectionTask.training_loss = real_loss
     return dict(outcome, validated=validated, rng_at_save=at_save,
                 rng_after_restore=after_restore, first_step_rng=first_step_rng)
 
@@ -360,8 +358,8 @@ def validation_losses(root: Path, rank: int, world_size: int) -> list:
     """[(loss, samples)] of fixed weights at each of VAL_BATCHES, all ranks together."""
     cfg = _config(root)
     model = _fixed_model(cfg)
-    loss_fn = recipe.make_validation_loss_fn(BatchPreparer.from_config(cfg, CPU),
-                                              build_loss(cfg["loss"]))
+    loss_fn = DetectionTask(BatchPreparer.from_config(cfg, CPU),
+                            build_loss(cfg["loss"])).validation_loss
     dataset = build_dataset(cfg, "validate", train=False, count_ego_points=False)
     losses = []
     for batch_size in VAL_BATCHES:
@@ -380,7 +378,8 @@ def _losses_of_samples_alone(root: Path) -> tuple:
     """(training loss of each sample as a micro-batch of its own, training loss at batch 2)."""
     cfg = _config(root)
     model = _fixed_model(cfg).eval()
-    loss_fn = trainer.make_loss_fn(BatchPreparer.from_config(cfg, CPU), build_loss(cfg["loss"]))
+    loss_fn = DetectionTask(BatchPreparer.from_config(cfg, CPU),
+                            build_loss(cfg["loss"])).training_loss
     dataset = build_dataset(cfg, "validate", train=False, count_ego_points=False)
     with torch.no_grad():
         alone = [float(loss_fn(model, collate_samples([dataset[i]]))[0])
@@ -430,9 +429,8 @@ def _validate_in_one_process(run_dir: Path, checkpoint_name: str) -> dict:
     path = run_dir / checkpoint_name
     _, model, _ = trainer.prepare_model(cfg, info, load_checkpoint(path), path)
     preparer = BatchPreparer.from_config(cfg, CPU)
-    loss_fn = recipe.make_validation_loss_fn(preparer, build_loss(cfg["loss"]))
-    results, count, _ = recipe.validate(model, val_loaders, loss_fn, info, None, cfg, 1,
-                                         preparer)
+    task = DetectionTask(preparer, build_loss(cfg["loss"]))
+    results, count, _ = recipe.validate(model, val_loaders, task, info, None, cfg, 1)
     assert count == VAL_SAMPLES
     return results
 

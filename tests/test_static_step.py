@@ -9,7 +9,8 @@ import torch
 
 from opencood.config import load_config
 from opencood.data.pipeline import BatchPreparer
-from opencood.engine.recipe import make_loss_fn, prepare_model
+from opencood.engine.recipe import prepare_model
+from opencood.engine.task import DetectionTask
 from opencood.losses import build_loss
 from opencood.models.pillar_vfe import masked_batch_norm
 from opencood.models.scatter import PointPillarScatter
@@ -127,8 +128,8 @@ def lite_step_parts(config: str, overrides=()):
     keep = batch["agent_index"] != 1
     batch["points"], batch["agent_index"] = batch["points"][keep], batch["agent_index"][keep]
     sync_free = cfg["performance"]["sync_free_step"]
-    loss_fn = make_loss_fn(BatchPreparer.from_config(cfg, CPU), build_loss(cfg["loss"]),
-                           host_terms=not sync_free)
+    loss_fn = DetectionTask(BatchPreparer.from_config(cfg, CPU), build_loss(cfg["loss"]),
+                            host_terms=not sync_free).training_loss
     return cfg, model, loss_fn, batch
 
 

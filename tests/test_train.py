@@ -19,6 +19,7 @@ import yaml
 from opencood.config import ConfigError, resolve_section
 from opencood.engine import recipe, state as train_state
 from opencood.engine.optim import build_optimizer, build_scheduler, lr_factor
+from opencood.engine.task import DetectionTask
 from opencood.utils import dist as dist_utils
 from opencood.utils.checkpoint import history_path, load_checkpoint
 from opencood.utils.dist import DistInfo
@@ -327,9 +328,8 @@ def test_every_parameter_receives_a_gradient(name, data_root, tmp_path):
     model, model_without_ddp, _ = trainer.prepare_model(cfg, info, None, None)
     assert model is model_without_ddp  # no DDP wrapper in one process
     dataset = build_dataset(cfg, "train", train=True)
-    loss_fn = trainer.make_loss_fn(BatchPreparer.from_config(cfg, CPU),
-                                   build_loss(cfg["loss"]))
-    loss, _, count = loss_fn(model, collate_samples([dataset[0], dataset[1]]))
+    task = DetectionTask(BatchPreparer.from_config(cfg, CPU), build_loss(cfg["loss"]))
+    loss, _, count = task.training_loss(model, collate_samples([dataset[0], dataset[1]]))
     loss.backward()
     assert count == 2 and torch.isfinite(loss)
     missing = [key for key, param in model.named_parameters() if param.grad is None]
@@ -551,19 +551,14 @@ def test_a_full_disk_stops_training_in_one_line_and_keeps_the_last_checkpoint(
 @pytest.fixture
 def nan_at_step_3(monkeypatch):
     """The training loss of the 3rd optimizer step (epoch 2's first: 2 steps per epoch) is NaN."""
-    real_make = trainer.make_loss_fn
+    real_loss, calls = DetectionTask.training_loss, []
 
-    def make_loss_fn(preparer, criterion, teacher=None, **options):
-        loss_fn, calls = real_make(preparer, criterion, teacher, **options), []
+    def poisoned(task, model, batch):
+        loss, terms, count = real_loss(task, model, batch)
+        calls.append(1)
+        return (loss * float("nan") if len(calls) == 3 else loss), terms, count
 
-        def poisoned(model, batch):
-            loss, terms, count = loss_fn(model, batch)
-            calls.append(1)
-            return (loss * float("nan") if len(calls) == 3 else loss), terms, count
-
-        return poisoned
-
-    monkeypatch.setattr(trainer, "make_loss_fn", make_loss_fn)
+    monkeypatch.setattr(DetectionTask, "training_loss", poisoned)
 
 
 @pytest.mark.parametrize("switches", [[], FAST_STEP], ids=["default", "fast_step"])

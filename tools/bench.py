@@ -392,12 +392,11 @@ class ModelBench:
     """The config's model, optimiser, loss and a fake batch on the device, as training has them."""
 
     def __init__(self, suite: Suite):
-        from opencood.data.pipeline import BatchPreparer
         from opencood.engine.optim import build_optimizer
         from opencood.engine.recipe import (amp_settings, compile_for_training, configure_cuda,
-                                            make_loss_fn, prepare_model)
+                                            prepare_model)
+        from opencood.engine.task import DetectionTask
         from opencood.strategies import fuses_agents
-        from opencood.losses import build_loss
         from opencood.utils.dist import DistInfo
 
         args, cfg, device = suite.args, suite.cfg, suite.device
@@ -413,9 +412,9 @@ class ModelBench:
         # sync count (a dispatch mode), the eager one.
         self.train_model = compile_for_training(self.model, cfg)
         self.sync_free = cfg["performance"]["sync_free_step"]
-        self.preparer = BatchPreparer.from_config(cfg, device)
-        self.criterion = build_loss(cfg["loss"]).to(device)
-        self.loss_fn = make_loss_fn(self.preparer, self.criterion, host_terms=not self.sync_free)
+        self.task = DetectionTask.from_config(cfg, device)
+        self.preparer, self.criterion = self.task.preparer, self.task.criterion
+        self.loss_fn = self.task.training_loss
         self.optimizer = build_optimizer(self.model_without_ddp.parameters(), cfg["optimizer"])
         amp_cfg = cfg["amp"]
         amp_yaml = str(amp_cfg["dtype"]) if amp_cfg["enabled"] else "off"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict
 
@@ -22,23 +23,21 @@ import torch
 from opencood.config import ConfigError, save_config
 from opencood.data.collate import build_loader
 from opencood.data.datasets import build_dataset
-from opencood.data.pipeline import BatchPreparer
 from opencood.engine.loop import group_micro_batches, optimizer_step
 from opencood.engine.optim import build_optimizer, build_scheduler
 from opencood.engine.recipe import (ScalarLogger, amp_settings, build_teacher,
                                     build_validation_loaders, check_registered_names,
                                     compile_for_training, configure_cuda,
                                     distillation_dataset_args, log_model_summary,
-                                    make_loss_fn, make_run_dir, make_validation_loss_fn,
-                                    prepare_model, progress_bar, resolve_config,
+                                    make_run_dir, prepare_model, progress_bar, resolve_config,
                                     seed_everything, seed_model_randomness,
-                                    split_batch_or_refuse, step_budget,
-                                    validate)
-from opencood.engine.state import (MidEpochCheckpoints, TrainState, find_resume_checkpoint,
-                                   restore_training, save_mid_epoch_checkpoint,
-                                   save_run_checkpoints, training_state)
+                                    split_batch_or_refuse, step_budget, validate)
+from opencood.engine.state import (MidEpochCheckpoints, TrainingParts, TrainState,
+                                   find_resume_checkpoint, restore_training,
+                                   save_mid_epoch_checkpoint, save_run_checkpoints,
+                                   training_state)
+from opencood.engine.task import DetectionTask
 from opencood.errors import run_cli
-from opencood.losses import build_loss
 from opencood.utils import dist as dist_utils
 from opencood.utils.batching import describe_batch
 from opencood.utils.samplers import build_train_sampler
@@ -121,39 +120,35 @@ def train(cfg: Dict, args, info: dist_utils.DistInfo) -> Dict:
     # Initialised alike on every rank above; from here each rank draws its own dropout masks.
     seed_model_randomness(seed, info.rank)
 
-    # Batches -> model inputs and targets: pillars capped by max_voxel_train in training, by
-    # max_voxel_test in validation (eval_preparer).
-    preparer = BatchPreparer.from_config(cfg, info.device)
-    eval_preparer = BatchPreparer.from_config(cfg, info.device, training=False)
-    criterion = build_loss(cfg["loss"]).to(info.device)
-    loss_fn = make_loss_fn(preparer, criterion, teacher,
-                           host_terms=not cfg["performance"]["sync_free_step"])
-    val_loss_fn = make_validation_loss_fn(eval_preparer, criterion)
+    # Forward + loss: batches -> model inputs and targets (pillars capped by max_voxel_train in
+    # training steps, by max_voxel_test in validation), the criterion, the teacher.
+    task = DetectionTask.from_config(cfg, info.device, teacher)
     optimizer = build_optimizer(model_without_ddp.parameters(), cfg["optimizer"])
-    scheduler = build_scheduler(optimizer, cfg["lr_scheduler"], total_steps,
-                                steps_per_epoch)
     amp_dtype, scaler = amp_settings(cfg, info.device)
+    parts = TrainingParts(model, model_without_ddp, ema, optimizer,
+                          build_scheduler(optimizer, cfg["lr_scheduler"], total_steps,
+                                          steps_per_epoch),
+                          scaler, amp_dtype, task)
     progress = TrainState()
     if checkpoint is not None:
-        progress = restore_training(checkpoint, optimizer, scheduler, scaler, info)
+        progress = restore_training(checkpoint, parts, info)
         logger.info("resumed from %s at epoch %d (step %d)", ckpt_path, progress.epoch,
                     progress.step)
         if progress.epoch_steps_done:
             logger.info("epoch %d continues after its first %d of %d steps", progress.epoch + 1,
                         progress.epoch_steps_done, steps_per_epoch)
     else:
-        log_model_summary(model_without_ddp, preparer, train_loader)
+        log_model_summary(model_without_ddp, task.preparer, train_loader)
 
-    run = EpochRunner(cfg, info, run_dir, progress, seed, model, model_without_ddp, ema,
-                      loss_fn, optimizer, scheduler, scaler, amp_dtype, total_steps,
-                      steps_per_epoch, accum)
+    run = EpochRunner(cfg, info, run_dir, progress, parts,
+                      StepPlan(seed, total_steps, steps_per_epoch, accum))
     history = {}
     try:
         for epoch in range(progress.epoch + 1, epochs + 1):
             train_sampler.set_epoch(epoch)        # a new shuffle every epoch, the same on all ranks
             run.train_one_epoch(epoch, train_set, train_loader)
             # Rank 0's weights (the EMA's when enabled) are validated and saved, exactly.
-            results = run.validate(epoch, val_loaders, val_loss_fn, eval_preparer)
+            results = run.validate(epoch, val_loaders)
             if results is not None:
                 history[epoch] = results
             run.save_epoch_end(epoch, results)
@@ -163,20 +158,24 @@ def train(cfg: Dict, args, info: dist_utils.DistInfo) -> Dict:
             "skipped_steps": progress.skipped_steps}
 
 
+@dataclass(frozen=True)
+class StepPlan:
+    """The run's step budget: ``seed`` (the loader's worker seeds per epoch), ``total_steps``
+    optimizer steps, ``steps_per_epoch`` of ``accum`` micro-batches each."""
+    seed: int
+    total_steps: int
+    steps_per_epoch: int
+    accum: int
+
+
 class EpochRunner:
     """One epoch of steps, its validation and its checkpoints, for ``train`` above. Holds the
     run's objects so that each stage reads as one call there."""
 
-    def __init__(self, cfg, info, run_dir, progress: TrainState, seed, model, model_without_ddp,
-                 ema, loss_fn, optimizer, scheduler, scaler, amp_dtype, total_steps,
-                 steps_per_epoch, accum):
-        self.cfg, self.info, self.run_dir, self.progress, self.seed = cfg, info, run_dir, \
-            progress, seed
-        self.model, self.model_without_ddp, self.ema = model, model_without_ddp, ema
-        self.loss_fn, self.optimizer, self.scheduler, self.scaler = loss_fn, optimizer, \
-            scheduler, scaler
-        self.amp_dtype, self.total_steps = amp_dtype, total_steps
-        self.steps_per_epoch, self.accum = steps_per_epoch, accum
+    def __init__(self, cfg: Dict, info: dist_utils.DistInfo, run_dir: Path,
+                 progress: TrainState, parts: TrainingParts, plan: StepPlan):
+        self.cfg, self.info, self.run_dir = cfg, info, run_dir
+        self.progress, self.parts, self.plan = progress, parts, plan
         train_params = cfg["train_params"]
         self.grad_clip = train_params["grad_clip"]
         # Steps with a non-finite loss or gradients to skip before stopping (0: stop at once).
@@ -194,14 +193,14 @@ class EpochRunner:
         train_set.set_epoch(epoch)                # augmentation draws: f(seed, epoch, index)
         # The loader's generator seeds its workers: a function of (seed, epoch) only, so a
         # resumed run draws exactly what an uninterrupted one would.
-        train_loader.generator.manual_seed(self.seed * 100003 + epoch)
+        train_loader.generator.manual_seed(self.plan.seed * 100003 + epoch)
         # Resumed inside this epoch: the same shuffled order without the steps already done.
-        train_loader.batch_sampler.resume_in_epoch(epoch, progress.epoch_steps_done * self.accum)
-        self.model.train()
-        bar = progress_bar(self.steps_per_epoch, epoch, progress.epoch_steps_done)
+        train_loader.batch_sampler.resume_in_epoch(epoch, progress.epoch_steps_done * self.plan.accum)
+        self.parts.model.train()
+        bar = progress_bar(self.plan.steps_per_epoch, epoch, progress.epoch_steps_done)
         epoch_start, epoch_samples = time.perf_counter(), 0
-        for micro_batches in group_micro_batches(train_loader, self.accum):
-            if progress.step >= self.total_steps:
+        for micro_batches in group_micro_batches(train_loader, self.plan.accum):
+            if progress.step >= self.plan.total_steps:
                 break                              # train_params.max_steps ends inside an epoch
             stats = self.train_step(epoch, micro_batches)
             epoch_samples += stats["samples"] * self.info.world_size
@@ -210,7 +209,7 @@ class EpochRunner:
                                 sps=f"{stats['samples_per_s']:.1f}")
                 bar.update(1)
             progress.epoch_steps_done += 1
-            if progress.epoch_steps_done < self.steps_per_epoch and \
+            if progress.epoch_steps_done < self.plan.steps_per_epoch and \
                     self.mid_epoch.due(progress.step):
                 self.save_mid_epoch()
         if bar is not None:
@@ -222,20 +221,20 @@ class EpochRunner:
         if self.last_stats:
             logger.info("epoch %d: loss %.4f, lr %.2e, %.1f samples/s (step %d of %d)", epoch,
                         self.last_stats["loss"], self.last_stats["lr"],
-                        epoch_samples / max(elapsed, 1e-9), progress.step, self.total_steps)
+                        epoch_samples / max(elapsed, 1e-9), progress.step, self.plan.total_steps)
 
     def train_step(self, epoch: int, micro_batches) -> Dict:
         """One optimizer step (accumulated micro-batches, DDP all-reduce), schedule, EMA, log."""
-        progress, step_start = self.progress, time.perf_counter()
-        stats = optimizer_step(self.model, micro_batches, self.loss_fn, self.optimizer,
-                               self.scaler, self.info.device, self.amp_dtype, self.grad_clip,
-                               where=f"epoch {epoch} step {progress.step + 1}",
+        progress, parts, step_start = self.progress, self.parts, time.perf_counter()
+        stats = optimizer_step(parts.model, micro_batches, parts.task.training_loss,
+                               parts.optimizer, parts.scaler, self.info.device, parts.amp_dtype,
+                               self.grad_clip, where=f"epoch {epoch} step {progress.step + 1}",
                                skip_nonfinite=progress.skipped_steps < self.skip_budget,
                                sync_free=self.cfg["performance"]["sync_free_step"],
-                               ema=self.ema)
+                               ema=parts.ema)
         # A skipped step still counts (lr schedule and step numbers stay aligned with an
         # uninterrupted run); only the weights, buffers and EMA stay where they were.
-        self.scheduler.step()
+        parts.scheduler.step()
         progress.step += 1
         progress.skipped_steps += stats.pop("skipped")
         nonfinite = stats.pop("nonfinite")
@@ -245,26 +244,27 @@ class EpochRunner:
         stats["skipped_steps"] = progress.skipped_steps
         global_samples = stats["samples"] * self.info.world_size
         stats["samples_per_s"] = global_samples / max(1e-9, time.perf_counter() - step_start)
-        stats["lr"] = self.optimizer.param_groups[0]["lr"]
+        stats["lr"] = parts.optimizer.param_groups[0]["lr"]
         self.scalars.scalars({k: v for k, v in stats.items() if k != "samples"}, progress.step,
                              "train")
         self.last_stats = stats
         return stats
 
-    def validate(self, epoch: int, val_loaders, val_loss_fn, preparer) -> Dict | None:
+    def validate(self, epoch: int, val_loaders) -> Dict | None:
         """Validation results of this epoch on every rank's copy of rank 0's model (the EMA's
         weights when enabled); None without a validation split."""
         if val_loaders is None:
             return None
         # Every rank validates rank 0's model (the one saved): the same weights, and the same
         # BatchNorm statistics, which each rank's last forward moved its way.
-        if self.ema is not None:
-            self.ema.broadcast_from(0)
+        parts = self.parts
+        if parts.ema is not None:
+            parts.ema.broadcast_from(0)
         else:
-            dist_utils.broadcast_buffers(self.model_without_ddp, src=0)
-        eval_model = self.ema.module if self.ema is not None else self.model_without_ddp
-        results, count, pictures = validate(eval_model, val_loaders, val_loss_fn, self.info,
-                                            self.amp_dtype, self.cfg, epoch, preparer)
+            dist_utils.broadcast_buffers(parts.model_without_ddp, src=0)
+        eval_model = parts.ema.module if parts.ema is not None else parts.model_without_ddp
+        results, count, pictures = validate(eval_model, val_loaders, parts.task, self.info,
+                                            parts.amp_dtype, self.cfg, epoch)
         self.scalars.scalars(results, self.progress.step, "val")
         for picture in pictures:
             self.scalars.image("val/bev", picture, self.progress.step)
@@ -279,11 +279,10 @@ class EpochRunner:
         is_best = results is not None and results["loss"] < progress.best_val_loss
         if results is not None:
             progress.best_val_loss = min(progress.best_val_loss, results["loss"])
-        whole = progress.epoch_steps_done >= self.steps_per_epoch
+        whole = progress.epoch_steps_done >= self.plan.steps_per_epoch
         if whole:
             progress.epoch, progress.epoch_steps_done = epoch, 0
-        state = training_state(self.model_without_ddp, self.ema, self.optimizer, self.scheduler,
-                               self.scaler, progress, self.cfg, self.seed)
+        state = training_state(self.parts, progress, self.cfg, self.plan.seed)
         # Rank 0 writes alone: should that fail (disk full), the others stop too, not wait.
         dist_utils.run_together(
             lambda: save_run_checkpoints(self.run_dir, state, epoch, self.save_freq if whole
@@ -292,8 +291,7 @@ class EpochRunner:
         self.mid_epoch.saved()
 
     def save_mid_epoch(self) -> None:
-        state = training_state(self.model_without_ddp, self.ema, self.optimizer, self.scheduler,
-                               self.scaler, self.progress, self.cfg, self.seed)
+        state = training_state(self.parts, self.progress, self.cfg, self.plan.seed)
         dist_utils.run_together(
             lambda: save_mid_epoch_checkpoint(self.run_dir, state, self.keep_checkpoints),
             "saving a mid-epoch checkpoint")

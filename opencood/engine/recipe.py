@@ -1,7 +1,7 @@
 """The training and evaluation recipe shared by the tools: the pieces tools/train.py assembles in
 DESIGN §6's order (and tools/eval.py and tools/bench.py reuse), so that no tool re-assembles
 them: config and run folder, AMP, the step budget, validation loaders, model preparation
-settings, the loss step, exact validation, logging.
+settings, exact validation, logging (the loss step is ``opencood.engine.task``).
 """
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from torch.nn.parallel import DistributedDataParallel
 from opencood.config import ConfigError, load_config
 from opencood.data.collate import build_loader
 from opencood.data.datasets import build_dataset
-from opencood.data.pipeline import BatchPreparer
 from opencood.engine.loop import validation_loss
+from opencood.engine.task import DetectionTask
 from opencood.engine.teacher import DEFAULT_KD_WEIGHT, KD_KEYS, FrozenTeacher, load_teacher
 from opencood.eval.inference import evaluate_loader
 from opencood.models.build import build_model
@@ -307,58 +307,6 @@ def distillation_dataset_args(teacher: FrozenTeacher | None) -> Dict:
     return {"with_early_fusion": True} if teacher is not None else {}
 
 
-# -- the loss step ---------------------------------------------------------------------------
-
-def make_loss_fn(preparer: BatchPreparer, criterion, teacher: FrozenTeacher | None = None,
-                 host_terms: bool = True):
-    """loss_fn(model, batch) -> (loss, per-term floats, samples): the detection step.
-
-    ``host_terms`` False (``performance.sync_free_step``): the terms stay detached device
-    tensors, read by ``optimizer_step(sync_free=True)`` in its one host read.
-
-    With a ``teacher`` the loss adds the weighted distillation term between the student's fused
-    map and the teacher's map of the batch's early-fusion input; it is reported as ``kd_loss``
-    (TensorBoard's train/kd_loss) and ``total_loss`` includes it. The validation loss stays
-    detection only (``make_validation_loss_fn``): comparable with the other models' and free of
-    teacher forwards.
-    """
-    if teacher is not None:
-        logger.info("loss: detection + %g x feature distillation from the frozen teacher %s",
-                    teacher.weight, teacher.source)
-
-    def loss_fn(model, batch):
-        inputs, targets = preparer(batch)
-        outputs = model(inputs)
-        loss, terms = criterion(outputs, targets)
-        if teacher is not None:
-            teacher_inputs = preparer.model_inputs(batch["early_fusion"])
-            kd_loss = teacher.distillation_loss(outputs["fused_features"], teacher_inputs)
-            loss = loss + kd_loss
-            terms = {**terms, "kd_loss": kd_loss.detach(), "total_loss": loss.detach()}
-        if host_terms:
-            terms = {name: float(value) for name, value in terms.items()}
-        return loss, terms, len(batch["record_len"])
-
-    return loss_fn
-
-
-def make_validation_loss_fn(preparer: BatchPreparer, criterion):
-    """loss_fn(model, batch) -> (mean per-sample loss, {}, samples), for validation_loss.
-
-    The training loss is normalised per micro-batch; validation takes each sample's own
-    normalisation (``per_sample_losses``, float64), so validation_loss's sum of loss x samples
-    is the sum of per-sample losses and the split's mean does not depend on the micro-batch
-    size or the number of ranks (``best.pth`` neither).
-    """
-
-    def loss_fn(model, batch):
-        inputs, targets = preparer(batch)
-        per_sample = criterion.per_sample_losses(model(inputs), targets)
-        return per_sample.mean(), {}, per_sample.numel()
-
-    return loss_fn
-
-
 # -- validation ------------------------------------------------------------------------------
 
 def first_sample_picture(cfg: Dict, pictures: list):
@@ -375,19 +323,22 @@ def first_sample_picture(cfg: Dict, pictures: list):
     return on_sample
 
 
-def validate(model_for_eval, val_loaders, loss_fn, info, amp_dtype, cfg, epoch, preparer):
-    """Validation loss (exact over ranks) every epoch; AP every ``eval_freq`` epochs.
+def validate(model_for_eval, val_loaders, task: DetectionTask, info, amp_dtype, cfg, epoch):
+    """Validation loss (exact over ranks) every epoch; AP every ``eval_freq`` epochs, both with
+    the task's validation preparer (``max_voxel_test``).
 
     Returns ({"loss", and "ap_30/50/70", "ap_50_ego_occluded" on rank 0 when computed},
     samples in the loss,
     [a BEV picture (H, W, 3) BGR of the first sample when AP was computed, on rank 0]).
     """
     loss_loader, ap_loader = val_loaders
-    loss, count = validation_loss(model_for_eval, loss_loader, loss_fn, info.device, amp_dtype)
+    loss, count = validation_loss(model_for_eval, loss_loader, task.validation_loss, info.device,
+                                  amp_dtype)
     results, pictures = {"loss": loss}, []
     eval_freq = cfg["train_params"]["eval_freq"]
     if epoch % eval_freq == 0:
-        metrics = evaluate_loader(model_for_eval, ap_loader, preparer, cfg, info.device,
+        metrics = evaluate_loader(model_for_eval, ap_loader, task.eval_preparer, cfg,
+                                  info.device,
                                   on_sample=first_sample_picture(cfg, pictures))
         if metrics is not None:
             results.update({k: metrics[k] for k in ("ap_30", "ap_50", "ap_70")})

@@ -11,7 +11,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict
+from typing import Any, Dict, Optional
 
 import torch
 
@@ -49,17 +49,35 @@ class TrainState:
                    skipped_steps=int(checkpoint.get("skipped_steps", 0)))
 
 
-def training_state(model_without_ddp, ema, optimizer, scheduler, scaler, progress: TrainState,
-                   cfg: Dict, seed: int) -> Dict:
+@dataclass
+class TrainingParts:
+    """The objects a run trains with, travelling together.
+
+    ``model`` is what steps run (DDP-wrapped when distributed, compiled with
+    ``performance.compile``); ``model_without_ddp`` the bare module that checkpoints save (no
+    ``module.`` prefix) and the optimizer and EMA follow; ``amp_dtype`` the autocast dtype or
+    None; ``task`` the forward + loss (``opencood.engine.task.DetectionTask``).
+    """
+    model: torch.nn.Module
+    model_without_ddp: torch.nn.Module
+    ema: Any
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    scaler: torch.amp.GradScaler
+    amp_dtype: Optional[torch.dtype]
+    task: Any
+
+
+def training_state(parts: TrainingParts, progress: TrainState, cfg: Dict, seed: int) -> Dict:
     """What a checkpoint holds (complete on rank 0). All ranks call it: every rank's generator
     states are gathered (``rng_per_rank``; ``rng`` is this rank's own)."""
     own_rng = capture_rng_state()
     return {
-        "model": model_without_ddp.state_dict(),
-        "ema": ema.state_dict() if ema is not None else None,
-        "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(),
-        "scaler": scaler.state_dict(),
+        "model": parts.model_without_ddp.state_dict(),
+        "ema": parts.ema.state_dict() if parts.ema is not None else None,
+        "optimizer": parts.optimizer.state_dict(),
+        "scheduler": parts.scheduler.state_dict(),
+        "scaler": parts.scaler.state_dict(),
         "epoch": progress.epoch, "step": progress.step,
         "best_val_loss": progress.best_val_loss,
         "skipped_steps": progress.skipped_steps,       # the skip budget spans resumes
@@ -149,12 +167,12 @@ def restore_rank_rng_state(checkpoint: Dict, info: dist_utils.DistInfo) -> None:
     restore_rng_state(rng_state_for_rank(checkpoint, info.rank, info.world_size))
 
 
-def restore_training(checkpoint: Dict, optimizer, scheduler, scaler,
+def restore_training(checkpoint: Dict, parts: TrainingParts,
                      info: dist_utils.DistInfo) -> TrainState:
     """Optimizer, lr schedule, loss scaler and this rank's generators from ``checkpoint``;
     returns where the run stands. (The model and EMA are loaded before DDP wraps the model.)"""
-    optimizer.load_state_dict(checkpoint["optimizer"])
-    scheduler.load_state_dict(checkpoint["scheduler"])
-    restore_grad_scaler(scaler, checkpoint.get("scaler"))
+    parts.optimizer.load_state_dict(checkpoint["optimizer"])
+    parts.scheduler.load_state_dict(checkpoint["scheduler"])
+    restore_grad_scaler(parts.scaler, checkpoint.get("scaler"))
     restore_rank_rng_state(checkpoint, info)
     return TrainState.from_checkpoint(checkpoint)
