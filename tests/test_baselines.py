@@ -1,7 +1,8 @@
 """The field's standard baselines (issue 14): V2VNet, V2X-ViT, CoBEVT's FuseBEVT.
 
 Tiny hand-made pillar batches on CPU (the 32x32 grid of test_models), the model-specific
-properties each paper defines, a 2-rank DDP step with gloo, and a short training run of each
+properties each paper defines, 2-rank DDP steps with gloo (of these baselines, and of every
+registered fusion module at the extremes its schema allows), and a short training run of each
 lite config through the trainer.
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ from opencood.config import resolve_section
 from opencood.losses import DetectionLoss
 from opencood.models import build_model
 from opencood.models.v2vnet import V2VNetFusion, bev_affine, warp_to_receivers
+from opencood.registry import FUSIONS
 from dist_helpers import run_on_ranks
 from tool_modules import load_tool
 from test_models import make_batch, make_targets, model_args, permute_non_ego, select_agents
@@ -32,15 +34,18 @@ def baseline_cfg(core_method, **fusion_args):
     return resolve_section("model", {"core_method": "point_pillar_intermediate", "args": args})
 
 
-BASELINES = {
-    "v2vnet": baseline_cfg("v2vnet", num_iteration=2, cell_size=1.0, grid_center=[8.0, 0.0]),
+# Small arguments of the fusion modules (schema defaults for those not listed).
+SMALL_FUSION_ARGS = {
+    "v2vnet": {"num_iteration": 2, "cell_size": 1.0, "grid_center": [8.0, 0.0]},
     # Window 3 does not divide the 16x16 map: exercises the padding.
-    "v2xvit": baseline_cfg("v2xvit", depth=2, num_blocks=1, heads=2, dim_head=4,
-                           window_sizes=[3, 4], window_heads=[2, 1], window_dim_heads=[4, 8],
-                           mlp_dim=16),
+    "v2xvit": {"depth": 2, "num_blocks": 1, "heads": 2, "dim_head": 4, "window_sizes": [3, 4],
+               "window_heads": [2, 1], "window_dim_heads": [4, 8], "mlp_dim": 16},
     # Window 3 leaves padding here too (16 = 5 x 3 + 1).
-    "cobevt": baseline_cfg("cobevt", depth=2, window=3, dim_head=8, mlp_dim=16),
+    "cobevt": {"depth": 2, "window": 3, "dim_head": 8, "mlp_dim": 16},
+    "disconet": {"hidden": [16, 8]},
 }
+BASELINES = {name: baseline_cfg(name, **SMALL_FUSION_ARGS[name])
+             for name in ("v2vnet", "v2xvit", "cobevt")}
 
 
 def forward_backward(model, batch, batch_size):
@@ -119,10 +124,11 @@ def test_v2vnet_without_rounds_is_the_single_agent_path():
         torch.testing.assert_close(fused[key], alone[key], atol=1e-6, rtol=0)
     torch.testing.assert_close(with_pose, fusion.output(fusion_in[[0, 3]]))
     assert fused["comm_bytes"].tolist() == [0.0, 0.0]
+    assert model.fusion.message_cnn is None and model.fusion.gru is None   # built for rounds only
     # Control: with rounds the other agents do change the ego's output.
-    model.fusion.num_iteration = 2
+    with_rounds = build_model(BASELINES["v2vnet"]).eval()
     with torch.no_grad():
-        difference = model(batch)["reg_preds"] - model(
+        difference = with_rounds(batch)["reg_preds"] - with_rounds(
             select_agents(batch, [0, 3], [1, 1]))["reg_preds"]
     # 10x the tolerance of the equality above (untrained convs give small outputs).
     assert difference.flatten(1).abs().amax(1).min() > 1e-5
@@ -344,36 +350,94 @@ def test_cobevt_padding_and_absent_agents_do_not_leak():
 # DDP and the trainer
 # ---------------------------------------------------------------------------------------------
 
-def _ddp_steps_on_rank(rank, world_size, cfgs):
-    """Two SGD steps of each model under DDP without unused-parameter search (a parameter left
-    without gradient makes the second forward raise); ranks see different agent counts."""
+# record_len of rank 0's and rank 1's batches: a lone ego beside a pair, and three agents.
+MIXED_AGENTS = ([1, 2], [3])
+ONE_AGENT_PER_SAMPLE = ([1, 1], [1])
+
+
+def _ddp_steps_on_rank(rank, world_size, cases):
+    """Two SGD steps of each case's model under DDP without unused-parameter search (a
+    parameter left without gradient makes the second forward raise).
+
+    cases: name -> (resolved model cfg, record_len of each rank's batches).
+    -> name -> the trained parameters, or the error's text when the steps raised.
+    """
     trained = {}
-    for name, cfg in cfgs.items():
+    for name, (cfg, record_lens) in cases.items():
         torch.manual_seed(0)
         model = build_model(cfg)
         ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=False)
         optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
-        for step in range(2):
-            record_len = [1, 2] if rank == 0 else [3]
-            batch = make_batch(record_len, seed=10 * rank + step)
-            optimizer.zero_grad()
-            forward_backward(ddp, batch, len(record_len))
-            optimizer.step()
+        record_len = record_lens[rank]
+        try:
+            for step in range(2):
+                batch = make_batch(record_len, seed=10 * rank + step)
+                optimizer.zero_grad()
+                forward_backward(ddp, batch, len(record_len))
+                optimizer.step()
+        except RuntimeError as error:   # both ranks raise alike: the next case still runs
+            trained[name] = f"{type(error).__name__}: {str(error).splitlines()[0]}"
+            continue
         trained[name] = [p.detach().clone() for p in model.parameters()]
     return trained
 
 
-def test_two_rank_ddp_training_steps_keep_ranks_in_sync():
-    # One 2-process session for every model: spawning ranks costs seconds each.
-    ranks = run_on_ranks(_ddp_steps_on_rank, world_size=2, args=(BASELINES,), timeout_s=180)
-    assert set(ranks[0]) == set(BASELINES)
-    for name in BASELINES:
+def assert_trained_in_sync(ranks, cases):
+    """Every case trained on both ranks, to the same weights, which moved from the initial."""
+    failed = {name: ranks[0][name] for name in cases if isinstance(ranks[0][name], str)}
+    assert not failed, f"DDP steps raised: {failed}"
+    for name, (cfg, _) in cases.items():
         torch.manual_seed(0)                   # the ranks' initial weights
-        initial = build_model(BASELINES[name])
+        initial = build_model(cfg)
         for first, second in zip(ranks[0][name], ranks[1][name]):
             torch.testing.assert_close(first, second)
         moved = [not torch.equal(a, b) for a, b in zip(ranks[0][name], initial.parameters())]
         assert any(moved), f"{name}: the steps changed nothing"
+
+
+def test_two_rank_ddp_training_steps_keep_ranks_in_sync():
+    # One 2-process session for every model: spawning ranks costs seconds each.
+    cases = {name: (cfg, MIXED_AGENTS) for name, cfg in BASELINES.items()}
+    ranks = run_on_ranks(_ddp_steps_on_rank, world_size=2, args=(cases,), timeout_s=180)
+    assert set(ranks[0]) == set(BASELINES)
+    assert_trained_in_sync(ranks, cases)
+
+
+# Where a schema allows a layer to go unused: fusion args overrides, trained with MIXED_AGENTS.
+SCHEMA_EXTREMES = {
+    "v2vnet": {"no_rounds": {"num_iteration": 0}},
+    # Nothing sent: a threshold no sigmoid exceeds, and a zero byte budget.
+    "where2comm": {"threshold_1": {"threshold": 1.0}, "zero_budget": {"max_bytes_per_agent": 0}},
+    "disconet": {"no_hidden_layer": {"hidden": []}},
+    "v2xvit": {"one_block_one_window": {"depth": 1, "window_sizes": [4], "window_heads": [1],
+                                        "window_dim_heads": [4], "use_delay_encoding": False}},
+    "cobevt": {"one_block_window_1": {"depth": 1, "window": 1}},
+}
+
+
+def schema_extreme_cases() -> dict:
+    """Every registered fusion module (a new one included, at its schema defaults): its small
+    arguments with one agent per sample on both ranks, then each of its SCHEMA_EXTREMES.
+    -> case name -> (resolved model cfg, record_len of each rank)."""
+    cases = {}
+    for name in FUSIONS.names():
+        small = SMALL_FUSION_ARGS.get(name, {})
+        cases[f"{name}-one_agent_per_sample"] = (baseline_cfg(name, **small),
+                                                 ONE_AGENT_PER_SAMPLE)
+        for extreme, overrides in SCHEMA_EXTREMES.get(name, {}).items():
+            cases[f"{name}-{extreme}"] = (baseline_cfg(name, **{**small, **overrides}),
+                                          MIXED_AGENTS)
+    return cases
+
+
+def test_every_fusion_at_its_schema_extremes_trains_under_ddp_without_unused_parameters():
+    """A layer a configuration leaves without gradient ends DDP training (find_unused_parameters
+    off, the default) at its second step: every registered fusion module, at the extremes its
+    schema allows, must build only layers that get a gradient."""
+    assert set(SCHEMA_EXTREMES) <= set(FUSIONS.names())     # a renamed module is noticed
+    cases = schema_extreme_cases()
+    ranks = run_on_ranks(_ddp_steps_on_rank, world_size=2, args=(cases,), timeout_s=180)
+    assert_trained_in_sync(ranks, cases)
 
 
 LITE_CONFIGS = [f"point_pillar_{name}" for name in BASELINES]

@@ -222,6 +222,67 @@ def test_init_distributed_mode_on_two_ranks():
         assert initialized_after is False
 
 
+def _wait_for(path, limit_s: float) -> None:
+    import time as time_module
+    deadline = time_module.monotonic() + limit_s
+    while not path.exists() and time_module.monotonic() < deadline:
+        time_module.sleep(0.05)
+
+
+def _object_collective_without_its_peer(rank, world_size, port, timeout_s, signals):
+    """Rank 0 makes an object collective that rank 1 never joins.
+
+    Under NCCL, object collectives go through a gloo side group. The default group is gloo
+    here, so the collectives are told it is NCCL: they then create that side group exactly as
+    under NCCL. Both ranks first make one object collective together (it creates the group);
+    rank 1 then stays alive, away from the group, until rank 0 is done (or 5 x timeout_s: a
+    rank that leaves closes the connection and ends rank 0's wait early). ``signals``: a
+    folder for the files the ranks signal each other with, outside torch.distributed.
+    -> on rank 0: {"waited": seconds in the lone collective, "error": what ended it}.
+    """
+    import time as time_module
+    from opencood.utils import collectives
+    collectives._uses_nccl = lambda: True
+    env = {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    # Start together: the short timeout also bounds the rendezvous, and the ranks' imports
+    # can end seconds apart on a loaded machine.
+    (signals / f"ready_{rank}").touch()
+    _wait_for(signals / f"ready_{1 - rank}", 60.0)
+    done = signals / "done"
+    outcome = {"error": None}
+    try:
+        with dist_utils.distributed_session(backend="gloo", timeout_minutes=timeout_s / 60,
+                                            env=env):
+            dist_utils.all_gather_object(rank)
+            assert collectives._object_group is not None  # the side group exists
+            if rank == 1:
+                _wait_for(done, 5 * timeout_s)
+                return None
+            start = time_module.monotonic()
+            try:
+                dist_utils.all_gather_object("rank 0 alone")
+            finally:
+                outcome["waited"] = time_module.monotonic() - start
+                done.touch()
+    except dist_utils.CollectiveTimeoutError as error:   # the session names the setting
+        outcome["error"] = str(error)
+    return outcome
+
+
+def test_the_object_collective_side_group_waits_distributed_timeout_minutes(tmp_path):
+    """The gloo side group of object collectives (run_together, the RNG gather, the run-folder
+    broadcast) gives up on a missing rank after distributed.timeout_minutes, as the default
+    group does, not after torch's 30-minute default for a new group."""
+    timeout_s = 2.0
+    rank0, _ = run_on_ranks(_object_collective_without_its_peer, world_size=2, init_group=False,
+                            timeout_s=30, args=(free_port(), timeout_s, tmp_path))
+    # Without the timeout, rank 0 waits until rank 1 leaves (5 x timeout_s), or 30 minutes.
+    assert timeout_s - 0.5 < rank0["waited"] < timeout_s + 3.0, rank0
+    assert "timed out" in str(rank0["error"]).lower(), rank0
+    assert "distributed.timeout_minutes" in rank0["error"]
+
+
 # ----------------------------------------------------------------------------------------------
 # Logging
 # ----------------------------------------------------------------------------------------------

@@ -102,7 +102,7 @@ class V2VNetFusion(FusionModule):
     Args:
         in_channels: C of the per-agent maps.
         num_iteration: K rounds of message passing (0: the ego's own map, through the output
-            layer).
+            layer; no message CNN or GRU is built).
         kernel_size: of the ConvGRU convolutions.
         cell_size: metres per feature cell, for warping with explicit pairwise transforms.
         grid_center: (x, y) of the feature map centre in metres, same use.
@@ -119,8 +119,12 @@ class V2VNetFusion(FusionModule):
         self.num_iteration = num_iteration
         self.cell_size = float(cell_size)
         self.grid_center = tuple(float(v) for v in grid_center)
-        self.message_cnn = nn.Conv2d(2 * in_channels, in_channels, 3, padding=1)
-        self.gru = ConvGRUCell(2 * in_channels, in_channels, kernel_size)
+        # Only the rounds use the message CNN and the GRU: built without rounds they would get no
+        # gradient, which DDP (without its unused-parameter search) refuses at the next step.
+        has_rounds = num_iteration > 0
+        self.message_cnn = nn.Conv2d(2 * in_channels, in_channels, 3, padding=1) \
+            if has_rounds else None
+        self.gru = ConvGRUCell(2 * in_channels, in_channels, kernel_size) if has_rounds else None
         self.output = nn.Conv2d(in_channels, in_channels, 1)   # OpenCOOD's per-cell linear
 
     @classmethod

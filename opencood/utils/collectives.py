@@ -15,9 +15,11 @@ import torch.distributed as dist
 
 from opencood.errors import OpencoodError, one_line
 
-# Set by opencood.utils.launch.init_distributed_mode: the launcher's local rank and the gloo
-# group for object collectives.
+# Set by opencood.utils.launch.init_distributed_mode: the launcher's local rank, and how long a
+# collective of the gloo group for object collectives waits (None: torch's default for a new
+# group, 30 minutes). The group itself is created on first use.
 _local_rank = 0
+_object_group_timeout: datetime.timedelta | None = None
 _object_group = None
 
 logger = logging.getLogger("opencood")
@@ -29,10 +31,18 @@ def set_local_rank(local_rank: int) -> None:
     _local_rank = local_rank
 
 
+def set_object_group_timeout(timeout: datetime.timedelta) -> None:
+    """Record the default group's timeout (init_distributed_mode) for the object group."""
+    global _object_group_timeout
+    _object_group_timeout = timeout
+
+
 def forget_groups() -> None:
-    """Drop the object-collective group and local rank (the process group is gone)."""
-    global _object_group, _local_rank
+    """Drop the object-collective group, its timeout and the local rank (the process group is
+    gone)."""
+    global _object_group, _object_group_timeout, _local_rank
     _object_group = None
+    _object_group_timeout = None
     _local_rank = 0
 
 
@@ -91,7 +101,9 @@ def _get_object_group():
     if not _uses_nccl():
         return None  # the default group already works on CPU
     if _object_group is None:
-        _object_group = dist.new_group(backend="gloo")
+        # A new group does not inherit the default group's timeout: without it a missing rank
+        # would keep the others here for torch's 30 minutes, whatever timeout_minutes says.
+        _object_group = dist.new_group(backend="gloo", timeout=_object_group_timeout)
     return _object_group
 
 

@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 from opencood.errors import one_line
 from opencood.utils.collectives import (CollectiveTimeoutError, forget_groups,
-                                        is_dist_initialized, is_peer_failure, set_local_rank)
+                                        is_dist_initialized, is_peer_failure, set_local_rank,
+                                        set_object_group_timeout)
 
 DEFAULT_MASTER_PORT = 29500
 # SLURM jobs that share a node would all pick DEFAULT_MASTER_PORT and collide; spreading the default
@@ -248,6 +249,7 @@ def init_distributed_mode(backend: str | None = None, timeout_minutes: float = 3
                 f"pick a free one with --master_port (torchrun) or MASTER_PORT=...") from None
         raise
     set_local_rank(local_rank)
+    set_object_group_timeout(timeout)
     return DistInfo(rank, world_size, local_rank, True, backend, device)
 
 
