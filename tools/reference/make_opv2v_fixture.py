@@ -20,22 +20,22 @@ Both projects call their package ``opencood``, so the two steps run in two envir
 2. ``expected``: OpenCOOD in a side virtual environment OUTSIDE the checkout, run from a folder
    that is not the checkout (so that our ``opencood`` cannot shadow OpenCOOD's)::
 
-       python3 -m venv /work/refenv
+       python3 -m venv /work/refenv && REF=/work/refenv/lib/python3.11/site-packages/opencood
        /work/refenv/bin/pip install opencoodx==0.1.19 torch==2.13.0 pyyaml "matplotlib<3.9" spconv
        apt-get install libusb-1.0-0          # open3d's pybind module links it
-       # OpenCOOD's own Cython IoU (imported by its post-processor; the wheel ships the .pyx only):
-       mkdir /tmp/bo && cd /tmp/bo && cp /work/refenv/lib/python3.11/site-packages/opencood/utils/box_overlaps.pyx .
-       /work/refenv/bin/cythonize -i -3 box_overlaps.pyx \\
-           && cp box_overlaps*.so /work/refenv/lib/python3.11/site-packages/opencood/utils/
-       cd /tmp && env -u PYTHONPATH /work/refenv/bin/python \\
-           /path/to/checkout/tools/reference/make_opv2v_fixture.py expected \\
+       # OpenCOOD's own Cython IoU, imported by its post-processor (the wheel ships the .pyx only):
+       mkdir /tmp/bo && cd /tmp/bo && cp $REF/utils/box_overlaps.pyx . \
+         && CFLAGS="-I$(/work/refenv/bin/python -c 'import numpy; print(numpy.get_include())')" \
+            /work/refenv/bin/cythonize -i -3 box_overlaps.pyx && cp box_overlaps*.so $REF/utils/
+       cd /tmp && env -u PYTHONPATH /work/refenv/bin/python \
+           /path/to/checkout/tools/reference/make_opv2v_fixture.py expected \
            --fixture /path/to/checkout/tests/fixtures/opv2v_mini
 
-   (``cythonize -i`` needs numpy's headers: if it cannot find them, build with a three-line
-   setuptools ``Extension`` whose ``include_dirs=[numpy.get_include()]``.) matplotlib < 3.9
-   because OpenCOOD's visualisation module, imported by its datasets, calls ``cm.get_cmap``;
-   spconv because its pre-processor package imports it (the fixture uses that pre-processor, as
-   OpenCOOD's own ``point_pillar_early_fusion.yaml`` does; its voxels are not compared).
+   matplotlib < 3.9 because OpenCOOD's visualisation module, imported by its datasets, calls
+   ``cm.get_cmap``; spconv because its pre-processor package imports it (the hypes used here,
+   OpenCOOD's own ``point_pillar_early_fusion.yaml``, voxelise with it; voxels are not compared).
+   The step refuses to run when ``opencood`` resolves to this checkout. Both steps are
+   deterministic: rerunning them on an unchanged tree rewrites identical files.
 
 Nothing is stubbed: the numbers come from OpenCOOD's dataset code reading the fixture files
 with its own loaders (open3d for the PCD files, its own yaml loader).
