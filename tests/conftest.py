@@ -1,24 +1,21 @@
 """Shared pytest fixtures."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-# The OPV2V mini fixture lives beside the repository (DESIGN §2), not inside it.
-OPV2V_FIXTURE_ROOT = REPO_ROOT.parent / "shared" / "fixtures" / "opv2v_mini"
+# The OPV2V conformance fixture (docs/DESIGN.md §2.1): synthetic OPV2V folders plus what OpenCOOD
+# computes from them, made by tools/reference/make_opv2v_fixture.py and committed with the tests.
+OPV2V_FIXTURE_ROOT = REPO_ROOT / "tests" / "fixtures" / "opv2v_mini"
 
 
 @pytest.fixture(scope="session")
 def fixture_root() -> Path:
-    """Path of ``opv2v_mini``; skips when absent, except under CI (``CI=true``) where it fails."""
-    if OPV2V_FIXTURE_ROOT.is_dir():
-        return OPV2V_FIXTURE_ROOT
-    if os.environ.get("CI", "").strip().lower() == "true":
-        pytest.fail(f"OPV2V fixture folder {OPV2V_FIXTURE_ROOT} is missing; CI=true requires it "
-                    "(it is expected beside the repository at ../shared/fixtures/opv2v_mini)",
+    """Path of ``tests/fixtures/opv2v_mini``; a checkout without it fails the tests using it."""
+    if not (OPV2V_FIXTURE_ROOT / "expected.json").is_file():
+        pytest.fail(f"OPV2V fixture {OPV2V_FIXTURE_ROOT} is missing or lacks expected.json "
+                    "(it is part of the repository; see tools/reference/make_opv2v_fixture.py)",
                     pytrace=False)
-    pytest.skip(f"OPV2V fixture folder {OPV2V_FIXTURE_ROOT} not found (it lives beside the "
-                "repository, not in it)")
+    return OPV2V_FIXTURE_ROOT

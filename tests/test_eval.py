@@ -1,4 +1,5 @@
-"""tools/eval.py (opencood.engine.evaluator) and opencood.eval.inference, DESIGN §7 / issue 6.
+"""tools/eval.py (opencood.engine.evaluator) and opencood.eval.inference, docs/DESIGN.md §7 /
+issue 6.
 
 The run folders are built directly (config.yaml + a checkpoint), not trained: a randomly
 initialised PointPillars whose box regression is zeroed (boxes = anchors) and whose class weights

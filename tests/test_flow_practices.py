@@ -1,5 +1,6 @@
-"""Each practice of the training flow (tools/train.py, DESIGN §6) pinned through the flow itself:
-a test here fails when the practice is removed or weakened in the flow, not only in its helper.
+"""Each practice of the training flow (tools/train.py, docs/DESIGN.md §6) pinned through the flow
+itself: a test here fails when the practice is removed or weakened in the flow, not only in its
+helper.
 
 * a new shuffle every epoch: ``train_sampler.set_epoch(epoch)`` on a shuffling sampler;
 * validation (and best.pth) on the EMA's weights when the EMA is enabled;

@@ -1,4 +1,5 @@
-"""Multi-rank correctness of training and evaluation (issue 17, DESIGN §6.4, 6.6, 6.10, §7).
+"""Multi-rank correctness of training and evaluation (issue 17, docs/DESIGN.md §6.4, 6.6, 6.10,
+§7).
 
 Real ``torch.distributed`` ranks (gloo, CPU, spawned by dist_helpers) running the real trainer and
 evaluator on tiny OPV2V-format data. Each spawn imports torch (seconds), so every check that can

@@ -96,10 +96,14 @@ def test_fixture_point_counts(split, loaded_splits, expected):
 
 
 def test_fixture_frame_keeps_extra_keys_and_resolves_aliases(fixture_root):
-    params = load_frame_yaml(fixture_root / "train" / SCENARIO / "1001" / "000068.yaml")
-    # true_ego_pos / predicted_ego_pos are yaml aliases (*id001) of lidar_pose in this file.
-    assert params["true_ego_pos"] == params["lidar_pose"] == [10.0, 5.0, 1.9, 0.8, 30.0, -1.2]
-    assert params["plan_trajectory"] == [[15.0, 5.0, 6.0]]
+    path = fixture_root / "train" / SCENARIO / "1001" / "000068.yaml"
+    params = load_frame_yaml(path)
+    # As in OPV2V's files, true_ego_pos is a yaml alias (*id001) of predicted_ego_pos.
+    assert "true_ego_pos: *id001" in path.read_text()
+    assert params["true_ego_pos"] == params["predicted_ego_pos"] \
+        == [10.433013, 5.25, 0.0, 0.0, 30.0, 0.0]
+    assert params["lidar_pose"] == [10.0, 5.0, 1.9, 0.3, 30.0, -0.4]
+    assert params["plan_trajectory"] == [[13.0311, 6.75, 21.6], [15.6292, 8.25, 21.6]]
     assert params["ego_speed"] == pytest.approx(21.6)
     assert 201 in params["vehicles"]
 

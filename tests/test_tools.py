@@ -35,7 +35,7 @@ DATA_FIGURES = {"dataloader", "dataloader_by_fusion", "train_step_end_to_end"}
 # Figures timing ours against a reference on the same input.
 RATIO_FIGURES = {"pillarise", "targets", "bev_iou", "ap", "visibility_count"}
 
-# DESIGN §3: one training step of the OPV2V AttFuse model (704 x 200, batch 2, 3 CAVs).
+# docs/DESIGN.md §3: one training step of the OPV2V AttFuse model (704 x 200, batch 2, 3 CAVs).
 OPV2V_TRAIN_FLOPS = 0.88e12
 OPV2V_PARAMS = 6_585_876  # hand-derived below (6.586 M)
 
@@ -130,7 +130,7 @@ def test_profile_figure_matches_hand_counts(yaml_path, pillars, capsys):
 
 
 def test_opv2v_attfuse_size_matches_design():
-    """DESIGN §3: 6.586 M parameters and 0.88 TFLOP per training step (3 x forward)."""
+    """docs/DESIGN.md §3: 6.586 M parameters and 0.88 TFLOP per training step (3 x forward)."""
     from opencood.config import load_config
     from opencood.models.build import build_model
     from opencood.utils.model_stats import count_parameters

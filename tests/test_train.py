@@ -1,5 +1,5 @@
-"""tools/train.py end to end (DESIGN §6): real runs of ``tools/train.py``'s ``main`` on tiny
-OPV2V-format data, single process and 2 gloo ranks on CPU.
+"""tools/train.py end to end (docs/DESIGN.md §6): real runs of ``tools/train.py``'s ``main`` on
+tiny OPV2V-format data, single process and 2 gloo ranks on CPU.
 
 Spawned ranks each import torch (seconds on a loaded machine), so all 2-rank runs share one
 session (``two_rank_runs``) whose parts are checked by separate tests.
@@ -276,7 +276,7 @@ def test_impossible_global_batch_fails_on_every_rank(two_rank_runs):
 
 
 def test_trainer_wraps_ddp_without_unused_parameter_search(two_rank_runs):
-    """DESIGN §6.4/6.10: the model the 2-rank run trained was DDP-wrapped with
+    """docs/DESIGN.md §6.4/6.10: the model the 2-rank run trained was DDP-wrapped with
     find_unused_parameters off and gradient_as_bucket_view on, around model_without_ddp;
     on CPU, BatchNorm stays plain (SyncBN is for CUDA)."""
     _, results = two_rank_runs

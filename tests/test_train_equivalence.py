@@ -1,4 +1,4 @@
-"""The training step's distributed contract (DESIGN §6.3, 6.6, 6.10) on real gloo ranks.
+"""The training step's distributed contract (docs/DESIGN.md §6.3, 6.6, 6.10) on real gloo ranks.
 
 Toy model (BatchNorm only in the skipped-step check) and toy data, but the real machinery:
 ``build_train_sampler``, ``split_global_batch``, ``group_micro_batches``, ``optimizer_step`` (DDP

@@ -925,7 +925,7 @@ def random_cloud(count: int, seed: int = 0) -> np.ndarray:
 
 def bench_pcd(suite: Suite) -> List[Dict]:
     """ms per cloud of each way to read one, against np.loadtxt (the fastest plain-numpy parse,
-    DESIGN §2) on the same file."""
+    docs/DESIGN.md §2) on the same file."""
     from opencood.data.pcd import PointCloudCache, read_pcd, write_pcd
     points = random_cloud(suite.preset.pcd_points)
     cpu = torch.device("cpu")

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Train a cooperative detector, top to bottom in DESIGN §6's order.
+"""Train a cooperative detector, top to bottom in docs/DESIGN.md §6's order.
 
     torchrun --nproc_per_node=N tools/train.py --hypes_yaml X.yaml [--model_dir RUN] [--set k=v]
 

@@ -1,4 +1,4 @@
-"""Data augmentation applied as ONE transform to every agent of a sample (DESIGN §4).
+"""Data augmentation applied as ONE transform to every agent of a sample (docs/DESIGN.md §4).
 
 All agents' points (already in the ego frame for early/intermediate fusion) and the GT boxes go
 through the same flip, rotation and scaling, so boxes keep the points that were inside them and

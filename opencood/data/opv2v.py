@@ -1,4 +1,4 @@
-"""Reader for OPV2V-format data (DESIGN §2).
+"""Reader for OPV2V-format data (docs/DESIGN.md §2).
 
 Layout: ``<split_dir>/<scenario>/<cav_id>/<ts>.pcd|.yaml``. One sample is one (scenario, timestamp);
 the ego is the first CAV folder of the scenario (string sort, negative ids = infrastructure last).

@@ -1,6 +1,6 @@
 """Read and write OPV2V point clouds (``.pcd``) and cache parsed clouds as ``.npy``.
 
-Format (DESIGN.md §2): the reference tools write ``DATA ascii`` with ``FIELDS x y z rgb`` /
+Format (docs/DESIGN.md §2): the reference tools write ``DATA ascii`` with ``FIELDS x y z rgb`` /
 ``TYPE F F F U``, where the packed ``rgb`` integer is ``round(intensity * 255) << 16``
 (intensity in the red byte). Readers return ``red / 255`` as intensity, which is what the
 open3d-based reference readers see. We also read a plain ``intensity`` field, ``DATA binary``,

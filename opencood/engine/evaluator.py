@@ -1,4 +1,4 @@
-"""``tools/eval.py``: evaluate a checkpoint of a run (DESIGN §7).
+"""``tools/eval.py``: evaluate a checkpoint of a run (docs/DESIGN.md §7).
 
     python tools/eval.py --model_dir RUN [--checkpoint FILE] [--fusion_method no|early|late|intermediate]
                          [--split validate|test] [--save_vis] [--no-ema]

@@ -1,7 +1,7 @@
 """The training and evaluation recipe shared by the tools: the pieces tools/train.py assembles in
-DESIGN §6's order (and tools/eval.py and tools/bench.py reuse), so that no tool re-assembles
-them: config and run folder, AMP, the step budget, validation loaders, model preparation
-settings, exact validation, logging (the loss step is ``opencood.engine.task``).
+docs/DESIGN.md §6's order (and tools/eval.py and tools/bench.py reuse), so that no tool
+re-assembles them: config and run folder, AMP, the step budget, validation loaders, model
+preparation settings, exact validation, logging (the loss step is ``opencood.engine.task``).
 """
 from __future__ import annotations
 

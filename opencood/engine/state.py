@@ -2,7 +2,7 @@
 when to save (epoch ends, and inside epochs on a schedule), and restoring on resume.
 
 A checkpoint is complete on rank 0: it holds every rank's generator states (gathered), so that
-each rank resumes its own random stream (DESIGN §6.7).
+each rank resumes its own random stream (docs/DESIGN.md §6.7).
 """
 from __future__ import annotations
 

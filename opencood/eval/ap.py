@@ -1,4 +1,4 @@
-"""Average precision in BEV, the way OPV2V reports it (DESIGN §7).
+"""Average precision in BEV, the way OPV2V reports it (docs/DESIGN.md §7).
 
 * Per frame, detections are matched greedily in descending score order: each takes the still
   unmatched GT box with the highest rotated BEV IoU if that IoU is >= the threshold (TP), else it

@@ -1,4 +1,4 @@
-"""Inference over a split: model, postprocess, gather across ranks, AP (DESIGN §7).
+"""Inference over a split: model, postprocess, gather across ranks, AP (docs/DESIGN.md §7).
 
 Decoding, NMS and the late-fusion merge belong to the config's postprocessor
 (``preparer.postprocessor``, :mod:`opencood.postprocess`).

@@ -1,4 +1,5 @@
-"""Rotated bird's-eye-view IoU of boxes, in plain torch (DESIGN §1: no compiled extensions).
+"""Rotated bird's-eye-view IoU of boxes, in plain torch (docs/DESIGN.md §1: no compiled
+extensions).
 
 The intersection of two convex quadrilaterals is the convex polygon whose vertices are
   * the corners of A that lie inside B,

@@ -1,4 +1,4 @@
-"""Poses, rigid transforms and 3-D box geometry (DESIGN §2).
+"""Poses, rigid transforms and 3-D box geometry (docs/DESIGN.md §2).
 
 Conventions
 -----------

@@ -1,4 +1,5 @@
-"""Pillarisation of batched point clouds in torch (DESIGN §4: pillarise on the training device).
+"""Pillarisation of batched point clouds in torch (docs/DESIGN.md §4: pillarise on the training
+device).
 
 A point cloud batch is one ``(N, C)`` tensor ``[x, y, z, intensity, ...]`` plus ``batch_index``
 ``(N,)``, the agent/sample each point belongs to. :func:`pillarize` groups points into voxels of

@@ -1,5 +1,5 @@
-"""Anchor boxes on the detection head's BEV feature map (DESIGN §2: l=3.9 w=1.6 h=1.56, yaw 0
-and 90 deg, z=-1).
+"""Anchor boxes on the detection head's BEV feature map (docs/DESIGN.md §2: l=3.9 w=1.6
+h=1.56, yaw 0 and 90 deg, z=-1).
 
 Layout: ``(H, W, A, 7)`` with H along y (rows) and W along x (columns), A anchors per cell, boxes
 ``[x, y, z, <sizes in the box order>, yaw]``. ``anchors.reshape(-1, 7)`` lines up with the head

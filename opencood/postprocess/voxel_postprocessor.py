@@ -53,7 +53,8 @@ def anchors_from_config(anchor_args: dict, preprocess: dict, order: str,
     """Anchors (H, W, A, 7) from ``postprocess.anchor_args`` (``h``, ``w``, ``l``, ``z``, ``r``
     yaws in degrees, ``feature_stride``) on the pillar grid of ``preprocess``
     (``cav_lidar_range``, ``args.voxel_size``). OpenCOOD's ``W``/``H``/``D`` and
-    ``cav_lidar_range`` entries of ``anchor_args`` are not read: the grid is derived (DESIGN §5)."""
+    ``cav_lidar_range`` entries of ``anchor_args`` are not read: the grid is derived
+    (docs/DESIGN.md §5)."""
     return generate_anchors(
         preprocess["cav_lidar_range"], preprocess["args"]["voxel_size"],
         feature_stride=anchor_args.get("feature_stride", FEATURE_STRIDE),

@@ -1,4 +1,5 @@
-"""Weight initialisation run after build_model (DESIGN §6.4: build -> init -> SyncBN -> ...)."""
+"""Weight initialisation run after build_model (docs/DESIGN.md §6.4: build -> init -> SyncBN
+-> ...)."""
 from __future__ import annotations
 
 from torch import nn

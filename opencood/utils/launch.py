@@ -1,4 +1,4 @@
-"""Process-group setup for every launcher (DESIGN §6.1).
+"""Process-group setup for every launcher (docs/DESIGN.md §6.1).
 
 Launchers understood by :func:`init_distributed_mode`, in this order:
 

@@ -1,6 +1,6 @@
 """Write synthetic scenarios as OPV2V files and summarise what was generated.
 
-Layout (DESIGN §2): ``<out>/<split>/<scenario>/<cav_id>/<ts>.pcd|.yaml`` plus
+Layout (docs/DESIGN.md §2): ``<out>/<split>/<scenario>/<cav_id>/<ts>.pcd|.yaml`` plus
 ``<out>/generation.yaml`` (preset, seed, summary). Roadside units, in presets that have them, are
 written as V2XSet writes them (OpenCDA's data dumper): folders ``-1``, ``-2``, ... with the same
 files, their yaml without ``plan_trajectory``, ``ego_speed: 0.0`` and ``RSU: true`` (the
@@ -100,7 +100,7 @@ def visible_vehicles(hit_ids, vehicles, cav_ids) -> dict:
     """``vehicles`` entry of one CAV's frame: every non-CAV vehicle hit by at least one point.
 
     hit_ids (N,): object id per point of the CAV's cloud; vehicles: world Vehicles of the frame;
-    cav_ids: ids of all CAVs of the scenario (never listed, DESIGN §2).
+    cav_ids: ids of all CAVs of the scenario (never listed, docs/DESIGN.md §2).
     Returns {actor_id (int): entry}, sorted by id.
     """
     hit = set(np.unique(np.asarray(hit_ids)).tolist())
