@@ -44,7 +44,7 @@ SMOKE = REPO / "hypes_yaml" / "synthetic" / "smoke.yaml"
 TIMESTAMPS = ("000000", "000002", "000004", "000006", "000008")
 NUM_CAVS = 3
 LATE = ["model.core_method=point_pillar", "model.args.fusion=null", "fusion.core_method=late"]
-TIMING_KEYS = ("frames_per_s",)
+TIMING_KEYS = ("frames_per_s", "record")      # the record's path differs per run folder
 
 
 # ----------------------------------------------------------------------------------------------
@@ -91,6 +91,16 @@ def _argv(run_dir: Path, *extra) -> list:
 
 def _without_timing(metrics: dict) -> dict:
     return {k: v for k, v in metrics.items() if k not in TIMING_KEYS}
+
+
+def _record_of(metrics: dict) -> dict:
+    """The evaluation record an evaluator result was written to."""
+    return yaml.safe_load(Path(metrics["record"]).read_text())
+
+
+def _setting_words(name: str) -> str:
+    """A record name without its settings hash: "test_intermediate_noise0.5"."""
+    return name.rsplit("_", 1)[0]
 
 
 @pytest.fixture(scope="module")
@@ -186,7 +196,8 @@ def test_multi_rank_equals_single_rank(runs, reference, world_size, tmp_path):
         assert got.pop("bytes_per_agent") == pytest.approx(want.pop("bytes_per_agent"), rel=1e-12)
         assert got == want
         assert metrics["num_frames"] == len(TIMESTAMPS)
-        saved = yaml.safe_load((run_dir / f"eval_test_{fusion}.yaml").read_text())
+        saved = _record_of(metrics)["results"]
+        assert Path(metrics["record"]).parent == run_dir / "evals"
         assert saved["ap_30"] == ref["ap_30"] and saved["distance"] == ref["distance"]
 
 
@@ -298,7 +309,7 @@ def test_outputs_yaml_table_tensorboard_and_pictures(runs, reference, tmp_path, 
     (metrics,) = evaluator.main(_argv(run_dir, "--save_vis", "--vis_count", "2"))
     printed = capsys.readouterr().out
 
-    saved = yaml.safe_load((run_dir / "eval_test_intermediate.yaml").read_text())
+    saved = _record_of(metrics)["results"]
     for key in ("ap_30", "ap_50", "ap_70", "distance", "bytes_per_agent", "frames_per_s",
                 "num_gt", "num_frames"):
         assert key in saved
@@ -310,9 +321,10 @@ def test_outputs_yaml_table_tensorboard_and_pictures(runs, reference, tmp_path, 
     groups = saved["visibility"]
     assert set(groups) == {"ego-visible", "ego-occluded"}
     assert groups["ego-visible"]["num_gt"] + groups["ego-occluded"]["num_gt"] == saved["num_gt"]
-    assert _without_timing(saved) == {**_without_timing(reference.inter), "name": saved["name"]}
+    assert _without_timing(saved) == _without_timing(reference.inter)
 
-    assert "eval_test_intermediate" in printed and "AP@0.5" in printed
+    assert metrics["name"] in printed and "AP@0.5" in printed
+    assert f"record: {metrics['record']}" in printed
     overall = next(line for line in printed.splitlines() if line.strip().startswith("overall"))
     assert overall.split()[1:4] == [f"{metrics[k]:.4f}" for k in ("ap_30", "ap_50", "ap_70")]
     assert any(line.strip().startswith("0-30 m") for line in printed.splitlines())
@@ -324,15 +336,15 @@ def test_outputs_yaml_table_tensorboard_and_pictures(runs, reference, tmp_path, 
     events = EventAccumulator(str(run_dir))
     events.Reload()
     for key in ("ap_30", "ap_50", "ap_70"):
-        (scalar,) = events.Scalars(f"eval_test_intermediate/{key}")
+        (scalar,) = events.Scalars(f"eval/{metrics['name']}/{key}")
         assert scalar.value == pytest.approx(metrics[key], abs=1e-6)
     logged_groups = {tag.rsplit("ap_50_", 1)[1] for tag in events.Tags()["scalars"]
-                     if tag.startswith("eval_test_intermediate/ap_50_ego_")}
+                     if tag.startswith(f"eval/{metrics['name']}/ap_50_ego_")}
     # A group without GT has no AP (None): nothing to log for it.
     assert logged_groups == {name.replace("-", "_") for name, row in groups.items()
                              if row["num_gt"] > 0}
     for name in logged_groups:
-        (scalar,) = events.Scalars(f"eval_test_intermediate/ap_50_{name}")
+        (scalar,) = events.Scalars(f"eval/{metrics['name']}/ap_50_{name}")
         assert scalar.value == pytest.approx(groups[name.replace("_", "-")]["ap_50"], abs=1e-6)
 
     pictures = sorted((run_dir / "vis").glob("*.png"))
@@ -366,12 +378,12 @@ def test_sweeps_write_their_own_files_and_leave_the_clean_result(runs, reference
     settings = wild_settings_built
     run_dir = _copy_run(runs.inter, tmp_path / "run")
     results = evaluator.main(_argv(run_dir, "--pose_noise", "0.5", "--latency", "1"))
-    names = [m["name"] for m in results]
-    assert names == ["eval_test_intermediate", "eval_test_intermediate_noise0.5",
-                     "eval_test_intermediate_latency1"]
-    saved = {name: yaml.safe_load((run_dir / f"{name}.yaml").read_text()) for name in names}
-    clean = _without_timing(saved["eval_test_intermediate"])
-    assert clean == {**_without_timing(reference.inter), "name": "eval_test_intermediate"}
+    names = [_setting_words(m["name"]) for m in results]
+    assert names == ["test_intermediate", "test_intermediate_noise0.5",
+                     "test_intermediate_latency1"]
+    saved = {_setting_words(m["name"]): _record_of(m)["results"] for m in results}
+    clean = _without_timing(saved["test_intermediate"])
+    assert clean == _without_timing(reference.inter)
 
     # Each setting reached the data set, and only its own: the clean one has neither.
     clean_wild, noise_wild, latency_wild = settings
@@ -380,7 +392,7 @@ def test_sweeps_write_their_own_files_and_leave_the_clean_result(runs, reference
     assert noise_wild.latency_frames == 0
     assert not latency_wild.has_pose_noise and latency_wild.latency_frames == 1
     # Noisy poses move the other agents' features: the result changes; the GT does not.
-    noisy = _without_timing(saved["eval_test_intermediate_noise0.5"])
+    noisy = _without_timing(saved["test_intermediate_noise0.5"])
     assert noisy["num_gt"] == clean["num_gt"] and noisy["num_frames"] == clean["num_frames"]
     assert noisy["ap_30"] != clean["ap_30"]
 
@@ -501,11 +513,12 @@ def test_table_prints_a_dash_for_a_bin_without_gt():
 def test_protocol_option_names_its_file_yaml_and_table(runs, reference, tmp_path, capsys):
     run_dir = _copy_run(runs.inter, tmp_path / "run")
     (metrics,) = evaluator.main(_argv(run_dir, "--protocol", "opencood"))
-    assert metrics["name"] == "eval_test_intermediate_opencood"
-    saved = yaml.safe_load((run_dir / "eval_test_intermediate_opencood.yaml").read_text())
-    assert saved["protocol"]["name"] == "opencood"
+    assert _setting_words(metrics["name"]) == "test_intermediate_opencood"
+    record = _record_of(metrics)
+    saved = record["results"]
+    assert saved["protocol"]["name"] == "opencood" == record["settings"]["protocol"]
     assert reference.inter["protocol"]["name"] == "ours"
-    assert "eval_test_intermediate_opencood (AP protocol: opencood)" in capsys.readouterr().out
+    assert f"{metrics['name']} (AP protocol: opencood)" in capsys.readouterr().out
     # The tiny split lies well inside +-40 m: the protocol's range keeps every GT.
     assert saved["num_gt"] == reference.inter["num_gt"]
 
@@ -528,12 +541,14 @@ def test_noise_sweep_with_seeds_prints_and_writes_mean_and_std(runs, tmp_path,
                                                                wild_settings_built, capsys):
     run_dir = _copy_run(runs.inter, tmp_path / "run")
     results = evaluator.main(_argv(run_dir, "--pose_noise", "0.5", "--seeds", "3"))
-    assert [m["name"] for m in results] == ["eval_test_intermediate"] + [
-        f"eval_test_intermediate_noise0.5_seed{k}" for k in range(3)]
+    assert [_setting_words(m["name"]) for m in results] == ["test_intermediate"] + [
+        f"test_intermediate_noise0.5_seed{k}" for k in range(3)]
     assert [(wild.has_pose_noise, wild.seed) for wild in wild_settings_built] == [
         (False, 25), (True, 25), (True, 26), (True, 27)]
-    spread = yaml.safe_load((run_dir / "eval_test_intermediate_spread.yaml").read_text())
+    (spread_path,) = (run_dir / "evals" / "spreads").glob("test_intermediate_*.yaml")
+    spread = yaml.safe_load(spread_path.read_text())
     assert spread["seeds"] == 3 and list(spread["groups"]) == ["clean", "noise0.5"]
+    assert spread["records"] == [m["name"] for m in results]
     values = np.array([m["ap_30"] for m in results[1:]])
     assert spread["groups"]["noise0.5"]["ap_30"]["mean"] == pytest.approx(values.mean())
     assert spread["groups"]["noise0.5"]["ap_30"]["std"] == pytest.approx(values.std(ddof=1))
@@ -568,7 +583,7 @@ def test_training_validation_and_eval_give_the_same_ap_on_one_checkpoint(runs, t
     cpu = torch.device("cpu")
     info = DistInfo(rank=0, world_size=1, local_rank=0, distributed=False, backend=None,
                     device=cpu)
-    model = evaluator.load_eval_model(cfg, run_dir / "last.pth", True, cpu)
+    model, _ = evaluator.load_eval_model(cfg, run_dir / "last.pth", True, cpu)
     task = DetectionTask.from_config(cfg, cpu)
     loaders = recipe.build_validation_loaders(cfg, info, micro_batch=2)
     results, count, _ = recipe.validate(model, loaders, task, info, None, cfg,
@@ -577,3 +592,93 @@ def test_training_validation_and_eval_give_the_same_ap_on_one_checkpoint(runs, t
     assert eval_metrics["ap_50"] > 0
     for key in ("ap_30", "ap_50", "ap_70"):
         assert results[key] == eval_metrics[key], key
+
+
+# ----------------------------------------------------------------------------------------------
+# 8. evaluation records: self-describing, never overwriting each other (issue 27)
+# ----------------------------------------------------------------------------------------------
+
+def _run_with_step(runs, run_dir: Path, step: int) -> Path:
+    """A copy of the intermediate run whose checkpoint says epoch 3, ``step``."""
+    _copy_run(runs.inter, run_dir)
+    checkpoint = torch.load(run_dir / "last.pth", weights_only=True)
+    save_checkpoint(run_dir / "last.pth", {**checkpoint, "epoch": 3, "step": step})
+    return run_dir
+
+
+def test_two_data_folders_leave_two_records_naming_folder_step_and_checkpoint_hash(
+        runs, tmp_path, capsys):
+    from opencood.eval.records import file_sha256, load_record
+    run_dir = _run_with_step(runs, tmp_path / "run", step=42)
+    other_data = tmp_path / "other" / "test"
+    shutil.copytree(runs.data, other_data)
+    (first,) = evaluator.main(_argv(run_dir))
+    (second,) = evaluator.main(_argv(run_dir, "--set", f"test_dir={other_data}"))
+    assert first["record"] != second["record"] and Path(first["record"]).is_file()
+    sha = file_sha256(run_dir / "last.pth")
+    for metrics, folder in ((first, runs.data), (second, other_data)):
+        record = load_record(Path(metrics["record"]))
+        assert record["data"] == {"split": "test", "folder": str(Path(folder).resolve()),
+                                  "frames": len(TIMESTAMPS)}
+        assert record["checkpoint"]["step"] == 42 and record["checkpoint"]["epoch"] == 3
+        assert record["checkpoint"]["sha256"] == sha and record["checkpoint"]["weights"] == "raw"
+        assert record["checkpoint"]["file"] == str((run_dir / "last.pth").resolve())
+        assert record["settings"]["fusion"] == "intermediate"
+        assert record["machine"]["world_size"] == 1 and record["date"]
+        assert record["code"]["version"] and record["config_sha256"]
+    assert load_record(Path(second["record"]))["settings"]["overrides"] == [
+        f"test_dir={other_data}"]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(run_dir))
+    events.Reload()
+    for metrics in (first, second):
+        (scalar,) = events.Scalars(f"eval/{metrics['name']}/ap_50")
+        assert scalar.value == pytest.approx(metrics["ap_50"], abs=1e-6)
+    capsys.readouterr()
+    listed = evaluator.main(["--list", str(run_dir)])
+    lines = capsys.readouterr().out.splitlines()
+    assert len(listed) == 2 and len(lines) == 2
+    for metrics, folder in ((first, runs.data), (second, other_data)):
+        line = next(line for line in lines if line.startswith(Path(metrics["record"]).name))
+        assert f"AP@0.5 {metrics['ap_50']:.4f}" in line and str(Path(folder).resolve()) in line
+        assert "step 42" in line and sha[:12] in line
+
+
+def test_a_record_round_trips_and_a_new_checkpoint_gets_its_own_record(runs, tmp_path):
+    from opencood.eval.records import load_record
+    run_dir = _run_with_step(runs, tmp_path / "run", step=10)
+    (before,) = evaluator.main(_argv(run_dir))
+    record = load_record(Path(before["record"]))
+    wild = load_config(run_dir / "config.yaml")["wild_setting"]
+    assert record["settings"] == {"fusion": "intermediate", "protocol": "ours",
+                                  "wild_setting": wild, "overrides": []}
+    assert record["name"] == before["name"] and record["results"]["ap_50"] == before["ap_50"]
+    # The same evaluation again names the same record (nothing piles up) ...
+    (again,) = evaluator.main(_argv(run_dir))
+    assert again["name"] == before["name"]
+    # ... a changed checkpoint gets another record, and the first one stays.
+    checkpoint = torch.load(run_dir / "last.pth", weights_only=True)
+    weights = dict(checkpoint["model"])
+    weights["head.cls_conv.bias"] = weights["head.cls_conv.bias"] + 0.5
+    save_checkpoint(run_dir / "last.pth", {**checkpoint, "model": weights, "step": 20})
+    (after,) = evaluator.main(_argv(run_dir))
+    changed = load_record(Path(after["record"]))
+    assert after["name"] != before["name"] and Path(before["record"]).is_file()
+    assert changed["checkpoint"]["sha256"] != record["checkpoint"]["sha256"]
+    assert changed["checkpoint"]["step"] == 20
+
+
+def test_a_record_of_an_older_version_still_loads_and_lists(runs, tmp_path, capsys):
+    from opencood.eval.records import load_record
+    run_dir = _copy_run(runs.inter, tmp_path / "run")
+    old = run_dir / "eval_test_intermediate.yaml"
+    old.write_text(yaml.safe_dump({"ap_30": 0.5, "ap_50": 0.25, "ap_70": 0.125, "num_gt": 8,
+                                   "name": "eval_test_intermediate"}))
+    record = load_record(old)
+    assert record["results"]["ap_50"] == 0.25 and record["format"] == 0
+    assert record["checkpoint"]["step"] is None and record["data"]["folder"] is None
+    capsys.readouterr()
+    evaluator.main(["--list", str(run_dir)])
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.startswith("eval_test_intermediate.yaml: AP@0.5 0.2500")
+    assert "unknown of unknown" in line and "step unknown" in line

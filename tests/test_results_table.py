@@ -132,37 +132,50 @@ def test_default_configs_are_the_six_models_of_the_preset_dir():
 
 # -- the table --------------------------------------------------------------------------------
 
-def _write_eval(folder: Path, name: str, metrics: dict) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / name).write_text(yaml.safe_dump(metrics, sort_keys=False))
-    return folder / name
+def _write_record(run_dir: Path, metrics: dict, folder: Path, fusion: str = "intermediate",
+                  step: int = 14, split: str = "test", protocol: str = "ours") -> Path:
+    """An evaluation record as tools/eval.py writes it (opencood/eval/records.py)."""
+    from opencood.eval.records import build_record, write_record
+    folder = str(Path(folder).resolve())
+    checkpoint = {"file": str(run_dir / "last.pth"), "epoch": 7, "step": step,
+                  "sha256": "ab" * 32, "weights": "raw"}
+    settings = {"fusion": fusion, "protocol": protocol,
+                "wild_setting": {"loc_err": False, "latency_frames": 0}, "overrides": []}
+    name = f"{split}_{fusion}_{abs(hash((folder, step, protocol))) % 10 ** 8:08d}"
+    record = build_record(name, checkpoint, {"split": split, "folder": folder, "frames": 32},
+                          settings, {"seed": 0}, {"device": "cpu", "world_size": 1},
+                          {**metrics, "name": name})
+    return write_record(run_dir, record)
 
 
-def test_table_from_eval_yaml_files(tmp_path):
-    late = _write_eval(tmp_path / "late", rt.eval_file_name("test", "late"),
-                       _metrics(0.6044106, 0.4646260, 0.1385834, 892.8333))
-    fcooper = _write_eval(tmp_path / "fc", rt.eval_file_name("test", "intermediate"),
-                          _metrics(0.7271, 0.5779, 0.2464, 1048576.0))
-    assert late.name == "eval_test_late.yaml"
+def test_table_from_evaluation_records(tmp_path):
+    from opencood.eval.records import load_record
+    folder = tmp_path / "data" / "test"
+    late = _write_record(tmp_path / "late", _metrics(0.6044106, 0.4646260, 0.1385834, 892.8333),
+                         folder, fusion="late", step=3680)
+    fcooper = _write_record(tmp_path / "fc", _metrics(0.7271, 0.5779, 0.2464, 1048576.0),
+                            folder, step=3640)
     rows = [{"model": "point_pillar_late_fusion", "fusion": "late", "epochs": 40, "steps": 3680,
-             "train_minutes": 10.62, "metrics": [rt.read_yaml(late)]},
+             "train_minutes": 10.62, "metrics": [rt.record_metrics(load_record(late))]},
             {"model": "point_pillar_fcooper", "fusion": "intermediate", "epochs": 130,
-             "steps": 3640, "train_minutes": 14.2, "metrics": [rt.read_yaml(fcooper)]},
+             "steps": 3640, "train_minutes": 14.2,
+             "metrics": [rt.record_metrics(load_record(fcooper))]},
             {"model": "point_pillar_attfuse", "fusion": "intermediate", "epochs": 130,
              "steps": 3640, "train_minutes": None, "metrics": []}]
     lines = rt.format_table(rows).splitlines()
     assert lines[0] == ("| model | fusion | epochs | optimizer steps | AP@0.3 | AP@0.5 | AP@0.7 | "
-                        "bytes per agent | train minutes |")
-    assert lines[1] == "|" + " --- |" * 9
+                        "bytes per agent | train minutes | checkpoint step | data folder |")
+    assert lines[1] == "|" + " --- |" * 11
+    where = rt._rel(folder.resolve())
     assert lines[2] == ("| `point_pillar_late_fusion` | late | 40 | 3,680 | 0.604 | 0.465 | "
-                        "0.139 | 893 | 10.6 |")
+                        f"0.139 | 893 | 10.6 | 3680 | {where} |")
     assert lines[3] == ("| `point_pillar_fcooper` | intermediate | 130 | 3,640 | 0.727 | 0.578 | "
-                        "0.246 | 1,048,576 | 14.2 |")
+                        f"0.246 | 1,048,576 | 14.2 | 3640 | {where} |")
     assert lines[4] == ("| `point_pillar_attfuse` | intermediate | 130 | 3,640 | failed | n/a | "
-                        "n/a | n/a | n/a |")
+                        "n/a | n/a | n/a | n/a | n/a |")
     assert "ego-occluded" not in rt.format_table(rows)
     rows[0]["resumed"] = True
-    assert rt.format_table(rows).splitlines()[2].endswith("| 893 | 10.6 (resumed) |")
+    assert f"| 893 | 10.6 (resumed) | 3680 | {where} |" in rt.format_table(rows).splitlines()[2]
 
 
 def test_occluded_column_present_only_with_visibility():
@@ -176,10 +189,12 @@ def test_occluded_column_present_only_with_visibility():
              "metrics": [other_groups]}]
     lines = rt.format_table(rows).splitlines()
     assert lines[0] == ("| model | fusion | epochs | optimizer steps | AP@0.3 | AP@0.5 | AP@0.7 | "
-                        "AP@0.5 ego-occluded | bytes per agent | train minutes |")
+                        "AP@0.5 ego-occluded | bytes per agent | train minutes | checkpoint step | "
+                        "data folder |")
     assert lines[2] == ("| `a` | intermediate | 1 | 28 | 0.400 | 0.200 | 0.020 | 0.250 | "
-                        "1,048,576 | 0.5 |")
-    assert lines[3] == "| `b` | no | 1 | 28 | 0.300 | 0.100 | 0.010 | n/a | 0 | 0.4 |"
+                        "1,048,576 | 0.5 | n/a | n/a |")
+    assert lines[3] == ("| `b` | no | 1 | 28 | 0.300 | 0.100 | 0.010 | n/a | 0 | 0.4 | n/a | "
+                        "n/a |")
     assert rt.occluded_ap50({"visibility": None}) is None
     assert rt.occluded_ap50({"visibility": {"ego-occluded": {"num_gt": 0}}}) is None
     assert "ego-occluded" not in rt.format_table(rows[1:])
@@ -198,12 +213,14 @@ def test_mean_and_std_cells_over_seeds_by_hand():
     lines = rt.format_table(rows).splitlines()
     assert lines[0] == ("| model | fusion | epochs | optimizer steps | seeds | AP@0.3 | AP@0.5 | "
                         "AP@0.7 | AP@0.5 ego-occluded | bytes per agent | "
-                        "train minutes per seed |")
+                        "train minutes per seed | checkpoint step | data folder |")
     # 0.3 and 0.5: mean 0.4, sample std sqrt(2 * 0.1^2 / 1) = 0.1414; bytes: mean of 100, 300.
     assert lines[2] == ("| `a` | intermediate | 2 | 4 | 2 of 3 | 0.400 ± 0.141 | 0.200 ± 0.000 | "
-                        "0.150 ± 0.071 | 0.200 ± 0.141 | 200 | 1.2 |")
-    assert lines[3] == "| `b` | late | 1 | 4 | 1 of 3 | 0.300 | 0.200 | 0.100 | 0.100 | 100 | 0.5 |"
-    assert lines[4] == "| `c` | no | 1 | 4 | 0 of 3 | failed | n/a | n/a | n/a | n/a | n/a |"
+                        "0.150 ± 0.071 | 0.200 ± 0.141 | 200 | 1.2 | n/a | n/a |")
+    assert lines[3] == ("| `b` | late | 1 | 4 | 1 of 3 | 0.300 | 0.200 | 0.100 | 0.100 | 100 | 0.5 | "
+                        "n/a | n/a |")
+    assert lines[4] == ("| `c` | no | 1 | 4 | 0 of 3 | failed | n/a | n/a | n/a | n/a | n/a | n/a | "
+                        "n/a |")
     assert rt.spread_cell([0.3, None, 0.5]) == "0.400 ± 0.141"
     assert rt.spread_cell([None]) == "n/a"
 
@@ -221,20 +238,20 @@ def test_skip_existing_reads_prepared_runs_without_training(data_dir, late_smoke
     _no_subprocess(monkeypatch)
     root = tmp_path / "runs"
     # smoke: a run folder as a previous results_table run leaves it (with its .run.yaml).
-    _write_eval(root / "smoke", "eval_test_intermediate.yaml",
-                _metrics(0.5, 0.25, 0.125, 12345.6))
+    _write_record(root / "smoke", _metrics(0.5, 0.25, 0.125, 12345.6), data_dir / "test")
     (root / "smoke.run.yaml").write_text(yaml.safe_dump(
         {"model": "smoke", "epochs": 7, "steps": 14, "train_minutes": 2.26,
          "commands": ["torchrun ... smoke", "python tools/eval.py ... smoke"]}))
     # late_smoke: a bare tools/train.py run folder: epochs from its config.yaml, steps computed.
-    _write_eval(root / "late_smoke", "eval_test_late.yaml", _metrics(0.75, 0.5, 0.25, 96))
+    _write_record(root / "late_smoke", _metrics(0.75, 0.5, 0.25, 96), data_dir / "test",
+                  fusion="late")
     (root / "late_smoke" / "config.yaml").write_text(yaml.safe_dump(
         {"train_params": {"epoches": 3}}))
     code = rt.main(["--configs", str(SMOKE_YAML), str(late_smoke_yaml), "--data", str(data_dir),
                     "--runs_root", str(root), "--nproc", "2", "--skip_existing"])
     out = capsys.readouterr().out
     assert code == 0
-    assert "smoke: eval_test_intermediate.yaml exists, not retrained" in out
+    assert "smoke: evaluated (evals/test_intermediate_" in out and "not retrained" in out
     table = (root / "results.md").read_text()
     assert "| `smoke` | intermediate | 7 | 14 | 0.500 | 0.250 | 0.125 | 12,346 | 2.3 |" in table
     assert "| `late_smoke` | late | 3 | 12 | 0.750 | 0.500 | 0.250 | 96 | n/a |" in table
@@ -242,9 +259,10 @@ def test_skip_existing_reads_prepared_runs_without_training(data_dir, late_smoke
     assert "| `smoke` | intermediate | 7 | 14 |" in out   # the table is printed too
 
 
-def _prepare_seed_run(root: Path, run: str, metrics: dict, minutes: float) -> None:
+def _prepare_seed_run(root: Path, run: str, metrics: dict, minutes: float,
+                      folder: Path) -> None:
     """A run folder and .run.yaml as an earlier results_table run leaves them."""
-    _write_eval(root / run, "eval_test_intermediate.yaml", metrics)
+    _write_record(root / run, metrics, folder)
     (root / f"{run}.run.yaml").write_text(yaml.safe_dump(
         {"model": "smoke", "run": run, "epochs": 7, "steps": 14, "train_minutes": minutes,
          "commands": [f"torchrun ... {run}"]}))
@@ -253,9 +271,10 @@ def _prepare_seed_run(root: Path, run: str, metrics: dict, minutes: float) -> No
 def test_three_seeds_table_from_hand_made_eval_yamls(data_dir, tmp_path, monkeypatch, capsys):
     _no_subprocess(monkeypatch)
     root = tmp_path / "runs"
-    _prepare_seed_run(root, "smoke", _metrics(0.4, 0.25, 0.1, 100), 2.0)
-    _prepare_seed_run(root, "smoke_seed1", _metrics(0.5, 0.5, 0.1, 200), 3.0)
-    _prepare_seed_run(root, "smoke_seed2", _metrics(0.6, 0.75, 0.1, 300), 4.0)
+    test_folder = data_dir / "test"
+    _prepare_seed_run(root, "smoke", _metrics(0.4, 0.25, 0.1, 100), 2.0, test_folder)
+    _prepare_seed_run(root, "smoke_seed1", _metrics(0.5, 0.5, 0.1, 200), 3.0, test_folder)
+    _prepare_seed_run(root, "smoke_seed2", _metrics(0.6, 0.75, 0.1, 300), 4.0, test_folder)
     code = rt.main(["--configs", str(SMOKE_YAML), "--data", str(data_dir), "--runs_root",
                     str(root), "--nproc", "2", "--seeds", "3", "--skip_existing"])
     assert code == 0
@@ -273,15 +292,15 @@ def test_three_seeds_table_from_hand_made_eval_yamls(data_dir, tmp_path, monkeyp
     assert "torchrun ... smoke_seed1" in table.split("## Commands")[1]
 
 
-def _fake_training(calls: list, failing_run: str = None):
+def _fake_training(calls: list, folder: Path, failing_run: str = None):
     """subprocess.call stand-in: records commands, fails ``failing_run``'s training, and makes
-    each eval write its eval yaml (AP@0.5 0.5)."""
+    each eval write its record of ``folder`` (AP@0.5 0.5)."""
     def fake_call(command, stdout, stderr):
         calls.append(command)
         run_dir = Path(command[command.index("--model_dir") + 1])
         if "train.py" in " ".join(command):
             return 1 if run_dir.name == failing_run else 0
-        _write_eval(run_dir, "eval_test_intermediate.yaml", _metrics(0.75, 0.5, 0.25, 64))
+        _write_record(run_dir, _metrics(0.75, 0.5, 0.25, 64), folder)
         return 0
     return fake_call
 
@@ -289,16 +308,17 @@ def _fake_training(calls: list, failing_run: str = None):
 def test_skip_existing_per_seed_trains_only_the_missing_seed(data_dir, tmp_path, monkeypatch,
                                                             capsys):
     root = tmp_path / "runs"
-    _prepare_seed_run(root, "smoke", _metrics(0.75, 0.25, 0.25, 64), 2.0)
-    _prepare_seed_run(root, "smoke_seed2", _metrics(0.75, 0.75, 0.25, 64), 2.0)
+    test_folder = data_dir / "test"
+    _prepare_seed_run(root, "smoke", _metrics(0.75, 0.25, 0.25, 64), 2.0, test_folder)
+    _prepare_seed_run(root, "smoke_seed2", _metrics(0.75, 0.75, 0.25, 64), 2.0, test_folder)
     calls = []
-    monkeypatch.setattr(rt.subprocess, "call", _fake_training(calls))
+    monkeypatch.setattr(rt.subprocess, "call", _fake_training(calls, test_folder))
     code = rt.main(["--configs", str(SMOKE_YAML), "--data", str(data_dir), "--runs_root",
                     str(root), "--epochs", "1", "--nproc", "2", "--seeds", "3", "--skip_existing"])
     out = capsys.readouterr().out
     assert code == 0
-    assert "[1/3] smoke: eval_test_intermediate.yaml exists, not retrained" in out
-    assert "[3/3] smoke_seed2: eval_test_intermediate.yaml exists, not retrained" in out
+    assert "[1/3] smoke: evaluated (evals/test_intermediate_" in out
+    assert "[3/3] smoke_seed2: evaluated (evals/test_intermediate_" in out
     assert len(calls) == 2                             # smoke_seed1: train + eval, nothing else
     assert all(c[c.index("--model_dir") + 1] == str(root / "smoke_seed1") for c in calls)
     assert calls[0][-2:] == ["--set", "seed=1"]
@@ -312,7 +332,8 @@ def test_failed_seed_is_reported_and_the_row_counts_the_others(data_dir, tmp_pat
                                                                capsys):
     root = tmp_path / "runs"
     calls = []
-    monkeypatch.setattr(rt.subprocess, "call", _fake_training(calls, failing_run="smoke_seed1"))
+    monkeypatch.setattr(rt.subprocess, "call",
+                        _fake_training(calls, data_dir / "test", failing_run="smoke_seed1"))
     code = rt.main(["--configs", str(SMOKE_YAML), "--data", str(data_dir), "--runs_root",
                     str(root), "--epochs", "1", "--nproc", "2", "--seeds", "3"])
     captured = capsys.readouterr()
@@ -335,8 +356,8 @@ def test_failing_model_is_one_line_and_the_others_go_on(data_dir, late_smoke_yam
         if "train.py" in " ".join(command) and "late_smoke" not in " ".join(command):
             return 1
         if "eval.py" in " ".join(command):
-            _write_eval(Path(command[command.index("--model_dir") + 1]), "eval_test_late.yaml",
-                        _metrics(0.5, 0.25, 0.125, 64))
+            _write_record(Path(command[command.index("--model_dir") + 1]),
+                          _metrics(0.5, 0.25, 0.125, 64), data_dir / "test", fusion="late")
         return 0
 
     monkeypatch.setattr(rt.subprocess, "call", fake_call)
@@ -411,16 +432,41 @@ def test_end_to_end_smoke_one_epoch(data_dir, tmp_path):
     logs = "".join(p.read_text()[-3000:] for p in sorted(root.glob("*.log")))
     assert result.returncode == 0, result.stdout + result.stderr + logs
     assert "smoke: 4 train examples, 2 steps/epoch -> 1 epochs, 2 steps" in result.stdout
-    assert (root / "smoke" / "eval_test_intermediate.yaml").is_file()
+    from opencood.eval.records import list_records
+    ((_, evaluated),) = list_records(root / "smoke")
+    assert evaluated["data"]["folder"] == str((data_dir / "test").resolve())
+    assert evaluated["checkpoint"]["step"] == 2
     assert (root / "smoke" / "last.pth").is_file()
     assert "tools/train.py" in (root / "smoke.train.log").read_text()
     record = yaml.safe_load((root / "smoke.run.yaml").read_text())
     assert record["epochs"] == 1 and record["steps"] == 2 and record["train_minutes"] > 0
-    metrics = yaml.safe_load((root / "smoke" / "eval_test_intermediate.yaml").read_text())
+    metrics = evaluated["results"]
     row = next(line for line in (root / "results.md").read_text().splitlines()
                if line.startswith("| `smoke`"))
     cells = [cell.strip() for cell in row.strip("|").split("|")]
     assert cells[:4] == ["`smoke`", "intermediate", "1", "2"]
     assert cells[4:7] == [f"{metrics[k]:.3f}" for k in ("ap_30", "ap_50", "ap_70")]
-    assert cells[-2] == f"{round(metrics['bytes_per_agent']):,}"
+    assert cells[-4] == f"{round(metrics['bytes_per_agent']):,}"
+    assert cells[-2:] == ["2", rt._rel((data_dir / "test").resolve())]
     assert row in result.stdout
+
+
+def test_a_record_of_other_settings_is_refused_in_one_line_not_mixed_in(data_dir, tmp_path,
+                                                                       monkeypatch, capsys):
+    """A run evaluated on another data folder, or under another AP protocol, has no record of
+    the table's setting: the row says failed and one line says why."""
+    root = tmp_path / "runs"
+    elsewhere = tmp_path / "elsewhere" / "test"
+    calls = []
+    monkeypatch.setattr(rt.subprocess, "call", _fake_training(calls, elsewhere))
+    _write_record(root / "smoke", _metrics(0.9, 0.9, 0.9, 1), data_dir / "test",
+                  protocol="opencood")
+    code = rt.main(["--configs", str(SMOKE_YAML), "--data", str(data_dir), "--runs_root",
+                    str(root), "--epochs", "1", "--nproc", "2"])
+    captured = capsys.readouterr()
+    assert code == 1
+    (error,) = [line for line in captured.err.splitlines() if line.startswith("error:")]
+    assert error.startswith(f"error: smoke: no evaluation record of the table's setting (test "
+                            f"of {(data_dir / 'test').resolve()}, intermediate, protocol ours")
+    assert str(elsewhere.resolve()) in error and "protocol opencood" in error
+    assert "| `smoke` | intermediate | 1 | 2 | failed |" in (root / "results.md").read_text()

@@ -7,8 +7,11 @@
 
 For each config (default: the six models of ``hypes_yaml/synthetic``) it runs
 ``torchrun tools/train.py`` into ``RUNS_ROOT/<yaml stem>`` and then ``tools/eval.py`` on it, each
-logged to ``RUNS_ROOT/<stem>.train.log`` / ``.eval.log``. It then reads every run's
-``eval_<split>_<fusion>.yaml`` and writes ``RUNS_ROOT/results.md`` (the table and the commands).
+logged to ``RUNS_ROOT/<stem>.train.log`` / ``.eval.log``. It then reads every run's evaluation
+record (``RUN/evals/``, ``opencood/eval/records.py``) of exactly the table's setting (the split's
+data folder, the run's fusion, the default AP protocol, no pose noise or latency) and writes
+``RUNS_ROOT/results.md`` (the table, each row with the checkpoint step and data folder its record
+names, and the commands). A run without such a record is refused in one line, not mixed in.
 
 * ``--steps N`` gives every model the same number of optimizer steps (late fusion trains on one
   example per (sample, CAV), so its epochs are longer): epochs = ceil(N / steps per epoch).
@@ -17,10 +20,10 @@ logged to ``RUNS_ROOT/<stem>.train.log`` / ``.eval.log``. It then reads every ru
   config's ``seed``), seed base + k into ``RUNS_ROOT/<stem>_seed<k>`` (the first seed keeps
   ``RUNS_ROOT/<stem>``); each AP cell is then mean ± std (sample std) over the seeds, and
   results.md gets a per-seed table too.
-* ``--skip_existing`` does not retrain a run (one seed of a model) whose folder already holds its
-  eval yaml.
+* ``--skip_existing`` does not retrain a run (one seed of a model) whose folder already holds a
+  record of the table's setting.
 * ``--dry_run`` prints the plan and the commands and trains nothing.
-* A run folder that holds ``last.pth`` but no eval yaml is resumed by tools/train.py.
+* A run folder that holds ``last.pth`` but no such record is resumed by tools/train.py.
 * A failing run (a model, or one seed of it) is reported on one line (with its log file); the
   others go on; the exit status is then 1. A row says how many seeds it averages ("2 of 3").
 
@@ -29,13 +32,12 @@ Per-run bookkeeping (epochs, steps, seed, minutes, commands) goes to ``RUNS_ROOT
 from __future__ import annotations
 
 import argparse
-import math
 import shlex
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import yaml
 
@@ -43,6 +45,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from opencood.config import ConfigError, get_key, load_config  # noqa: E402
+from opencood.data.datasets import SPLIT_KEYS  # noqa: E402
+from opencood.eval.protocols import DEFAULT_PROTOCOL  # noqa: E402
+from opencood.eval.records import describe, list_records, matching_records  # noqa: E402
 from opencood.errors import OpencoodError, one_line  # noqa: E402
 from opencood.utils.batching import epochs_for_steps, steps_per_epoch  # noqa: E402
 
@@ -60,9 +65,37 @@ class TableError(OpencoodError):
 
 # -- plain computations (unit-tested) ---------------------------------------------------------
 
-def eval_file_name(split: str, fusion: str) -> str:
-    """Name of the clean-setting result tools/eval.py writes (see ``evaluate_setting``)."""
-    return f"eval_{split}_{fusion}.yaml"
+def table_record(run_dir: Path, split: str, fusion: str,
+                 folder: str) -> Tuple[Optional[Dict], Optional[str]]:
+    """(the newest evaluation record of exactly the table's setting, None), or (None, why there
+    is none: one line). The setting: ``split`` of data ``folder`` (absolute), ``fusion``, the
+    default AP protocol, no pose noise and no latency."""
+    records = list_records(run_dir) if Path(run_dir).is_dir() else []
+    same_kind = matching_records(records, split=split, fusion=fusion,
+                                 protocol=DEFAULT_PROTOCOL, clean=True)
+    matching = [record for _, record in same_kind if record["data"]["folder"] == folder]
+    if matching:
+        return max(matching, key=lambda record: record["date"] or ""), None
+    if not records:
+        return None, f"no evaluation record in {run_dir}"
+    found = sorted({f"{describe(r['data']['split'])} of {describe(r['data']['folder'])}, "
+                    f"{describe(r['settings']['fusion'])}, protocol "
+                    f"{describe(r['settings']['protocol'])}" for _, r in records})
+    return None, (f"no evaluation record of the table's setting ({split} of {folder}, {fusion}, "
+                  f"protocol {DEFAULT_PROTOCOL}, no noise or latency) in {run_dir}; it has: "
+                  f"{'; '.join(found)}")
+
+
+def record_metrics(record: Dict) -> Dict:
+    """A table row's view of a record: its results plus the checkpoint step and data folder."""
+    return {**record["results"], "checkpoint_step": record["checkpoint"]["step"],
+            "data_folder": record["data"]["folder"]}
+
+
+def distinct_cell(values: Sequence) -> str:
+    """The values of a row's seeds, once each ("n/a" when unknown)."""
+    known = [value for value in dict.fromkeys(values) if value is not None]
+    return ", ".join(str(value) for value in known) if known else "n/a"
 
 
 def occluded_ap50(metrics: Dict) -> Optional[float]:
@@ -110,8 +143,8 @@ def format_table(rows: Sequence[Dict]) -> str:
     """Markdown table of result rows.
 
     A row has ``model``, ``fusion``, ``epochs``, ``steps``, ``train_minutes`` (None: unknown),
-    ``metrics`` (the eval yamls' contents of its finished seeds: one per seed, [] for a model
-    that failed) and optionally ``resumed`` (training went on from an earlier last.pth: its
+    ``metrics`` (its finished seeds' results, ``record_metrics`` of their evaluation records:
+    one per seed, [] for a model that failed) and optionally ``resumed`` (training went on from an earlier last.pth: its
     minutes are this session's), ``seeds`` (the planned training seeds: above 1 a "seeds" column
     counts the finished ones, and AP cells are mean ± std) and ``seed`` (the training seed of a
     single run: a "training seed" column, for the per-seed table).
@@ -126,6 +159,7 @@ def format_table(rows: Sequence[Dict]) -> str:
     header += ["AP@0.3", "AP@0.5", "AP@0.7"]
     header += ["AP@0.5 ego-occluded"] if occluded else []
     header += ["bytes per agent", "train minutes per seed" if several_seeds else "train minutes"]
+    header += ["checkpoint step", "data folder"]
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for row in rows:
         metrics = row["metrics"]
@@ -141,7 +175,10 @@ def format_table(rows: Sequence[Dict]) -> str:
             cells.append(spread_cell([occluded_ap50(m) for m in metrics]))
         minutes = _number(row.get("train_minutes"), 1)
         minutes += " (resumed)" if row.get("resumed") else ""
-        cells += [_count(_mean([m.get("bytes_per_agent") for m in metrics])), minutes]
+        cells += [_count(_mean([m.get("bytes_per_agent") for m in metrics])), minutes,
+                  distinct_cell([m.get("checkpoint_step") for m in metrics]),
+                  distinct_cell([_rel(m["data_folder"]) if m.get("data_folder") else None
+                                 for m in metrics])]
         if not metrics:
             cells[first_ap] = "failed"
         lines.append("| " + " | ".join(cells) + " |")
@@ -182,8 +219,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="train every model N times (training seeds base, base+1, ...; base: "
                         "the config's seed); AP cells are then mean ± std")
     parser.add_argument("--skip_existing", action="store_true",
-                        help="do not retrain a run (one seed of a model) whose folder holds its "
-                        "eval yaml")
+                        help="do not retrain a run (one seed of a model) whose folder holds an "
+                        "evaluation record of the table's setting")
     parser.add_argument("--dry_run", action="store_true",
                         help="print the plan and the commands; train nothing")
     args = parser.parse_args(argv)
@@ -274,7 +311,12 @@ def plan_model(path: Path, overrides: List[str], args, nproc: int) -> Dict:
         epochs = epochs_for_steps(max_steps, epoch_steps)
     else:
         epochs = args.epochs if args.epochs is not None else int(params["epoches"])
+    split_folder = cfg[SPLIT_KEYS[args.split]]
+    if not split_folder:
+        raise TableError(f"{path}: {SPLIT_KEYS[args.split]} (the {args.split} folder) is not set; "
+                         f"pass --data DIR")
     return {"model": path.stem, "config": path, "fusion": cfg["fusion"]["core_method"],
+            "folder": str(Path(split_folder).resolve()),
             "examples": examples, "steps_per_epoch": epoch_steps, "epochs": epochs,
             "steps": max_steps if max_steps is not None else epochs * epoch_steps,
             "max_steps": max_steps, "base_seed": int(cfg["seed"])}
@@ -376,7 +418,7 @@ def train_and_eval(run: Dict, args, nproc: int, overrides: List[str], tag: str) 
     run_dir = root / run["run"]
     commands = run_commands(run, args, nproc, overrides)
     record = {"model": run["model"], "run": run["run"], "seed": run["seed"],
-              "config": str(run["config"]), "fusion": run["fusion"],
+              "config": str(run["config"]), "fusion": run["fusion"], "folder": run["folder"],
               "epochs": run["epochs"], "steps": run["steps"],
               "train_examples": run["examples"], "steps_per_epoch": run["steps_per_epoch"],
               "nproc": nproc, "commands": [shlex.join(c) for c in commands]}
@@ -403,10 +445,11 @@ def train_and_eval(run: Dict, args, nproc: int, overrides: List[str], tag: str) 
 def existing_record(run: Dict, args) -> Optional[Dict]:
     """The record of a finished run under --skip_existing (None: it must be trained)."""
     run_dir = Path(args.runs_root) / run["run"]
-    if not (run_dir / eval_file_name(args.split, run["fusion"])).is_file():
+    evaluated, _ = table_record(run_dir, args.split, run["fusion"], run["folder"])
+    if evaluated is None:
         return None
     saved = read_yaml(Path(args.runs_root) / f"{run['run']}.run.yaml") or {}
-    saved.pop("error", None)              # the eval yaml is there: whatever failed, it is done
+    saved.pop("error", None)              # the record is there: whatever failed, it is done
     config = read_yaml(run_dir / "config.yaml") or {}
     epochs = saved.get("epochs", get_key(config, "train_params.epoches", None))
     steps = saved.get("steps")
@@ -416,16 +459,19 @@ def existing_record(run: Dict, args) -> Optional[Dict]:
     # another --set seed may have made differ from the planned one.
     seed = config.get("seed", run["seed"])
     return {**saved, "model": run["model"], "run": run["run"], "seed": seed,
-            "fusion": run["fusion"], "epochs": epochs, "steps": steps, "skipped": True,
+            "fusion": run["fusion"], "folder": run["folder"], "epochs": epochs, "steps": steps,
+            "skipped": True, "eval_record": evaluated["name"],
             "commands": saved.get("commands", [])}
 
 
-def run_metrics(record: Dict, args) -> Optional[Dict]:
-    """A run's eval yaml (None when its training or evaluation failed, or the file is missing)."""
+def run_metrics(record: Dict, args) -> Tuple[Optional[Dict], Optional[str]]:
+    """(a run's row metrics from its evaluation record of the table's setting, None), or (None,
+    why not) when its training or evaluation failed or no such record exists."""
     if "error" in record:
-        return None
-    return read_yaml(Path(args.runs_root) / record["run"] / eval_file_name(args.split,
-                                                                           record["fusion"]))
+        return None, record["error"]
+    evaluated, reason = table_record(Path(args.runs_root) / record["run"], args.split,
+                                     record["fusion"], record["folder"])
+    return (record_metrics(evaluated), None) if evaluated is not None else (None, reason)
 
 
 def seed_row(record: Dict, metrics: Optional[Dict]) -> Dict:
@@ -503,28 +549,28 @@ def run_all(args) -> int:
     root.mkdir(parents=True, exist_ok=True)
     records = [train_or_reuse(run, args, nproc, overrides, f"[{index}/{len(runs)}]")
                for index, run in enumerate(runs, 1)]
-    metrics = [run_metrics(record, args) for record in records]
+    outcomes = [run_metrics(record, args) for record in records]
+    metrics = [run_result for run_result, _ in outcomes]
     rows = model_rows(records, metrics, args.seeds)
     write_results(rows, records, metrics, args, nproc)
     print(format_table(rows))
     print(f"written to {root / 'results.md'} ({_elapsed()} in all)")
     failed = [record for record in records if "error" in record]
-    missing = [record for record, run_result in zip(records, metrics)
+    missing = [(record, reason) for record, (run_result, reason) in zip(records, outcomes)
                if run_result is None and "error" not in record]
-    for record in missing:
-        print(f"error: {record['run']}: no {args.runs_root}/{record['run']}/"
-              f"{eval_file_name(args.split, record['fusion'])} to read", file=sys.stderr)
+    for record, reason in missing:
+        print(f"error: {record['run']}: {reason}", file=sys.stderr)
     return 1 if failed or missing else 0
 
 
 def train_or_reuse(run: Dict, args, nproc: int, overrides: List[str], tag: str) -> Dict:
-    """The record of one run: reused under --skip_existing when its eval yaml exists, else
-    trained and evaluated now; a failure is reported on stderr."""
+    """The record of one run: reused under --skip_existing when it holds an evaluation record of
+    the table's setting, else trained and evaluated now; a failure is reported on stderr."""
     record = existing_record(run, args) if args.skip_existing else None
     if record is not None:
         other_seed = (f" (its config.yaml has seed {record['seed']}, not {run['seed']})"
                       if record["seed"] != run["seed"] else "")
-        print(f"{tag} {run['run']}: {eval_file_name(args.split, run['fusion'])} exists, "
+        print(f"{tag} {run['run']}: evaluated (evals/{record['eval_record']}.yaml), "
               f"not retrained{other_seed}", flush=True)
     else:
         record = train_and_eval(run, args, nproc, overrides, tag)

@@ -348,6 +348,10 @@ class LateFusionDataset(BaseFusionDataset):
                             agent_latency=[a["latency"] for a in agents])
 
 
+# The config key naming each split's folder.
+SPLIT_KEYS = {"train": "root_dir", "validate": "validate_dir", "test": "test_dir"}
+
+
 def build_dataset(cfg: dict, split: str, train: bool, fusion_method: str | None = None,
                   cache_dir=None, **extra) -> BaseFusionDataset:
     """Dataset of ``fusion_method`` (default ``cfg.fusion.core_method``) for a split.
@@ -355,12 +359,11 @@ def build_dataset(cfg: dict, split: str, train: bool, fusion_method: str | None 
     ``split`` is "train", "validate" or "test", mapped to ``root_dir``, ``validate_dir`` and
     ``test_dir`` of the config.
     """
-    split_keys = {"train": "root_dir", "validate": "validate_dir", "test": "test_dir"}
-    if split not in split_keys:
-        raise ValueError(f"unknown split {split!r}; expected one of {', '.join(split_keys)}")
-    split_dir = cfg[split_keys[split]]
+    if split not in SPLIT_KEYS:
+        raise ValueError(f"unknown split {split!r}; expected one of {', '.join(SPLIT_KEYS)}")
+    split_dir = cfg[SPLIT_KEYS[split]]
     if not split_dir:
-        raise ValueError(f"config key {split_keys[split]!r} (the {split} folder) is not set")
+        raise ValueError(f"config key {SPLIT_KEYS[split]!r} (the {split} folder) is not set")
     strategy = get_strategy(fusion_method or cfg["fusion"]["core_method"])
     dataset_cls = DATASETS.get(strategy.dataset_name)
     return dataset_cls.from_config(cfg, split_dir, train=train, cache_dir=cache_dir, **extra)

@@ -3,17 +3,21 @@
     python tools/eval.py --model_dir RUN [--checkpoint FILE] [--fusion_method no|early|late|intermediate]
                          [--split validate|test] [--save_vis] [--no-ema]
                          [--pose_noise STD ...] [--latency FRAMES ...]
+    python tools/eval.py --list RUN
 
 and the same under torchrun: each rank evaluates an unpadded shard, detections are gathered to
-rank 0, and AP is computed once. Results go to ``RUN/eval_<split>_<fusion>[_<setting>].yaml``, a
-printed table and TensorBoard.
+rank 0, and AP is computed once. Each evaluated setting writes a self-describing record to
+``RUN/evals/<split>_<fusion>[_<setting>]_<hash>.yaml`` (``opencood/eval/records.py``: checkpoint
+and its hash, data folder, settings, code, machine, results), prints its table and logs its
+TensorBoard scalars under ``eval/<record name>/``; ``--list`` prints a run's records.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import logging
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import numpy as np
 import torch
@@ -21,12 +25,14 @@ import yaml
 
 from opencood.config import ConfigError, apply_overrides, load_config, resolve
 from opencood.data.collate import build_loader
-from opencood.data.datasets import build_dataset
+from opencood.data.datasets import SPLIT_KEYS, build_dataset
 from opencood.data.pipeline import BatchPreparer
 from opencood.engine.recipe import check_registered_names, configure_cuda
 from opencood.errors import run_cli
 from opencood.eval.inference import evaluate_loader
 from opencood.eval.protocols import DEFAULT_PROTOCOL, PROTOCOLS
+from opencood.eval.records import (RECORDS_DIR, build_record, checkpoint_facts, format_record_line,
+                                   list_records, machine_facts, record_name, write_record)
 from opencood.models.build import build_model
 from opencood.strategies import get_strategy, strategy_names
 from opencood.utils import dist as dist_utils
@@ -39,7 +45,9 @@ logger = logging.getLogger("opencood")
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="Evaluate a trained run (AP in BEV).")
-    parser.add_argument("--model_dir", required=True, help="run folder written by tools/train.py")
+    parser.add_argument("--model_dir", help="run folder written by tools/train.py")
+    parser.add_argument("--list", dest="list_run", metavar="RUN",
+                        help="print the evaluation records of a run folder, a line each")
     parser.add_argument("--checkpoint", help="checkpoint file (default RUN/best.pth, else last.pth)")
     parser.add_argument("--fusion_method", choices=strategy_names(),
                         help="fusion strategy at test time (default: the run's)")
@@ -63,6 +71,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="KEY=VALUE", help="override a key of the run's config")
     args = parser.parse_args(argv)
+    if not args.model_dir and not args.list_run:
+        parser.error("give --model_dir RUN (evaluate) or --list RUN (show its records)")
     if args.seeds < 1:
         parser.error(f"--seeds must be >= 1, got {args.seeds}")
     return args
@@ -78,18 +88,19 @@ def pick_checkpoint(run_dir: Path, explicit: str | None) -> Path:
                           f"(give --checkpoint FILE)")
 
 
-def load_eval_model(cfg: Dict, checkpoint_path: Path, use_ema: bool, device) -> torch.nn.Module:
-    """Model with the checkpoint's EMA weights (if present and wanted) or raw weights."""
+def load_eval_model(cfg: Dict, checkpoint_path: Path, use_ema: bool,
+                    device) -> Tuple[torch.nn.Module, Dict]:
+    """(model with the checkpoint's EMA weights (if present and wanted) or raw weights, the
+    checkpoint's facts for the record: file, epoch, step, sha256, weights)."""
     checkpoint = load_checkpoint(checkpoint_path)
     if "model" not in checkpoint:
         raise CheckpointError(f"{checkpoint_path}: not a training checkpoint (no 'model' entry)")
     model = build_model(cfg["model"])
-    state = checkpoint["model"]
-    if use_ema and checkpoint.get("ema"):
-        state = checkpoint["ema"]["module"]
+    weights = "ema" if use_ema and checkpoint.get("ema") else "raw"
+    state = checkpoint["ema"]["module"] if weights == "ema" else checkpoint["model"]
     check_state_dict_compatible(model, state, checkpoint_path)
     model.load_state_dict(state)
-    return model.to(device).eval()
+    return model.to(device).eval(), checkpoint_facts(checkpoint_path, checkpoint, weights)
 
 
 def settings_to_run(pose_noise: List[float], latency: List[int], seeds: int = 1,
@@ -184,55 +195,74 @@ def vis_callback(run_dir: Path, tag: str, count: int, bev_range):
     return on_sample
 
 
-def evaluate_setting(cfg, args, run_dir, model, device, setting) -> Dict | None:
+def evaluate_setting(cfg, args, run_dir, model, info, setting, checkpoint: Dict) -> Dict | None:
+    """Evaluate one setting (clean, a noise level or a latency) -> its record on rank 0 (see
+    ``opencood/eval/records.py``), None on the other ranks."""
     protocol = PROTOCOLS[args.protocol]
     cfg_run = resolve(apply_overrides(cfg, setting["overrides"] + protocol.config_overrides(),
                                       source="eval sweep"), "eval sweep")
     fusion = args.fusion_method or cfg_run["fusion"]["core_method"]
     dataset = build_dataset(cfg_run, args.split, train=False, fusion_method=fusion)
-    loader = build_loader(dataset, device, args.num_workers, batch_size=args.batch_size,
+    loader = build_loader(dataset, info.device, args.num_workers, batch_size=args.batch_size,
                           sampler=InferenceSampler(len(dataset)))
-    preparer = BatchPreparer.from_config(cfg_run, device, training=False)
+    preparer = BatchPreparer.from_config(cfg_run, info.device, training=False)
     on_sample = None
     if args.save_vis:
         on_sample = vis_callback(run_dir, setting["tag"], args.vis_count,
                                  cfg_run["preprocess"]["cav_lidar_range"])
-    metrics = evaluate_loader(model, loader, preparer, cfg_run, device, fusion, on_sample,
+    metrics = evaluate_loader(model, loader, preparer, cfg_run, info.device, fusion, on_sample,
                               protocol)
     if metrics is None:
         return None
-    name = f"eval_{args.split}_{fusion}" + (f"_{setting['tag']}" if setting["tag"] else "")
-    name += "" if protocol.name == DEFAULT_PROTOCOL else f"_{protocol.name}"
-    metrics["name"] = name
     metrics["protocol"] = {"name": protocol.name, "description": protocol.description}
-    return metrics
+    return setting_record(cfg_run, args, setting["tag"], fusion, checkpoint, info, metrics)
 
 
-def report_results(metrics: Dict, run_dir: Path, writer) -> None:
-    """Rank 0: RUN/<name>.yaml, the printed table and the TensorBoard scalars."""
-    name = metrics["name"]
-    with atomic_write(run_dir / f"{name}.yaml") as stream:
-        yaml.safe_dump(_plain(metrics), stream, sort_keys=False)
+def setting_record(cfg_run: Dict, args, tag: str, fusion: str, checkpoint: Dict, info,
+                   metrics: Dict) -> Dict:
+    """The record of one evaluated setting; names it (``metrics["name"]`` too)."""
+    folder = str(Path(cfg_run[SPLIT_KEYS[args.split]]).resolve())
+    settings = {"fusion": fusion, "protocol": args.protocol,
+                "wild_setting": dict(cfg_run["wild_setting"]), "overrides": list(args.overrides)}
+    name = record_name(args.split, fusion, tag, args.protocol, DEFAULT_PROTOCOL,
+                       {**settings, "split": args.split, "folder": folder}, checkpoint)
+    metrics["name"] = name
+    data = {"split": args.split, "folder": folder, "frames": metrics["num_frames"]}
+    return build_record(name, checkpoint, data, settings, cfg_run,
+                        machine_facts(info.device, info.world_size), metrics)
+
+
+def report_results(record: Dict, run_dir: Path, writer) -> Path:
+    """Rank 0: the record in RUN/evals/, the printed table (saying where the record went) and
+    the TensorBoard scalars under eval/<record name>/; returns the record's path."""
+    name, metrics = record["name"], record["results"]
+    path = write_record(run_dir, record)
     print(format_table(name, metrics), flush=True)
+    print(f"record: {path}", flush=True)
     for key in ("ap_30", "ap_50", "ap_70"):
-        writer.add_scalar(f"{name}/{key}", metrics[key], 0)
+        writer.add_scalar(f"eval/{name}/{key}", metrics[key], 0)
     for group, row in metrics.get("visibility", {}).items():
         if row["ap_50"] is not None:        # a group without GT has no AP
-            writer.add_scalar(f"{name}/ap_50_{group.replace('-', '_')}", row["ap_50"], 0)
+            writer.add_scalar(f"eval/{name}/ap_50_{group.replace('-', '_')}", row["ap_50"], 0)
+    return path
 
 
-def _plain(value):
-    """Numpy/tensor scalars -> python numbers, for yaml.safe_dump."""
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if hasattr(value, "item"):
-        return value.item()
-    return value
+def list_run_records(run_dir: Path) -> List[Dict]:
+    """``--list RUN``: a line per record of the run; returns the records."""
+    if not Path(run_dir).is_dir():
+        raise ConfigError(f"{run_dir}: no such run folder")
+    records = list_records(Path(run_dir))
+    for path, record in records:
+        print(format_record_line(path, record), flush=True)
+    if not records:
+        print(f"{run_dir}: no evaluation records (run tools/eval.py --model_dir {run_dir})",
+              flush=True)
+    return [record for _, record in records]
 
 
 def evaluate(args) -> List[Dict]:
+    """Evaluate every setting of ``args``; returns each setting's results on rank 0 (with
+    ``name``, the record's name, and ``record``, its path)."""
     run_dir = Path(args.model_dir)
     config_path = run_dir / "config.yaml"
     if not config_path.exists():
@@ -247,7 +277,7 @@ def evaluate(args) -> List[Dict]:
         dist_utils.setup_logging(None, info.rank)
         configure_cuda(cfg)      # the TF32 switches training validated with
         checkpoint_path = pick_checkpoint(run_dir, args.checkpoint)
-        model = load_eval_model(cfg, checkpoint_path, args.use_ema, info.device)
+        model, checkpoint = load_eval_model(cfg, checkpoint_path, args.use_ema, info.device)
         get_strategy(args.fusion_method or cfg["fusion"]["core_method"]).check_model(
             model, cfg["model"]["core_method"])
         logger.info("evaluating %s on %s", checkpoint_path, args.split)
@@ -259,13 +289,13 @@ def evaluate(args) -> List[Dict]:
         settings = settings_to_run(args.pose_noise, args.latency, args.seeds,
                                    cfg["wild_setting"]["seed"])
         for setting in settings:
-            metrics = evaluate_setting(cfg, args, run_dir, model, info.device, setting)
+            record = evaluate_setting(cfg, args, run_dir, model, info, setting, checkpoint)
             # Rank 0 writes alone: should that fail, the other ranks stop too, not wait.
-            dist_utils.run_together(
-                lambda: None if metrics is None else report_results(metrics, run_dir, writer),
+            written = dist_utils.run_together(
+                lambda: None if record is None else report_results(record, run_dir, writer),
                 "writing results")
-            if metrics is not None:
-                results.append(metrics)
+            if record is not None:
+                results.append({**record["results"], "record": str(written)})
         if writer is not None:
             writer.close()
         fusion = args.fusion_method or cfg["fusion"]["core_method"]
@@ -280,16 +310,26 @@ def evaluate(args) -> List[Dict]:
 
 def write_spread(run_dir: Path, args, fusion: str, settings: List[Dict],
                  results: List[Dict]) -> None:
-    """Rank 0: mean ± std over noise seeds, printed and written to RUN/eval_..._spread.yaml."""
-    name = f"eval_{args.split}_{fusion}_spread" + (
-        "" if args.protocol == DEFAULT_PROTOCOL else f"_{args.protocol}")
+    """Rank 0: mean ± std over noise seeds, printed and written to
+    RUN/evals/spreads/<split>_<fusion>[_<protocol>]_<hash>.yaml, naming the records it spans."""
+    names = [metrics["name"] for metrics in results]
+    digest = hashlib.sha256("\n".join(names).encode()).hexdigest()[:8]
+    protocol = "" if args.protocol == DEFAULT_PROTOCOL else f"_{args.protocol}"
+    name = f"{args.split}_{fusion}{protocol}_{digest}"
     spread = spread_by_group(settings, results)
-    print(format_spread(f"{name}: mean ± std over {args.seeds} noise seeds "
+    print(format_spread(f"spread {name}: mean ± std over {args.seeds} noise seeds "
                         f"(AP protocol: {args.protocol})", spread), flush=True)
-    with atomic_write(run_dir / f"{name}.yaml") as stream:
-        yaml.safe_dump({"seeds": args.seeds, "protocol": args.protocol, "groups": spread}, stream,
-                       sort_keys=False)
+    path = Path(run_dir) / RECORDS_DIR / "spreads" / f"{name}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_write(path) as stream:
+        yaml.safe_dump({"seeds": args.seeds, "protocol": args.protocol, "records": names,
+                        "groups": spread}, stream, sort_keys=False)
+    print(f"spread: {path}", flush=True)
 
 
 def main(argv=None) -> List[Dict]:
-    return run_cli(lambda argv: evaluate(parse_args(argv)), argv)
+    def run(argv):
+        args = parse_args(argv)
+        return list_run_records(Path(args.list_run)) if args.list_run else evaluate(args)
+
+    return run_cli(run, argv)

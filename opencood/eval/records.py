@@ -1,0 +1,192 @@
+"""Evaluation records: every evaluation says what it measured, and none overwrites another.
+
+``tools/eval.py`` writes one record per evaluated setting to ``RUN/evals/<name>.yaml``::
+
+    format: 1
+    name: test_intermediate_noise0.2_3f9c1a2b      # settings in words, then their hash
+    checkpoint: {file, epoch, step, sha256, weights: ema | raw}
+    data: {split, folder (absolute), frames}
+    settings: {fusion, protocol, wild_setting {loc_err, xyz_std, yaw_std, seed,
+               latency_frames, ...}, overrides [--set k=v ...]}
+    config_sha256: hash of the resolved config evaluated
+    code: {version, git_commit}
+    machine: {device, world_size, torch}
+    date: ISO 8601
+    results: {ap_30, ap_50, ap_70, num_gt, distance, visibility, bytes_per_agent, ...}
+
+The name ends in a hash of the settings and the checkpoint's content, so evaluations of other
+data, another checkpoint or other settings get other files (and TensorBoard tags
+``eval/<name>/...``), while the same evaluation run again replaces its own record. Records of
+older versions (``RUN/eval_<split>_<fusion>[...].yaml``: the results alone) still load, their
+missing fields ``None`` ("unknown" in listings).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional, Tuple
+
+import torch
+import yaml
+
+import opencood
+from opencood.errors import OpencoodError
+from opencood.utils.atomic import atomic_write
+
+RECORD_FORMAT = 1
+RECORDS_DIR = "evals"
+LEGACY_PATTERN = "eval_*.yaml"       # records of versions before RECORD_FORMAT 1
+UNKNOWN = "unknown"
+
+
+class RecordError(OpencoodError):
+    """A record that cannot be read; the message names the file."""
+
+
+def file_sha256(path: Path, chunk_bytes: int = 1 << 20) -> str:
+    """Hex sha256 of a file's content, read in chunks (checkpoints are hundreds of MB)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as stream:
+        for chunk in iter(lambda: stream.read(chunk_bytes), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def config_sha256(cfg: Dict) -> str:
+    """Hex sha256 of a resolved config, independent of key order."""
+    return hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def git_commit() -> Optional[str]:
+    """The commit of the checkout the package runs from, or None (an installed copy, no git)."""
+    source = Path(opencood.__file__).resolve().parent
+    try:
+        result = subprocess.run(["git", "-C", str(source), "rev-parse", "HEAD"],
+                                capture_output=True, text=True, timeout=10, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    commit = result.stdout.strip()
+    return commit if result.returncode == 0 and commit else None
+
+
+def checkpoint_facts(path: Path, checkpoint: Dict, weights: str) -> Dict:
+    """{"file", "epoch", "step", "sha256", "weights"} of the evaluated checkpoint; ``weights``
+    is "ema" or "raw" (which of its weights were loaded)."""
+    return {"file": str(Path(path).resolve()), "epoch": checkpoint.get("epoch"),
+            "step": checkpoint.get("step"), "sha256": file_sha256(Path(path)),
+            "weights": weights}
+
+
+def machine_facts(device: torch.device, world_size: int) -> Dict:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return {"device": name, "world_size": int(world_size), "torch": str(torch.__version__)}
+
+
+def record_name(split: str, fusion: str, tag: str, protocol: str, default_protocol: str,
+                settings: Dict, checkpoint: Dict) -> str:
+    """``<split>_<fusion>[_<tag>][_<protocol>]_<hash8>``: readable, then unique per settings,
+    data folder and checkpoint content."""
+    words = [split, fusion] + ([tag] if tag else []) + \
+        ([protocol] if protocol != default_protocol else [])
+    keyed = {"settings": settings, "checkpoint": checkpoint["sha256"],
+             "weights": checkpoint["weights"]}
+    digest = hashlib.sha256(json.dumps(keyed, sort_keys=True, default=str).encode()).hexdigest()
+    return "_".join(words + [digest[:8]])
+
+
+def build_record(name: str, checkpoint: Dict, data: Dict, settings: Dict, cfg: Dict,
+                 machine: Dict, results: Dict) -> Dict:
+    """The record (see the module doc); ``results`` as ``evaluate_loader`` returns them."""
+    return {"format": RECORD_FORMAT, "name": name, "checkpoint": checkpoint, "data": data,
+            "settings": settings, "config_sha256": config_sha256(cfg),
+            "code": {"version": opencood.__version__, "git_commit": git_commit()},
+            "machine": machine, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "results": results}
+
+
+def record_path(run_dir: Path, name: str) -> Path:
+    return Path(run_dir) / RECORDS_DIR / f"{name}.yaml"
+
+
+def write_record(run_dir: Path, record: Dict) -> Path:
+    """Write ``record`` atomically to ``RUN/evals/<name>.yaml``; returns the path."""
+    path = record_path(run_dir, record["name"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_write(path) as stream:
+        yaml.safe_dump(plain(record), stream, sort_keys=False)
+    return path
+
+
+def load_record(path: Path) -> Dict:
+    """A record, in the current layout whatever version wrote it (missing fields None)."""
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as error:
+        raise RecordError(f"{path}: cannot read the evaluation record ({error})") from None
+    if not isinstance(data, dict):
+        raise RecordError(f"{path}: not an evaluation record (a yaml mapping)")
+    if "format" not in data:                # before RECORD_FORMAT 1: the results alone
+        data = {"format": 0, "name": data.get("name", Path(path).stem), "results": data}
+    empty = {"checkpoint": {}, "data": {}, "settings": {}, "code": {}, "machine": {}}
+    record = {**{key: None for key in ("config_sha256", "date")}, **empty, **data}
+    for key, fields in (("checkpoint", ("file", "epoch", "step", "sha256", "weights")),
+                        ("data", ("split", "folder", "frames")),
+                        ("settings", ("fusion", "protocol", "wild_setting", "overrides"))):
+        record[key] = {**{field: None for field in fields}, **(record[key] or {})}
+    return record
+
+
+def list_records(run_dir: Path) -> List[Tuple[Path, Dict]]:
+    """Every record of a run, oldest version first then by name: (path, record)."""
+    run_dir = Path(run_dir)
+    paths = sorted(run_dir.glob(LEGACY_PATTERN)) + sorted((run_dir / RECORDS_DIR).glob("*.yaml"))
+    return [(path, load_record(path)) for path in paths if not path.stem.endswith("_spread")]
+
+
+def describe(value) -> str:
+    return UNKNOWN if value is None else str(value)
+
+
+def format_record_line(path: Path, record: Dict) -> str:
+    """One line of ``tools/eval.py --list``: name, settings, checkpoint, data, AP@0.5."""
+    checkpoint, data, settings = record["checkpoint"], record["data"], record["settings"]
+    wild = settings["wild_setting"] or {}
+    noise = (f"noise {wild.get('xyz_std')}m/{wild.get('yaw_std')}deg seed {wild.get('seed')}"
+             if wild.get("loc_err") else "no noise")
+    ap_50 = record["results"].get("ap_50")
+    return (f"{path.name}: AP@0.5 {describe(None if ap_50 is None else f'{ap_50:.4f}')} | "
+            f"{describe(data['split'])} of {describe(data['folder'])} "
+            f"({describe(data['frames'])} frames) | fusion {describe(settings['fusion'])}, "
+            f"protocol {describe(settings['protocol'])}, {noise}, latency "
+            f"{describe(wild.get('latency_frames'))} | step {describe(checkpoint['step'])} "
+            f"({describe(checkpoint['weights'])} weights, sha256 "
+            f"{describe((checkpoint['sha256'] or '')[:12] or None)}) | {describe(record['date'])}")
+
+
+def matching_records(records: Iterable[Tuple[Path, Dict]], **wanted) -> List[Tuple[Path, Dict]]:
+    """The records whose data/settings fields equal ``wanted`` (keys: split, folder, fusion,
+    protocol, clean: no pose noise and no latency)."""
+    found = []
+    for path, record in records:
+        wild = record["settings"]["wild_setting"] or {}
+        fields = {"split": record["data"]["split"], "folder": record["data"]["folder"],
+                  "fusion": record["settings"]["fusion"],
+                  "protocol": record["settings"]["protocol"],
+                  "clean": not wild.get("loc_err") and not wild.get("latency_frames")}
+        if all(fields[key] == value for key, value in wanted.items()):
+            found.append((path, record))
+    return found
+
+
+def plain(value):
+    """Numpy/tensor scalars -> python numbers, tuples -> lists, for yaml.safe_dump."""
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    if hasattr(value, "item"):
+        return value.item()
+    return value
