@@ -18,25 +18,21 @@ from torch import nn
 from opencood.engine.loop import optimizer_step, shard_loss_sum
 from opencood.utils.ema import ModelEMA
 
+from test_sync_free_step import InfiniteGradient
+
 CPU = torch.device("cpu")
 INIT_SCALE = 2.0 ** 16
-
-
-class InfiniteGradient(torch.autograd.Function):
-    """Identity forward, infinite gradient backward: a finite loss with inf gradients."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * float("inf")
 
 
 def bn_model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Tanh(), nn.Linear(4, 1))
+
+
+def training_objects():
+    """(BatchNorm model, SGD, an EMA that follows every step taken closely)."""
+    model = bn_model()
+    return model, torch.optim.SGD(model.parameters(), lr=0.1), ModelEMA(model, decay=0.5, tau=0)
 
 
 def good_batch() -> torch.Tensor:
@@ -80,9 +76,7 @@ def run_step(model, ema, optimizer, scaler, batch, loss_fn, sync_free, skip=True
 @pytest.mark.parametrize("sync_free", [False, True], ids=["per_micro_batch", "sync_free"])
 def test_a_skipped_step_under_an_fp16_scaler_backs_off_and_the_next_step_runs(sync_free):
     """Point 1: unscale_ runs every step, so the scaler must be updated every step."""
-    model = bn_model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    ema = ModelEMA(model, decay=0.5, tau=0)
+    model, optimizer, ema = training_objects()
     scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE)
     before = state_of(model, ema)
     stats = run_step(model, ema, optimizer, scaler, inf_batch(), mean_output_loss, sync_free)
@@ -97,9 +91,7 @@ def test_a_skipped_step_under_an_fp16_scaler_backs_off_and_the_next_step_runs(sy
 @pytest.mark.parametrize("sync_free", [False, True], ids=["per_micro_batch", "sync_free"])
 def test_a_step_the_scaler_skips_moves_neither_weights_nor_buffers_nor_the_ema(sync_free):
     """Point 1: inf gradients under fp16 are the scaler's skip; the EMA must not move."""
-    model = bn_model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    ema = ModelEMA(model, decay=0.5, tau=0)
+    model, optimizer, ema = training_objects()
     scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE)
     run_step(model, ema, optimizer, scaler, good_batch(), mean_output_loss, sync_free)
     before = state_of(model, ema)
@@ -115,9 +107,7 @@ def test_a_step_the_scaler_skips_moves_neither_weights_nor_buffers_nor_the_ema(s
 def test_a_skipped_non_finite_step_leaves_batchnorm_statistics_and_validation_finite(sync_free):
     """Point 2: the forward of a skipped step moved the running statistics (NaN variance);
     they are put back, the EMA does not blend the NaN in, and validation stays finite."""
-    model = bn_model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    ema = ModelEMA(model, decay=0.5, tau=0)
+    model, optimizer, ema = training_objects()
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     run_step(model, ema, optimizer, scaler, good_batch(), mean_output_loss, sync_free)
     before = state_of(model, ema)
