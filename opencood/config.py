@@ -25,7 +25,7 @@ from typing import Any, Iterable
 import yaml
 
 from opencood import config_schema as schema
-from opencood.errors import OpencoodError
+from opencood.errors import ConfigError
 from opencood.utils.atomic import atomic_write
 
 _Dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
@@ -47,10 +47,6 @@ YamlLoader.add_implicit_resolver(
     |[-+]?\.(?:inf|Inf|INF)
     |\.(?:nan|NaN|NAN))$""", re.X),
     list("-+0123456789."))
-
-
-class ConfigError(OpencoodError, ValueError):
-    """A config file or override is invalid; the message names the file and the key."""
 
 
 def yaml_error_line(error: yaml.YAMLError) -> str:

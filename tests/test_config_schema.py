@@ -14,7 +14,8 @@ import torch
 import yaml
 
 from opencood import config_schema as schema
-from opencood.config import ConfigError, load_config, resolve, resolve_section
+from opencood.config import load_config, resolve, resolve_section
+from opencood.errors import ConfigError
 from opencood.utils.checkpoint import load_checkpoint
 from opv2v_factory import write_simple_split
 from process_state import preserved_opencood_logger, preserved_torch_switches

@@ -2,8 +2,8 @@
 import pytest
 import yaml
 
-from opencood.config import (ConfigError, apply_overrides, load_config, merge_configs,
-                             parse_override, save_config)
+from opencood.config import apply_overrides, load_config, merge_configs, parse_override, save_config
+from opencood.errors import ConfigError
 from opencood.registry import Registry, RegistryError
 
 

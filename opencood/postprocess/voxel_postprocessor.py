@@ -12,7 +12,7 @@ from typing import Dict, List, Sequence, Tuple
 import numpy as np
 import torch
 
-from opencood.config import ConfigError
+from opencood.errors import ConfigError
 from opencood.ops.nms import nms_rotated
 from opencood.ops.transforms import BOX_ORDERS
 from opencood.postprocess.anchors import (ANCHOR_HWL, ANCHOR_YAWS_DEG, ANCHOR_Z, FEATURE_STRIDE,

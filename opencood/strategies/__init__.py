@@ -17,7 +17,7 @@ from typing import Dict, List
 
 import torch
 
-from opencood.config import ConfigError
+from opencood.errors import ConfigError
 from opencood.registry import STRATEGIES
 
 
