@@ -16,7 +16,7 @@ def test_registry_refuses_duplicates_and_lists_known_names():
 
     reg.add("beta", dict)
     assert reg.get("alpha") is Alpha
-    assert reg.build("beta", a=1) == {"a": 1}
+    assert reg.build("beta", {"a": 1}, "model.args") == {"a": 1}     # no schema: the mapping
     with pytest.raises(RegistryError, match="already registered"):
         reg.add("alpha", list)
     with pytest.raises(RegistryError) as info:
