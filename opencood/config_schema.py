@@ -41,8 +41,19 @@ Problems = Iterator[Tuple[str, str]]
 # kind ("model", "fusion", ...) -> {registered name: its arguments' schema, or None}
 Registered = Mapping[str, Mapping[str, Optional[type]]]
 
+# -- defaults the code shares with the schema, named once ---------------------------------------
 # OpenCOOD's OPV2V crop: the range the data sets used when a config named none.
 DEFAULT_LIDAR_RANGE = (-140.8, -40.0, -3.0, 140.8, 40.0, 1.0)
+DEFAULT_COMM_RANGE = 70.0           # metres; CAVs farther from the ego are dropped
+# The anchor: a mid-size car (OPV2V), sizes in metres in (h, w, l) order, its centre height in the
+# lidar frame, and its yaws in degrees; one head cell per FEATURE_STRIDE pillar cells.
+ANCHOR_HWL = (1.56, 1.6, 3.9)
+ANCHOR_Z = -1.0
+ANCHOR_YAWS_DEG = (0.0, 90.0)
+FEATURE_STRIDE = 2
+# Weight of DiscoNet's distillation term: HEAL's lidar_disco.yaml (the loss is a mean over
+# channels too, opencood.losses.distillation).
+DEFAULT_KD_WEIGHT = 1e4
 
 
 class SchemaError(ValueError):
@@ -166,12 +177,12 @@ AUGMENTATIONS: Dict[str, type] = {"random_world_flip": WorldFlip,
 
 @section
 class AnchorArgs:
-    l: float = 3.9                  # noqa: E741  (OpenCOOD's key)
-    w: float = 1.6
-    h: float = 1.56
-    z: float = -1.0
-    r: Tuple[float, ...] = spec((0.0, 90.0), check=non_empty)     # yaws, degrees
-    feature_stride: int = spec(2, check=positive)
+    l: float = ANCHOR_HWL[2]        # noqa: E741  (OpenCOOD's key)
+    w: float = ANCHOR_HWL[1]
+    h: float = ANCHOR_HWL[0]
+    z: float = ANCHOR_Z
+    r: Tuple[float, ...] = spec(ANCHOR_YAWS_DEG, check=non_empty)     # yaws, degrees
+    feature_stride: int = spec(FEATURE_STRIDE, check=positive)
 
 
 @section
@@ -306,7 +317,7 @@ class KdSection:
     """Knowledge distillation from a frozen early-fusion teacher (DiscoNet)."""
 
     teacher: Optional[str] = None                # run folder or .pth; checked by build_teacher
-    weight: float = spec(1e4, check=positive)
+    weight: float = spec(DEFAULT_KD_WEIGHT, check=positive)
 
 
 @section
@@ -316,7 +327,7 @@ class Config:
     validate_dir: Optional[str] = None               # None: no validation
     test_dir: Optional[str] = None
     seed: int = 0
-    comm_range: float = spec(70.0, check=positive)   # metres; farther CAVs are dropped
+    comm_range: float = spec(DEFAULT_COMM_RANGE, check=positive)   # metres
     fusion: FusionSection
     train_params: TrainParams
     preprocess: PreprocessSection
