@@ -25,6 +25,38 @@ def test_registry_refuses_duplicates_and_lists_known_names():
     assert "alpha, beta" in str(info.value)
 
 
+def test_registry_discovers_its_package_and_builds_from_the_registered_schema(tmp_path,
+                                                                              monkeypatch):
+    from opencood.config_schema import SchemaError
+    package = tmp_path / "toy_parts"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "wide.py").write_text(
+        "from opencood.config_schema import positive, section, spec\n"
+        "from toy_registry import PARTS\n"
+        "@section\n"
+        "class WideArgs:\n"
+        "    width: int = spec(8, check=positive)\n"
+        "@PARTS.register('wide', args=WideArgs)\n"
+        "class Wide:\n"
+        "    def __init__(self, args, depth):\n"
+        "        self.width, self.depth = args.width, depth\n")
+    (tmp_path / "toy_registry.py").write_text(
+        "from opencood.registry import Registry\n"
+        "PARTS = Registry('part', package='toy_parts')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from toy_registry import PARTS
+    assert PARTS.names() == ["wide"]              # no import of toy_parts.wide anywhere
+    assert PARTS.args_schema("wide").__name__ == "WideArgs"
+    part = PARTS.build("wide", {}, "model.args", depth=2)
+    assert (part.width, part.depth) == (8, 2)     # the default comes from the dataclass
+    assert PARTS.build("wide", {"width": 3}, "model.args", depth=1).width == 3
+    with pytest.raises(SchemaError, match="'model.args.width' must be > 0"):
+        PARTS.build("wide", {"width": 0}, "model.args", depth=1)
+    with pytest.raises(SchemaError, match="unknown key 'model.args.wdth'.*did you mean 'width'"):
+        PARTS.build("wide", {"wdth": 3}, "model.args", depth=1)
+
+
 MINIMAL = {
     "name": "run",
     "fusion": {"core_method": "intermediate"},
