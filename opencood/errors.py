@@ -18,6 +18,10 @@ class OpencoodError(Exception):
     """Bad input, reported as one line by the tools (never a traceback)."""
 
 
+class ConfigError(OpencoodError, ValueError):
+    """A config file or override is invalid; the message names the file and the key."""
+
+
 def one_line(error: BaseException) -> str:
     """The message of ``error`` on one line.
 

@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 import torch
 
-from opencood.config import ConfigError, load_config
+from opencood.config import load_config
 from opencood.engine import recipe
 from opencood.engine.teacher import FrozenTeacher
+from opencood.errors import ConfigError
 from opencood.losses import DetectionLoss
 from opencood.losses.distillation import feature_distillation_loss
 from opencood.models import build_model

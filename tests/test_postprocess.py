@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from opv2v_factory import write_simple_split
-from opencood.config import ConfigError, load_config
+from opencood.config import load_config
+from opencood.errors import ConfigError
 from opencood.data.collate import collate_samples
 from opencood.data.datasets import build_dataset
 from opencood.data.pipeline import BatchPreparer

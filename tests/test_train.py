@@ -16,10 +16,11 @@ import pytest
 import torch
 import yaml
 
-from opencood.config import ConfigError, resolve_section
+from opencood.config import resolve_section
 from opencood.engine import recipe, state as train_state
 from opencood.engine.optim import build_optimizer, build_scheduler, lr_factor
 from opencood.engine.task import DetectionTask
+from opencood.errors import ConfigError
 from opencood.utils import dist as dist_utils
 from opencood.utils.checkpoint import history_path, load_checkpoint
 from opencood.utils.dist import DistInfo

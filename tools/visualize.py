@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 
+from opencood.config_schema import DEFAULT_COMM_RANGE
 from opencood.data.datasets import ego_points_per_box
 from opencood.data.opv2v import OPV2VSplit, remove_own_body_points
 from opencood.ops.transforms import apply_transform
@@ -30,7 +31,7 @@ def parse_args(argv=None):
     parser.add_argument("--range", type=float, nargs="+", default=list(DEFAULT_RANGE),
                         help="xmin ymin [zmin] xmax ymax [zmax] in metres, ego frame")
     parser.add_argument("--ppm", type=float, default=8.0, help="pixels per metre")
-    parser.add_argument("--com_range", type=float, default=70.0)
+    parser.add_argument("--com_range", type=float, default=DEFAULT_COMM_RANGE)
     parser.add_argument("--max_cav", type=int, default=5)
     return parser.parse_args(argv)
 

@@ -42,17 +42,16 @@ from typing import Dict, List
 import numpy as np
 import torch
 
+from opencood.config_schema import DEFAULT_COMM_RANGE, DEFAULT_LIDAR_RANGE
 from opencood.data.augment import augment_sample, check_augment_config
-from opencood.data.opv2v import (OPV2VSplit, is_infrastructure, remove_own_body_points,
-                                  vehicles_to_boxes)
+from opencood.data.opv2v import (DEFAULT_GT_RANGE, OPV2VSplit, is_infrastructure,
+                                  remove_own_body_points, vehicles_to_boxes)
 from opencood.data.wild import WildSetting, delayed_timestamp, noisy_pose
 from opencood.ops.transforms import (apply_transform, count_points_in_boxes, points_in_range_mask,
                                      relative_transform)
 from opencood.registry import DATASETS
 from opencood.strategies import get_strategy
 
-DEFAULT_LIDAR_RANGE = [-140.8, -40.0, -3.0, 140.8, 40.0, 1.0]
-DEFAULT_GT_RANGE = [-140.0, -40.0, -3.0, 140.0, 40.0, 1.0]
 VEHICLE, INFRASTRUCTURE = 0, 1             # agent types (V2X-ViT's "infra" flag)
 
 # Purpose codes keep the augmentation and the noise streams independent of each other.
@@ -102,8 +101,8 @@ class BaseFusionDataset(torch.utils.data.Dataset):
 
     def __init__(self, split_dir, lidar_range=DEFAULT_LIDAR_RANGE, gt_range=DEFAULT_GT_RANGE,
                  train: bool = False, augment_cfg=None, wild: WildSetting | None = None,
-                 seed: int = 0, max_cav: int = 5, com_range: float = 70.0, order: str = "hwl",
-                 cache_dir=None, count_ego_points: bool | None = None):
+                 seed: int = 0, max_cav: int = 5, com_range: float = DEFAULT_COMM_RANGE,
+                 order: str = "hwl", cache_dir=None, count_ego_points: bool | None = None):
         check_augment_config(augment_cfg)
         self.split = OPV2VSplit(split_dir, com_range=com_range, max_cav=max_cav,
                                 cache_dir=cache_dir)

@@ -23,6 +23,7 @@ import yaml
 from tqdm import tqdm
 
 from opencood.config import YamlLoader, yaml_error_line
+from opencood.config_schema import DEFAULT_COMM_RANGE
 from opencood.data.pcd import PointCloudCache, default_cache_dir, read_pcd
 from opencood.errors import OpencoodError
 from opencood.ops.transforms import (
@@ -437,8 +438,8 @@ class OPV2VSplit:
         index_cache: persist the parsed yaml of the split as JSON and reuse it when unchanged.
     """
 
-    def __init__(self, split_dir, com_range: float = 70.0, max_cav: int = 5, cache_dir=None,
-                 use_point_cache: bool = True, index_cache: bool = True):
+    def __init__(self, split_dir, com_range: float = DEFAULT_COMM_RANGE, max_cav: int = 5,
+                 cache_dir=None, use_point_cache: bool = True, index_cache: bool = True):
         if max_cav < 1:
             raise ValueError(f"max_cav must be >= 1, got {max_cav}")
         self.split_dir = Path(split_dir)

@@ -14,35 +14,10 @@ other agents report (their pose, and with latency their points and pose) is affe
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
-
-@dataclass(frozen=True)
-class WildSetting:
-    seed: int = 25
-    loc_err: bool = False
-    xyz_std: float = 0.0
-    yaw_std: float = 0.0
-    latency_frames: int = 0
-
-    @classmethod
-    def from_config(cls, section: dict | None) -> "WildSetting":
-        """From a ``wild_setting`` section; missing keys take the defaults above, unknown keys
-        and negative spreads are refused (opencood.config_schema)."""
-        from opencood.config_schema import parse
-        return parse(cls, section, "wild_setting")
-
-    def problems(self):
-        """What the config schema refuses, as (key, what is wrong)."""
-        for key in ("xyz_std", "yaw_std", "latency_frames"):
-            if getattr(self, key) < 0:
-                yield key, f"must be >= 0, got {getattr(self, key)}"
-
-    @property
-    def has_pose_noise(self) -> bool:
-        return self.loc_err and (self.xyz_std > 0 or self.yaw_std > 0)
+# The section's schema (keys, defaults, checks) is the config's (opencood.config_schema).
+from opencood.config_schema import WildSetting
 
 
 def noisy_pose(lidar_pose: np.ndarray, setting: WildSetting, rng: np.random.Generator) -> np.ndarray:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-from opencood.config import ConfigError
+from opencood.errors import ConfigError
 
 
 @dataclass(frozen=True)

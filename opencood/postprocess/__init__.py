@@ -11,7 +11,7 @@ with ``postprocess.core_method`` (OpenCOOD's name ``VoxelPostprocessor``).
 """
 from __future__ import annotations
 
-from opencood.config import ConfigError
+from opencood.errors import ConfigError
 from opencood.postprocess import voxel_postprocessor  # noqa: F401  (registration)
 from opencood.postprocess.voxel_postprocessor import VoxelPostprocessor  # noqa: F401
 from opencood.registry import POSTPROCESSORS, RegistryError

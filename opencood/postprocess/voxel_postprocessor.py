@@ -12,11 +12,11 @@ from typing import Dict, List, Sequence, Tuple
 import numpy as np
 import torch
 
-from opencood.config import ConfigError
+from opencood.errors import ConfigError
 from opencood.ops.nms import nms_rotated
 from opencood.ops.transforms import BOX_ORDERS
-from opencood.postprocess.anchors import (ANCHOR_HWL, ANCHOR_YAWS_DEG, ANCHOR_Z, FEATURE_STRIDE,
-                                          generate_anchors)
+from opencood.config_schema import ANCHOR_HWL, ANCHOR_YAWS_DEG, ANCHOR_Z, FEATURE_STRIDE
+from opencood.postprocess.anchors import generate_anchors
 from opencood.postprocess.box_coder import ResidualBoxCoder
 from opencood.postprocess.layout import BOX_CODE_SIZE, DIR_OFFSET, flatten_anchor_maps
 from opencood.postprocess.target_assigner import assign_targets
