@@ -177,8 +177,7 @@ class EpochRunner:
     run's objects so that each stage reads as one call there."""
 
     def __init__(self, cfg: Dict, info: dist_utils.DistInfo, run_dir: Path,
-                 progress: TrainState, parts: TrainingParts, plan: StepPlan,
-                 hooks: TrainHooks = NO_HOOKS):
+                 progress: TrainState, parts: TrainingParts, plan: StepPlan, hooks: TrainHooks):
         self.cfg, self.info, self.run_dir = cfg, info, run_dir
         self.progress, self.parts, self.plan, self.hooks = progress, parts, plan, hooks
         train_params = cfg["train_params"]
