@@ -18,6 +18,7 @@ import torch
 
 from opencood.config import load_config
 from opencood.engine import recipe
+from opencood.engine.hooks import TrainHooks
 from opencood.engine.teacher import FrozenTeacher
 from opencood.errors import ConfigError
 from opencood.losses import DetectionLoss
@@ -280,30 +281,25 @@ def student_argv(folder: Path, data_root: Path, teacher: Path, *extra):
 
 @pytest.fixture(scope="module")
 def straight_run(data_root, teacher_run, tmp_path_factory):
-    """2 epochs of 2 steps with EMA, spying on the teacher and on what the optimizer gets."""
+    """2 epochs of 2 steps with EMA, spying on the teacher and on what the optimizer holds."""
     work = tmp_path_factory.mktemp("student")
     seen = {}
-    real_build_teacher, real_build_optimizer = trainer.build_teacher, trainer.build_optimizer
 
-    def teacher_spy(cfg, device):
-        teacher = real_build_teacher(cfg, device)
+    def parts_spy(parts, info):       # before the first step
+        teacher = parts.task.teacher
         seen["teacher"] = teacher
         seen["teacher_at_start"] = copy.deepcopy(teacher.model.state_dict())
-        return teacher
-
-    def optimizer_spy(params, optimizer_cfg):
-        seen["optimized"] = list(params)
-        return real_build_optimizer(seen["optimized"], optimizer_cfg)
+        seen["optimized"] = [param for group in parts.optimizer.param_groups
+                             for param in group["params"]]
 
     with pytest.MonkeyPatch.context() as patch, preserved_opencood_logger():
         patch.setattr(torch.cuda, "is_available", lambda: False)
-        patch.setattr(trainer, "build_teacher", teacher_spy)
-        patch.setattr(trainer, "build_optimizer", optimizer_spy)
         result = trainer.main([*student_argv(work, data_root, teacher_run,
                                              "--set", "train_params.epoches=2",
                                              "--set", "train_params.save_freq=1",
                                              "--set", "ema.enabled=true", "--set", "ema.tau=2"),
-                               "--model_dir", str(work / "run")])
+                               "--model_dir", str(work / "run")],
+                              hooks=TrainHooks(on_parts=parts_spy))
     return work / "run", result, seen
 
 

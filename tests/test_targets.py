@@ -1,5 +1,6 @@
 """Anchors, residual box coding, direction bins and target assignment on hand-made scenes, and
-assignment against the plain-Python reference (tests/reference_impls.py) on random ones."""
+assignment against the plain-Python reference (opencood/testing/reference_impls.py) on
+random ones."""
 import math
 
 import pytest
@@ -11,9 +12,8 @@ from opencood.postprocess.box_coder import ResidualBoxCoder
 from opencood.postprocess.layout import flatten_anchor_maps
 from opencood.postprocess.target_assigner import assign_targets, standup_bev
 from opencood.postprocess.voxel_postprocessor import VoxelPostprocessor, anchors_from_config
+from opencood.testing.reference_impls import reference_assign_targets
 from opencood.utils.fake_batch import random_vehicle_boxes
-
-from reference_impls import reference_assign_targets
 
 OPV2V_RANGE = [-140.8, -40.0, -3.0, 140.8, 40.0, 1.0]
 SMALL_RANGE = [0.0, 0.0, -3.0, 8.0, 8.0, 1.0]
