@@ -94,6 +94,8 @@ def registered_strategy(value) -> Optional[str]:
 @section
 class FusionSection:
     core_method: str = spec(check=registered_strategy)     # no, early, late, intermediate
+    # The format of the data folders (HEAL's key): opencood.data.sources reads each.
+    dataset: Literal["opv2v", "v2xset", "v2v4real", "dairv2x"] = "opv2v"
 
 
 @section
