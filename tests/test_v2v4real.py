@@ -18,8 +18,8 @@ from opencood.data.opv2v import OPV2VFormatError, OPV2VSplit, vehicles_to_boxes
 from opencood.data.pcd import write_pcd
 from opencood.data.sources import open_split
 from opencood.data.synthetic import generate_dataset, get_preset
-from opencood.data.synthetic.writer import SPLITS
-from opencood.data.synthetic.writer_v2v4real import adapt_preset, scan_frames
+from opencood.data.synthetic.writer import SPLITS, scan_frames
+from opencood.data.synthetic.writer_v2v4real import adapt_preset
 from opencood.data.v2v4real import V2V4RealSplit, load_v2v4real_yaml
 from opencood.data.wild import WildSetting, noisy_pose
 from opencood.ops.transforms import pose_to_matrix

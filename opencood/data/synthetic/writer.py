@@ -204,6 +204,22 @@ def rebuild_world(preset: Preset, seed: int, split: str, index: int) -> World:
                        np.random.default_rng(world_seq), rsu=preset.rsu)
 
 
+def scan_frames(preset: Preset, seed: int, split: str, index: int):
+    """Yield ``(world, frame, scans)`` for each frame of a scenario, ``scans`` = {agent_id:
+    (points (N, 4) in its lidar frame, {actor_id: OPV2V world-frame entry} it hits)}: the same
+    draws whatever format the scenario is then written in (tests rebuild them with this)."""
+    _, lidar_seq, _ = scenario_seed(seed, split, index).spawn(3)
+    world = rebuild_world(preset, seed, split, index)
+    lidar_rng = np.random.default_rng(lidar_seq)
+    for frame in range(preset.frames):
+        scene = world.scene_at(frame)
+        scans = {}
+        for agent_id in world.agent_ids:
+            points, params = scan_agent(world, agent_id, frame, scene, preset, lidar_rng)
+            scans[agent_id] = (points, params["vehicles"])
+        yield world, frame, scans
+
+
 def generate_scenario(out_dir, preset: Preset, seed: int, split: str, index: int,
                       global_index: int) -> dict:
     """Build, scan and write one scenario; returns its statistics."""

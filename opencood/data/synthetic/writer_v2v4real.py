@@ -20,8 +20,8 @@ import yaml
 from opencood.data.numpy_yaml import NumpyYamlDumper
 from opencood.data.pcd import write_pcd
 from opencood.data.synthetic.presets import Preset
-from opencood.data.synthetic.writer import (rebuild_world, sample_visibility, scan_agent,
-                                            scenario_name, scenario_seed)
+from opencood.data.synthetic.writer import (sample_visibility, scan_frames, scenario_name,
+                                            scenario_seed)
 from opencood.ops.transforms import matrix_to_pose, pose_to_matrix
 
 CAV_FOLDERS = ("0", "1")
@@ -33,22 +33,6 @@ def adapt_preset(preset: Preset) -> Preset:
     """``preset`` with exactly two vehicle CAVs, no RSU, and frames numbered 0, 1, 2, ..."""
     town = dataclasses.replace(preset.town, cavs=(2, 2))
     return dataclasses.replace(preset, town=town, rsu=None, timestamp_step=1)
-
-
-def scan_frames(preset: Preset, seed: int, split: str, index: int):
-    """Yield ``(world, frame, scans)`` for each frame of a scenario, ``scans`` = {agent_id:
-    (points (N, 4) in its lidar frame, {actor_id: OPV2V world-frame entry} it hits)}: the same
-    draws whatever format the scenario is then written in (tests rebuild them with this)."""
-    _, lidar_seq, _ = scenario_seed(seed, split, index).spawn(3)
-    world = rebuild_world(preset, seed, split, index)
-    lidar_rng = np.random.default_rng(lidar_seq)
-    for frame in range(preset.frames):
-        scene = world.scene_at(frame)
-        scans = {}
-        for agent_id in world.agent_ids:
-            points, params = scan_agent(world, agent_id, frame, scene, preset, lidar_rng)
-            scans[agent_id] = (points, params["vehicles"])
-        yield world, frame, scans
 
 
 def own_frame_entry(entry: dict, world_to_lidar: np.ndarray, ass_id: int) -> dict:
