@@ -268,3 +268,15 @@ def test_check_data_reads_v2v4real_and_names_a_bad_file(v2v4real_data, tmp_path)
                                                          "ego_speed:"))
     report = check_folder(copy, progress=False, dataset="v2v4real")
     assert len(report.problems) == 1 and report.problems[0].startswith(f"{bad}: refused yaml tag")
+
+
+def test_a_refused_tag_in_a_split_stops_the_index_and_writes_no_cache(v2v4real_data, tmp_path):
+    copy = tmp_path / "train"
+    shutil.copytree(v2v4real_data / "train", copy)
+    marker = tmp_path / "ran"
+    bad = next(copy.glob("*/0/000002.yaml"))
+    bad.write_text(f"boom: !!python/object/apply:os.system ['touch {marker}']\n"
+                   + bad.read_text())
+    with pytest.raises(OPV2VFormatError, match=f"^{bad}: refused yaml tag"):
+        V2V4RealSplit(copy, cache_dir=tmp_path / "cache")
+    assert not marker.exists() and not list((tmp_path / "cache").rglob("*.json"))
