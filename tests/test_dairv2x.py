@@ -227,3 +227,10 @@ def test_check_data_reads_dairv2x_and_names_a_bad_file(dair_root, tmp_path):
     assert report.problems[0].startswith(f"{bad_label}: invalid json")
     assert report.problems[1].startswith(f"{bad_cloud}: ")
     assert read_pcd(dair_root / "infrastructure-side/velodyne/501002.pcd").shape[1] == 4
+
+
+def test_bench_loader_figure_takes_a_dair_root_or_split(dair_root):
+    from tool_modules import load_tool
+    bench = load_tool("bench")
+    assert bench.resolve_split_dir(str(dair_root)) == dair_root / "train.json"
+    assert bench.resolve_split_dir(str(dair_root / "val.json")) == dair_root / "val.json"
