@@ -103,6 +103,8 @@ def box_range(value) -> Optional[str]:
 @section
 class FusionSection:
     core_method: str = spec(registered="fusion method")     # no, early, late, intermediate
+    # The format of the data folders (HEAL's key): opencood.data.sources reads each.
+    dataset: Literal["opv2v", "v2xset", "v2v4real", "dairv2x"] = "opv2v"
 
 
 @section

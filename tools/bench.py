@@ -267,8 +267,13 @@ def apply_preset(args: argparse.Namespace, preset: Preset) -> None:
 
 
 def resolve_split_dir(data: str) -> Path:
-    """--data is an OPV2V root (with train/) or one split folder; either must hold frames."""
+    """--data is an OPV2V root (with train/) or one split folder; either must hold frames.
+    DAIR-V2X-C (a config with fusion.dataset: dairv2x): its root or a split json."""
     path = Path(data).expanduser()
+    if path.suffix == ".json" and path.is_file():
+        return path
+    if (path / "cooperative" / "data_info.json").is_file() and (path / "train.json").is_file():
+        return path / "train.json"
     if not path.is_dir():
         raise BenchError(f"--data {data}: no such folder")
     split = path / "train" if (path / "train").is_dir() else path

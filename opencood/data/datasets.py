@@ -44,8 +44,8 @@ import torch
 
 from opencood.config_schema import DEFAULT_COMM_RANGE, DEFAULT_LIDAR_RANGE
 from opencood.data.augment import augment_sample, check_augment_config
-from opencood.data.opv2v import (DEFAULT_GT_RANGE, OPV2VSplit, is_infrastructure,
-                                  remove_own_body_points, vehicles_to_boxes)
+from opencood.data.opv2v import DEFAULT_GT_RANGE, is_infrastructure, remove_own_body_points
+from opencood.data.sources import open_split
 from opencood.data.wild import WildSetting, delayed_timestamp, noisy_pose
 from opencood.ops.transforms import (apply_transform, count_points_in_boxes, points_in_range_mask,
                                      relative_transform)
@@ -85,7 +85,7 @@ class BaseFusionDataset(torch.utils.data.Dataset):
     """Shared reading, noise, augmentation and cropping; subclasses choose what agents return.
 
     Args:
-        split_dir: ``<root>/<split>`` folder in the OPV2V layout.
+        split_dir: ``<root>/<split>`` folder in the OPV2V layout (a split json for DAIR-V2X).
         lidar_range: crop range [xmin, ymin, zmin, xmax, ymax, zmax] of the model input.
         gt_range: range GT boxes must lie in (all 8 corners before augmentation).
         train: enables augmentation; noise draws then also depend on the epoch.
@@ -94,6 +94,8 @@ class BaseFusionDataset(torch.utils.data.Dataset):
         seed: base seed of the augmentation draws.
         count_ego_points: fill ``gt_ego_points`` (the AP visibility split); default: not in
             training. A loss-only loader turns it off: nothing reads the counts there.
+        dataset: the format of ``split_dir`` (``fusion.dataset``: opv2v, v2xset, v2v4real,
+            dairv2x; opencood.data.sources).
     """
 
     fusion_method = "base"
@@ -102,9 +104,10 @@ class BaseFusionDataset(torch.utils.data.Dataset):
     def __init__(self, split_dir, lidar_range=DEFAULT_LIDAR_RANGE, gt_range=DEFAULT_GT_RANGE,
                  train: bool = False, augment_cfg=None, wild: WildSetting | None = None,
                  seed: int = 0, max_cav: int = 5, com_range: float = DEFAULT_COMM_RANGE,
-                 order: str = "hwl", cache_dir=None, count_ego_points: bool | None = None):
+                 order: str = "hwl", cache_dir=None, count_ego_points: bool | None = None,
+                 dataset: str = "opv2v"):
         check_augment_config(augment_cfg)
-        self.split = OPV2VSplit(split_dir, com_range=com_range, max_cav=max_cav,
+        self.split = open_split(dataset, split_dir, com_range=com_range, max_cav=max_cav,
                                 cache_dir=cache_dir)
         self.split_dir = Path(split_dir)
         self.lidar_range = list(lidar_range)
@@ -131,6 +134,7 @@ class BaseFusionDataset(torch.utils.data.Dataset):
                    max_cav=cfg["train_params"]["max_cav"],
                    com_range=float(cfg["comm_range"]),
                    order=postprocess["order"],
+                   dataset=cfg["fusion"]["dataset"],
                    cache_dir=cache_dir, **extra)
 
     # -- reproducible randomness -------------------------------------------------------------
@@ -331,8 +335,7 @@ class LateFusionDataset(BaseFusionDataset):
         loaded = self._load_agents(sample_index)
         info = loaded["info"]
         agent = loaded["agents"][position]
-        gt_ids, gt_boxes = vehicles_to_boxes(agent["vehicles"], agent["lidar_pose"],
-                                             self.gt_range, order=self.order)
+        gt_ids, gt_boxes = self.split.cav_boxes(agent, self.gt_range, order=self.order)
         key = (info.scenario, info.timestamp, agent["cav_id"])
         return self._finish(index, key, [agent["cav_id"]], [agent["points"]], [np.eye(4)],
                             gt_boxes, gt_ids, shared_points=0,

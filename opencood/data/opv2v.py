@@ -322,10 +322,11 @@ def _cache_root(cache_dir) -> Path:
     return Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
 
 
-def _index_cache_path(cache_dir, split_dir: Path) -> Path:
-    """One file per split folder (keyed by its absolute path); its content says if it is fresh."""
+def _index_cache_path(cache_dir, split_dir: Path, index_name: str = "opv2v") -> Path:
+    """One file per split folder (keyed by its absolute path) and reader (``index_name``: each
+    format parses the same yaml differently); its content says if it is fresh."""
     key = hashlib.sha1(str(split_dir.resolve()).encode()).hexdigest()[:20]
-    return _cache_root(cache_dir) / "opv2v_index" / f"{split_dir.name}_{key}.json"
+    return _cache_root(cache_dir) / f"{index_name}_index" / f"{split_dir.name}_{key}.json"
 
 
 _PAIRS_TAG = "__pairs__"
@@ -375,8 +376,10 @@ def _write_index_cache(cache_path: Path, fingerprint: str, frames: dict) -> None
         logger.warning("OPV2V index cache not written to %s: %s", cache_path, exc)
 
 
-def _parse_frames(split_dir: Path, layouts: list[_ScenarioLayout]) -> dict:
-    """Parse every (scenario, cav, timestamp) yaml once: {scenario: {cav_id: [params, ...]}}."""
+def _parse_frames(split_dir: Path, layouts: list[_ScenarioLayout], load_frame=None) -> dict:
+    """Parse every (scenario, cav, timestamp) yaml once with ``load_frame`` (path -> params;
+    default :func:`load_frame_yaml`): {scenario: {cav_id: [params, ...]}}."""
+    load_frame = load_frame or load_frame_yaml
     total = sum(len(layout.cav_ids) * len(layout.timestamps) for layout in layouts)
     frames, problems = {}, []
     with tqdm(total=total, desc=f"indexing {split_dir.name}", unit="frame",
@@ -387,17 +390,17 @@ def _parse_frames(split_dir: Path, layouts: list[_ScenarioLayout]) -> dict:
             for cav_id in layout.cav_ids:
                 folder = split_dir / layout.name / cav_id
                 frames[layout.name][cav_id] = [_load_or_note(folder / f"{timestamp}.yaml",
-                                                             problems)
+                                                             problems, load_frame)
                                                for timestamp in layout.timestamps]
                 progress.update(len(layout.timestamps))
     raise_all(split_dir, problems)
     return frames
 
 
-def _load_or_note(path: Path, problems: list):
-    """load_frame_yaml, or None with the problem appended to ``problems``."""
+def _load_or_note(path: Path, problems: list, load_frame):
+    """``load_frame(path)``, or None with the problem appended to ``problems``."""
     try:
-        return load_frame_yaml(path)
+        return load_frame(path)
     except OPV2VFormatError as error:
         problems.append(str(error))
         return None
@@ -438,6 +441,12 @@ class OPV2VSplit:
         index_cache: persist the parsed yaml of the split as JSON and reuse it when unchanged.
     """
 
+    # What a subclass for another format of the same tree (V2V4Real) changes: its cache folder
+    # name and its per-frame yaml parser (path -> validated params, JSON-able for the cache;
+    # None: this module's load_frame_yaml).
+    index_name = "opv2v"
+    load_frame = None
+
     def __init__(self, split_dir, com_range: float = DEFAULT_COMM_RANGE, max_cav: int = 5,
                  cache_dir=None, use_point_cache: bool = True, index_cache: bool = True):
         if max_cav < 1:
@@ -457,12 +466,12 @@ class OPV2VSplit:
 
     def _load_frames(self, layouts, cache_dir, index_cache: bool) -> dict:
         if not index_cache:
-            return _parse_frames(self.split_dir, layouts)
+            return _parse_frames(self.split_dir, layouts, self.load_frame)
         fingerprint = _layout_fingerprint(layouts)
-        cache_path = _index_cache_path(cache_dir, self.split_dir)
+        cache_path = _index_cache_path(cache_dir, self.split_dir, self.index_name)
         frames = _read_index_cache(cache_path, fingerprint)
         if frames is None:
-            frames = _parse_frames(self.split_dir, layouts)
+            frames = _parse_frames(self.split_dir, layouts, self.load_frame)
             _write_index_cache(cache_path, fingerprint, frames)
         return frames
 
@@ -538,9 +547,21 @@ class OPV2VSplit:
                                      cav_actor_ids, gt_range, order)
         return {"info": info, "cavs": cavs, "gt_ids": gt_ids, "gt_boxes": gt_boxes}
 
+    def cav_boxes(self, cav: dict, gt_range, order: str = "hwl"):
+        """The GT one CAV sees itself, in its own frame: ``cav`` as :meth:`load_cav_frame`
+        returns it -> (ids (M,) int64, boxes (M, 7) float64). OPV2V: its ``vehicles``."""
+        return vehicles_to_boxes(cav["vehicles"], cav["lidar_pose"], gt_range, order)
+
+
+def _pose_xy(pose) -> tuple:
+    """(x, y) of a 6-number pose or of a (4, 4) frame->world matrix."""
+    array = np.asarray(pose, dtype=np.float64)
+    return (array[0, 3], array[1, 3]) if array.shape == (4, 4) else (array[0], array[1])
+
 
 def _planar_distance(pose_a, pose_b) -> float:
-    return math.hypot(float(pose_a[0]) - float(pose_b[0]), float(pose_a[1]) - float(pose_b[1]))
+    (xa, ya), (xb, yb) = _pose_xy(pose_a), _pose_xy(pose_b)
+    return math.hypot(float(xa) - float(xb), float(ya) - float(yb))
 
 
 def _is_int_text(text: str) -> bool:
