@@ -21,6 +21,7 @@ from opencood.config import ConfigError, load_config
 from opencood.data.collate import build_loader
 from opencood.data.datasets import build_dataset
 from opencood.engine.loop import validation_loss
+from opencood.engine.run_folder import refuse_another_config
 from opencood.engine.task import DetectionTask
 from opencood.engine.teacher import DEFAULT_KD_WEIGHT, KD_KEYS, FrozenTeacher, load_teacher
 from opencood.eval.inference import evaluate_loader
@@ -64,9 +65,14 @@ def check_registered_names(cfg: Dict, source: str) -> None:
 # -- configuration and run folder ------------------------------------------------------------
 
 def resolve_config(hypes_yaml: str | None, model_dir: str | None, overrides) -> Dict:
-    """Config from ``hypes_yaml``, else the run folder's saved config.yaml (resume)."""
+    """Config from ``hypes_yaml``, else the run folder's saved config.yaml (resume). A
+    ``hypes_yaml`` whose config is not the one ``model_dir`` already holds is refused
+    (:func:`opencood.engine.run_folder.refuse_another_config`)."""
     if hypes_yaml:
-        return load_config(hypes_yaml, overrides)
+        cfg = load_config(hypes_yaml, overrides)
+        if model_dir:
+            refuse_another_config(cfg, hypes_yaml, model_dir)
+        return cfg
     saved = Path(model_dir) / "config.yaml"
     if not saved.exists():
         raise ConfigError(f"{saved}: not found; --model_dir without --hypes_yaml must be a run "
