@@ -127,3 +127,150 @@ def test_schedule_changes_resume_are_recorded_and_a_finished_run_says_so(run_cop
     finished = [line for line in (run_copy / "train.log").read_text().splitlines()
                 if "already finished" in line]
     assert len(finished) == 1 and "epoch 2 of 2, step 4 of 4" in finished[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. errors printed once per job
+# ----------------------------------------------------------------------------------------------
+
+OTHER_MODEL = ["--set", "model.args.pillar_vfe.num_filters=[32]",
+               "--set", "model.args.point_pillar_scatter.num_features=32"]
+
+
+def _fail_on_both_ranks_differently(argv):
+    with dist_utils.distributed_session(backend="gloo", timeout_minutes=1) as info:
+        dist_utils.run_together(_raise_for(info.rank, (0, 1)), "reading its shard")
+
+
+def _fail_on_rank_1_alone(argv):
+    with dist_utils.distributed_session(backend="gloo", timeout_minutes=1) as info:
+        dist_utils.run_together(_raise_for(info.rank, (1,)), "reading its shard")
+
+
+def _raise_for(rank, failing_ranks):
+    def step():
+        if rank in failing_ranks:
+            raise OpencoodError(f"shard_{rank}.pcd: truncated")
+    return step
+
+
+def _tool(name):
+    """A job's ``main(argv)``, looked up on the rank (tools/ is loaded there by file)."""
+    from opencood.engine import evaluator
+    return {"eval": evaluator.main, "train": trainer.main,
+            "both_fail": lambda argv: run_cli(_fail_on_both_ranks_differently, argv),
+            "rank_1_fails": lambda argv: run_cli(_fail_on_rank_1_alone, argv)}[name]
+
+
+def _error_lines(rank, world_size, port, tool, argv):
+    """The ``error:`` lines this rank prints running ``tool`` as torchrun starts it."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    stderr = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(stderr):
+        try:
+            _tool(tool)(argv)
+        except SystemExit as exit_request:
+            # What the interpreter does with a SystemExit nobody catches: it prints a code that
+            # is not an int (the exit status is then 1).
+            if exit_request.code is not None and not isinstance(exit_request.code, int):
+                print(exit_request.code, file=sys.stderr)
+    return [line for line in stderr.getvalue().splitlines() if line.startswith("error:")]
+
+
+PEER_TIMEOUT_S = 2.0
+
+
+def _a_peer_that_never_joins_on_the_tcp_path(rank, world_size, port, signals: Path):
+    """A SLURM environment handed to distributed_session as a mapping (the tcp:// start-up
+    path, which a caller passing its own environment takes too): rank 0 all-reduces alone,
+    rank 1 stays in the group without joining until rank 0 is done (or 5 x the timeout).
+    On rank 0: {"waited": seconds in the lone all-reduce, "error": what ended it}."""
+    import time
+    env = {"SLURM_PROCID": str(rank), "SLURM_NTASKS": str(world_size),
+           "SLURM_LOCALID": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    # Start together: the short timeout also bounds the rendezvous.
+    (signals / f"ready_{rank}").touch()
+    _wait_for(signals / f"ready_{1 - rank}", 60.0)
+    outcome = {"error": None}
+    try:
+        with dist_utils.distributed_session(backend="gloo", timeout_minutes=PEER_TIMEOUT_S / 60,
+                                            env=env):
+            if rank == 1:
+                _wait_for(signals / "done", 5 * PEER_TIMEOUT_S)
+                return None
+            start = time.monotonic()
+            try:
+                dist_utils.all_reduce_sum(torch.ones(1))
+            finally:
+                outcome["waited"] = time.monotonic() - start
+                (signals / "done").touch()
+    except dist_utils.CollectiveTimeoutError as error:
+        outcome["error"] = str(error)
+    return outcome
+
+
+def _wait_for(path: Path, limit_s: float) -> None:
+    import time
+    deadline = time.monotonic() + limit_s
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _two_rank_jobs(rank, world_size, jobs, tcp_port, signals):
+    """{job: its outcome on this rank}: each tool job's error lines, then the stalled peer."""
+    outcomes = {name: _error_lines(rank, world_size, port, tool, argv)
+                for name, port, tool, argv in jobs}
+    outcomes["stalled_peer"] = _a_peer_that_never_joins_on_the_tcp_path(rank, world_size,
+                                                                        tcp_port, signals)
+    return outcomes
+
+
+@pytest.fixture(scope="module")
+def two_rank_session(tmp_path_factory):
+    """One spawn of 2 gloo ranks for every 2-rank test here (each spawn imports torch)."""
+    work = tmp_path_factory.mktemp("errors_2rank")
+    cfg = load_config(SMOKE_YAML)
+    save_config(cfg, work / "run" / "config.yaml")
+    save_checkpoint(work / "run" / "last.pth", {"model": build_model(cfg["model"]).state_dict()})
+    jobs = [("eval_other_model", "eval",
+             ["--model_dir", str(work / "run"), "--num_workers", "0", *OTHER_MODEL]),
+            ("batch_3_on_2_ranks", "train",
+             ["--hypes_yaml", str(SMOKE_YAML), "--runs_root", str(work / "runs"),
+              "--set", "train_params.batch_size=3"]),
+            ("both_fail", "both_fail", []), ("rank_1_fails", "rank_1_fails", [])]
+    signals = work / "signals"
+    signals.mkdir()
+    return run_on_ranks(_two_rank_jobs, world_size=2, init_group=False, timeout_s=120,
+                        args=([(name, free_port(), tool, argv) for name, tool, argv in jobs],
+                              free_port(), signals))
+
+
+@pytest.mark.parametrize("job, needle", [
+    ("eval_other_model", "does not fit the model"),
+    ("batch_3_on_2_ranks", "global batch 3 cannot be split over world size 2"),
+    ("rank_1_fails", "error: rank 1 failed during reading its shard: OpencoodError: "
+                     "shard_1.pcd: truncated")])
+def test_an_error_is_printed_once_per_job(two_rank_session, job, needle):
+    rank0, rank1 = (lines[job] for lines in two_rank_session)
+    assert len(rank0) == 1 and needle in rank0[0], rank0
+    assert rank1 == []
+
+
+def test_a_ranks_own_error_names_its_rank(two_rank_session):
+    rank0, rank1 = (lines["both_fail"] for lines in two_rank_session)
+    assert rank0 == ["error: shard_0.pcd: truncated"]
+    assert rank1 == ["error: rank 1: shard_1.pcd: truncated"]
+
+
+# ----------------------------------------------------------------------------------------------
+# 8. the process-group timeout on the tcp:// start-up path (SLURM, a caller's own environment)
+# ----------------------------------------------------------------------------------------------
+
+def test_the_process_group_timeout_holds_on_the_tcp_start_up_path(two_rank_session):
+    """distributed.timeout_minutes bounds a collective of a group started through tcp://, as it
+    does through torchrun's store (tests/test_flow_practices.py): without it rank 0 would wait
+    until its peer leaves (5 x the timeout here, 30 minutes in a real job)."""
+    rank0 = two_rank_session[0]["stalled_peer"]
+    assert PEER_TIMEOUT_S - 0.5 < rank0["waited"] < PEER_TIMEOUT_S + 3.0, rank0
+    assert "distributed.timeout_minutes" in rank0["error"], rank0

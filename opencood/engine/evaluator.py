@@ -24,7 +24,7 @@ from opencood.data.collate import build_loader
 from opencood.data.datasets import build_dataset
 from opencood.data.pipeline import BatchPreparer
 from opencood.engine.recipe import check_registered_names, configure_cuda
-from opencood.errors import run_cli
+from opencood.errors import alike_on_every_rank, run_cli
 from opencood.eval.inference import evaluate_loader
 from opencood.eval.protocols import DEFAULT_PROTOCOL, PROTOCOLS
 from opencood.models.build import build_model
@@ -235,21 +235,24 @@ def _plain(value):
 def evaluate(args) -> List[Dict]:
     run_dir = Path(args.model_dir)
     config_path = run_dir / "config.yaml"
-    if not config_path.exists():
-        raise ConfigError(f"{config_path}: not found; --model_dir must be a run folder "
-                          f"written by tools/train.py")
-    cfg = load_config(config_path, args.overrides)
-    check_registered_names(cfg, str(config_path))
+    # Every rank reads the same config and checkpoint: their errors are printed by rank 0 alone.
+    with alike_on_every_rank(dist_utils.launcher_rank()):
+        if not config_path.exists():
+            raise ConfigError(f"{config_path}: not found; --model_dir must be a run folder "
+                              f"written by tools/train.py")
+        cfg = load_config(config_path, args.overrides)
+        check_registered_names(cfg, str(config_path))
     dist_cfg = cfg["distributed"]
     with dist_utils.distributed_session(
             backend=dist_cfg["backend"],
             timeout_minutes=float(dist_cfg["timeout_minutes"])) as info:
         dist_utils.setup_logging(None, info.rank)
         configure_cuda(cfg)      # the TF32 switches training validated with
-        checkpoint_path = pick_checkpoint(run_dir, args.checkpoint)
-        model = load_eval_model(cfg, checkpoint_path, args.use_ema, info.device)
-        get_strategy(args.fusion_method or cfg["fusion"]["core_method"]).check_model(
-            model, cfg["model"]["core_method"])
+        with alike_on_every_rank(info.rank):
+            checkpoint_path = pick_checkpoint(run_dir, args.checkpoint)
+            model = load_eval_model(cfg, checkpoint_path, args.use_ema, info.device)
+            get_strategy(args.fusion_method or cfg["fusion"]["core_method"]).check_model(
+                model, cfg["model"]["core_method"])
         logger.info("evaluating %s on %s", checkpoint_path, args.split)
         results = []
         writer = None

@@ -24,6 +24,7 @@ from opencood.engine.loop import validation_loss
 from opencood.engine.run_folder import refuse_another_config
 from opencood.engine.task import DetectionTask
 from opencood.engine.teacher import DEFAULT_KD_WEIGHT, KD_KEYS, FrozenTeacher, load_teacher
+from opencood.errors import alike_on_every_rank
 from opencood.eval.inference import evaluate_loader
 from opencood.models.build import build_model
 from opencood.registry import FUSIONS, LOSSES, MODELS, POSTPROCESSORS, RegistryError
@@ -53,13 +54,14 @@ def check_registered_names(cfg: Dict, source: str) -> None:
               fusion["core_method"] if isinstance(fusion, dict) else None),
              ("loss.core_method", LOSSES, cfg["loss"]["core_method"]),
              ("postprocess.core_method", POSTPROCESSORS, cfg["postprocess"]["core_method"])]
-    for dotted, registry, name in names:
-        if name is None:
-            continue
-        try:
-            registry.get(name)
-        except RegistryError as error:
-            raise ConfigError(f"{source}: {dotted}: {error}") from None
+    with alike_on_every_rank(dist_utils.get_rank()):
+        for dotted, registry, name in names:
+            if name is None:
+                continue
+            try:
+                registry.get(name)
+            except RegistryError as error:
+                raise ConfigError(f"{source}: {dotted}: {error}") from None
 
 
 # -- configuration and run folder ------------------------------------------------------------
@@ -68,16 +70,18 @@ def resolve_config(hypes_yaml: str | None, model_dir: str | None, overrides) -> 
     """Config from ``hypes_yaml``, else the run folder's saved config.yaml (resume). A
     ``hypes_yaml`` whose config is not the one ``model_dir`` already holds is refused
     (:func:`opencood.engine.run_folder.refuse_another_config`)."""
-    if hypes_yaml:
-        cfg = load_config(hypes_yaml, overrides)
-        if model_dir:
-            refuse_another_config(cfg, hypes_yaml, model_dir)
-        return cfg
-    saved = Path(model_dir) / "config.yaml"
-    if not saved.exists():
-        raise ConfigError(f"{saved}: not found; --model_dir without --hypes_yaml must be a run "
-                          f"folder written by tools/train.py")
-    return load_config(saved, overrides)
+    # Before any process group: every rank reads the same files, so rank 0 alone prints.
+    with alike_on_every_rank(dist_utils.launcher_rank()):
+        if hypes_yaml:
+            cfg = load_config(hypes_yaml, overrides)
+            if model_dir:
+                refuse_another_config(cfg, hypes_yaml, model_dir)
+            return cfg
+        saved = Path(model_dir) / "config.yaml"
+        if not saved.exists():
+            raise ConfigError(f"{saved}: not found; --model_dir without --hypes_yaml must be a "
+                              f"run folder written by tools/train.py")
+        return load_config(saved, overrides)
 
 
 def new_run_folder_name(name: str, env: Mapping[str, str], now: datetime) -> str:
@@ -112,11 +116,12 @@ def make_run_dir(name: str, model_dir: str | None, runs_root: str) -> Path:
 
 def split_batch_or_refuse(train_params: Dict, world_size: int) -> tuple:
     """(micro-batch, accumulation steps) of the global batch, or a one-line ConfigError."""
-    try:
-        return split_global_batch(int(train_params["batch_size"]), world_size,
-                                  train_params["max_micro_batch"])
-    except ValueError as error:
-        raise ConfigError(f"train_params.batch_size: {error}") from None
+    with alike_on_every_rank(dist_utils.get_rank()):
+        try:
+            return split_global_batch(int(train_params["batch_size"]), world_size,
+                                      train_params["max_micro_batch"])
+        except ValueError as error:
+            raise ConfigError(f"train_params.batch_size: {error}") from None
 
 
 def seed_everything(seed: int) -> None:
