@@ -274,3 +274,22 @@ def test_the_process_group_timeout_holds_on_the_tcp_start_up_path(two_rank_sessi
     rank0 = two_rank_session[0]["stalled_peer"]
     assert PEER_TIMEOUT_S - 0.5 < rank0["waited"] < PEER_TIMEOUT_S + 3.0, rank0
     assert "distributed.timeout_minutes" in rank0["error"], rank0
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. bad evaluation arguments, refused before any work
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("arguments, needle", [
+    (["--pose_noise", "0.2", "-1"], "--pose_noise must be >= 0, got -1"),
+    (["--latency", "-2"], "--latency must be >= 0, got -2"),
+    (["--seeds", "3"], "--seeds 3 repeats each --pose_noise level"),
+    (["--seeds", "3", "--latency", "1"], "give --pose_noise STD")])
+def test_bad_evaluation_arguments_are_refused_before_any_work(tmp_path, capsys, arguments,
+                                                              needle):
+    """The run folder does not even exist: the arguments are refused before it is looked at."""
+    from opencood.engine import evaluator
+    with pytest.raises(SystemExit) as raised:
+        evaluator.main(["--model_dir", str(tmp_path / "absent"), *arguments])
+    assert raised.value.code == 2
+    assert needle in capsys.readouterr().err

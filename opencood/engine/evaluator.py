@@ -63,8 +63,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="KEY=VALUE", help="override a key of the run's config")
     args = parser.parse_args(argv)
+    # Refused here, before the clean evaluation runs: the sweep would fail (or mean nothing)
+    # only after it.
     if args.seeds < 1:
         parser.error(f"--seeds must be >= 1, got {args.seeds}")
+    if args.seeds > 1 and not args.pose_noise:
+        parser.error(f"--seeds {args.seeds} repeats each --pose_noise level with another noise "
+                     f"seed; give --pose_noise STD ... (the clean and --latency settings draw "
+                     f"no noise, so their spread would be of one run)")
+    for flag, values in (("--pose_noise", args.pose_noise), ("--latency", args.latency)):
+        negative = [value for value in values if value < 0]
+        if negative:
+            parser.error(f"{flag} must be >= 0, got {negative[0]:g}")
     return args
 
 
