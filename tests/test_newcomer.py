@@ -293,3 +293,32 @@ def test_bad_evaluation_arguments_are_refused_before_any_work(tmp_path, capsys, 
         evaluator.main(["--model_dir", str(tmp_path / "absent"), *arguments])
     assert raised.value.code == 2
     assert needle in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. data paths
+# ----------------------------------------------------------------------------------------------
+
+def test_a_missing_relative_split_names_the_current_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(OpencoodError) as raised:
+        OPV2VSplit("data/synthetic_tiny/train")
+    message = str(raised.value)
+    assert "split folder not found" in message and "current directory" in message
+    assert str(tmp_path) in message and str(tmp_path / "data/synthetic_tiny/train") in message
+
+
+def test_visualize_given_a_data_root_says_so_in_one_line(data_root, tmp_path, capsys):
+    root = Path(shutil.copytree(data_root, tmp_path / "root"))
+    (root / "test").mkdir()
+    code = load_tool("visualize").main(["--data", str(root), "--out", str(tmp_path / "a.png")])
+    lines = capsys.readouterr().err.splitlines()
+    assert code == 2 and len(lines) == 1, lines
+    assert "a data root (it holds train, test)" in lines[0] and str(root / "train") in lines[0]
+
+
+def test_the_readme_says_how_to_make_smoke_yamls_data():
+    """smoke.yaml's data folder is one a README command writes."""
+    data_dir = Path(load_config(SMOKE_YAML)["root_dir"]).parent
+    readme = (REPO_ROOT / "README.md").read_text()
+    assert f"generate_synthetic.py --out {data_dir} --preset tiny" in readme

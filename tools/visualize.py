@@ -56,11 +56,7 @@ def sample_layers(split: OPV2VSplit, index: int, bev_range):
 def main(argv=None) -> int:
     args = parse_args(argv)
     data = Path(args.data)
-    if not data.is_dir():
-        print(f"error: data folder {data} not found (expected a split folder such as "
-              f"DATA/train)", file=sys.stderr)
-        return 2
-    try:
+    try:        # a missing folder, or a data root given for a split: one line from the reader
         bev_range = bev_range_2d(args.range)
         split = OPV2VSplit(data, com_range=args.com_range, max_cav=args.max_cav)
     except ValueError as exc:

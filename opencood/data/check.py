@@ -17,10 +17,8 @@ from typing import Iterator, List
 
 from tqdm import tqdm
 
-from opencood.data.opv2v import OPV2VFormatError, load_frame_yaml, scenario_timestamps
+from opencood.data.opv2v import SPLITS, OPV2VFormatError, load_frame_yaml, scenario_timestamps
 from opencood.data.pcd import PcdError, read_pcd
-
-SPLITS = ("train", "validate", "test")
 
 
 @dataclass
