@@ -322,3 +322,16 @@ def test_the_readme_says_how_to_make_smoke_yamls_data():
     data_dir = Path(load_config(SMOKE_YAML)["root_dir"]).parent
     readme = (REPO_ROOT / "README.md").read_text()
     assert f"generate_synthetic.py --out {data_dir} --preset tiny" in readme
+
+
+# ----------------------------------------------------------------------------------------------
+# 5. --set of a yaml yes/no word on a string key
+# ----------------------------------------------------------------------------------------------
+
+def test_set_fusion_core_method_no_means_the_word():
+    assert load_config(SMOKE_YAML, ["fusion.core_method=no"])["fusion"]["core_method"] == "no"
+    assert load_config(SMOKE_YAML, ["name=Off"])["name"] == "Off"
+    # Boolean keys keep yaml's reading, and "false" stays a boolean (no string key takes it).
+    assert load_config(SMOKE_YAML, ["ema.enabled=no"])["ema"]["enabled"] is False
+    with pytest.raises(ConfigError, match="'name' must be a string, got False"):
+        load_config(SMOKE_YAML, ["name=false"])
