@@ -335,3 +335,34 @@ def test_set_fusion_core_method_no_means_the_word():
     assert load_config(SMOKE_YAML, ["ema.enabled=no"])["ema"]["enabled"] is False
     with pytest.raises(ConfigError, match="'name' must be a string, got False"):
         load_config(SMOKE_YAML, ["name=false"])
+
+
+# ----------------------------------------------------------------------------------------------
+# 7. pictures
+# ----------------------------------------------------------------------------------------------
+
+def test_agent_colours_stay_clear_of_the_ground_truth_green():
+    from opencood.utils.vis_bev import AGENT_COLORS, GT_COLOR
+    hues = cv2.cvtColor(np.array([AGENT_COLORS + [GT_COLOR]], np.uint8), cv2.COLOR_BGR2HSV)[0]
+    green = 2 * int(hues[-1, 0])                                    # OpenCV hue is degrees / 2
+    for color, (hue, saturation, _) in zip(AGENT_COLORS, hues[:-1]):
+        distance = abs(2 * int(hue) - green)
+        assert saturation < 60 or min(distance, 360 - distance) >= 45, color
+
+
+def test_pictures_name_the_rsu_and_write_the_frame():
+    from opencood.eval.vis import render_detection_sample, sample_agent_points
+    points = torch.tensor([[5.0, 0.0, -1.0, 1.0], [-5.0, 0.0, -1.0, 1.0], [0.0, 5.0, -1.0, 1.0]])
+    batch = {"points": points, "agent_index": torch.tensor([0, 1, 2]),
+             "record_len": torch.tensor([3]), "agent_types": torch.tensor([0, 0, 1]),
+             "transforms_to_ego": torch.eye(4).repeat(3, 1, 1),
+             "gt_boxes": torch.zeros((1, 0, 7)), "gt_mask": torch.zeros((1, 0), dtype=bool)}
+    assert list(sample_agent_points(batch, 0)) == ["ego", "cav 1", "RSU 2"]
+    bev_range = [-40, -20, -3, 40, 20, 1]
+    plain = render_detection_sample(batch, 0, torch.zeros((0, 7)), bev_range)
+    titled = render_detection_sample(batch, 0, torch.zeros((0, 7)), bev_range,
+                                     "2021_01_01_00_00_00 000068")
+    changed_rows, changed_cols = np.nonzero(np.any(plain != titled, axis=2))
+    assert len(changed_rows) > 100
+    assert changed_rows.max() < 30 and changed_cols.min() > plain.shape[1] // 2   # top right
+

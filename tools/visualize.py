@@ -14,7 +14,7 @@ from pathlib import Path
 
 
 from opencood.data.datasets import ego_points_per_box
-from opencood.data.opv2v import OPV2VSplit, remove_own_body_points
+from opencood.data.opv2v import OPV2VSplit, is_infrastructure, remove_own_body_points
 from opencood.ops.transforms import apply_transform
 from opencood.utils.vis_bev import bev_range_2d, render_bev, save_image
 
@@ -35,6 +35,14 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
+def agent_kind(cav_id: str, ego_id: str) -> str:
+    """How the picture names an agent: "ego", "RSU" (negative folder ids are roadside units)
+    or "cav"."""
+    if cav_id == ego_id:
+        return "ego"
+    return "RSU" if is_infrastructure(cav_id) else "cav"
+
+
 def sample_layers(split: OPV2VSplit, index: int, bev_range):
     """Points per agent (ego frame), GT boxes (M, 7), (M,) bool GT occluded for the ego, and
     agent positions of one sample."""
@@ -44,7 +52,7 @@ def sample_layers(split: OPV2VSplit, index: int, bev_range):
     ego_id = sample["info"].ego_id
     points_by_agent, positions = {}, {}
     for cav_id, cav in sample["cavs"].items():
-        name = f"{'ego' if cav_id == ego_id else 'cav'} {cav_id}"
+        name = f"{agent_kind(cav_id, ego_id)} {cav_id}"
         points_lidar = remove_own_body_points(cav["points"])
         points_by_agent[name] = apply_transform(points_lidar, cav["T_to_ego"])
         positions[name] = cav["T_to_ego"][:2, 3]
@@ -67,15 +75,15 @@ def main(argv=None) -> int:
               f"(0..{len(split) - 1})", file=sys.stderr)
         return 2
     points_by_agent, gt_boxes, occluded, positions = sample_layers(split, args.index, bev_range)
+    info = split.info(args.index)
     image = render_bev(points_by_agent, bev_range, gt_boxes=gt_boxes[~occluded],
                        occluded_gt_boxes=gt_boxes[occluded], agent_positions=positions,
-                       pixels_per_meter=args.ppm)
+                       pixels_per_meter=args.ppm, title=f"{info.scenario} {info.timestamp}")
     try:
         save_image(args.out, image)
     except OSError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    info = split.info(args.index)
     print(f"{args.out}: {info.scenario} ts {info.timestamp}, {len(points_by_agent)} CAVs, "
           f"{len(gt_boxes)} GT boxes ({int(occluded.sum())} occluded for the ego), {sum(len(p) for p in points_by_agent.values())} points, "
           f"{image.shape[1]}x{image.shape[0]} px")

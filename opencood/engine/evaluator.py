@@ -179,7 +179,7 @@ def format_table(name: str, metrics: Dict) -> str:
 
 def vis_callback(run_dir: Path, tag: str, count: int, bev_range):
     """on_sample hook drawing the first ``count`` samples of this rank to RUN/vis/."""
-    from opencood.eval.vis import draw_detection_sample
+    from opencood.eval.vis import draw_detection_sample, frame_title
     out_dir = run_dir / "vis"
     out_dir.mkdir(exist_ok=True)
     drawn = {"n": 0}
@@ -188,7 +188,8 @@ def vis_callback(run_dir: Path, tag: str, count: int, bev_range):
         if drawn["n"] >= count:
             return
         name = "_".join(str(k) for k in key) + (f"_{tag}" if tag else "") + ".png"
-        draw_detection_sample(out_dir / name, batch, row, boxes, scores, bev_range)
+        title = frame_title(key) + (f" ({tag})" if tag else "")
+        draw_detection_sample(out_dir / name, batch, row, boxes, scores, bev_range, title)
         drawn["n"] += 1
 
     return on_sample

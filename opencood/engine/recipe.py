@@ -324,12 +324,13 @@ def first_sample_picture(cfg: Dict, pictures: list):
     """on_sample hook: rank 0 renders its first validation sample (points, GT, detections)."""
     if not dist_utils.is_main_process():
         return None
-    from opencood.eval.vis import render_detection_sample
+    from opencood.eval.vis import frame_title, render_detection_sample
 
     def on_sample(key, batch, row, boxes, scores):
         if not pictures:
             pictures.append(render_detection_sample(batch, row, boxes,
-                                                    cfg["preprocess"]["cav_lidar_range"]))
+                                                    cfg["preprocess"]["cav_lidar_range"],
+                                                    frame_title(key)))
 
     return on_sample
 
