@@ -238,6 +238,9 @@ def two_rank_session(tmp_path_factory):
             ("batch_3_on_2_ranks", "train",
              ["--hypes_yaml", str(SMOKE_YAML), "--runs_root", str(work / "runs"),
               "--set", "train_params.batch_size=3"]),
+            ("missing_split", "train",
+             ["--hypes_yaml", str(SMOKE_YAML), "--runs_root", str(work / "runs"),
+              "--set", f"root_dir={work / 'absent' / 'train'}"]),
             ("both_fail", "both_fail", []), ("rank_1_fails", "rank_1_fails", [])]
     signals = work / "signals"
     signals.mkdir()
@@ -249,6 +252,7 @@ def two_rank_session(tmp_path_factory):
 @pytest.mark.parametrize("job, needle", [
     ("eval_other_model", "does not fit the model"),
     ("batch_3_on_2_ranks", "global batch 3 cannot be split over world size 2"),
+    ("missing_split", "absent/train: split folder not found"),
     ("rank_1_fails", "error: rank 1 failed during reading its shard: OpencoodError: "
                      "shard_1.pcd: truncated")])
 def test_an_error_is_printed_once_per_job(two_rank_session, job, needle):

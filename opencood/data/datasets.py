@@ -48,8 +48,10 @@ from opencood.data.opv2v import (OPV2VSplit, is_infrastructure, remove_own_body_
 from opencood.data.wild import WildSetting, delayed_timestamp, noisy_pose
 from opencood.ops.transforms import (apply_transform, count_points_in_boxes, points_in_range_mask,
                                      relative_transform)
+from opencood.errors import alike_on_every_rank
 from opencood.registry import DATASETS
 from opencood.strategies import get_strategy
+from opencood.utils.collectives import get_rank
 
 DEFAULT_LIDAR_RANGE = [-140.8, -40.0, -3.0, 140.8, 40.0, 1.0]
 DEFAULT_GT_RANGE = [-140.0, -40.0, -3.0, 140.0, 40.0, 1.0]
@@ -363,4 +365,6 @@ def build_dataset(cfg: dict, split: str, train: bool, fusion_method: str | None 
         raise ValueError(f"config key {split_keys[split]!r} (the {split} folder) is not set")
     strategy = get_strategy(fusion_method or cfg["fusion"]["core_method"])
     dataset_cls = DATASETS.get(strategy.dataset_name)
-    return dataset_cls.from_config(cfg, split_dir, train=train, cache_dir=cache_dir, **extra)
+    # Every rank indexes the same split: a layout or yaml error is printed by rank 0 alone.
+    with alike_on_every_rank(get_rank()):
+        return dataset_cls.from_config(cfg, split_dir, train=train, cache_dir=cache_dir, **extra)
