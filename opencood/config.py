@@ -147,8 +147,21 @@ def apply_overrides(cfg: dict, overrides: Iterable[str], source: str = "--set",
             raise ConfigError(
                 f"{source}: unknown key {'.'.join(keys)!r} (existing here: "
                 f"{', '.join(sorted(map(str, node))) or 'none'})")
-        node[keys[-1]] = value
+        node[keys[-1]] = _yes_no_word_for_text_key(node.get(keys[-1]), value,
+                                                   text.split("=", 1)[1])
     return cfg
+
+
+def _yes_no_word_for_text_key(current: Any, value: Any, raw_value: str) -> Any:
+    """``value``, or the word itself where yaml read a yes/no/on/off word as a boolean and the
+    key holds a string (``--set fusion.core_method=no``): such a key never takes a boolean, and
+    the shell strips the quotes a user would put around the word."""
+    word = raw_value.strip()
+    yaml_boolean_words = {form for base in ("yes", "no", "on", "off")
+                          for form in (base, base.capitalize(), base.upper())}
+    if isinstance(value, bool) and isinstance(current, str) and word in yaml_boolean_words:
+        return word
+    return value
 
 
 def get_key(cfg: dict, dotted: str, default: Any = KeyError) -> Any:

@@ -460,21 +460,20 @@ def test_an_error_in_rank_0s_ap_ends_every_rank_with_the_message(two_rank_sessio
     waits at the next collective until the timeout."""
     ranks = _part(two_rank_session, "eval_ap_error")
     assert "ValueError: injected AP failure" in ranks[0].get("raised", ""), ranks[0]
-    # A bug keeps its traceback on rank 0; rank 1 stops with one line naming rank 0's error.
-    assert ranks[1] == {"exit": "error: rank 0 failed during evaluation: ValueError: "
-                                "injected AP failure", "timeouts": [15.0]}
+    # A bug keeps its traceback on rank 0; rank 1 stops too, exit status 1 without a line of its
+    # own (rank 0's traceback tells the job why).
+    assert ranks[1] == {"exit": "1", "timeouts": [15.0]}
     assert ranks[0]["timeouts"] == [15.0]  # distributed.timeout_minutes reaches the group
 
 
 def test_a_corrupt_file_in_rank_0s_shard_ends_every_rank(two_rank_session):
     broken = str(_corrupt_pcd(Path(CORRUPT_SPLIT)))
     ranks = _part(two_rank_session, "eval_corrupt")
-    for rank, outcome in enumerate(ranks):
-        message = outcome.get("exit", "")
-        assert message.startswith("error: ") and "\n" not in message, (rank, outcome)
-        assert broken in message, (rank, message)
-    assert ranks[1]["exit"].startswith("error: rank 0 failed during inference: ")
-    assert not ranks[0]["exit"].startswith("error: rank")  # rank 0 reports its own error
+    message = ranks[0].get("exit", "")
+    assert message.startswith("error: ") and "\n" not in message, ranks[0]
+    assert broken in message, message
+    assert not message.startswith("error: rank")  # rank 0 reports its own error
+    assert ranks[1]["exit"] == "1"                # once per job: rank 1 stops without a line
 
 
 # ----------------------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from opencood.engine.recipe import (ScalarLogger, amp_settings, build_teacher,
                                     make_run_dir, prepare_model, progress_bar, resolve_config,
                                     seed_everything, seed_model_randomness,
                                     split_batch_or_refuse, step_budget, validate)
+from opencood.engine.run_folder import say_if_finished
 from opencood.engine.state import (MidEpochCheckpoints, TrainingParts, TrainState,
                                    find_resume_checkpoint, restore_training,
                                    save_mid_epoch_checkpoint, save_run_checkpoints,
@@ -138,6 +139,7 @@ def train(cfg: Dict, args, info: dist_utils.DistInfo, hooks: TrainHooks = NO_HOO
         progress = restore_training(checkpoint, parts, info)
         logger.info("resumed from %s at epoch %d (step %d)", ckpt_path, progress.epoch,
                     progress.step)
+        say_if_finished(run_dir, progress.epoch, progress.step, epochs, total_steps)
         if progress.epoch_steps_done:
             logger.info("epoch %d continues after its first %d of %d steps", progress.epoch + 1,
                         progress.epoch_steps_done, steps_per_epoch)

@@ -17,11 +17,9 @@ from typing import Iterator, List
 
 from tqdm import tqdm
 
-from opencood.data.opv2v import OPV2VFormatError, load_frame_yaml, scenario_timestamps
+from opencood.data.opv2v import SPLITS, OPV2VFormatError, load_frame_yaml, scenario_timestamps
 from opencood.data.pcd import PcdError, read_pcd
 from opencood.data.sources import DATASET_NAMES, split_class
-
-SPLITS = ("train", "validate", "test")
 
 
 @dataclass

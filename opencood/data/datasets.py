@@ -49,8 +49,10 @@ from opencood.data.sources import open_split
 from opencood.data.wild import WildSetting, delayed_timestamp, noisy_pose
 from opencood.ops.transforms import (apply_transform, count_points_in_boxes, points_in_range_mask,
                                      relative_transform)
+from opencood.errors import alike_on_every_rank
 from opencood.registry import DATASETS
 from opencood.strategies import get_strategy
+from opencood.utils.collectives import get_rank
 
 VEHICLE, INFRASTRUCTURE = 0, 1             # agent types (V2X-ViT's "infra" flag)
 
@@ -368,4 +370,6 @@ def build_dataset(cfg: dict, split: str, train: bool, fusion_method: str | None 
         raise ValueError(f"config key {SPLIT_KEYS[split]!r} (the {split} folder) is not set")
     strategy = get_strategy(fusion_method or cfg["fusion"]["core_method"])
     dataset_cls = DATASETS.get(strategy.dataset_name)
-    return dataset_cls.from_config(cfg, split_dir, train=train, cache_dir=cache_dir, **extra)
+    # Every rank indexes the same split: a layout or yaml error is printed by rank 0 alone.
+    with alike_on_every_rank(get_rank()):
+        return dataset_cls.from_config(cfg, split_dir, train=train, cache_dir=cache_dir, **extra)

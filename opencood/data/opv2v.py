@@ -39,6 +39,9 @@ from opencood.utils.collectives import get_rank
 
 logger = logging.getLogger(__name__)
 
+# The split folders of a data set (a "data root").
+SPLITS = ("train", "validate", "test")
+
 # Own-body box of a CAV in its lidar frame (reference values), bounds inclusive.
 OWN_BODY_X = (-1.95, 2.95)
 OWN_BODY_Y = (-1.1, 1.1)
@@ -279,12 +282,27 @@ def _scan_scenario(scenario_dir: Path) -> _ScenarioLayout:
     return _ScenarioLayout(scenario_dir.name, cav_ids, timestamps, cav_folders)
 
 
+def _missing_split_problem(split_dir: Path) -> str:
+    """"split folder not found", saying where a relative path was looked for: the current
+    directory of the command, not the config's folder."""
+    if split_dir.is_absolute():
+        return "split folder not found"
+    return (f"split folder not found (a relative path, resolved against the current directory "
+            f"{Path.cwd()}: {Path.cwd() / split_dir})")
+
+
 def _scan_split(split_dir: Path) -> list[_ScenarioLayout]:
     if not split_dir.is_dir():
-        raise _format_error(split_dir, "split folder not found")
+        raise _format_error(split_dir, _missing_split_problem(split_dir))
     scenario_names = _sorted_subfolders(split_dir)
     if not scenario_names:
         raise _format_error(split_dir, "split folder contains no scenario folders")
+    splits_inside = [name for name in SPLITS if name in scenario_names]
+    if splits_inside:
+        # A data root instead of a split: its splits would each fail as a scenario folder.
+        raise _format_error(split_dir, f"a data root (it holds {', '.join(splits_inside)}), "
+                                       f"not a split folder: give one split, e.g. "
+                                       f"{split_dir / splits_inside[0]}")
     layouts, problems = [], []
     for name in scenario_names:
         try:

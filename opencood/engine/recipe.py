@@ -21,8 +21,10 @@ from opencood.config import ConfigError, load_config
 from opencood.data.collate import build_loader
 from opencood.data.datasets import build_dataset
 from opencood.engine.loop import validation_loss
+from opencood.engine.run_folder import refuse_another_config
 from opencood.engine.task import DetectionTask
 from opencood.engine.teacher import DEFAULT_KD_WEIGHT, KD_KEYS, FrozenTeacher, load_teacher
+from opencood.errors import alike_on_every_rank
 from opencood.eval.inference import evaluate_loader
 from opencood.models.build import build_model
 from opencood.registry import FUSIONS, LOSSES, MODELS, POSTPROCESSORS, RegistryError
@@ -52,26 +54,34 @@ def check_registered_names(cfg: Dict, source: str) -> None:
               fusion["core_method"] if isinstance(fusion, dict) else None),
              ("loss.core_method", LOSSES, cfg["loss"]["core_method"]),
              ("postprocess.core_method", POSTPROCESSORS, cfg["postprocess"]["core_method"])]
-    for dotted, registry, name in names:
-        if name is None:
-            continue
-        try:
-            registry.get(name)
-        except RegistryError as error:
-            raise ConfigError(f"{source}: {dotted}: {error}") from None
+    with alike_on_every_rank(dist_utils.get_rank()):
+        for dotted, registry, name in names:
+            if name is None:
+                continue
+            try:
+                registry.get(name)
+            except RegistryError as error:
+                raise ConfigError(f"{source}: {dotted}: {error}") from None
 
 
 # -- configuration and run folder ------------------------------------------------------------
 
 def resolve_config(hypes_yaml: str | None, model_dir: str | None, overrides) -> Dict:
-    """Config from ``hypes_yaml``, else the run folder's saved config.yaml (resume)."""
-    if hypes_yaml:
-        return load_config(hypes_yaml, overrides)
-    saved = Path(model_dir) / "config.yaml"
-    if not saved.exists():
-        raise ConfigError(f"{saved}: not found; --model_dir without --hypes_yaml must be a run "
-                          f"folder written by tools/train.py")
-    return load_config(saved, overrides)
+    """Config from ``hypes_yaml``, else the run folder's saved config.yaml (resume). A
+    ``hypes_yaml`` whose config is not the one ``model_dir`` already holds is refused
+    (:func:`opencood.engine.run_folder.refuse_another_config`)."""
+    # Before any process group: every rank reads the same files, so rank 0 alone prints.
+    with alike_on_every_rank(dist_utils.launcher_rank()):
+        if hypes_yaml:
+            cfg = load_config(hypes_yaml, overrides)
+            if model_dir:
+                refuse_another_config(cfg, hypes_yaml, model_dir)
+            return cfg
+        saved = Path(model_dir) / "config.yaml"
+        if not saved.exists():
+            raise ConfigError(f"{saved}: not found; --model_dir without --hypes_yaml must be a "
+                              f"run folder written by tools/train.py")
+        return load_config(saved, overrides)
 
 
 def new_run_folder_name(name: str, env: Mapping[str, str], now: datetime) -> str:
@@ -106,11 +116,12 @@ def make_run_dir(name: str, model_dir: str | None, runs_root: str) -> Path:
 
 def split_batch_or_refuse(train_params: Dict, world_size: int) -> tuple:
     """(micro-batch, accumulation steps) of the global batch, or a one-line ConfigError."""
-    try:
-        return split_global_batch(int(train_params["batch_size"]), world_size,
-                                  train_params["max_micro_batch"])
-    except ValueError as error:
-        raise ConfigError(f"train_params.batch_size: {error}") from None
+    with alike_on_every_rank(dist_utils.get_rank()):
+        try:
+            return split_global_batch(int(train_params["batch_size"]), world_size,
+                                      train_params["max_micro_batch"])
+        except ValueError as error:
+            raise ConfigError(f"train_params.batch_size: {error}") from None
 
 
 def seed_everything(seed: int) -> None:
@@ -313,12 +324,13 @@ def first_sample_picture(cfg: Dict, pictures: list):
     """on_sample hook: rank 0 renders its first validation sample (points, GT, detections)."""
     if not dist_utils.is_main_process():
         return None
-    from opencood.eval.vis import render_detection_sample
+    from opencood.eval.vis import frame_title, render_detection_sample
 
     def on_sample(key, batch, row, boxes, scores):
         if not pictures:
             pictures.append(render_detection_sample(batch, row, boxes,
-                                                    cfg["preprocess"]["cav_lidar_range"]))
+                                                    cfg["preprocess"]["cav_lidar_range"],
+                                                    frame_title(key)))
 
     return on_sample
 
