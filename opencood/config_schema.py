@@ -318,7 +318,7 @@ class WildSetting:
 class KdSection:
     """Knowledge distillation from a frozen early-fusion teacher (DiscoNet)."""
 
-    teacher: Optional[str] = None                # run folder or .pth; checked by build_teacher
+    teacher: str = spec(check=non_empty)         # run folder or .pth; its file checked on load
     weight: float = spec(DEFAULT_KD_WEIGHT, check=positive)
 
 
@@ -346,6 +346,12 @@ class Config:
     performance: PerformanceSection
     wild_setting: WildSetting
     kd: Optional[KdSection] = None                   # None: no distillation
+
+    def problems(self) -> Problems:
+        if self.kd is not None and self.fusion.core_method != "intermediate":
+            yield "kd", (f"is for an intermediate-fusion student (distillation trains its "
+                         f"fused map on the teacher's); fusion.core_method is "
+                         f"{self.fusion.core_method!r}")
 
 
 # -- parsing -------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from opencood.config import load_config
+from opencood.config import load_config, resolve_section
 from opencood.engine import recipe
 from opencood.engine.hooks import TrainHooks
 from opencood.engine.teacher import FrozenTeacher
@@ -216,9 +216,9 @@ def test_build_teacher_loads_a_frozen_model_and_refuses_mismatches(tmp_path):
                for key, value in teacher.model.state_dict().items())
     assert recipe.build_teacher({**student, "kd": None}, CPU) is None
 
-    def refused(kd, error=ConfigError, student_cfg=student):
+    def refused(kd, error=ConfigError):
         with pytest.raises(error) as info:
-            recipe.build_teacher({**student_cfg, "kd": kd}, CPU)
+            recipe.build_teacher({**student, "kd": resolve_section("kd", kd)}, CPU)
         message = str(info.value)
         assert "\n" not in message
         return message
@@ -228,10 +228,14 @@ def test_build_teacher_loads_a_frozen_model_and_refuses_mismatches(tmp_path):
         refused({"teacher": str(attfuse)})
     assert "does not exist" in refused({"teacher": str(tmp_path / "nowhere")})
     assert "holds no best.pth or last.pth" in refused({"teacher": str(tmp_path)})
-    assert "unknown key 'techer'" in refused({"techer": str(good)})
-    assert "kd.teacher: not set" in refused({"weight": 1.0})
-    assert "kd.weight must be > 0" in refused({"teacher": str(good), "weight": 0})
-    assert "kd.weight must be a number" in refused({"teacher": str(good), "weight": "lots"})
+    # The section itself is the schema's to check, once, when the config is resolved.
+    for kd, expected in (({"techer": str(good)}, "unknown key 'kd.techer'"),
+                         ({"weight": 1.0}, "missing required key 'kd.teacher'"),
+                         ({"teacher": str(good), "weight": 0}, "'kd.weight' must be > 0"),
+                         ({"teacher": str(good), "weight": "lots"},
+                          "'kd.weight' must be a number")):
+        with pytest.raises(ConfigError, match=expected):
+            resolve_section("kd", kd)
     other_grid = save_fake_run(tmp_path / "grid.pth", smoke_cfg(
         tmp_path, "point_pillar_early_fusion", "preprocess.args.voxel_size=[0.4,0.4,4.0]"))
     assert "preprocess.args.voxel_size" in refused({"teacher": str(other_grid)})
@@ -241,9 +245,9 @@ def test_build_teacher_loads_a_frozen_model_and_refuses_mismatches(tmp_path):
     save_checkpoint(tmp_path / "lying.pth", lying)
     assert "lying.pth does not fit the model" in refused({"teacher": str(tmp_path / "lying.pth")},
                                                          CheckpointError)
-    no_fusion = {**student, "fusion": {"core_method": "early"}}
-    assert "trains an intermediate-fusion student" in refused(
-        {"teacher": str(good)}, student_cfg=no_fusion)
+    with pytest.raises(ConfigError, match="key 'kd' is for an intermediate-fusion student"):
+        load_config(fusion_yaml(tmp_path, "point_pillar_disconet"),
+                    ["fusion.core_method=early"])
 
 
 # ---------------------------------------------------------------------------------------------

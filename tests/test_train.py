@@ -788,10 +788,10 @@ def test_amp_is_used_on_cuda_only():
     slower than fp32), and fp16 gets a GradScaler only on CUDA."""
     from opencood.engine.recipe import amp_settings
 
-    cfg = {"amp": {"enabled": True, "dtype": "bf16"}}
-    dtype, scaler = amp_settings(cfg, torch.device("cpu"))
+    dtype, scaler = amp_settings(resolve_section("amp", {"enabled": True, "dtype": "bf16"}),
+                                 torch.device("cpu"))
     assert dtype is None and not scaler.is_enabled()
-    dtype, scaler = amp_settings({"amp": {"enabled": False}}, torch.device("cpu"))
+    dtype, scaler = amp_settings(resolve_section("amp", {"enabled": False}), torch.device("cpu"))
     assert dtype is None and not scaler.is_enabled()
 
 

@@ -467,7 +467,7 @@ def training_parts(cfg: Dict, device: torch.device):
     task = DetectionTask.from_config(cfg, device)
     optimizer = build_optimizer(model_without_ddp.parameters(), cfg["optimizer"])
     if device.type == "cuda":
-        amp_dtype, scaler = amp_settings(cfg, device)
+        amp_dtype, scaler = amp_settings(cfg["amp"], device)
     else:  # AMP is a GPU setting; on CPU the bench runs fp32 (amp_yaml still says the yaml)
         amp_dtype, scaler = None, torch.amp.GradScaler("cpu", enabled=False)
     # No lr schedule: the timed steps run at the optimizer's lr.

@@ -128,7 +128,7 @@ def train(cfg: Dict, args, info: dist_utils.DistInfo, hooks: TrainHooks = NO_HOO
     # training steps, by max_voxel_test in validation), the criterion, the teacher.
     task = DetectionTask.from_config(cfg, info.device, teacher)
     optimizer = build_optimizer(model_without_ddp.parameters(), cfg["optimizer"])
-    amp_dtype, scaler = amp_settings(cfg, info.device)
+    amp_dtype, scaler = amp_settings(cfg["amp"], info.device)
     parts = TrainingParts(model, model_without_ddp, ema, optimizer,
                           build_scheduler(optimizer, cfg["lr_scheduler"], total_steps,
                                           steps_per_epoch),

@@ -23,7 +23,7 @@ from opencood.data.datasets import build_dataset
 from opencood.engine.loop import validation_loss
 from opencood.engine.run_folder import refuse_another_config
 from opencood.engine.task import DetectionTask
-from opencood.engine.teacher import DEFAULT_KD_WEIGHT, KD_KEYS, FrozenTeacher, load_teacher
+from opencood.engine.teacher import FrozenTeacher, load_teacher
 from opencood.errors import alike_on_every_rank
 from opencood.eval.inference import evaluate_loader
 from opencood.models.build import build_model
@@ -154,21 +154,17 @@ def configure_cuda(cfg: Dict) -> None:
     torch.backends.cudnn.benchmark = perf["cudnn_benchmark"]
 
 
-def amp_settings(cfg: Dict, device: torch.device):
-    """(autocast dtype or None, GradScaler). fp16 needs a scaler; bf16 does not."""
-    amp_cfg = cfg.get("amp", {}) or {}
-    if amp_cfg.get("enabled", False) and device.type != "cuda":
+def amp_settings(amp: Dict, device: torch.device):
+    """(autocast dtype or None, GradScaler) of the resolved ``amp`` section. fp16 needs a
+    scaler; bf16 does not."""
+    if not amp["enabled"]:
+        return None, torch.amp.GradScaler(device.type, enabled=False)
+    if device.type != "cuda":
         # CPU autocast runs slower than fp32 for these convolutions: mixed precision is for GPUs.
         logger.info("amp.enabled ignored on %s: mixed precision is used on CUDA only", device)
         return None, torch.amp.GradScaler(device.type, enabled=False)
-    if not amp_cfg.get("enabled", False):
-        return None, torch.amp.GradScaler(device.type, enabled=False)
-    name = str(amp_cfg.get("dtype", "bf16"))
-    if name not in AMP_DTYPES:
-        raise ConfigError(f"amp.dtype {name!r} is unknown; use bf16 or fp16")
-    dtype = AMP_DTYPES[name]
-    use_scaler = dtype == torch.float16 and device.type == "cuda"
-    return dtype, torch.amp.GradScaler(device.type, enabled=use_scaler)
+    dtype = AMP_DTYPES[amp["dtype"]]          # the schema allows exactly these names
+    return dtype, torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
 
 
 # -- step budget -----------------------------------------------------------------------------
@@ -282,34 +278,14 @@ def compile_for_training(model: torch.nn.Module, cfg: Dict) -> torch.nn.Module:
 # -- knowledge distillation (DiscoNet) -------------------------------------------------------
 
 def build_teacher(cfg: Dict, device: torch.device) -> FrozenTeacher | None:
-    """The frozen early-fusion teacher of the yaml's ``kd`` section, or None without one.
-
-    Checked before any file is written: unknown ``kd`` keys, a missing teacher, a teacher of
-    another model or grid, and a student that is not intermediate fusion are one-line errors.
-    """
-    kd_cfg = cfg.get("kd")
-    if not kd_cfg:
+    """The frozen early-fusion teacher of the resolved config's ``kd`` section, or None without
+    one. The section (keys, weight, an intermediate-fusion student) is checked by the schema;
+    the teacher's file (it exists, holds an early-fusion model of the student's grid) here,
+    before any file is written, each a one-line error."""
+    kd = cfg["kd"]
+    if kd is None:
         return None
-    if not isinstance(kd_cfg, dict):
-        raise ConfigError(f"kd: expected a mapping with {' and '.join(KD_KEYS)}, got {kd_cfg!r}")
-    unknown = sorted(set(kd_cfg) - set(KD_KEYS))
-    if unknown:
-        raise ConfigError(f"kd: unknown key {unknown[0]!r} (known: {', '.join(KD_KEYS)})")
-    if not kd_cfg.get("teacher"):
-        raise ConfigError("kd.teacher: not set; name the early-fusion teacher's run folder or "
-                          ".pth (or remove the kd section to train without distillation)")
-    try:
-        weight = float(kd_cfg.get("weight", DEFAULT_KD_WEIGHT))
-    except (TypeError, ValueError):
-        raise ConfigError(f"kd.weight must be a number, got {kd_cfg['weight']!r}") from None
-    if not weight > 0:
-        raise ConfigError(f"kd.weight must be > 0, got {weight} (remove the kd section to "
-                          f"train without distillation)")
-    fusion = cfg["fusion"]["core_method"]
-    if fusion != "intermediate":
-        raise ConfigError(f"kd: distillation trains an intermediate-fusion student (its fused "
-                          f"map learns the teacher's); fusion.core_method is {fusion!r}")
-    return load_teacher(str(kd_cfg["teacher"]), weight, cfg, device)
+    return load_teacher(kd["teacher"], kd["weight"], cfg, device)
 
 
 def distillation_dataset_args(teacher: FrozenTeacher | None) -> Dict:

@@ -21,13 +21,11 @@ from typing import Dict
 import torch
 
 from opencood.config import ConfigError
-from opencood.config_schema import DEFAULT_KD_WEIGHT  # noqa: F401  (recipe reads it from here)
 from opencood.losses.distillation import feature_distillation_loss
 from opencood.models.build import build_model
 from opencood.utils.checkpoint import (CheckpointError, check_state_dict_compatible,
                                        load_checkpoint)
 
-KD_KEYS = ("teacher", "weight")
 TEACHER_FUSION = "early"
 TRAIN_HINT = "train it first: python tools/train.py -y <early-fusion yaml> --model_dir <run>"
 
