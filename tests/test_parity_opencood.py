@@ -14,21 +14,20 @@ dict OpenCOOD's collate builds, minus the pairwise matrices: every fixture's are
 proj_first, and our detector fuses maps already in one frame). Heads must agree within 1e-5
 relative (max |ours - theirs| / max |theirs|).
 
-Where our modules cannot yet reproduce the reference, the plain parity test is
-``xfail(strict=True)`` with the exact reason, so it flips when the option lands, and a second
-test swaps in a test-only stand-in for the missing option (``reference_pillar_layers``,
-``reference_v2vnet_rounds``): that proves everything else (mapping, backbone, fusion, heads)
-equal now. Measured on these fixtures (relative, cls / reg):
+The reference behaviour comes from options of our modules, which the importer switches on
+(``opencood.interop.opencood_config``); each is shown to matter by turning it back to our
+default, which breaks parity on these fixtures (relative, cls / reg, measured when they were
+missing):
 
-* padded point slots (every model): OpenCOOD runs all slots of a pillar, padding zeroed,
-  through linear + BatchNorm + ReLU, so relu(BN(0)) joins the max; ours leaves padding out.
+* ``pillar_vfe.padded_slots: reference`` (every model): OpenCOOD runs all slots of a pillar,
+  padding zeroed, through linear + BatchNorm + ReLU, so relu(BN(0)) joins the max.
   PointPillar 2.4e-2 / 3.6e-2, AttFuse 2.8e-2 / 3.3e-2, F-Cooper 1.3e-2 / 1.8e-2 (BatchNorm
-  statistics drawn at random make relu(BN(0)) large; trained weights gave ~2e-3). With the
-  stand-in: 2e-7 to 5e-7.
-* V2VNet's ConvGRU: OpenCOOD feeds [current state, mean message] as the GRU input with a zero
-  hidden state (a fresh ConvGRU per call), so the new state is update * candidate; ours feeds
-  [mean message, initial state] with the current state as hidden. 0.61 / 0.88; with both
-  stand-ins 1.0e-6.
+  statistics drawn at random make relu(BN(0)) large; trained weights gave ~2e-3).
+* V2VNet ``round_update: reference``: OpenCOOD feeds [current state, mean message] as the GRU
+  input with a zero hidden state (a fresh ConvGRU per call). 0.61 / 0.88.
+* ``use_dir: false`` and ``anchor_args.placement: reference`` change no head map (they decide
+  the decoding, checked in ``test_reference_anchor_placement`` and
+  ``test_head_without_direction``).
 """
 from __future__ import annotations
 
@@ -58,14 +57,6 @@ MODELS = ("point_pillar", "point_pillar_intermediate", "point_pillar_fcooper",
 TOLERANCE = 1e-5
 HEADS = (("cls_preds", "psm"), ("reg_preds", "rm"))
 
-PADDED_SLOTS = ("OpenCOOD's pillar encoder runs the zeroed padded point slots through linear + "
-                "BatchNorm + ReLU, so relu(BN(0)) joins the max; ours leaves padded slots out "
-                "(needs a reference-compatible pillar_vfe option)")
-V2VNET_GRU = ("OpenCOOD's V2VNet ConvGRU takes [state, mean message] with a zero hidden "
-              "state; ours takes [mean message, initial state] with the state as hidden "
-              "(needs a reference-compatible v2vnet option)")
-
-
 # ----------------------------------------------------------------------------------------------
 # helpers
 # ----------------------------------------------------------------------------------------------
@@ -88,8 +79,16 @@ def translated_config(name: str) -> dict:
     return resolve(translate_config(read_opencood_yaml(path), str(path)), str(path))
 
 
-def our_model(name: str, fixture: dict) -> torch.nn.Module:
+def our_model(name: str, fixture: dict, **defaults_back) -> torch.nn.Module:
+    """Our model from the translated config with the fixture's weights imported;
+    ``defaults_back``: reference options turned back to our default (``padded_slots``,
+    ``round_update``)."""
     cfg = translated_config(name)
+    args = cfg["model"]["args"]
+    if "padded_slots" in defaults_back:
+        args["pillar_vfe"]["padded_slots"] = defaults_back["padded_slots"]
+    if "round_update" in defaults_back:
+        args["fusion"]["args"]["round_update"] = defaults_back["round_update"]
     model = build_model(cfg["model"])
     state = opencood_to_ours(peer_state(fixture), name, state_shapes(model.state_dict()))
     model.load_state_dict(state)
@@ -116,45 +115,6 @@ def relative_differences(outputs: dict, fixture: dict) -> dict:
 def assert_parity(outputs: dict, fixture: dict) -> None:
     diffs = relative_differences(outputs, fixture)
     assert max(diffs.values()) <= TOLERANCE, f"relative differences {diffs}"
-
-
-def reference_pillar_layers(model: torch.nn.Module) -> None:
-    """Test-only stand-in for the missing option: our pillar encoder computed as OpenCOOD's
-    (every point slot through linear + BatchNorm + ReLU, padding zeroed before; a non-last layer
-    concatenates the pillar max without masking), with our modules' own weights."""
-    vfe = model.vfe
-
-    def forward(voxel_features, voxel_num_points, voxel_coords, static_shapes=False):
-        slots = torch.arange(voxel_features.shape[1], device=voxel_features.device)
-        mask = slots.unsqueeze(0) < voxel_num_points.unsqueeze(1)
-        features = vfe.decorate(voxel_features, voxel_num_points, voxel_coords, mask)
-        for layer in vfe.layers:
-            encoded = layer.norm(layer.linear(features).flatten(0, 1)).view(
-                *features.shape[:2], -1)
-            per_point = torch.relu(encoded)
-            pillar_max = per_point.amax(dim=1)
-            features = pillar_max if layer.last_layer else torch.cat(
-                [per_point, pillar_max.unsqueeze(1).expand_as(per_point)], dim=-1)
-        return features
-
-    vfe.forward = forward
-
-
-def reference_v2vnet_rounds(model: torch.nn.Module) -> None:
-    """Test-only stand-in for the missing option: each V2VNet round's GRU as OpenCOOD's
-    (input [state, mean message], hidden state zero), with our modules' own weights."""
-    fusion = model.fusion
-
-    def message_round(states, initial, is_real, theta, receivers):
-        batch, _, channels, height, width = states.shape
-        mean_message = fusion.mean_messages(states, is_real, theta, receivers)
-        flat = (batch * receivers, channels, height, width)
-        gru_input = torch.cat([states[:, :receivers].reshape(flat), mean_message.reshape(flat)],
-                              dim=1)
-        new_state = fusion.gru(gru_input, states.new_zeros(flat))
-        return new_state.view(batch, receivers, channels, height, width)
-
-    fusion.message_round = message_round
 
 
 # ----------------------------------------------------------------------------------------------
@@ -213,11 +173,8 @@ def test_mapping_is_strict_and_reversible(name):
     state = peer_state(fixture)
     model = build_model(translated_config(name)["model"])
     ours = opencood_to_ours(state, name, state_shapes(model.state_dict()))
-    assert set(ours) == set(model.state_dict())
-    # Every OpenCOOD tensor lands somewhere (only the direction head is ours alone, zeros).
-    synthesized = set(opencood_ckpt.SYNTHESIZED)
-    assert len(ours) == len(state) + len(synthesized)
-    assert all(not ours[key].any() for key in synthesized)
+    # Every tensor has its counterpart: nothing synthesised, nothing dropped.
+    assert set(ours) == set(model.state_dict()) and len(ours) == len(state)
     back = ours_to_opencood(ours, name, state_shapes(state))
     assert list(back) == list(state)
     assert all(torch.equal(back[key], state[key]) for key in state)
@@ -276,42 +233,27 @@ def test_mapping_refuses_in_one_line():
 # parity with the authors' code
 # ----------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", [
-    pytest.param(name, marks=pytest.mark.xfail(
-        strict=True, reason=PADDED_SLOTS + ("; " + V2VNET_GRU if "v2vnet" in name else "")))
-    for name in MODELS])
+@pytest.mark.parametrize("name", MODELS)
 def test_parity(name):
     """Our model as imported, the same pillars: heads within 1e-5 relative."""
     fixture = load_fixture(name)
     assert_parity(run_ours(our_model(name, fixture), fixture), fixture)
 
 
-@pytest.mark.parametrize("name", [
-    *MODELS[:3],
-    pytest.param("point_pillar_v2vnet", marks=pytest.mark.xfail(strict=True, reason=V2VNET_GRU))])
-def test_parity_with_reference_pillar_slots(name):
-    """Everything but the pillar encoder's padded slots (stand-in) equals the reference."""
-    fixture = load_fixture(name)
-    model = our_model(name, fixture)
-    reference_pillar_layers(model)
-    assert_parity(run_ours(model, fixture), fixture)
-
-
-def test_v2vnet_parity_with_reference_slots_and_gru():
-    """V2VNet: with both stand-ins, equal; so its GRU semantics is the whole remaining gap."""
-    fixture = load_fixture("point_pillar_v2vnet")
-    model = our_model("point_pillar_v2vnet", fixture)
-    reference_pillar_layers(model)
-    reference_v2vnet_rounds(model)
-    assert_parity(run_ours(model, fixture), fixture)
-
-
 @pytest.mark.parametrize("name", MODELS)
-def test_padded_slots_are_the_measured_difference(name):
-    """The xfails above fail for the stated reason: our encoder alone differs, by more than the
-    tolerance (so these fixtures do detect it)."""
+def test_padded_slots_option_matters(name):
+    """With our default pillar encoder the heads differ by far more than the tolerance, so
+    these fixtures do check ``padded_slots: reference``."""
     fixture = load_fixture(name)
-    diffs = relative_differences(run_ours(our_model(name, fixture), fixture), fixture)
+    model = our_model(name, fixture, padded_slots="ignore")
+    diffs = relative_differences(run_ours(model, fixture), fixture)
+    assert min(diffs.values()) > 100 * TOLERANCE
+
+
+def test_v2vnet_round_update_option_matters():
+    fixture = load_fixture("point_pillar_v2vnet")
+    model = our_model("point_pillar_v2vnet", fixture, round_update="gru_on_state")
+    diffs = relative_differences(run_ours(model, fixture), fixture)
     assert min(diffs.values()) > 100 * TOLERANCE
 
 
@@ -370,7 +312,8 @@ def test_translated_config_keeps_what_decides_the_boxes():
     assert cfg["preprocess"]["args"]["voxel_size"] == [0.4, 0.4, 4.0]
     assert cfg["preprocess"]["args"]["max_points_per_voxel"] == 8
     assert cfg["postprocess"]["anchor_args"] == {"l": 3.9, "w": 1.6, "h": 1.56, "z": -1.0,
-                                                 "r": [0.0, 90.0], "feature_stride": 2}
+                                                 "r": [0.0, 90.0], "feature_stride": 2,
+                                                 "placement": "reference"}
     assert cfg["postprocess"]["target_args"]["score_threshold"] == 0.2
     assert cfg["postprocess"]["nms_thresh"] == 0.15
     assert cfg["postprocess"]["gt_range"] == [-12.8, -6.4, -3.0, 12.8, 6.4, 1.0]
@@ -383,9 +326,13 @@ def test_translated_config_keeps_what_decides_the_boxes():
     assert model["args"]["fusion"]["stage"] == "backbone"
     assert model["args"]["shrink_header"] == {"dim": 256, "stride": 1}
     assert model["args"]["bn_momentum"] is None
+    # The reference options of our modules, on for every imported run.
+    assert model["args"]["use_dir"] is False
+    assert model["args"]["pillar_vfe"]["padded_slots"] == "reference"
     v2v = translated_config("point_pillar_v2vnet")["model"]["args"]
     assert v2v["fusion"]["args"]["cell_size"] == pytest.approx(1.6)
     assert v2v["fusion"]["args"]["num_iteration"] == 2
+    assert v2v["fusion"]["args"]["round_update"] == "reference"
     assert v2v["shrink_header"] == {"dim": 256, "stride": 2}
     assert translated_config("point_pillar")["fusion"]["core_method"] == "early"
 

@@ -61,7 +61,8 @@ def anchors_from_config(anchor_args: dict, preprocess: dict, order: str,
         anchor_hwl=tuple(anchor_args.get(key, default) for key, default in zip("hwl", ANCHOR_HWL)),
         anchor_z=anchor_args.get("z", ANCHOR_Z),
         yaws=tuple(math.radians(y) for y in anchor_args.get("r", ANCHOR_YAWS_DEG)),
-        order=order, device=device)
+        order=order, device=device,
+        placement=anchor_args.get("placement", "cell_centre"))
 
 
 @POSTPROCESSORS.register("VoxelPostprocessor")
