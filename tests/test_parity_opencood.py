@@ -42,6 +42,7 @@ from opencood.config import resolve
 from opencood.engine import evaluator
 from opencood.errors import OpencoodError
 from opencood.interop import opencood_ckpt
+from opencood.interop.exporter import export_opencood_run
 from opencood.interop.importer import import_opencood_run, translate_run
 from opencood.interop.opencood_ckpt import (InteropError, opencood_to_ours, ours_to_opencood,
                                             state_shapes)
@@ -394,3 +395,80 @@ def test_import_refusals(tmp_path):
     (peer / "net_epoch1.pth").unlink()
     with pytest.raises(InteropError, match="no net_epoch<N>.pth or latest.pth"):
         translate_run(peer)
+
+
+# ----------------------------------------------------------------------------------------------
+# export: our run -> OpenCOOD's run folder, and back
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", MODELS)
+def test_import_export_import_round_trip(name, tmp_path):
+    """OpenCOOD's run -> ours -> OpenCOOD's: the same tensors under the same keys, and a config
+    that imports to the same config again."""
+    peer = write_opencood_run(tmp_path / "peer", name, epochs=(12,))
+    ours = import_opencood_run(peer, tmp_path / "ours")
+    exported = load_tool("export_checkpoint").main(
+        ["--to", "opencood", "--model_dir", str(ours), "--out", str(tmp_path / "exported")])
+    assert sorted(p.name for p in exported.iterdir()) == ["config.yaml", "net_epoch12.pth"]
+    state = torch.load(exported / "net_epoch12.pth", weights_only=True)
+    original = peer_state(load_fixture(name))
+    assert set(state) == set(original)          # the order is ours (load_state_dict ignores it)
+    assert all(torch.equal(state[key], original[key]) for key in original)
+    hypes = read_opencood_yaml(exported / "config.yaml")
+    assert hypes["model"]["core_method"] == name
+    assert hypes["yaml_parser"] == "load_point_pillar_params"
+    again = import_opencood_run(exported, tmp_path / "again")
+    first, second = (torch.load(run / "last.pth", weights_only=True)["model"]
+                     for run in (ours, again))
+    assert all(torch.equal(first[key], second[key]) for key in first)
+    assert translated_config(name)["model"] == resolve(
+        translate_config(hypes, "exported"), "exported")["model"]
+
+
+def _edit_run_config(run: Path, edit) -> None:
+    import yaml
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    edit(cfg)
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda cfg: cfg["model"]["args"]["pillar_vfe"].update(padded_slots="ignore"),
+     "pillar_vfe.padded_slots is 'ignore'"),
+    (lambda cfg: cfg["model"]["args"].update(use_dir=True), "use_dir is True"),
+    (lambda cfg: cfg["postprocess"]["anchor_args"].update(placement="cell_centre"),
+     "anchor_args.placement is 'cell_centre'"),
+    (lambda cfg: cfg["model"]["args"]["fusion"]["args"].update(round_update="gru_on_state"),
+     "round_update is 'gru_on_state'"),
+    (lambda cfg: cfg["model"]["args"]["fusion"].update(core_method="disconet", args={}),
+     "'disconet' has no OpenCOOD"),
+])
+def test_export_refuses_in_one_line_and_writes_nothing(edit, message, tmp_path):
+    peer = write_opencood_run(tmp_path / "peer", "point_pillar_v2vnet", epochs=(3,))
+    ours = import_opencood_run(peer, tmp_path / "ours")
+    _edit_run_config(ours, edit)
+    out = tmp_path / "work" / "exported"
+    out.parent.mkdir()
+    with pytest.raises(SystemExit) as exit_info:
+        load_tool("export_checkpoint").main(["--to", "opencood", "--model_dir", str(ours),
+                                             "--out", str(out)])
+    text = str(exit_info.value)
+    assert text.startswith("error: ") and "\n" not in text and message in text, text
+    assert _listing(out.parent) == []
+
+
+def test_export_is_strict_about_tensors(tmp_path):
+    peer = write_opencood_run(tmp_path / "peer", "point_pillar_fcooper", epochs=(3,))
+    ours = import_opencood_run(peer, tmp_path / "ours")
+    checkpoint = torch.load(ours / "last.pth", weights_only=True)
+    checkpoint["model"]["head.dir_conv.weight"] = torch.zeros(4, 256, 1, 1)
+    torch.save(checkpoint, ours / "last.pth")
+    with pytest.raises(InteropError, match="no place in OpenCOOD's point_pillar_fcooper: "
+                                           "head.dir_conv.weight"):
+        export_opencood_run(ours, tmp_path / "exported")
+    del checkpoint["model"]["head.dir_conv.weight"]
+    checkpoint["model"]["shrink.layers.0.weight"][0, 0, 0, 0] = 1.0     # not a 1x1 kernel
+    torch.save(checkpoint, ours / "last.pth")
+    with pytest.raises(InteropError, match="off the centre"):
+        export_opencood_run(ours, tmp_path / "exported")
+    assert not (tmp_path / "exported").exists()
