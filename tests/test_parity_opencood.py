@@ -184,8 +184,16 @@ def test_mapping_is_strict_and_reversible(name):
 def test_mapping_transforms():
     """The non-trivial rules, on the F-Cooper and V2VNet fixtures."""
     fcooper = peer_state(load_fixture("point_pillar_fcooper"))
+    model_cfg = translated_config("point_pillar_fcooper")["model"]
+    assert model_cfg["args"]["shrink_header"]["kernel_size"] == 1       # copied as it is
     ours = opencood_to_ours(fcooper, "point_pillar_fcooper", state_shapes(
-        build_model(translated_config("point_pillar_fcooper")["model"]).state_dict()))
+        build_model(model_cfg).state_dict()))
+    assert torch.equal(ours["shrink.layers.0.weight"],
+                       fcooper["shrink_conv.layers.0.double_conv.0.weight"])
+    # Into a 3x3 shrink conv, the 1x1 kernel is the centre tap of zeros (the same map).
+    model_cfg["args"]["shrink_header"]["kernel_size"] = 3
+    ours = opencood_to_ours(fcooper, "point_pillar_fcooper", state_shapes(
+        build_model(model_cfg).state_dict()))
     one_by_one = fcooper["shrink_conv.layers.0.double_conv.0.weight"]
     embedded = ours["shrink.layers.0.weight"]
     assert one_by_one.shape[2:] == (1, 1) and embedded.shape[2:] == (3, 3)
@@ -325,7 +333,7 @@ def test_translated_config_keeps_what_decides_the_boxes():
     assert model["core_method"] == "point_pillar_intermediate"
     assert model["args"]["fusion"]["core_method"] == "fcooper"
     assert model["args"]["fusion"]["stage"] == "backbone"
-    assert model["args"]["shrink_header"] == {"dim": 256, "stride": 1}
+    assert model["args"]["shrink_header"] == {"dim": 256, "stride": 1, "kernel_size": 1}
     assert model["args"]["bn_momentum"] is None
     # The reference options of our modules, on for every imported run.
     assert model["args"]["use_dir"] is False
@@ -334,7 +342,7 @@ def test_translated_config_keeps_what_decides_the_boxes():
     assert v2v["fusion"]["args"]["cell_size"] == pytest.approx(1.6)
     assert v2v["fusion"]["args"]["num_iteration"] == 2
     assert v2v["fusion"]["args"]["round_update"] == "reference"
-    assert v2v["shrink_header"] == {"dim": 256, "stride": 2}
+    assert v2v["shrink_header"] == {"dim": 256, "stride": 2, "kernel_size": 3}
     assert translated_config("point_pillar")["fusion"]["core_method"] == "early"
 
 
@@ -466,9 +474,8 @@ def test_export_is_strict_about_tensors(tmp_path):
     with pytest.raises(InteropError, match="no place in OpenCOOD's point_pillar_fcooper: "
                                            "head.dir_conv.weight"):
         export_opencood_run(ours, tmp_path / "exported")
-    del checkpoint["model"]["head.dir_conv.weight"]
-    checkpoint["model"]["shrink.layers.0.weight"][0, 0, 0, 0] = 1.0     # not a 1x1 kernel
+    del checkpoint["model"]["head.cls_conv.bias"]
     torch.save(checkpoint, ours / "last.pth")
-    with pytest.raises(InteropError, match="off the centre"):
+    with pytest.raises(InteropError, match="left unfilled: cls_head.bias"):
         export_opencood_run(ours, tmp_path / "exported")
     assert not (tmp_path / "exported").exists()

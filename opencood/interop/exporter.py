@@ -7,8 +7,8 @@ reference options on is exported; anything else is refused in one line naming th
 our model                                            OpenCOOD model.core_method
 point_pillar (no / early / late fusion)              point_pillar
 point_pillar_intermediate + attfuse (multiscale)     point_pillar_intermediate
-point_pillar_intermediate + fcooper (backbone)       point_pillar_fcooper (1x1 shrink header)
-point_pillar_intermediate + v2vnet (backbone)        point_pillar_v2vnet (3x3 shrink header)
+point_pillar_intermediate + fcooper (backbone)       point_pillar_fcooper
+point_pillar_intermediate + v2vnet (backbone)        point_pillar_v2vnet
 
 Reference options required: ``pillar_vfe.padded_slots: reference``, ``use_dir: false``,
 ``postprocess.anchor_args.placement: reference``, V2VNet ``round_update: reference``; and the
@@ -35,16 +35,18 @@ import torch
 import yaml
 
 from opencood.config import load_config
-from opencood.interop.opencood_ckpt import (KERNEL_CENTRE, LINEAR_AS_CONV, RULES, InteropError,
-                                            ours_to_opencood)
+from opencood.interop.opencood_ckpt import LINEAR_AS_CONV, RULES, InteropError, ours_to_opencood
+from opencood.interop.importer import our_state_shapes
 from opencood.interop.opencood_config import DATASETS, OPENCOOD_ANCHOR_Z
 from opencood.utils.checkpoint import load_checkpoint
 
-# Our fusion module -> (OpenCOOD model, the stage it fuses at, shrink kernel, head channels)
-INTERMEDIATE = {"attfuse": ("point_pillar_intermediate", "multiscale", None, 384),
-                "fcooper": ("point_pillar_fcooper", "backbone", 1, 256),
-                "v2vnet": ("point_pillar_v2vnet", "backbone", 3, 256)}
+# Our fusion module -> (OpenCOOD model, the stage it fuses at, whether it shrinks to 256
+# channels before its heads: they are on 384 channels otherwise)
+INTERMEDIATE = {"attfuse": ("point_pillar_intermediate", "multiscale", False),
+                "fcooper": ("point_pillar_fcooper", "backbone", True),
+                "v2vnet": ("point_pillar_v2vnet", "backbone", True)}
 SINGLE_AGENT_HEAD = 384            # OpenCOOD's PointPillar: cls/reg heads on 128 * 3 channels
+SHRUNK_HEAD = 256                  # its F-Cooper and V2VNet: heads on 128 * 2 channels
 PILLAR_FEATURES = 64               # its backbones are built on 64 scattered channels
 # Our strategy -> OpenCOOD's dataset; no fusion runs the single-agent network, as late fusion
 # does for every agent (OpenCOOD 0.1.19 has no separate no-fusion dataset).
@@ -85,7 +87,7 @@ def opencood_model(ours: _Ours) -> Tuple[str, Optional[dict]]:
     if name not in INTERMEDIATE:
         raise InteropError(f"{ours.source}: model.args.fusion.core_method {name!r} has no "
                            f"OpenCOOD 0.1.19 counterpart (exported: {', '.join(INTERMEDIATE)})")
-    core_method, stage, _, _ = INTERMEDIATE[name]
+    core_method, stage, _ = INTERMEDIATE[name]
     ours.require("model.args.fusion.stage", stage, f"where its {core_method} fuses")
     return core_method, fusion
 
@@ -105,7 +107,7 @@ def check_reference_options(ours: _Ours, core_method: str) -> None:
 
 
 def check_head_width(ours: _Ours, core_method: str, fusion: Optional[dict]) -> None:
-    if fusion is None or INTERMEDIATE[fusion["core_method"]][3] == SINGLE_AGENT_HEAD:
+    if fusion is None or not INTERMEDIATE[fusion["core_method"]][2]:
         upsample = ours.get("model.args.base_bev_backbone.num_upsample_filter")
         if sum(upsample) != SINGLE_AGENT_HEAD or ours.get("model.args.shrink_header"):
             raise InteropError(f"{ours.source}: model.args.base_bev_backbone."
@@ -113,13 +115,9 @@ def check_head_width(ours: _Ours, core_method: str, fusion: Optional[dict]) -> N
                                f"OpenCOOD's {core_method} has its heads on 384 channels")
         return
     shrink = ours.get("model.args.shrink_header")
-    if not shrink or shrink["dim"] != 256:
+    if not shrink or shrink["dim"] != SHRUNK_HEAD:
         raise InteropError(f"{ours.source}: model.args.shrink_header {shrink!r}: OpenCOOD's "
-                           f"{core_method} shrinks to 256 channels before its heads")
-    if INTERMEDIATE[fusion["core_method"]][2] == 1 and shrink["stride"] != 1:
-        raise InteropError(f"{ours.source}: model.args.shrink_header.stride "
-                           f"{shrink['stride']}: OpenCOOD's {core_method} shrinks with a 1x1 "
-                           "conv at stride 1")
+                           f"{core_method} shrinks to {SHRUNK_HEAD} channels before its heads")
 
 
 def peer_config(cfg: dict, source: str) -> Tuple[str, dict]:
@@ -205,9 +203,9 @@ def peer_model_args(cfg: dict, lidar_range: list, fusion: Optional[dict]) -> dic
            "base_bev_backbone": {**backbone, "compression": 0}}
     if fusion is None:
         return out
-    _, _, kernel, _ = INTERMEDIATE[fusion["core_method"]]
-    if kernel is not None:
-        shrink = args["shrink_header"]
+    shrink = args.get("shrink_header")
+    if shrink:
+        kernel = int(shrink["kernel_size"])
         out["shrink_header"] = {"kernal_size": [kernel], "stride": [int(shrink["stride"])],
                                 "padding": [kernel // 2], "dim": [int(shrink["dim"])],
                                 "input_dim": sum(backbone["num_upsample_filter"])}
@@ -244,20 +242,20 @@ def peer_lr_scheduler(schedule: dict) -> dict:
     return {"core_method": "multistep", "gamma": 0.1, "step_size": []}
 
 
-def peer_shapes(our_state: dict, core_method: str, shrink_kernel: Optional[int]) -> dict:
-    """OpenCOOD's state-dict shapes for the tensors our rules place (the rest is reported by
-    the strict translation): our shapes, except where a rule changes the layout."""
+def peer_shapes(our_shapes: dict, core_method: str) -> dict:
+    """OpenCOOD's state-dict shapes, from those of our model built from the config (not from
+    the checkpoint, so a tensor missing there is reported): every tensor our rules place, in
+    our shape except where a rule changes the layout (the shrink kernel keeps its size: the
+    exported yaml states it). A tensor no rule places is reported by the strict translation."""
     shapes = {}
-    for key, tensor in our_state.items():
+    for key, our_shape in our_shapes.items():
         for rule in RULES[core_method]:
             peer_key = rule.ours_to_peer(key)
             if peer_key is None:
                 continue
-            shape = tuple(tensor.shape)
+            shape = tuple(our_shape)
             if rule.transform is LINEAR_AS_CONV:
                 shape = shape[:2]
-            elif rule.transform is KERNEL_CENTRE and shrink_kernel == 1 and len(shape) == 4:
-                shape = (*shape[:2], 1, 1)
             shapes[peer_key] = shape
             break
     return shapes
@@ -275,10 +273,8 @@ def translate_our_run(run_dir, checkpoint: Optional[str] = None) -> Tuple[dict, 
     saved = load_checkpoint(path)
     if "model" not in saved:
         raise InteropError(f"{path}: not a training checkpoint (no 'model' entry)")
-    fusion = cfg["model"]["args"].get("fusion") or {}
-    kernel = INTERMEDIATE.get(fusion.get("core_method"), (None, None, None))[2]
-    state = ours_to_opencood(saved["model"], core_method,
-                             peer_shapes(saved["model"], core_method, kernel), source=str(path))
+    shapes = peer_shapes(our_state_shapes(cfg["model"]), core_method)
+    state = ours_to_opencood(saved["model"], core_method, shapes, source=str(path))
     return hypes, state, max(int(saved.get("epoch", 0)), 0)
 
 

@@ -26,9 +26,10 @@ fusion_net.mlp.{weight,bias} (Linear C x C)       fusion.output.* (1x1 conv)    
 2. Same channel layout: channel ``a * 7 + k`` is box code k of anchor a (anchors (H, W, A)).
    OpenCOOD has no direction head: the translated config builds ours without one
    (``model.args.use_dir: false``), so there is nothing to fill or drop.
-3. F-Cooper's shrink starts with a 1x1 conv (stride 1, padding 0); ours is a 3x3 conv with
-   padding 1: the 1x1 kernel goes to the centre tap of zeros, which computes exactly the same
-   map. Export takes the centre back and refuses a kernel whose other taps are not zero.
+3. F-Cooper's shrink starts with a 1x1 conv (stride 1, padding 0): the translated config
+   builds ours with one too (``shrink_header.kernel_size: 1``), copied as it is. Into a 3x3
+   conv with padding 1 the 1x1 kernel would go to the centre tap of zeros (exactly the same
+   map); the other way the centre comes back, refused when the other taps are not zero.
 4. OpenCOOD's message CNN reads [sender warped, receiver]; ours [receiver, sender]: the two
    halves of the input channels trade places (its own inverse).
 

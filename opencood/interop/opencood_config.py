@@ -291,17 +291,16 @@ def _model_args(peer: _Peer, core_method: str, fusion_module: Optional[str]) -> 
 
 
 def _shrink_header(peer: _Peer, key: str) -> dict:
-    """OpenCOOD's DownsampleConv (one DoubleConv) -> our ShrinkHeader (3x3, padding 1)."""
+    """OpenCOOD's DownsampleConv (one DoubleConv) -> our ShrinkHeader (first conv 3x3 with
+    padding 1, or 1x1 without)."""
     kernel = int(peer.one_of_list(f"{key}.kernal_size"))     # OpenCOOD's spelling
     stride = int(peer.one_of_list(f"{key}.stride"))
     padding = int(peer.one_of_list(f"{key}.padding"))
     dim = int(peer.one_of_list(f"{key}.dim"))
-    # A 1x1 kernel at stride 1 is our 3x3 kernel with zeros around the centre (opencood_ckpt).
-    if (kernel, padding) != (3, 1) and (kernel, padding, stride) != (1, 0, 1):
-        raise peer.error(key, f"kernel {kernel}, padding {padding}, stride {stride}: our shrink "
-                              "header is a 3x3 conv with padding 1 (or holds a 1x1 conv at "
-                              "stride 1)")
-    return {"dim": dim, "stride": stride}
+    if (kernel, padding) not in ((3, 1), (1, 0)):
+        raise peer.error(key, f"kernel {kernel}, padding {padding}: our shrink header's first "
+                              "conv is 3x3 with padding 1 or 1x1 without")
+    return {"dim": dim, "stride": stride, "kernel_size": kernel}
 
 
 def _v2vnet_args(peer: _Peer, key: str) -> dict:

@@ -41,6 +41,8 @@ class ShrinkHeaderArgs:
 
     dim: int = spec(check=positive)
     stride: int = spec(2, check=positive)
+    # of the first conv (padding kernel_size // 2); OpenCOOD's F-Cooper shrinks with a 1x1
+    kernel_size: Literal[1, 3] = 3
 
 
 @section
@@ -174,8 +176,8 @@ class PointPillar(nn.Module):
 
 
 class ShrinkHeader(nn.Module):
-    """OpenCOOD's ``shrink_header`` (V2VNet, V2X-ViT, CoBEVT): two 3x3 convs with ReLU, the
-    first strided, narrowing the backbone output before fusion so attention over agents and
+    """OpenCOOD's ``shrink_header`` (V2VNet, V2X-ViT, CoBEVT): two 3x3 convs (the first 1x1
+    with ``kernel_size: 1``, as in its F-Cooper) with ReLU, the first strided, narrowing the backbone output before fusion so attention over agents and
     windows stays affordable: (N, C_in, H, W) -> (N, dim, ceil(H / stride), ceil(W / stride)).
     With stride 2 the head runs at feature stride 4 (``anchor_args.feature_stride: 4``)."""
 
@@ -183,7 +185,8 @@ class ShrinkHeader(nn.Module):
         super().__init__()
         self.out_channels = args.dim
         self.layers = nn.Sequential(
-            nn.Conv2d(in_channels, args.dim, 3, stride=args.stride, padding=1), nn.ReLU(),
+            nn.Conv2d(in_channels, args.dim, args.kernel_size, stride=args.stride,
+                      padding=args.kernel_size // 2), nn.ReLU(),
             nn.Conv2d(args.dim, args.dim, 3, padding=1), nn.ReLU())
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
