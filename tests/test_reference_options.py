@@ -6,10 +6,16 @@ BatchNorm, static shapes, decoding, the loss), with a check that fails when it i
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
+import yaml
 
+from opencood.config import load_config, resolve
+from opencood.interop.exporter import peer_config
+from opencood.interop.opencood_config import translate_config
 from opencood.losses import DetectionLoss
 from opencood.models.heads import AnchorHead
 from opencood.models.pillar_vfe import PillarVFE, PillarVFEArgs
@@ -141,3 +147,32 @@ def test_head_without_direction():
     torch.testing.assert_close(total, terms["cls_loss"] + terms["reg_loss"])
     per_sample = DetectionLoss().per_sample_losses(outputs, targets)
     torch.testing.assert_close(per_sample.float(), total.reshape(1))
+
+
+REFERENCE_CONFIGS = sorted((Path(__file__).resolve().parents[1] / "hypes_yaml" / "opv2v" /
+                            "reference").glob("point_pillar_*.yaml"))
+
+
+def test_reference_configs_cover_opencoods_models():
+    assert [p.stem for p in REFERENCE_CONFIGS] == [
+        "point_pillar_attfuse", "point_pillar_early_fusion", "point_pillar_fcooper",
+        "point_pillar_late_fusion", "point_pillar_no_fusion", "point_pillar_v2vnet"]
+
+
+@pytest.mark.parametrize("path", REFERENCE_CONFIGS, ids=lambda p: p.stem)
+def test_reference_config_exports_and_imports_back(path):
+    """Every reference config has the reference options on, exports to OpenCOOD's hypes, and
+    that yaml imports back to the same model and anchors (the full-size models load there
+    strictly: tools/reference/make_model_parity_fixtures.py export-check)."""
+    cfg = load_config(path)
+    args = cfg["model"]["args"]
+    assert args["pillar_vfe"]["padded_slots"] == "reference" and args["use_dir"] is False
+    assert cfg["postprocess"]["anchor_args"]["placement"] == "reference"
+    _, hypes = peer_config(cfg, str(path))
+    back = resolve(translate_config(yaml.safe_load(yaml.safe_dump(hypes)), "exported"),
+                   "exported")
+    assert back["model"] == cfg["model"]
+    assert back["postprocess"]["anchor_args"] == cfg["postprocess"]["anchor_args"]
+    assert back["preprocess"] == cfg["preprocess"]
+    assert back["fusion"]["core_method"] == ("late" if cfg["fusion"]["core_method"] == "no"
+                                             else cfg["fusion"]["core_method"])
