@@ -41,7 +41,6 @@ import torch
 from opencood.config import resolve
 from opencood.engine import evaluator
 from opencood.errors import OpencoodError
-from opencood.interop import opencood_ckpt
 from opencood.interop.exporter import export_opencood_run
 from opencood.interop.importer import import_opencood_run, translate_run
 from opencood.interop.opencood_ckpt import (InteropError, opencood_to_ours, ours_to_opencood,
@@ -479,3 +478,26 @@ def test_export_is_strict_about_tensors(tmp_path):
     with pytest.raises(InteropError, match="left unfilled: cls_head.bias"):
         export_opencood_run(ours, tmp_path / "exported")
     assert not (tmp_path / "exported").exists()
+
+
+def test_eval_saves_detections(tmp_path, test_split):
+    """``tools/eval.py --save_detections``: RUN/detections_<split>_<fusion>.npz in the layout of
+    opencood/eval/detections.py; nothing without the flag."""
+    import numpy as np
+    name = "point_pillar_intermediate"
+    run = import_opencood_run(write_opencood_run(tmp_path / "peer", name, epochs=(1,)),
+                              tmp_path / "run")
+    argv = ["--model_dir", str(run), "--set", f"test_dir={test_split}", "--num_workers", "0",
+            "--batch_size", "2"]
+    evaluator.main(argv)
+    assert not list(run.glob("detections_*"))
+    evaluator.main(argv + ["--save_detections"])
+    (path,) = run.glob("detections_*")
+    assert path.name == "detections_test_intermediate.npz"
+    with np.load(path, allow_pickle=False) as saved:
+        boxes, scores, offsets = saved["boxes"], saved["scores"], saved["frame_offsets"]
+        keys, order = saved["sample_keys"], str(saved["box_order"])
+    assert order == "hwl" and boxes.dtype == np.float32 and boxes.shape == (len(scores), 7)
+    assert offsets.tolist()[0] == 0 and offsets[-1] == len(scores) and len(offsets) == 3
+    assert keys.shape[0] == 2 and [tuple(k) for k in keys] == sorted(tuple(k) for k in keys)
+    assert len(scores) > 0 and (scores > 0.2).all()          # above the score threshold
