@@ -48,6 +48,7 @@ from opencood.interop.opencood_ckpt import (InteropError, opencood_to_ours, ours
 from opencood.interop.opencood_config import read_opencood_yaml, translate_config
 from opencood.models.build import build_model
 from opv2v_factory import write_simple_split
+from process_state import preserved_opencood_logger
 from parity_weights import generated_tensor, materialize
 from tool_modules import load_tool
 
@@ -501,3 +502,28 @@ def test_eval_saves_detections(tmp_path, test_split):
     assert offsets.tolist()[0] == 0 and offsets[-1] == len(scores) and len(offsets) == 3
     assert keys.shape[0] == 2 and [tuple(k) for k in keys] == sorted(tuple(k) for k in keys)
     assert len(scores) > 0 and (scores > 0.2).all()          # above the score threshold
+
+
+@pytest.mark.slow
+def test_reference_model_trained_here_exports(tmp_path, test_split):
+    """A reference-option model (no direction head, padded slots, reference anchors) trains
+    here with tools/train.py and exports: the exported tensors are the trained ones."""
+    ours = import_opencood_run(write_opencood_run(tmp_path / "peer", "point_pillar_intermediate",
+                                                  epochs=(1,)), tmp_path / "ours")
+    trained = tmp_path / "trained"
+    with pytest.MonkeyPatch.context() as patch, preserved_opencood_logger():
+        patch.setattr(torch.cuda, "is_available", lambda: False)
+        load_tool("train").main([
+            "--hypes_yaml", str(ours / "config.yaml"), "--model_dir", str(trained),
+            "--set", f"root_dir={test_split}", "--set", "validate_dir=null",
+            "--set", f"test_dir={test_split}", "--set", "train_params.max_steps=2",
+            "--set", "train_params.batch_size=2", "--set", "train_params.num_workers=0"])
+    state = torch.load(trained / "last.pth", weights_only=True)["model"]
+    imported = torch.load(ours / "last.pth", weights_only=True)["model"]
+    assert not torch.equal(state["head.cls_conv.weight"], imported["head.cls_conv.weight"])
+    exported = export_opencood_run(trained, tmp_path / "exported")
+    epoch = torch.load(trained / "last.pth", weights_only=True)["epoch"]
+    peer = torch.load(exported / f"net_epoch{epoch}.pth", weights_only=True)
+    assert torch.equal(peer["cls_head.weight"], state["head.cls_conv.weight"])
+    assert torch.equal(peer["pillar_vfe.pfn_layers.0.norm.running_mean"],
+                       state["vfe.layers.0.norm.running_mean"])
