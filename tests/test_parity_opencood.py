@@ -25,9 +25,10 @@ missing):
   statistics drawn at random make relu(BN(0)) large; trained weights gave ~2e-3).
 * V2VNet ``round_update: reference``: OpenCOOD feeds [current state, mean message] as the GRU
   input with a zero hidden state (a fresh ConvGRU per call). 0.61 / 0.88.
-* ``use_dir: false`` and ``anchor_args.placement: reference`` change no head map (they decide
-  the decoding, checked in ``test_reference_anchor_placement`` and
-  ``test_head_without_direction``).
+* ``use_dir: false`` and ``anchor_args.placement: reference`` change no head map; they decide
+  the decoding: ``test_decoding_matches_opencood`` compares our decoded boxes of the fixture's
+  head maps with OpenCOOD's own anchors and ``delta_to_boxes3d`` (``<model>.decoded.pt``, made
+  by the script's ``decoded`` step); see also ``tests/test_reference_options.py``.
 """
 from __future__ import annotations
 
@@ -527,3 +528,42 @@ def test_reference_model_trained_here_exports(tmp_path, test_split):
     assert torch.equal(peer["cls_head.weight"], state["head.cls_conv.weight"])
     assert torch.equal(peer["pillar_vfe.pfn_layers.0.norm.running_mean"],
                        state["vfe.layers.0.norm.running_mean"])
+
+
+# ----------------------------------------------------------------------------------------------
+# decoding: anchors and box decoding against OpenCOOD's VoxelPostprocessor
+# ----------------------------------------------------------------------------------------------
+
+def decode_all_anchors(cfg: dict, fixture: dict) -> list:
+    """Our postprocessor's decode of the fixture's head outputs, every anchor kept (a score
+    threshold below any sigmoid), per sample (boxes (H*W*A, 7), scores)."""
+    from opencood.postprocess.voxel_postprocessor import VoxelPostprocessor
+    post = VoxelPostprocessor.from_config(cfg, torch.device("cpu"))
+    post.score_threshold = -1.0
+    outputs = {"cls_preds": fixture["outputs"]["psm"], "reg_preds": fixture["outputs"]["rm"]}
+    return post.decode(outputs)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_decoding_matches_opencood(name):
+    """The imported config's anchors (placement: reference) and decoding (no direction head)
+    give OpenCOOD's boxes for the fixture's head maps (``<model>.decoded.pt``, made by its
+    generate_anchor_box and delta_to_boxes3d), at its best-scored anchors."""
+    fixture = load_fixture(name)
+    reference = torch.load(FIXTURES / f"{name}.decoded.pt", weights_only=True)
+    decoded = decode_all_anchors(translated_config(name), fixture)
+    for (boxes, scores), theirs in zip(decoded, reference["per_sample"], strict=True):
+        index = theirs["index"]
+        torch.testing.assert_close(scores[index], theirs["scores"], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(boxes[index], theirs["boxes"], rtol=1e-5, atol=1e-5)
+
+
+def test_decoding_needs_the_reference_anchor_placement():
+    """At stride 4 (V2VNet) our cell-centre anchors put the boxes elsewhere."""
+    name = "point_pillar_v2vnet"
+    cfg = translated_config(name)
+    cfg["postprocess"]["anchor_args"]["placement"] = "cell_centre"
+    reference = torch.load(FIXTURES / f"{name}.decoded.pt", weights_only=True)
+    (boxes, _), *_ = decode_all_anchors(cfg, load_fixture(name))
+    theirs = reference["per_sample"][0]
+    assert (boxes[theirs["index"], :2] - theirs["boxes"][:, :2]).abs().max() > 0.1
