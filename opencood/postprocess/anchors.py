@@ -41,9 +41,9 @@ def generate_anchors(lidar_range: Sequence[float], voxel_size: Sequence[float],
     stride 4 (up to 0.4 m off), which is where weights trained there put their boxes.
     """
     if placement == "reference":
-        x, y = reference_anchor_centres(lidar_range, voxel_size, feature_stride)
+        x, y = reference_positions(lidar_range, voxel_size, feature_stride)
     elif placement == "cell_centre":
-        x, y = cell_centre_anchors(lidar_range, voxel_size, feature_stride)
+        x, y = cell_centre_positions(lidar_range, voxel_size, feature_stride)
     else:
         raise ValueError(f"anchor placement must be 'cell_centre' or 'reference', got "
                          f"{placement!r}")
@@ -62,8 +62,8 @@ def generate_anchors(lidar_range: Sequence[float], voxel_size: Sequence[float],
     return anchors.to(device=device, dtype=dtype)
 
 
-def cell_centre_anchors(lidar_range: Sequence[float], voxel_size: Sequence[float],
-                        feature_stride: int):
+def cell_centre_positions(lidar_range: Sequence[float], voxel_size: Sequence[float],
+                          feature_stride: int):
     """(x (W,), y (H,)) float64: the centres of the feature cells."""
     nx, ny, _ = grid_size(lidar_range, voxel_size)
     height, width = ny // feature_stride, nx // feature_stride
@@ -75,8 +75,8 @@ def cell_centre_anchors(lidar_range: Sequence[float], voxel_size: Sequence[float
     return x, y
 
 
-def reference_anchor_centres(lidar_range: Sequence[float], voxel_size: Sequence[float],
-                             feature_stride: int):
+def reference_positions(lidar_range: Sequence[float], voxel_size: Sequence[float],
+                        feature_stride: int):
     """(x (W,), y (H,)) float64 as OpenCOOD places them (numpy's linspace, its grid size by
     truncation: ``load_point_pillar_params``)."""
     def axis(low: float, high: float, voxel: float) -> torch.Tensor:
