@@ -7,32 +7,14 @@ import torch
 
 from opencood.ops import pose_graph as pg
 from opencood.ops.pose_graph import BoxAlignArgs, align_poses, to_local
+from opencood.testing.pose_graph_scene import make_pose_graph_scene
 
 F64 = torch.float64
 
 
 def make_scene(num_agents=4, num_objects=12, pose_noise=0.5, box_noise=0.0, seed=0):
-    """Objects on a 6 m grid (never within 1.5 m of each other), every agent sees every object.
-
-    -> true poses (A, 3), noisy poses (A, 3) (the ego exact; x, y and yaw (deg) off by up to
-    ``pose_noise``, uniform, so that every box stays within 1.5 m of its object's other boxes),
-    boxes: per agent (K, 3) in its frame.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    true = torch.zeros(num_agents, 3, dtype=F64)
-    true[1:, :2] = torch.rand(num_agents - 1, 2, generator=gen, dtype=F64) * 30 - 15
-    true[1:, 2] = torch.rand(num_agents - 1, generator=gen, dtype=F64) * 6 - 3
-    cells = torch.randperm(64, generator=gen)[:num_objects]
-    objects = torch.stack([(cells % 8).to(F64) * 6 - 24, (cells // 8).to(F64) * 6 - 24,
-                           torch.rand(num_objects, generator=gen, dtype=F64) * 6 - 3], dim=1)
-    boxes = [to_local(objects, true[a].expand(num_objects, 3))
-             + box_noise * torch.randn(num_objects, 3, generator=gen, dtype=F64)
-             for a in range(num_agents)]
-    noisy = true.clone()
-    offsets = torch.rand(num_agents - 1, 3, generator=gen, dtype=F64) * 2 - 1
-    noisy[1:] += offsets * torch.tensor([pose_noise, pose_noise, math.radians(pose_noise)],
-                                        dtype=F64)
-    return true, noisy, boxes
+    """Objects on a 6 m grid, every agent sees all: opencood/testing/pose_graph_scene.py."""
+    return make_pose_graph_scene(num_agents, num_objects, pose_noise, box_noise, seed)
 
 
 def test_exact_boxes_recover_the_true_poses():
