@@ -177,3 +177,10 @@ def test_a_lone_agent_is_left_alone():
     _, noisy, boxes = make_scene(num_agents=2, num_objects=6)
     result = align_poses(boxes, None, noisy, [1, 1])
     assert result.status == [pg.SINGLE_AGENT] * 2 and torch.equal(result.poses, noisy)
+
+
+def test_an_exact_fit_stops_early():
+    # Exact boxes: chi2 falls to round-off within a few steps; the solver stops there instead
+    # of running to the 1000-iteration cap.
+    _, noisy, boxes = make_scene(pose_noise=0.5)
+    assert 0 < align_poses(boxes, None, noisy, [len(noisy)]).iterations[0] < 30

@@ -19,7 +19,8 @@ Deliberate differences, each because the authors' behaviour is an accident of th
   wrapped around the seed's yaw (the authors' raw ``np.var`` flags a car heading at +-pi);
 * g2o stops only when a step leaves chi2 exactly unchanged or fails 10 times in a row, which at
   float64 round-off can spin to the iteration cap without moving the estimate; we also stop when
-  an accepted step lowers chi2 by less than ``relative_tolerance`` (0: g2o's rules only).
+  an accepted step lowers chi2 by less than ``relative_tolerance`` of it, or leaves it under
+  that fraction of its start (an exact fit) (0: g2o's rules only).
 
 Conventions: a pose or box is ``(x, y, yaw)`` in metres and radians; tensors are solved in
 float64 on the CPU (tens of vertices, hundreds of sequential tiny steps: launch latency would
@@ -412,7 +413,8 @@ def levenberg_marquardt(graph: GraphBatch, max_iterations: int = 1000,
     the gain ratio rho > 0 (lambda *= clamp(1 - (2 rho - 1)^3, 1/3, 2/3), nu = 2) or reject
     (lambda *= nu, nu *= 2). A sample stops after ``max_iterations`` accepted steps,
     ``_MAX_TRIALS`` failed trials in a row, a step that leaves chi2 unchanged (rho == 0), or an
-    accepted step that lowers chi2 by no more than ``relative_tolerance`` of it.
+    accepted step that lowers chi2 by no more than ``relative_tolerance`` of it or leaves it
+    below ``relative_tolerance`` of its start (an exact fit).
     """
     agents, landmarks = graph.agents.clone(), graph.landmarks.clone()
     batch = agents.shape[0]
@@ -436,7 +438,10 @@ def levenberg_marquardt(graph: GraphBatch, max_iterations: int = 1000,
         reject = active & ~accept
         trials = trials + active.long()
 
-        small_gain = accept & (current - new <= relative_tolerance * current)
+        # Converged: the gain is round-off, or the fit is exact (chi2 ~ 0 would otherwise keep
+        # halving at float64's bottom until the iteration cap).
+        small_gain = accept & ((current - new <= relative_tolerance * current)
+                               | (new <= relative_tolerance * start))
         alpha = (1 - (2 * rho - 1) ** 3).clamp(_GOOD_STEP_LOWER, _GOOD_STEP_UPPER)
         damping = torch.where(accept, damping * alpha, torch.where(reject, damping * nu, damping))
         nu = torch.where(accept, torch.full_like(nu, 2.0), torch.where(reject, nu * 2, nu))
