@@ -506,3 +506,39 @@ def align_poses(boxes: Sequence[torch.Tensor], log_vars: Optional[Sequence[torch
             iterations[i] = int(result.iterations[row])
     return AlignResult(corrected, [g.status for g in graphs],
                        [g.num_landmarks for g in graphs], iterations)
+
+
+# -- between the detector's poses and the solver's ----------------------------------------------
+
+def planar_poses(lidar_poses: torch.Tensor) -> torch.Tensor:
+    """(N, 6) CARLA poses ``[x, y, z, roll, yaw, pitch]`` (m, deg) -> (N, 3) (x, y, yaw rad)."""
+    return torch.stack([lidar_poses[:, 0], lidar_poses[:, 1],
+                        torch.deg2rad(lidar_poses[:, 4])], dim=1)
+
+
+def with_planar(lidar_poses: torch.Tensor, planar: torch.Tensor) -> torch.Tensor:
+    """(N, 6) CARLA poses with x, y and yaw replaced by (N, 3) corrected (x, y, yaw rad); z, roll
+    and pitch are kept (the pose graph is planar, as the authors')."""
+    corrected = lidar_poses.clone()
+    corrected[:, 0], corrected[:, 1] = planar[:, 0].to(corrected), planar[:, 1].to(corrected)
+    corrected[:, 4] = torch.rad2deg(planar[:, 2]).to(corrected)
+    return corrected
+
+
+def planar_pairwise(planar: torch.Tensor, record_len: Sequence[int],
+                    max_agents: int) -> torch.Tensor:
+    """(N, 3) world (x, y, yaw rad), agents per sample -> (B, L, L, 4, 4) entry [b, i, j] the
+    transform taking agent j's frame into agent i's (inv(T_i) @ T_j; identity on padding), the
+    ``pairwise`` a warping fusion (V2VNet's ``forward``) takes."""
+    cos, sin = torch.cos(planar[:, 2]), torch.sin(planar[:, 2])
+    frames = torch.eye(4, dtype=planar.dtype, device=planar.device).repeat(len(planar), 1, 1)
+    frames[:, 0, 0], frames[:, 0, 1], frames[:, 1, 0], frames[:, 1, 1] = cos, -sin, sin, cos
+    frames[:, 0, 3], frames[:, 1, 3] = planar[:, 0], planar[:, 1]
+    out = torch.eye(4, dtype=planar.dtype, device=planar.device).repeat(
+        len(record_len), max_agents, max_agents, 1, 1)
+    start = 0
+    for b, count in enumerate(int(n) for n in record_len):
+        sample = frames[start:start + count]
+        out[b, :count, :count] = torch.linalg.inv(sample)[:, None] @ sample[None, :]
+        start += count
+    return out
