@@ -53,3 +53,20 @@ def test_pairwise_from_planar_poses_matches_the_carla_transforms():
     np.testing.assert_allclose(pairwise[0, 1, 1].numpy(), np.eye(4), atol=1e-12)
     np.testing.assert_allclose(pairwise[1, 0, 1].numpy(), np.eye(4))       # padding
     torch.testing.assert_close(with_planar(lidar, planar), lidar)
+
+
+def test_correction_cuts_the_median_relative_pose_error():
+    # The target at the library level: 0.6 m / 0.6 deg pose noise, boxes 10 cm / 0.6 deg
+    # off, 8 samples of 4 agents: the pose graph cuts the median error by more than half.
+    from opencood.ops.pose_graph import align_poses
+    from opencood.testing.pose_graph_scene import make_pose_graph_scene
+    scenes = [make_pose_graph_scene(4, 20, pose_noise=0.6, box_noise=0.1, seed=s, spacing=8.0)
+              for s in range(8)]
+    true = torch.cat([t for t, _, _ in scenes])
+    noisy = torch.cat([n for _, n, _ in scenes])
+    boxes = [b for _, _, scene_boxes in scenes for b in scene_boxes]
+    corrected = align_poses(boxes, None, noisy, [4] * 8).poses
+    before = summarise_pose_errors(*relative_pose_errors(noisy, true, [4] * 8))
+    after = summarise_pose_errors(*relative_pose_errors(corrected, true, [4] * 8))
+    assert after["median_translation_m"] < 0.5 * before["median_translation_m"]
+    assert after["median_yaw_deg"] < 0.5 * before["median_yaw_deg"]

@@ -184,3 +184,14 @@ def test_an_exact_fit_stops_early():
     # of running to the 1000-iteration cap.
     _, noisy, boxes = make_scene(pose_noise=0.5)
     assert 0 < align_poses(boxes, None, noisy, [len(noisy)]).iterations[0] < 30
+
+
+def test_agents_without_boxes_and_float32_inputs():
+    true, noisy, boxes = make_scene(num_agents=3, num_objects=8, pose_noise=0.4)
+    boxes = [b.float() for b in boxes[:2]] + [torch.zeros(0, 3)]
+    result = align_poses(boxes, None, noisy.float(), [3])
+    assert result.status == [pg.SOLVED] and result.poses.dtype == torch.float32
+    torch.testing.assert_close(result.poses[:2], true[:2].float(), atol=1e-4, rtol=0)
+    assert torch.equal(result.poses[2], noisy[2].float())        # seen by no one: unchanged
+    nothing = align_poses([torch.zeros(0, 3)] * 2, None, noisy[:2], [2])
+    assert nothing.status == [pg.FEW_LANDMARKS] and nothing.num_landmarks == [0]
