@@ -1,0 +1,64 @@
+"""CoAlign's uncertainty loss (opencood/losses/uncertainty.py) against the authors' formulas by
+hand, its minimum at the true variance, and the von Mises term's stability."""
+import math
+
+import pytest
+import torch
+
+from opencood.losses.uncertainty import (UncertaintyLossArgs, uncertainty_loss,
+                                         uncertainty_loss_map, von_mises_nll)
+
+
+def codes(x, y, yaw):
+    box = torch.zeros(7)
+    box[0], box[1], box[6] = x, y, yaw
+    return box
+
+
+def test_terms_by_hand():
+    pred, target = codes(0.3, -0.1, 0.2), codes(0.0, 0.0, 0.0)
+    log_var = torch.tensor([0.5, -1.0, 0.0])
+    loss = uncertainty_loss_map(pred, target, log_var, UncertaintyLossArgs())
+    x = 0.5 * (math.exp(-0.5) * 0.09 + 0.5)
+    y = 0.5 * (math.exp(1.0) * 0.01 - 1.0)
+    # k = 1: log I0(1) - |cos 0.2| + 0.001 * elu(0 - 1)
+    yaw = math.log(1.2660658777520082) - math.cos(0.2) + 0.001 * (math.exp(-1) - 1)
+    torch.testing.assert_close(loss, torch.tensor([x, y, 0.5 * yaw]))
+    plain = UncertaintyLossArgs(xy_loss_type="l1", angle_loss_type="l2")
+    l1 = uncertainty_loss_map(pred, target, log_var, plain)
+    torch.testing.assert_close(l1, torch.tensor([0.5 * math.exp(-0.5) * 0.3 + 0.5,
+                                                 0.5 * math.exp(1.0) * 0.1 - 1.0,
+                                                 0.5 * 0.5 * 0.04]))
+
+
+def test_gaussian_term_is_least_at_the_true_variance():
+    # The expected loss over residuals of variance 0.04 is least at s = log(0.04).
+    diff = torch.randn(20000, generator=torch.Generator().manual_seed(0)) * 0.2
+    grid = torch.linspace(-4.5, -2, 51)
+    expected = [uncertainty_loss_map(codes(0, 0, 0).expand(len(diff), 7).clone()
+                                     + torch.nn.functional.pad(diff[:, None], (0, 6)),
+                                     torch.zeros(len(diff), 7),
+                                     torch.full((len(diff), 2), float(s)),
+                                     UncertaintyLossArgs(dim=2))[:, 0].mean() for s in grid]
+    best = grid[int(torch.stack(expected).argmin())]
+    assert best.item() == pytest.approx(math.log(0.04), abs=0.05)
+
+
+def test_flipped_yaw_costs_nothing_more_with_limit_period_and_no_overflow():
+    s = torch.tensor([-1.0])
+    same = von_mises_nll(torch.tensor([0.1]), s, 0.001, 1.0, True)
+    flipped = von_mises_nll(torch.tensor([0.1 + math.pi]), s, 0.001, 1.0, True)
+    torch.testing.assert_close(same, flipped)
+    assert torch.isfinite(von_mises_nll(torch.tensor([0.0]), torch.tensor([-10.0]),
+                                        0.001, 1.0, True)).all()
+
+
+def test_weights_select_positives_and_nan_targets_cost_only_the_variance():
+    preds = torch.stack([codes(1.0, 1.0, 0.0), codes(5.0, 5.0, 0.0)])[None]
+    targets = torch.stack([codes(0.0, 0.0, 0.0), codes(float("nan"), 0.0, 0.0)])[None]
+    log_var = torch.zeros(1, 2, 3)
+    args = UncertaintyLossArgs(dim=2, weight=1.0)
+    only_first = uncertainty_loss(preds, targets, log_var, torch.tensor([[1.0, 0.0]]), 1.0, args)
+    assert only_first.item() == pytest.approx(1.0)            # 0.5 * 1 per coordinate
+    second = uncertainty_loss(preds, targets, log_var, torch.tensor([[0.0, 1.0]]), 1.0, args)
+    assert second.item() == pytest.approx(0.5 * 25)            # x ignored (NaN), y residual 5
