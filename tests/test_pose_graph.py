@@ -195,3 +195,19 @@ def test_agents_without_boxes_and_float32_inputs():
     assert torch.equal(result.poses[2], noisy[2].float())        # seen by no one: unchanged
     nothing = align_poses([torch.zeros(0, 3)] * 2, None, noisy[:2], [2])
     assert nothing.status == [pg.FEW_LANDMARKS] and nothing.num_landmarks == [0]
+
+
+def test_box_align_reads_7dof_boxes_and_carla_poses():
+    true, noisy, boxes = make_scene(num_agents=3, num_objects=8, pose_noise=0.4)
+
+    def carla(planar):   # (A, 3) rad -> (A, 6) [x, y, z, roll, yaw deg, pitch]
+        zeros = torch.zeros(len(planar), dtype=F64)
+        return torch.stack([planar[:, 0], planar[:, 1], zeros + 1.7, zeros,
+                            torch.rad2deg(planar[:, 2]), zeros], dim=1)
+
+    boxes_7dof = [torch.cat([b[:, :2], torch.full((len(b), 1), -1.0, dtype=F64),
+                             torch.tensor([[1.5, 1.8, 4.2]], dtype=F64).expand(len(b), 3),
+                             b[:, 2:]], dim=1) for b in boxes]
+    corrected = pg.box_align_lidar_poses(boxes_7dof, None, carla(noisy).float(), [3])
+    assert corrected.dtype == torch.float32
+    torch.testing.assert_close(corrected, carla(true).float(), atol=1e-4, rtol=0)

@@ -542,3 +542,17 @@ def planar_pairwise(planar: torch.Tensor, record_len: Sequence[int],
         out[b, :count, :count] = torch.linalg.inv(sample)[:, None] @ sample[None, :]
         start += count
     return out
+
+
+def box_align_lidar_poses(boxes_7dof: Sequence[torch.Tensor],
+                          log_vars: Optional[Sequence[torch.Tensor]], lidar_poses: torch.Tensor,
+                          record_len: Sequence[int],
+                          args: BoxAlignArgs = BoxAlignArgs()) -> torch.Tensor:
+    """The authors' ``box_alignment_relative_np`` on our layouts: per agent (N_a, 7) decoded boxes
+    ``[x, y, z, *sizes, yaw]`` in its own frame (either size order: only x, y and yaw are read),
+    their (N_a, 3) log variances or None, (N, 6) CARLA lidar poses (m, deg) -> (N, 6) the poses
+    with x, y and yaw corrected (:func:`align_poses`), ready for pairwise transforms."""
+    planar_boxes = [boxes[:, [0, 1, 6]] for boxes in boxes_7dof]
+    result = align_poses(planar_boxes, log_vars, planar_poses(lidar_poses.double()), record_len,
+                         args)
+    return with_planar(lidar_poses, result.poses)
