@@ -65,6 +65,7 @@ class PillarArgs:
     base_bev_backbone: BackboneArgs
     fusion: Optional[ModelFusion] = None
     shrink_header: Optional[ShrinkHeaderArgs] = None   # intermediate fusion only
+    uncertainty_dim: Literal[0, 2, 3] = 0   # CoAlign's head: log variances of x, y (, yaw)
 
 
 @section
@@ -109,7 +110,8 @@ def build_pillar_parts(args: PillarArgs):
         raise ValueError(f"point_pillar_scatter.num_features ({scatter.num_features}) must equal "
                          f"the last pillar_vfe filter ({vfe.out_channels})")
     backbone = BaseBEVBackbone(args.base_bev_backbone, scatter.num_features)
-    head = AnchorHead(backbone.out_channels, num_anchors=args.anchor_number)
+    head = AnchorHead(backbone.out_channels, num_anchors=args.anchor_number,
+                      uncertainty_dim=args.uncertainty_dim)
     return vfe, scatter, backbone, head
 
 
@@ -221,7 +223,8 @@ class PointPillarIntermediate(nn.Module):
             shrink = ShrinkHeader(args.shrink_header, backbone.out_channels)
             # A second head, on the narrower map (the first one's draws from the RNG are kept:
             # initial weights stay what they were for a seed).
-            head = AnchorHead(shrink.out_channels, num_anchors=args.anchor_number)
+            head = AnchorHead(shrink.out_channels, num_anchors=args.anchor_number,
+                              uncertainty_dim=args.uncertainty_dim)
         fusion = build_fusion(args.fusion, shrink.out_channels if shrink is not None
                               else backbone.out_channels, head.num_anchors)
         self.vfe, self.scatter, self.backbone, self.head = vfe, scatter, backbone, head
