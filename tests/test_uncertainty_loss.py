@@ -100,3 +100,28 @@ def test_the_uncertainty_loss_needs_the_head():
             "dir_preds": torch.zeros(1, 4, 16, 16)}
     with pytest.raises(ValueError, match="uncertainty_dim"):
         DetectionLoss(PointPillarLossArgs(uncertainty=UncertaintyLossArgs()))(maps, make_targets(1))
+
+
+def test_stage1_detections_carry_each_boxs_log_variance():
+    # unc_preds copy the class logits into every channel: a kept box's log variances must then
+    # equal the logit of its own score, whatever NMS and top-k reordered.
+    from pathlib import Path
+    from opencood.config import load_config
+    from opencood.postprocess import build_postprocessor
+    from opencood.postprocess.uncertain_detections import detections_with_uncertainty
+    smoke = Path(__file__).resolve().parents[1] / "hypes_yaml" / "synthetic" / "smoke.yaml"
+    postprocessor = build_postprocessor(load_config(smoke, ["postprocess.pre_nms_max=40"]),
+                                        torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    cls = torch.randn(2, 2, 16, 32, generator=gen) * 2
+    outputs = {"cls_preds": cls, "reg_preds": torch.randn(2, 14, 16, 32, generator=gen) * 0.3,
+               "dir_preds": torch.randn(2, 4, 16, 32, generator=gen),
+               "unc_preds": cls.repeat_interleave(3, dim=1)}
+    plain = [postprocessor.nms(*decoded) for decoded in postprocessor.decode(outputs)]
+    for (boxes, scores, log_var), (ref_boxes, ref_scores) in zip(
+            detections_with_uncertainty(postprocessor, outputs), plain):
+        assert len(boxes) > 5 and log_var.shape == (len(boxes), 3)
+        torch.testing.assert_close(boxes, ref_boxes)
+        torch.testing.assert_close(scores, ref_scores)
+        torch.testing.assert_close(log_var, torch.logit(scores)[:, None].expand(-1, 3),
+                                   atol=1e-4, rtol=1e-4)
