@@ -211,3 +211,20 @@ def test_box_align_reads_7dof_boxes_and_carla_poses():
     corrected = pg.box_align_lidar_poses(boxes_7dof, None, carla(noisy).float(), [3])
     assert corrected.dtype == torch.float32
     torch.testing.assert_close(corrected, carla(true).float(), atol=1e-4, rtol=0)
+
+
+def test_box_align_corrects_transforms_to_ego_and_keeps_height():
+    # The batch only knows agent -> ego transforms: the ego frame is the world, the ego's
+    # transform the identity; a 1.7 m height offset must survive the correction.
+    true, noisy, boxes = make_scene(num_agents=3, num_objects=8, pose_noise=0.4)
+    boxes_7dof = [torch.cat([b[:, :2], torch.zeros(len(b), 4, dtype=F64), b[:, 2:]], dim=1)
+                  for b in boxes]
+
+    def transforms(planar):
+        matrices = pg.planar_matrices(planar)
+        matrices[1:, 2, 3] = 1.7
+        return matrices.float()
+
+    corrected = pg.box_align_transforms_to_ego(transforms(noisy), boxes_7dof, None, [3])
+    assert corrected.dtype == torch.float32
+    torch.testing.assert_close(corrected, transforms(true), atol=1e-4, rtol=0)

@@ -530,10 +530,7 @@ def planar_pairwise(planar: torch.Tensor, record_len: Sequence[int],
     """(N, 3) world (x, y, yaw rad), agents per sample -> (B, L, L, 4, 4) entry [b, i, j] the
     transform taking agent j's frame into agent i's (inv(T_i) @ T_j; identity on padding), the
     ``pairwise`` a warping fusion (V2VNet's ``forward``) takes."""
-    cos, sin = torch.cos(planar[:, 2]), torch.sin(planar[:, 2])
-    frames = torch.eye(4, dtype=planar.dtype, device=planar.device).repeat(len(planar), 1, 1)
-    frames[:, 0, 0], frames[:, 0, 1], frames[:, 1, 0], frames[:, 1, 1] = cos, -sin, sin, cos
-    frames[:, 0, 3], frames[:, 1, 3] = planar[:, 0], planar[:, 1]
+    frames = planar_matrices(planar)
     out = torch.eye(4, dtype=planar.dtype, device=planar.device).repeat(
         len(record_len), max_agents, max_agents, 1, 1)
     start = 0
@@ -556,3 +553,31 @@ def box_align_lidar_poses(boxes_7dof: Sequence[torch.Tensor],
     result = align_poses(planar_boxes, log_vars, planar_poses(lidar_poses.double()), record_len,
                          args)
     return with_planar(lidar_poses, result.poses)
+
+
+def planar_matrices(planar: torch.Tensor) -> torch.Tensor:
+    """(N, 3) (x, y, yaw rad) -> (N, 4, 4) frame -> world transforms (z, roll, pitch zero)."""
+    cos, sin = torch.cos(planar[:, 2]), torch.sin(planar[:, 2])
+    frames = torch.eye(4, dtype=planar.dtype, device=planar.device).repeat(len(planar), 1, 1)
+    frames[:, 0, 0], frames[:, 0, 1], frames[:, 1, 0], frames[:, 1, 1] = cos, -sin, sin, cos
+    frames[:, 0, 3], frames[:, 1, 3] = planar[:, 0], planar[:, 1]
+    return frames
+
+
+def box_align_transforms_to_ego(transforms_to_ego: torch.Tensor,
+                                boxes_7dof: Sequence[torch.Tensor],
+                                log_vars: Optional[Sequence[torch.Tensor]],
+                                record_len: Sequence[int],
+                                args: BoxAlignArgs = BoxAlignArgs()) -> torch.Tensor:
+    """Pose correction where only agent -> ego transforms are known (a batch's
+    ``transforms_to_ego`` (N, 4, 4), noisy for non-ego agents): the ego frame is the pose
+    graph's world (the ego's transform is the identity), the boxes are each agent's own-frame
+    detections (N_a, 7). -> (N, 4, 4) the transforms with their planar part corrected (a
+    correction D = P_new inv(P_old) applied on the ego side keeps z, roll and pitch)."""
+    matrices = transforms_to_ego.double()
+    planar = torch.stack([matrices[:, 0, 3], matrices[:, 1, 3],
+                          torch.atan2(matrices[:, 1, 0], matrices[:, 0, 0])], dim=1)
+    planar_boxes = [boxes[:, [0, 1, 6]] for boxes in boxes_7dof]
+    corrected = align_poses(planar_boxes, log_vars, planar, record_len, args).poses
+    correction = planar_matrices(corrected) @ torch.linalg.inv(planar_matrices(planar))
+    return (correction @ matrices).to(transforms_to_ego)
