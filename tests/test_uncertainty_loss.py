@@ -68,7 +68,7 @@ def test_head_option_and_detection_loss_term_train_together():
     from opencood.config import resolve_section
     from opencood.losses import build_loss
     from opencood.models import build_model
-    from tests.test_models import make_batch, make_targets, model_args
+    from test_models import make_batch, make_targets, model_args
     torch.manual_seed(0)
     model = build_model(resolve_section("model", {
         "core_method": "point_pillar_intermediate",
@@ -94,7 +94,7 @@ def test_head_option_and_detection_loss_term_train_together():
 
 def test_the_uncertainty_loss_needs_the_head():
     from opencood.losses.detection_loss import DetectionLoss, PointPillarLossArgs
-    from tests.test_models import make_targets
+    from test_models import make_targets
     maps = {"cls_preds": torch.zeros(1, 2, 16, 16), "reg_preds": torch.zeros(1, 14, 16, 16),
             "dir_preds": torch.zeros(1, 4, 16, 16)}
     with pytest.raises(ValueError, match="uncertainty_dim"):
