@@ -305,7 +305,7 @@ def test_bench_with_a_data_folder(tmp_path, monkeypatch, capsys):
     assert loader["samples_per_s"] > 0 and loader["num_workers"] == 0
     assert loader["dataset_samples"] == 4 and loader["agents"] == 3
     by_fusion = by_name["dataloader_by_fusion"]["samples_per_s"]
-    assert set(by_fusion) == {"no", "early", "late", "intermediate"}
+    assert set(by_fusion) == {"no", "early", "late", "late_box_align", "intermediate"}
     assert all(rate > 0 for rate in by_fusion.values())
     end_to_end = by_name["train_step_end_to_end"]
     assert end_to_end["agents"] == 3           # measured on the real batches
