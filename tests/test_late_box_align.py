@@ -14,7 +14,7 @@ SMOKE = Path(__file__).resolve().parents[1] / "hypes_yaml" / "synthetic" / "smok
 
 def head_outputs(agents, seed=0, uncertainty=False):
     gen = torch.Generator().manual_seed(seed)
-    cls = torch.randn(agents, 2, 16, 32, generator=gen) * 2
+    cls = torch.randn(agents, 2, 16, 32, generator=gen) - 2.5       # ~13 % above threshold
     outputs = {"cls_preds": cls, "reg_preds": torch.randn(agents, 14, 16, 32, generator=gen) * 0.3,
                "dir_preds": torch.randn(agents, 4, 16, 32, generator=gen)}
     if uncertainty:
