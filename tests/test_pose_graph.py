@@ -6,7 +6,7 @@ import math
 import torch
 
 from opencood.ops import pose_graph as pg
-from opencood.ops.pose_graph import BoxAlignArgs, align_poses, to_local
+from opencood.ops.pose_graph import BoxAlignArgs, align_poses
 from opencood.testing.pose_graph_scene import make_pose_graph_scene
 
 F64 = torch.float64

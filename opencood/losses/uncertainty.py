@@ -49,7 +49,8 @@ def laplace_like_nll(diff: torch.Tensor, log_var: torch.Tensor) -> torch.Tensor:
 
 def von_mises_nll(diff: torch.Tensor, log_var: torch.Tensor, lambda_v: float, s0: float,
                   limit_period: bool) -> torch.Tensor:
-    """The authors' ``kl_loss_angular``: log I0(k) - k cos(d) + lambda_V elu(s - s0), k = exp(-s)."""
+    """The authors' ``kl_loss_angular``: log I0(k) - k cos(d) + lambda_V elu(s - s0), with
+    k = exp(-s)."""
     concentration = torch.exp(-log_var)
     log_i0 = torch.log(torch.special.i0e(concentration)) + concentration
     cosine = torch.cos(diff).abs().detach() if limit_period else torch.cos(diff)

@@ -169,7 +169,8 @@ def build_sample_graph(boxes: Sequence[torch.Tensor], log_vars: Optional[Sequenc
     agent_of_box = torch.cat([torch.full((len(b),), a, dtype=torch.long)
                               for a, b in enumerate(boxes)])
     use_log_vars = log_vars is not None and args.use_uncertainty
-    log_var = torch.cat([v.detach().cpu().reshape(-1, 3) for v in log_vars]) if use_log_vars else None
+    log_var = (torch.cat([v.detach().cpu().reshape(-1, 3) for v in log_vars])
+               if use_log_vars else None)
     information = box_information(log_var, len(local))
     world = to_world(local, poses[agent_of_box])
 
@@ -242,8 +243,10 @@ def stack_graphs(graphs: Sequence[SampleGraph]) -> GraphBatch:
         out.agents[b, :agents], out.landmarks[b, :landmarks] = graph.agents, graph.landmarks
         out.agent_free[b, 1:agents] = True
         out.landmark_free[b, :landmarks] = True
-        out.edge_agent[b, :edges], out.edge_landmark[b, :edges] = graph.edge_agent, graph.edge_landmark
-        out.measurement[b, :edges], out.information[b, :edges] = graph.measurement, graph.information
+        out.edge_agent[b, :edges] = graph.edge_agent
+        out.edge_landmark[b, :edges] = graph.edge_landmark
+        out.measurement[b, :edges] = graph.measurement
+        out.information[b, :edges] = graph.information
     return out
 
 
@@ -252,7 +255,8 @@ def _gather(vertices: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return torch.gather(vertices, 1, index[..., None].expand(-1, -1, 3))
 
 
-def edge_residuals(agents: torch.Tensor, landmarks: torch.Tensor, graph: GraphBatch) -> torch.Tensor:
+def edge_residuals(agents: torch.Tensor, landmarks: torch.Tensor,
+                   graph: GraphBatch) -> torch.Tensor:
     """(B, A, 3), (B, L, 3) estimates -> (B, E, 3) g2o ``EdgeSE2`` errors: the measurement's
     inverse times the landmark seen from the agent, as (x, y, wrapped yaw)."""
     seen = to_local(_gather(landmarks, graph.edge_landmark), _gather(agents, graph.edge_agent))
@@ -344,7 +348,8 @@ def normal_equations(agents: torch.Tensor, landmarks: torch.Tensor,
     b_landmark = -sum_blocks((landmark_t @ weighted[..., None])[..., 0], graph.edge_landmark,
                              num_landmarks)
 
-    agent_free, landmark_free = graph.agent_free.to(agents.dtype), graph.landmark_free.to(agents.dtype)
+    agent_free = graph.agent_free.to(agents.dtype)
+    landmark_free = graph.landmark_free.to(agents.dtype)
     eye = torch.eye(3, dtype=agents.dtype)
     coupling = coupling.view(batch, num_agents, num_landmarks, 3, 3)
     coupling = coupling * (agent_free[:, :, None] * landmark_free[:, None, :])[..., None, None]
@@ -372,7 +377,8 @@ def damped_step(system: NormalEquations, damping: torch.Tensor):
     rhs = system.b_agent - torch.einsum("balij,blj->bai", coupling_w, system.b_landmark)
     factor, reduced_info = torch.linalg.cholesky_ex(reduced)
     solved = (reduced_info == 0) & (landmark_info == 0).all(dim=1)
-    factor = torch.where(solved[:, None, None], factor, torch.eye(3 * num_agents, dtype=damping.dtype))
+    eye = torch.eye(3 * num_agents, dtype=damping.dtype)
+    factor = torch.where(solved[:, None, None], factor, eye)       # a failed one: any PD matrix
     step_agent = torch.cholesky_solve(rhs.reshape(batch, -1, 1), factor).view(batch, num_agents, 3)
     back = system.b_landmark - torch.einsum("balji,baj->bli", system.coupling, step_agent)
     step_landmark = (landmark_inv @ back[..., None])[..., 0]
@@ -401,7 +407,8 @@ class SolveResult:
 def initial_damping(system: NormalEquations, graph: GraphBatch) -> torch.Tensor:
     """(B,) g2o's first lambda: tau times the largest diagonal entry of H over free vertices."""
     agent = torch.diagonal(system.agent_diag, dim1=-2, dim2=-1) * graph.agent_free[..., None]
-    landmark = torch.diagonal(system.landmark_diag, dim1=-2, dim2=-1) * graph.landmark_free[..., None]
+    landmark = (torch.diagonal(system.landmark_diag, dim1=-2, dim2=-1)
+                * graph.landmark_free[..., None])
     return _TAU * torch.maximum(agent.flatten(1).amax(1), landmark.flatten(1).amax(1))
 
 
