@@ -22,44 +22,50 @@ import math
 
 import torch
 
+# The names the schema allows (config_schema: OptimizerSection, LrSchedulerSection), which checks
+# them once, when the config is resolved; tests/test_train.py keeps these tables equal to it.
 OPTIMIZERS = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW, "SGD": torch.optim.SGD}
-SCHEDULES = ("cosine", "multistep", "constant")
 
 
 def build_optimizer(params, cfg: dict) -> torch.optim.Optimizer:
     """``cfg``: the resolved ``optimizer`` section (opencood.config.resolve_section)."""
-    name = cfg["core_method"]
-    if name not in OPTIMIZERS:
-        raise ValueError(f"optimizer.core_method {name!r} is unknown; "
-                         f"known: {', '.join(OPTIMIZERS)}")
-    return OPTIMIZERS[name](params, lr=float(cfg["lr"]), **cfg["args"])
+    return OPTIMIZERS[cfg["core_method"]](params, lr=float(cfg["lr"]), **cfg["args"])
+
+
+# Each schedule: (step, progress in [0, 1] after the warm-up, steps per epoch, section) -> factor.
+def constant_factor(step: int, progress: float, steps_per_epoch: int, cfg: dict) -> float:
+    return 1.0
+
+
+def cosine_factor(step: int, progress: float, steps_per_epoch: int, cfg: dict) -> float:
+    """Cosine from 1 down to ``min_lr_ratio``."""
+    floor = float(cfg["min_lr_ratio"])
+    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def multistep_factor(step: int, progress: float, steps_per_epoch: int, cfg: dict) -> float:
+    """``gamma`` to the number of milestones (``step_size``, in epochs) passed."""
+    milestones = [int(m) * steps_per_epoch for m in cfg["step_size"]]
+    return float(cfg["gamma"]) ** sum(step >= m for m in milestones)
+
+
+SCHEDULES = {"constant": constant_factor, "cosine": cosine_factor,
+             "multistep": multistep_factor}
 
 
 def lr_factor(step: int, total_steps: int, steps_per_epoch: int, cfg: dict) -> float:
     """Multiplier of the base lr at optimiser step ``step`` (0-based); ``cfg``: the resolved
     ``lr_scheduler`` section."""
-    name = cfg["core_method"]
     warmup_steps = int(round(float(cfg["warmup_epochs"]) * steps_per_epoch))
     start = float(cfg["warmup_start_ratio"])
     if step < warmup_steps:
         return start + (1.0 - start) * step / warmup_steps
-    if name == "constant":
-        return 1.0
-    if name == "cosine":
-        floor = float(cfg["min_lr_ratio"])
-        span = max(1, total_steps - warmup_steps)
-        progress = min(1.0, (step - warmup_steps) / span)
-        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
-    if name == "multistep":
-        milestones = [int(m) * steps_per_epoch for m in cfg["step_size"]]
-        return float(cfg["gamma"]) ** sum(step >= m for m in milestones)
-    raise ValueError(f"lr_scheduler.core_method {name!r} is unknown; known: {', '.join(SCHEDULES)}")
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return SCHEDULES[cfg["core_method"]](step, progress, steps_per_epoch, cfg)
 
 
 def build_scheduler(optimizer, cfg: dict, total_steps: int, steps_per_epoch: int):
-    """A LambdaLR over optimiser steps (``cfg``: the resolved ``lr_scheduler`` section);
-    validates the schedule name eagerly."""
+    """A LambdaLR over optimiser steps (``cfg``: the resolved ``lr_scheduler`` section)."""
     cfg = dict(cfg)
-    lr_factor(0, total_steps, steps_per_epoch, cfg)
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, total_steps, steps_per_epoch, cfg))
