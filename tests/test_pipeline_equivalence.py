@@ -1,0 +1,123 @@
+"""The fast per-sample pipeline (issue 28) builds the samples the old one built.
+
+The old path is kept in ``tests/reference_pipeline.py``; on a small synthetic V2X scenario (two
+vehicles and a roadside unit, real ray-cast clouds, crops that cut) every fusion dataset, with
+augmentation on and off, pose noise and latency on, must give the same sample: the same keys,
+agents, types and latencies, the same augmentation draws (hence the same GT ids and visibility
+counts), points and boxes equal up to float32 rounding.
+"""
+import dataclasses
+
+import numpy as np
+import pytest
+
+from opencood.data.datasets import (EarlyFusionDataset, IntermediateFusionDataset,
+                                    LateFusionDataset, NoFusionDataset)
+from opencood.data.synthetic import generate_dataset
+from opencood.data.synthetic.presets import get_preset
+from opencood.data.wild import WildSetting
+from tests.reference_pipeline import reference_sample
+
+# Narrower than the clouds (60 m LiDAR range) so the crop cuts in every direction.
+LIDAR_RANGE = [-40.0, -20.0, -2.5, 40.0, 20.0, 0.5]
+GT_RANGE = [-48.0, -24.0, -3.0, 48.0, 24.0, 1.0]
+AUGMENT = [{"NAME": "random_world_flip", "ALONG_AXIS_LIST": ["x", "y"]},
+           {"NAME": "random_world_rotation", "WORLD_ROT_ANGLE": [-3.1416, 3.1416]},
+           {"NAME": "random_world_scaling", "WORLD_SCALE_RANGE": [0.9, 1.1]}]
+WILD = WildSetting(seed=7, loc_err=True, xyz_std=0.5, yaw_std=2.0, latency_frames=1)
+DATASETS = {"no": NoFusionDataset, "early": EarlyFusionDataset,
+            "intermediate": IntermediateFusionDataset, "late": LateFusionDataset}
+# Points agree to float32 rounding of coordinates up to ~70 m (ulp 7.6e-6), a few roundings deep.
+POINT_TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def v2x_split(tmp_path_factory):
+    """One scenario of 3 frames: 2 vehicle CAVs and a roadside unit (~20k points each)."""
+    out = tmp_path_factory.mktemp("pipeline_v2x")
+    preset = dataclasses.replace(get_preset("v2x_small"), frames=3,
+                                 scenarios={"train": 1, "validate": 0, "test": 0})
+    generate_dataset(out, preset=preset, seed=0, workers=1, progress=False)
+    return out / "train", tmp_path_factory.mktemp("pipeline_cache")
+
+
+def make_dataset(split, fusion: str, augment: bool, **extra):
+    split_dir, cache_dir = split
+    return DATASETS[fusion](split_dir, lidar_range=LIDAR_RANGE, gt_range=GT_RANGE,
+                            train=augment, augment_cfg=AUGMENT if augment else None, wild=WILD,
+                            seed=3, cache_dir=cache_dir, count_ego_points=True, **extra)
+
+
+def near_crop_bound(point: np.ndarray, limit_range) -> bool:
+    """A point within the tolerance of a crop face: rounding may put it on either side."""
+    return any(min(abs(point[axis] - limit_range[axis]), abs(point[axis] - limit_range[axis + 3]))
+               < POINT_TOLERANCE for axis in range(3))
+
+
+def assert_same_points(new: np.ndarray, reference: np.ndarray, limit_range) -> None:
+    """(N, 4) float32 clouds equal up to rounding; a point only one of them kept must lie on a
+    crop face (both keep the source order, so one walk pairs them)."""
+    assert new.dtype == reference.dtype == np.float32 and new.shape[1] == 4
+    if new.shape == reference.shape:
+        np.testing.assert_allclose(new, reference, rtol=0, atol=POINT_TOLERANCE)
+        return
+    i = j = 0
+    while i < len(new) or j < len(reference):
+        if i < len(new) and j < len(reference) and np.allclose(new[i], reference[j], rtol=0,
+                                                               atol=POINT_TOLERANCE):
+            i, j = i + 1, j + 1
+        elif i < len(new) and near_crop_bound(new[i], limit_range):
+            i += 1
+        elif j < len(reference) and near_crop_bound(reference[j], limit_range):
+            j += 1
+        else:
+            raise AssertionError(f"clouds differ at new[{i}] / reference[{j}] "
+                                 f"({len(new)} vs {len(reference)} points)")
+
+
+def assert_same_sample(new: dict, reference: dict, limit_range) -> None:
+    assert set(new) == set(reference)
+    assert new["sample_key"] == reference["sample_key"]
+    assert new["agent_ids"] == reference["agent_ids"]
+    for key in ("agent_types", "agent_latency", "gt_ids", "gt_ego_points"):
+        assert new[key].dtype == reference[key].dtype == np.int64, key
+        np.testing.assert_array_equal(new[key], reference[key], err_msg=key)
+    assert new["shared_points"] == reference["shared_points"]
+    assert new["points_in_agent_frame"] == reference["points_in_agent_frame"]
+    np.testing.assert_allclose(new["transforms_to_ego"], reference["transforms_to_ego"],
+                               rtol=0, atol=1e-6)
+    assert new["gt_boxes"].dtype == np.float32
+    np.testing.assert_allclose(new["gt_boxes"], reference["gt_boxes"], rtol=0,
+                               atol=POINT_TOLERANCE)
+    assert len(new["agent_points"]) == len(reference["agent_points"])
+    for new_points, reference_points in zip(new["agent_points"], reference["agent_points"]):
+        assert_same_points(new_points, reference_points, limit_range)
+    if "early_fusion_points" in reference:
+        assert_same_points(new["early_fusion_points"], reference["early_fusion_points"],
+                           limit_range)
+
+
+def check_every_sample(dataset, epochs=(0,)) -> None:
+    for epoch in epochs:
+        dataset.set_epoch(epoch)
+        for index in range(len(dataset)):
+            assert_same_sample(dataset[index], reference_sample(dataset, index), LIDAR_RANGE)
+
+
+@pytest.mark.parametrize("augment", [True, False], ids=["augment", "plain"])
+@pytest.mark.parametrize("fusion", list(DATASETS))
+def test_samples_equal_the_reference_pipeline(v2x_split, fusion, augment):
+    dataset = make_dataset(v2x_split, fusion, augment)
+    assert len(dataset.split.info(0).cav_ids) == 3          # the RSU is one of the agents
+    check_every_sample(dataset, epochs=(0, 1) if augment else (0,))
+
+
+@pytest.mark.parametrize("augment", [True, False], ids=["augment", "plain"])
+def test_distillation_cloud_equals_the_reference(v2x_split, augment):
+    # DiscoNet's teacher input: every agent through its true pose, the student's augmentation.
+    check_every_sample(make_dataset(v2x_split, "intermediate", augment, with_early_fusion=True))
+
+
+def test_late_fusion_whole_samples_in_training_equal_the_reference(v2x_split):
+    # Late fusion's AP view (every agent in its own frame) with augmentation drawn.
+    check_every_sample(make_dataset(v2x_split, "late", True, per_cav=False))
