@@ -102,6 +102,8 @@ class BaseFusionDataset(torch.utils.data.Dataset):
 
     fusion_method = "base"
     points_in_agent_frame = False
+    # False: only the ego's cloud is read (the others' would be loaded for nothing).
+    uses_other_agents_points = True
 
     def __init__(self, split_dir, lidar_range=DEFAULT_LIDAR_RANGE, gt_range=DEFAULT_GT_RANGE,
                  train: bool = False, augment_cfg=None, wild: WildSetting | None = None,
@@ -190,13 +192,14 @@ class BaseFusionDataset(torch.utils.data.Dataset):
 
     def _load_agents(self, index: int) -> Dict:
         """:meth:`_agents` with each agent's "points" (N_i, 4) float32 in its own frame, own-body
-        returns removed (the split's cache holds them so), and the sample's GT in the ego frame.
+        returns removed (the split's cache holds them so; the ego's alone when the strategy
+        uses no other cloud), and the sample's GT in the ego frame.
 
         The own-body crop applies to roadside units too, as in OpenCOOD/V2X-ViT: an RSU has no
         body there, and our synthetic RSUs stand where the crop box holds no returns.
         """
         info, agents = self._agents(index)
-        for agent in agents:
+        for agent in agents if self.uses_other_agents_points else agents[:1]:
             agent["points"] = self.split.load_points(*agent["frame"])
         gt_ids, gt_boxes = self.split.sample_gt(index, gt_range=self.gt_range, order=self.order)
         return {"info": info, "agents": agents, "gt_boxes": gt_boxes, "gt_ids": gt_ids,
@@ -264,6 +267,7 @@ class NoFusionDataset(BaseFusionDataset):
     """The ego's own cloud only; GT is still the cooperative union (what the ego should find)."""
 
     fusion_method = "no"
+    uses_other_agents_points = False
 
     def _build(self, index, key, loaded):
         ego = loaded["agents"][0]
