@@ -1,4 +1,5 @@
-"""Collate samples into batches (any number of agents each); seed and start loader workers.
+"""Collate samples into batches (any number of agents each); seed and start loader workers;
+prefetch the next batch onto the GPU while the current step runs (:class:`DevicePrefetcher`).
 
 Batch layout (CPU tensors; ``opencood.data.pipeline`` moves them and pillarises on the device)::
 
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import multiprocessing
 import random
-from typing import Dict, List
+from typing import Dict, Iterator, List
 
 import numpy as np
 import torch
@@ -159,3 +160,69 @@ def build_loader(dataset, device: torch.device, num_workers: int,
         dataset, num_workers=num_workers, collate_fn=collate_samples, worker_init_fn=seed_worker,
         multiprocessing_context=worker_context(num_workers),
         pin_memory=torch.device(device).type == "cuda", **sampling)
+
+
+class DevicePrefetcher:
+    """Wraps a loader: iterating it yields the loader's batches with every tensor (nested dicts
+    included) already on ``device``, the next batch's host-to-device copy running on a side
+    CUDA stream while the current batch's step runs.
+
+    On CUDA: before batch i is handed over, batch i+1 is taken from the loader and its copies
+    are queued (non-blocking, from the loader's pinned memory) on the copy stream, so they
+    overlap step i even when the step ends in a host sync (a logged loss). The consuming
+    stream waits for the copy stream before it gets a batch, and every copied tensor is
+    recorded on it (``record_stream``), so the caching allocator does not hand its memory to
+    the copy stream while the step still reads it. Non-tensor entries (keys, GT id arrays) stay
+    as they are. On any other device the loader's batches pass through untouched (the same
+    objects, in the same order). ``len()`` is the loader's.
+    """
+
+    def __init__(self, loader, device: torch.device | str):
+        self.loader = loader
+        self.device = torch.device(device)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Dict]:
+        if self.device.type != "cuda":
+            return iter(self.loader)
+        return self._prefetched(iter(self.loader))
+
+    def _prefetched(self, batches: Iterator[Dict]) -> Iterator[Dict]:
+        copy_stream = torch.cuda.Stream(self.device)
+        pending = self._copy_next(batches, copy_stream)
+        while pending is not None:
+            consumer = torch.cuda.current_stream(self.device)
+            consumer.wait_stream(copy_stream)
+            batch = pending
+            _record_stream(batch, consumer)
+            pending = self._copy_next(batches, copy_stream)   # overlaps the step of ``batch``
+            yield batch
+
+    def _copy_next(self, batches: Iterator[Dict], copy_stream):
+        """The next batch with its copies queued on ``copy_stream``, or None at the end."""
+        batch = next(batches, None)
+        if batch is None:
+            return None
+        with torch.cuda.stream(copy_stream):
+            return _to_device(batch, self.device)
+
+
+def _to_device(value, device: torch.device):
+    """Tensors (in nested dicts too) copied to ``device`` non-blocking; other values as they are."""
+    if torch.is_tensor(value):
+        return value.to(device, non_blocking=True)
+    if isinstance(value, dict):
+        return {key: _to_device(item, device) for key, item in value.items()}
+    return value
+
+
+def _record_stream(value, stream) -> None:
+    """``record_stream(stream)`` on every CUDA tensor of a (nested) batch dict."""
+    if torch.is_tensor(value):
+        if value.is_cuda:
+            value.record_stream(stream)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _record_stream(item, stream)
