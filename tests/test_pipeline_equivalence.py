@@ -10,7 +10,9 @@ import dataclasses
 
 import numpy as np
 import pytest
+import torch
 
+from opencood.data.collate import build_loader
 from opencood.data.datasets import (EarlyFusionDataset, IntermediateFusionDataset,
                                     LateFusionDataset, NoFusionDataset)
 from opencood.data.synthetic import generate_dataset
@@ -121,3 +123,18 @@ def test_distillation_cloud_equals_the_reference(v2x_split, augment):
 def test_late_fusion_whole_samples_in_training_equal_the_reference(v2x_split):
     # Late fusion's AP view (every agent in its own frame) with augmentation drawn.
     check_every_sample(make_dataset(v2x_split, "late", True, per_cav=False))
+
+
+def test_a_worker_collates_into_shared_memory_the_batches_made_in_process(v2x_split):
+    # In a loader worker the big batch arrays are made in shared memory (no copy on the way to
+    # the trainer); the batches must be those the process makes itself.
+    dataset = make_dataset(v2x_split, "intermediate", True, with_early_fusion=True)
+    in_process = list(build_loader(dataset, torch.device("cpu"), 0, batch_size=2))
+    from_worker = list(build_loader(dataset, torch.device("cpu"), 1, batch_size=2))
+    assert len(in_process) == len(from_worker) == 2
+    for ours, theirs in zip(from_worker, in_process):
+        assert ours["points"].is_shared() and ours["agent_index"].is_shared()
+        for key in ("points", "agent_index", "record_len", "transforms_to_ego", "gt_boxes"):
+            assert torch.equal(ours[key], theirs[key]), key
+        for key in ("points", "agent_index"):
+            assert torch.equal(ours["early_fusion"][key], theirs["early_fusion"][key]), key
