@@ -76,7 +76,8 @@ def augmentation_matrix(steps) -> np.ndarray:
     for kind, value in steps:
         step = np.identity(4)
         if kind == "flip":
-            step[1 if value == "x" else 0, 1 if value == "x" else 0] = -1.0
+            mirrored = 1 if value == "x" else 0        # across x: y -> -y; across y: x -> -x
+            step[mirrored, mirrored] = -1.0
         elif kind == "rotation":
             cos, sin = np.cos(value), np.sin(value)
             step[:2, :2] = [[cos, -sin], [sin, cos]]
