@@ -1,10 +1,13 @@
 """Experiment configs ("hypes yaml"): load, inherit, override, validate, resolve, save.
 
 * The schema (``opencood.config_schema``: one frozen dataclass per section) is closed: unknown
-  keys, wrong types and bad enumerations are one-line ConfigErrors naming the file and the
-  dotted key. :func:`load_config` returns the *resolved* config, a plain nested dict with every
-  default filled in, so code indexes it (``cfg["train_params"]["eval_freq"]``) and the run
-  folder's saved ``config.yaml`` reloads to the same dict.
+  keys, wrong types and bad enumerations are one-line ConfigErrors (``opencood.errors``) naming
+  the file and the dotted key. The arguments of a model, fusion module or loss
+  (``model.args``, ``model.args.fusion.args``, ``loss.args``) have the schema that component
+  registered next to its class (``opencood.registry``). :func:`load_config` returns the
+  *resolved* config, a plain nested dict with every default filled in, so code indexes it
+  (``cfg["train_params"]["eval_freq"]``) and the run folder's saved ``config.yaml`` reloads to
+  the same dict.
 
 * Files are parsed with ``yaml.safe_load`` semantics only (never ``eval`` of strings).
 * ``_base_: other.yaml`` (or a list of files) inherits from files resolved relative to the
@@ -25,7 +28,8 @@ from typing import Any, Iterable
 import yaml
 
 from opencood import config_schema as schema
-from opencood.errors import OpencoodError
+from opencood.errors import ConfigError
+from opencood.registry import registered_schemas
 from opencood.utils.atomic import atomic_write
 
 _Dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
@@ -47,10 +51,6 @@ YamlLoader.add_implicit_resolver(
     |[-+]?\.(?:inf|Inf|INF)
     |\.(?:nan|NaN|NAN))$""", re.X),
     list("-+0123456789."))
-
-
-class ConfigError(OpencoodError, ValueError):
-    """A config file or override is invalid; the message names the file and the key."""
 
 
 def yaml_error_line(error: yaml.YAMLError) -> str:
@@ -147,8 +147,21 @@ def apply_overrides(cfg: dict, overrides: Iterable[str], source: str = "--set",
             raise ConfigError(
                 f"{source}: unknown key {'.'.join(keys)!r} (existing here: "
                 f"{', '.join(sorted(map(str, node))) or 'none'})")
-        node[keys[-1]] = value
+        node[keys[-1]] = _yes_no_word_for_text_key(node.get(keys[-1]), value,
+                                                   text.split("=", 1)[1])
     return cfg
+
+
+def _yes_no_word_for_text_key(current: Any, value: Any, raw_value: str) -> Any:
+    """``value``, or the word itself where yaml read a yes/no/on/off word as a boolean and the
+    key holds a string (``--set fusion.core_method=no``): such a key never takes a boolean, and
+    the shell strips the quotes a user would put around the word."""
+    word = raw_value.strip()
+    yaml_boolean_words = {form for base in ("yes", "no", "on", "off")
+                          for form in (base, base.capitalize(), base.upper())}
+    if isinstance(value, bool) and isinstance(current, str) and word in yaml_boolean_words:
+        return word
+    return value
 
 
 def get_key(cfg: dict, dotted: str, default: Any = KeyError) -> Any:
@@ -165,7 +178,7 @@ def get_key(cfg: dict, dotted: str, default: Any = KeyError) -> Any:
 
 def _schema_config(cfg: dict, source: str) -> schema.Config:
     try:
-        return schema.parse(schema.Config, cfg)
+        return schema.parse(schema.Config, cfg, registered=registered_schemas())
     except schema.SchemaError as error:
         raise ConfigError(f"{source}: {error}") from None
 
@@ -190,7 +203,8 @@ def resolve_section(name: str, section: dict | None = None, source: str = "confi
     """One top-level section, complete: ``resolve_section("optimizer", {"lr": 0.1})`` gives
     every optimizer key. For code (and tests) that build one part from a partial mapping."""
     try:
-        return schema.to_plain(schema.convert(schema.section_schema(name), section, name))
+        return schema.to_plain(schema.convert(schema.section_schema(name), section, name,
+                                              registered_schemas()))
     except schema.SchemaError as error:
         raise ConfigError(f"{source}: {error}") from None
 

@@ -14,9 +14,13 @@ How a section class reads:
   required, except a section (or ``spec(args_of=...)``) field, which an absent key gives the
   defaults of (and names its first required key when it has one);
 * ``spec(check=f)``: ``f(value)`` returns what is wrong ("must be > 0") or None;
-* ``spec(args_of=("core_method", TABLE))``: the field's schema is ``TABLE[core_method]``, and an
-  open mapping for a name not in the table (a model or loss of another branch validates its own
-  arguments when built);
+* ``spec(args_of=("core_method", KIND))``: the field's schema is the one the component named by
+  the sibling ``core_method`` registered (``@FUSIONS.register(name, args=...)``, next to its
+  class), and an open mapping for a component registered without one or not registered;
+* ``spec(registered=KIND)``: the value must be a registered name of ``KIND``;
+* ``KIND`` ("model", "fusion", "loss", "fusion method") is looked up in the ``registered``
+  mapping that :func:`parse` is given (``opencood.config`` passes the registries'); without it
+  no name is checked and every ``args_of`` field is an open mapping;
 * ``ALIASES``: an accepted other spelling of a key, rewritten to the key on load, so the
   resolved config has one spelling;
 * ``problems()``: cross-field errors, as (key, what is wrong) pairs.
@@ -28,17 +32,28 @@ import dataclasses
 import difflib
 import math
 from dataclasses import dataclass, field, fields, is_dataclass
-from typing import Any, Callable, Dict, Iterator, Literal, Optional, Tuple, Union, get_args, \
-    get_origin, get_type_hints
-
-from opencood.data.wild import WildSetting
+from typing import Any, Callable, Dict, Iterator, Literal, Mapping, Optional, Tuple, Union, \
+    get_args, get_origin, get_type_hints
 
 MISSING = dataclasses.MISSING
 section = dataclass(frozen=True, kw_only=True)
 Problems = Iterator[Tuple[str, str]]
+# kind ("model", "fusion", ...) -> {registered name: its arguments' schema, or None}
+Registered = Mapping[str, Mapping[str, Optional[type]]]
 
+# -- defaults the code shares with the schema, named once ---------------------------------------
 # OpenCOOD's OPV2V crop: the range the data sets used when a config named none.
 DEFAULT_LIDAR_RANGE = (-140.8, -40.0, -3.0, 140.8, 40.0, 1.0)
+DEFAULT_COMM_RANGE = 70.0           # metres; CAVs farther from the ego are dropped
+# The anchor: a mid-size car (OPV2V), sizes in metres in (h, w, l) order, its centre height in the
+# lidar frame, and its yaws in degrees; one head cell per FEATURE_STRIDE pillar cells.
+ANCHOR_HWL = (1.56, 1.6, 3.9)
+ANCHOR_Z = -1.0
+ANCHOR_YAWS_DEG = (0.0, 90.0)
+FEATURE_STRIDE = 2
+# Weight of DiscoNet's distillation term: HEAL's lidar_disco.yaml (the loss is a mean over
+# channels too, opencood.losses.distillation).
+DEFAULT_KD_WEIGHT = 1e4
 
 
 class SchemaError(ValueError):
@@ -47,9 +62,11 @@ class SchemaError(ValueError):
 
 
 def spec(default: Any = MISSING, *, check: Callable[[Any], Optional[str]] | None = None,
-         args_of: Tuple[str, Dict[str, type]] | None = None):
-    """A field with a value check and/or a schema chosen by a sibling key (see module doc)."""
-    return field(default=default, metadata={"check": check, "args_of": args_of})
+         args_of: Tuple[str, str] | None = None, registered: str | None = None):
+    """A field with a value check, a schema chosen by a sibling key and/or a registered name
+    (see module doc)."""
+    return field(default=default, metadata={"check": check, "args_of": args_of,
+                                            "registered": registered})
 
 
 # -- value checks: what is wrong, or None ------------------------------------------------------
@@ -83,17 +100,11 @@ def box_range(value) -> Optional[str]:
 
 # -- sections ----------------------------------------------------------------------------------
 
-def registered_strategy(value) -> Optional[str]:
-    """A fusion method is a strategy of opencood/strategies (one file per strategy)."""
-    from opencood.strategies import strategy_names
-    names = strategy_names()
-    return None if value in names else \
-        f"is not a registered fusion method; expected one of {', '.join(names)}"
-
-
 @section
 class FusionSection:
-    core_method: str = spec(check=registered_strategy)     # no, early, late, intermediate
+    core_method: str = spec(registered="fusion method")     # no, early, late, intermediate
+    # The format of the data folders (HEAL's key): opencood.data.sources reads each.
+    dataset: Literal["opv2v", "v2xset", "v2v4real", "dairv2x"] = "opv2v"
 
 
 @section
@@ -168,12 +179,12 @@ AUGMENTATIONS: Dict[str, type] = {"random_world_flip": WorldFlip,
 
 @section
 class AnchorArgs:
-    l: float = 3.9                  # noqa: E741  (OpenCOOD's key)
-    w: float = 1.6
-    h: float = 1.56
-    z: float = -1.0
-    r: Tuple[float, ...] = spec((0.0, 90.0), check=non_empty)     # yaws, degrees
-    feature_stride: int = spec(2, check=positive)
+    l: float = ANCHOR_HWL[2]        # noqa: E741  (OpenCOOD's key)
+    w: float = ANCHOR_HWL[1]
+    h: float = ANCHOR_HWL[0]
+    z: float = ANCHOR_Z
+    r: Tuple[float, ...] = spec(ANCHOR_YAWS_DEG, check=non_empty)     # yaws, degrees
+    feature_stride: int = spec(FEATURE_STRIDE, check=positive)
 
 
 @section
@@ -200,173 +211,15 @@ class PostprocessSection:
 
 
 @section
-class DenseFusionArgs:
-    bytes_per_value: int = spec(4, check=positive)   # fp32 maps
-
-
-@section
-class Where2commArgs:
-    threshold: float = 0.01
-    max_bytes_per_agent: Optional[int] = spec(None, check=non_negative)   # None: no budget
-    fusion_mode: Literal["attention", "max"] = "attention"
-    bytes_per_value: int = spec(4, check=positive)
-
-
-@section
-class V2VNetArgs:
-    num_iteration: int = spec(2, check=non_negative)    # K rounds of message passing
-    kernel_size: int = spec(3, check=positive)
-    cell_size: float = spec(0.8, check=positive)         # metres per fused-map cell
-    grid_center: Tuple[float, float] = (0.0, 0.0)        # metres: the map's centre in the ego frame
-    bytes_per_value: int = spec(4, check=positive)
-
-
-@section
-class V2XViTArgs:
-    depth: int = spec(3, check=positive)
-    num_blocks: int = spec(1, check=positive)
-    heads: int = spec(8, check=positive)
-    dim_head: int = spec(32, check=positive)
-    window_sizes: Tuple[int, ...] = (4, 8, 16)
-    window_heads: Tuple[int, ...] = (16, 8, 4)
-    window_dim_heads: Tuple[int, ...] = (16, 32, 64)
-    window_merge: Literal["split_attn", "mean"] = "split_attn"
-    mlp_dim: int = spec(256, check=positive)
-    dropout: float = spec(0.0, check=non_negative)
-    rte_ratio: int = spec(2, check=positive)
-    use_delay_encoding: bool = True
-    bytes_per_value: int = spec(4, check=positive)
-
-
-@section
-class DiscoNetArgs:
-    hidden: Tuple[int, ...] = (128, 32, 8)      # widths of the 1x1 edge-scoring net
-    bytes_per_value: int = spec(4, check=positive)
-
-
-@section
-class CoBEVTArgs:
-    depth: int = spec(3, check=positive)
-    window: int = spec(4, check=positive)
-    dim_head: int = spec(32, check=positive)
-    mlp_dim: int = spec(256, check=positive)
-    dropout: float = spec(0.0, check=non_negative)
-    bytes_per_value: int = spec(4, check=positive)
-
-
-FUSION_ARGS: Dict[str, type] = {"attfuse": DenseFusionArgs, "fcooper": DenseFusionArgs,
-                                "where2comm": Where2commArgs, "v2vnet": V2VNetArgs,
-                                "v2xvit": V2XViTArgs, "cobevt": CoBEVTArgs,
-                                "disconet": DiscoNetArgs}
-
-
-@section
-class ModelFusion:
-    core_method: str
-    args: Any = spec(args_of=("core_method", FUSION_ARGS))
-    stage: Optional[Literal["scatter", "multiscale", "backbone"]] = None   # None: the module's
-
-
-@section
-class PillarVFEArgs:
-    in_channels: int = spec(4, check=positive)
-    num_filters: Tuple[int, ...] = spec((64,), check=non_empty)
-    with_distance: bool = False
-
-
-@section
-class ScatterArgs:
-    num_features: int = spec(check=positive)
-
-
-@section
-class BackboneArgs:
-    ALIASES = {"num_upsample_filters": "num_upsample_filter"}    # OpenPCDet's spelling
-    layer_nums: Tuple[int, ...]
-    layer_strides: Tuple[int, ...]
-    num_filters: Tuple[int, ...]
-    upsample_strides: Tuple[int, ...]
-    num_upsample_filter: Tuple[int, ...]
-
-    def problems(self) -> Problems:
-        for name in ("layer_strides", "num_filters", "upsample_strides", "num_upsample_filter"):
-            if len(getattr(self, name)) != len(self.layer_nums):
-                yield name, f"needs one entry per layer_nums entry ({len(self.layer_nums)})"
-
-
-@section
-class ShrinkHeaderArgs:
-    """OpenCOOD's ``shrink_header`` before fusion (V2VNet, V2X-ViT, CoBEVT configs)."""
-
-    dim: int = spec(check=positive)
-    stride: int = spec(2, check=positive)
-
-
-@section
-class PillarArgs:
-    """PointPillars arguments. The first four are derived from the data sections unless given."""
-
-    lidar_range: Optional[Tuple[float, ...]] = spec(None, check=box_range)
-    voxel_size: Optional[Tuple[float, float, float]] = spec(None, check=all_positive)
-    max_points_per_voxel: Optional[int] = spec(None, check=positive)
-    anchor_number: Optional[int] = spec(None, check=positive)
-    bn_momentum: Optional[float] = None             # None: PyTorch's BatchNorm momentum
-    pillar_vfe: PillarVFEArgs
-    point_pillar_scatter: ScatterArgs
-    base_bev_backbone: BackboneArgs
-    fusion: Optional[ModelFusion] = None
-    shrink_header: Optional[ShrinkHeaderArgs] = None   # intermediate fusion only
-
-
-@section
-class PointPillarArgs(PillarArgs):
-    def problems(self) -> Problems:
-        if self.shrink_header is not None:
-            yield "shrink_header", "must be null: point_pillar has no fusion to shrink for"
-        if self.fusion is not None:
-            yield "fusion", ("must be null: point_pillar is single-agent (point_pillar_intermediate "
-                             "fuses features)")
-
-
-@section
-class PointPillarIntermediateArgs(PillarArgs):
-    def problems(self) -> Problems:
-        if self.fusion is None:
-            yield "fusion", "is required by point_pillar_intermediate ({core_method, args})"
-
-
-# Model name -> its arguments' schema; a model not listed here keeps an open ``args`` mapping.
-MODEL_ARGS: Dict[str, type] = {"point_pillar": PointPillarArgs,
-                               "point_pillar_intermediate": PointPillarIntermediateArgs}
-
-
-@section
 class ModelSection:
     core_method: str
-    args: Any = spec(args_of=("core_method", MODEL_ARGS))
-
-
-@section
-class PointPillarLossArgs:
-    ALIASES = {"reg": "reg_weight"}                  # OpenCOOD's spelling
-    cls_weight: float = 1.0
-    reg_weight: float = 2.0
-    dir_weight: float = 0.2
-    conf_weight: float = 1.0                         # where2comm's confidence map
-    focal_alpha: float = 0.25
-    focal_gamma: float = 2.0
-    smooth_l1_beta: float = 1.0 / 9.0
-    code_weights: Optional[Tuple[float, ...]] = None    # None: every box code weighs 1
-    dir_offset: float = 0.7854                       # direction-bin offset, radians
-
-
-LOSS_ARGS: Dict[str, type] = {"point_pillar_loss": PointPillarLossArgs}
+    args: Any = spec(args_of=("core_method", "model"))     # the model's own schema
 
 
 @section
 class LossSection:
     core_method: str
-    args: Any = spec(args_of=("core_method", LOSS_ARGS))
+    args: Any = spec(args_of=("core_method", "loss"))      # the loss's own schema
 
 
 @section
@@ -436,11 +289,37 @@ class PerformanceSection:
 
 
 @section
+class WildSetting:
+    """Pose noise and latency of the non-ego agents (opencood.data.wild applies them)."""
+
+    seed: int = 25                  # draws are a pure function of (seed, sample index[, epoch])
+    loc_err: bool = False           # enable pose noise
+    xyz_std: float = 0.0            # metres, gaussian, on the x and y of a non-ego lidar pose
+    yaw_std: float = 0.0            # degrees, gaussian, on the yaw of a non-ego lidar pose
+    latency_frames: int = 0         # non-ego agents report the frame this many timestamps earlier
+
+    @classmethod
+    def from_config(cls, section: dict | None) -> "WildSetting":
+        """From a ``wild_setting`` section; missing keys take the defaults above, unknown keys
+        and negative spreads are refused."""
+        return parse(cls, section, "wild_setting")
+
+    def problems(self) -> Problems:
+        for key in ("xyz_std", "yaw_std", "latency_frames"):
+            if getattr(self, key) < 0:
+                yield key, f"must be >= 0, got {getattr(self, key)}"
+
+    @property
+    def has_pose_noise(self) -> bool:
+        return self.loc_err and (self.xyz_std > 0 or self.yaw_std > 0)
+
+
+@section
 class KdSection:
     """Knowledge distillation from a frozen early-fusion teacher (DiscoNet)."""
 
-    teacher: Optional[str] = None                # run folder or .pth; checked by build_teacher
-    weight: float = spec(1e4, check=positive)
+    teacher: str = spec(check=non_empty)         # run folder or .pth; its file checked on load
+    weight: float = spec(DEFAULT_KD_WEIGHT, check=positive)
 
 
 @section
@@ -450,7 +329,7 @@ class Config:
     validate_dir: Optional[str] = None               # None: no validation
     test_dir: Optional[str] = None
     seed: int = 0
-    comm_range: float = spec(70.0, check=positive)   # metres; farther CAVs are dropped
+    comm_range: float = spec(DEFAULT_COMM_RANGE, check=positive)   # metres
     fusion: FusionSection
     train_params: TrainParams
     preprocess: PreprocessSection
@@ -467,6 +346,12 @@ class Config:
     performance: PerformanceSection
     wild_setting: WildSetting
     kd: Optional[KdSection] = None                   # None: no distillation
+
+    def problems(self) -> Problems:
+        if self.kd is not None and self.fusion.core_method != "intermediate":
+            yield "kd", (f"is for an intermediate-fusion student (distillation trains its "
+                         f"fused map on the teacher's); fusion.core_method is "
+                         f"{self.fusion.core_method!r}")
 
 
 # -- parsing -------------------------------------------------------------------------------------
@@ -496,19 +381,31 @@ def _unalias(cls: type, data: dict, prefix: str) -> dict:
     return data
 
 
-def _field_type(cls: type, item: dataclasses.Field, parsed: dict) -> Any:
+def _field_type(cls: type, item: dataclasses.Field, parsed: dict,
+                registered: Registered | None) -> Any:
     if item.metadata.get("args_of"):
-        sibling, table = item.metadata["args_of"]
-        return table.get(parsed[sibling], Dict[str, Any])
+        sibling, kind = item.metadata["args_of"]
+        schemas = registered[kind] if registered is not None else {}
+        return schemas.get(parsed[sibling]) or Dict[str, Any]
     return get_type_hints(cls)[item.name]
+
+
+def _registered_problem(item: dataclasses.Field, value: Any,
+                        registered: Registered | None) -> Optional[str]:
+    """What is wrong with a ``spec(registered=KIND)`` value: not a registered name of KIND."""
+    kind = item.metadata.get("registered")
+    if kind is None or registered is None or value in registered[kind]:
+        return None
+    return f"is not a registered {kind}; expected one of {', '.join(sorted(registered[kind]))}"
 
 
 def _is_section(hint: Any) -> bool:
     return is_dataclass(hint) or hint == Dict[str, Any]
 
 
-def parse(cls: type, data: Any, prefix: str = "") -> Any:
-    """``data`` (a mapping; None reads as empty) -> a ``cls`` with every default filled in."""
+def parse(cls: type, data: Any, prefix: str = "", registered: Registered | None = None) -> Any:
+    """``data`` (a mapping; None reads as empty) -> a ``cls`` with every default filled in.
+    ``registered``: the names and argument schemas of the registries (module doc)."""
     data = {} if data is None else data
     if not isinstance(data, dict):
         raise SchemaError(f"key {prefix!r} must be a mapping, got {data!r}")
@@ -520,25 +417,27 @@ def parse(cls: type, data: Any, prefix: str = "") -> Any:
     parsed: dict = {}
     for item in fields(cls):
         key = _join(prefix, item.name)
-        hint = _field_type(cls, item, parsed)
-        parsed[item.name] = _field_value(item, hint, data, key)
+        hint = _field_type(cls, item, parsed, registered)
+        parsed[item.name] = _field_value(item, hint, data, key, registered)
     obj = cls(**parsed)
     for name, problem in getattr(obj, "problems", lambda: ())():
         raise SchemaError(f"key {_join(prefix, name)!r} {problem}")
     return obj
 
 
-def _field_value(item: dataclasses.Field, hint: Any, data: dict, key: str) -> Any:
+def _field_value(item: dataclasses.Field, hint: Any, data: dict, key: str,
+                 registered: Registered | None) -> Any:
     if item.name in data:
-        value = convert(hint, data[item.name], key)
+        value = convert(hint, data[item.name], key, registered)
     elif item.default is not MISSING:
         value = item.default
     elif _is_section(hint):
-        value = convert(hint, {}, key)
+        value = convert(hint, {}, key, registered)
     else:
         raise SchemaError(f"missing required key {key!r}")
     check = item.metadata.get("check")
     problem = check(value) if check is not None and value is not None else None
+    problem = problem or _registered_problem(item, value, registered)
     if problem:
         raise SchemaError(f"key {key!r} {problem}, got {to_plain(value)!r}")
     return value
@@ -565,38 +464,38 @@ def _bool_hint(value: Any) -> str:
         if isinstance(value, bool) else ""
 
 
-def _sequence(params: tuple, value: Any, key: str) -> tuple:
+def _sequence(params: tuple, value: Any, key: str, registered: Registered | None) -> tuple:
     if not isinstance(value, (list, tuple)):
         raise SchemaError(f"key {key!r} must be a list, got {value!r}")
     if len(params) == 2 and params[1] is Ellipsis:
         params = (params[0],) * len(value)
     elif len(value) != len(params):
         raise SchemaError(f"key {key!r} must be a list of {len(params)}, got {value!r}")
-    return tuple(convert(hint, item, f"{key}[{index}]")
+    return tuple(convert(hint, item, f"{key}[{index}]", registered)
                  for index, (hint, item) in enumerate(zip(params, value)))
 
 
-def convert(hint: Any, value: Any, key: str) -> Any:
+def convert(hint: Any, value: Any, key: str, registered: Registered | None = None) -> Any:
     """Check ``value`` against the type ``hint`` (int -> float where a float is expected)."""
     origin, params = get_origin(hint), get_args(hint)
     if hint is Any:
         return copy.deepcopy(value)
     if isinstance(hint, type) and "choose" in vars(hint):
-        return parse(hint.choose(value, key), value, key)
+        return parse(hint.choose(value, key), value, key, registered)
     if is_dataclass(hint):
-        return parse(hint, value, key)
+        return parse(hint, value, key, registered)
     if origin is Union:
         if value is None and type(None) in params:
             return None
         inner = [p for p in params if p is not type(None)]
-        return convert(inner[0], value, key)
+        return convert(inner[0], value, key, registered)
     if origin is Literal:
         if not any(type(value) is type(option) and value == option for option in params):
             raise SchemaError(f"key {key!r} is {value!r}; expected one of "
                               f"{', '.join(map(str, params))}{_bool_hint(value)}")
         return value
     if origin is tuple:
-        return _sequence(params, value, key)
+        return _sequence(params, value, key, registered)
     if origin is dict:
         if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
             raise SchemaError(f"key {key!r} must be a mapping, got {value!r}")
@@ -630,10 +529,10 @@ def derive(config: Config) -> Config:
                "max_points_per_voxel": pre.args.max_points_per_voxel,
                "anchor_number": len(post.anchor_args.r)}
     args = config.model.args
-    if isinstance(args, PillarArgs):
+    if is_dataclass(args):      # the model's schema: its fields of these names left at None
         args = dataclasses.replace(args, **{key: value for key, value in derived.items()
-                                            if getattr(args, key) is None})
-    else:       # a model without a schema here: its open mapping gets what it lacks
+                                            if getattr(args, key, MISSING) is None})
+    else:       # a model without a schema: its open mapping gets what it lacks
         args = {**to_plain(derived), **args}
     model = dataclasses.replace(config.model, args=args)
     return dataclasses.replace(config, postprocess=post, model=model)

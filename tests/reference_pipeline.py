@@ -4,7 +4,8 @@
 agent's points per step (own-body removal, projection to the ego in float64, flip, rotation in
 float64, scaling, range crop, float32 cast), a copy of the frame's yaml tree, and the GT boxes
 one vehicle at a time. It reads only the dataset's settings (ranges, augmentation list, wild
-setting, seeds, epoch) and its split's ``load_cav_frame``; every draw is made here from
+setting, seeds, epoch) and its split's ``load_cav_frame`` (V2V4Real and DAIR-V2X: their
+GT as their readers made it before the datasets read frames by key, object by object); every draw is made here from
 (seed, stream, epoch, index), so a change of the draws in the dataset shows as a difference.
 
 ``tests/test_pipeline_equivalence.py`` compares the datasets with it and ``tools/bench.py``
@@ -19,6 +20,8 @@ import numpy as np
 
 from opencood.data.datasets import INFRASTRUCTURE, VEHICLE, ego_points_per_box
 from opencood.data.opv2v import OWN_BODY_X, OWN_BODY_Y, is_infrastructure
+from opencood.data.v2v4real import (GT_MIN_CORNERS, SKIPPED_TYPES, object_corners, object_id,
+                                     union_by_id)
 from opencood.data.wild import delayed_timestamp, noisy_pose
 from opencood.ops.transforms import (boxes_to_corners_3d, corners_in_range_mask, corners_to_boxes,
                                      extent_corners, limit_period, pose_to_matrix,
@@ -117,11 +120,62 @@ def _load_sample(split, index: int, gt_range, order: str) -> Dict:
     info = split.info(index)
     cavs = {cav_id: split.load_cav_frame(info.scenario, cav_id, info.timestamp)
             for cav_id in info.cav_ids}
-    ego_pose = cavs[info.ego_id]["lidar_pose"]
-    cav_actor_ids = {int(cav_id) for cav_id in info.cav_ids if cav_id.lstrip("-").isdigit()}
-    gt_ids, gt_boxes = _gt_union([cav["vehicles"] for cav in cavs.values()], ego_pose,
-                                 cav_actor_ids, gt_range, order)
+    gt_ids, gt_boxes = _sample_gt(split, info, cavs, gt_range, order)
     return {"info": info, "cavs": cavs, "gt_ids": gt_ids, "gt_boxes": gt_boxes}
+
+
+def _sample_gt(split, info, cavs: Dict, gt_range, order: str):
+    """GT in the ego frame from the frame dicts, per format as its reader's load_sample made it
+    before the datasets read frames by key (old copies below)."""
+    ego_pose = cavs[info.ego_id]["lidar_pose"]
+    if split.index_name == "v2v4real":
+        return union_by_id([own_frame_boxes(cav["vehicles"], cav_id,
+                                            relative_transform(cav["lidar_pose"], ego_pose),
+                                            gt_range, order)
+                            for cav_id, cav in cavs.items()])
+    if split.index_name == "dairv2x":
+        return world_boxes_to_frame(cavs[info.ego_id]["vehicles"], ego_pose, gt_range, order)
+    cav_actor_ids = {int(cav_id) for cav_id in info.cav_ids if cav_id.lstrip("-").isdigit()}
+    return _gt_union([cav["vehicles"] for cav in cavs.values()], ego_pose, cav_actor_ids,
+                     gt_range, order)
+
+
+def _cav_boxes(split, agent: Dict, gt_range, order: str):
+    """Late fusion's per-CAV GT from the agent dict (old copies), as each reader's
+    ``cav_boxes`` made it."""
+    if split.index_name == "v2v4real":
+        return own_frame_boxes(agent["vehicles"], agent["cav_id"], np.eye(4), gt_range, order)
+    if split.index_name == "dairv2x":
+        return world_boxes_to_frame(agent["vehicles"], agent["lidar_pose"], gt_range, order)
+    return vehicles_to_boxes(agent["vehicles"], agent["lidar_pose"], gt_range, order=order)
+
+
+# ---- V2V4Real's and DAIR-V2X's GT as their readers made it, object by object (old copies) ----
+
+def own_frame_boxes(vehicles: dict, cav_id: str, cav_to_target: np.ndarray, limit_range,
+                    order: str):
+    keys = [key for key in sorted(vehicles) if vehicles[key].get("obj_type") not in SKIPPED_TYPES]
+    if not keys:
+        return np.zeros(0, dtype=np.int64), np.zeros((0, 7), dtype=np.float64)
+    corners = np.stack([object_corners(vehicles[key]) for key in keys])
+    corners = corners @ cav_to_target[:3, :3].T + cav_to_target[:3, 3]
+    boxes = corners_to_boxes(corners, order)
+    keep = corners_in_range_mask(boxes_to_corners_3d(boxes, order), limit_range,
+                                 min_corners=GT_MIN_CORNERS)
+    ids = np.asarray([object_id(key, vehicles[key], cav_id) for key in keys], dtype=np.int64)
+    return ids[keep], boxes[keep]
+
+
+def world_boxes_to_frame(labels: list, lidar_to_world: np.ndarray, limit_range, order: str):
+    if not labels:
+        return np.zeros(0, dtype=np.int64), np.zeros((0, 7), dtype=np.float64)
+    world_to_lidar = np.linalg.inv(lidar_to_world)
+    corners = np.asarray([label["corners"] for label in labels], dtype=np.float64)
+    corners = corners @ world_to_lidar[:3, :3].T + world_to_lidar[:3, 3]
+    boxes = corners_to_boxes(corners, order)
+    keep = corners_in_range_mask(boxes_to_corners_3d(boxes, order), limit_range, min_corners=8)
+    ids = np.asarray([label["position"] for label in labels], dtype=np.int64)
+    return ids[keep], boxes[keep]
 
 
 # ---- augmentation, one pass per step -------------------------------------------------------
@@ -269,8 +323,7 @@ def _late_per_cav(dataset, index: int) -> Dict:
     loaded = _load_agents(dataset, sample_index)
     info = loaded["info"]
     agent = loaded["agents"][position]
-    gt_ids, gt_boxes = vehicles_to_boxes(agent["vehicles"], agent["lidar_pose"],
-                                         dataset.gt_range, order=dataset.order)
+    gt_ids, gt_boxes = _cav_boxes(dataset.split, agent, dataset.gt_range, dataset.order)
     key = (info.scenario, info.timestamp, agent["cav_id"])
     return _finish(dataset, index, key, [agent["cav_id"]], [agent["points"]], [np.eye(4)],
                    gt_boxes, gt_ids, 0, _points_per_box(dataset, agent["points"], gt_boxes))

@@ -1,5 +1,5 @@
 """VOC AP, greedy matching and the AP accumulator against hand-computed values and, on random
-frames, against the plain-Python reference (tests/reference_impls.py)."""
+frames, against the plain-Python reference (opencood/testing/reference_impls.py)."""
 import itertools
 import json
 
@@ -8,9 +8,8 @@ import pytest
 import torch
 
 from opencood.eval.ap import APAccumulator, greedy_match, voc_ap
+from opencood.testing.reference_impls import reference_ap
 from opencood.utils.fake_batch import fake_detection_frames
-
-from reference_impls import reference_ap
 
 
 def cars(*xy):

@@ -26,6 +26,7 @@ import yaml
 
 from opencood.config import load_config, save_config
 from opencood.engine import evaluator
+from opencood.engine.hooks import TrainHooks
 from opencood.utils import dist as dist_utils
 from opencood.utils.batching import split_global_batch
 from opencood.utils.dist import DistInfo
@@ -353,21 +354,7 @@ def test_check_data_on_a_missing_folder_is_one_line(tmp_path):
 # Row 9: a zero-point frame trains; row 10: more CAVs than max_cav trains on the nearest
 # ----------------------------------------------------------------------------------------------
 
-@pytest.fixture
-def step_losses(monkeypatch) -> list:
-    """The loss of every optimiser step trainer.main takes."""
-    losses, real_step = [], trainer.optimizer_step
-
-    def spy(*args, **kwargs):
-        stats = real_step(*args, **kwargs)
-        losses.append(float(stats["loss"]))
-        return stats
-
-    monkeypatch.setattr(trainer, "optimizer_step", spy)
-    return losses
-
-
-def test_zero_point_frame_trains_with_a_finite_loss(tmp_path, step_losses, capsys):
+def test_zero_point_frame_trains_with_a_finite_loss(tmp_path, capsys):
     """Row 9: a frame where no CAV has a single point is data, not an error. One step per
     sample (batch 1), so one step's whole input is empty."""
     split = write_simple_split(tmp_path / "train", num_cavs=2, timestamps=STAMPS)
@@ -378,9 +365,12 @@ def test_zero_point_frame_trains_with_a_finite_loss(tmp_path, step_losses, capsy
                     params["vehicles"])
     assert check_data_tool.main([str(split), "--quiet"]) == 0
     assert "no problems" in capsys.readouterr().out
+    step_losses = []      # the loss of every optimiser step the run takes
+    record_loss = TrainHooks(
+        after_step=lambda step, stats: step_losses.append(float(stats["loss"])))
     result = trainer.main(train_argv(split, "train_params.batch_size=1",
                                      "train_params.max_micro_batch=1",
-                                     run_dir=tmp_path / "run"))
+                                     run_dir=tmp_path / "run"), hooks=record_loss)
     assert result["step"] == 2 and len(step_losses) == 2
     assert all(math.isfinite(loss) for loss in step_losses), step_losses
     assert (tmp_path / "run" / "last.pth").is_file()
@@ -402,20 +392,18 @@ def _write_fleet(split: Path) -> Path:
     return split
 
 
-def test_more_cavs_than_max_cav_trains_on_the_nearest(tmp_path, monkeypatch):
+def test_more_cavs_than_max_cav_trains_on_the_nearest(tmp_path):
     """Row 10: 5 CAVs, max_cav 3: the ego and the 2 CAVs nearest to it (8 m and 15 m), not the
     first folders (1001 at 60 m, 1002 at 30 m, both within com_range)."""
     split = _write_fleet(tmp_path / "train")
-    built, real_build = [], trainer.build_dataset
+    built = []
 
-    def spy(cfg, split, **kwargs):
-        dataset = real_build(cfg, split, **kwargs)
-        if split == "train":
-            built.append(dataset)
+    def keep_train_set(dataset):
+        built.append(dataset)
         return dataset
 
-    monkeypatch.setattr(trainer, "build_dataset", spy)
-    result = trainer.main(train_argv(split, "train_params.max_cav=3", run_dir=tmp_path / "run"))
+    result = trainer.main(train_argv(split, "train_params.max_cav=3", run_dir=tmp_path / "run"),
+                          hooks=TrainHooks(wrap_train_set=keep_train_set))
     assert result["step"] == 1
     [train_set] = built
     for index in range(len(train_set)):

@@ -16,7 +16,7 @@ import torch
 from opencood.config import resolve_section
 from opencood.losses import DetectionLoss
 from opencood.models import build_model
-from opencood.models.v2vnet import V2VNetFusion, bev_affine, warp_to_receivers
+from opencood.models.v2vnet import V2VNetArgs, V2VNetFusion, bev_affine, warp_to_receivers
 from opencood.registry import FUSIONS
 from dist_helpers import run_on_ranks
 from tool_modules import load_tool
@@ -117,7 +117,7 @@ def test_v2vnet_without_rounds_is_the_single_agent_path():
         # Identity pairwise transforms (what proj_first data means) give the same result.
         fusion_in = torch.randn(5, 4, 6, 6)
         identity = torch.eye(4).expand(2, 3, 3, 4, 4)
-        fusion = V2VNetFusion(4, num_iteration=0)
+        fusion = V2VNetFusion(V2VNetArgs(num_iteration=0), 4, NUM_ANCHORS)
         with_pose = fusion(fusion_in, torch.tensor([3, 2]), pairwise=identity).features
     for key in ("cls_preds", "reg_preds", "dir_preds"):
         # Not bitwise: the pillar encoder sums in a batch-size dependent order (test_models).
@@ -200,7 +200,7 @@ def literal_v2vnet(fusion: V2VNetFusion, features, record_len):
 @pytest.mark.parametrize("rounds", [1, 2, 3])
 def test_v2vnet_split_messages_and_ego_only_last_round_equal_the_literal_rounds(rounds):
     torch.manual_seed(0)
-    fusion = V2VNetFusion(4, num_iteration=rounds, cell_size=1.0).eval()
+    fusion = V2VNetFusion(V2VNetArgs(num_iteration=rounds, cell_size=1.0), 4, NUM_ANCHORS).eval()
     features, record_len = torch.randn(6, 4, 5, 7), torch.tensor([3, 1, 2])
     identity = torch.eye(4).expand(3, 3, 3, 4, 4)
     with torch.no_grad():
@@ -213,13 +213,13 @@ def test_v2vnet_split_messages_and_ego_only_last_round_equal_the_literal_rounds(
 
 def test_v2vnet_masks_messages_from_cells_outside_the_senders_view():
     torch.manual_seed(0)
-    fusion = V2VNetFusion(3, num_iteration=1, cell_size=1.0)
+    fusion = V2VNetFusion(V2VNetArgs(num_iteration=1, cell_size=1.0), 3, NUM_ANCHORS)
     features = torch.randn(2, 3, 6, 6)
     record_len = torch.tensor([2])
     far = torch.eye(4).expand(1, 2, 2, 4, 4).clone()
     far[0, 0, 1] = translation(100.0, 0.0)          # the sender's map lies outside the ego's
     far[0, 1, 0] = translation(-100.0, 0.0)
-    alone = V2VNetFusion(3, num_iteration=1, cell_size=1.0)
+    alone = V2VNetFusion(V2VNetArgs(num_iteration=1, cell_size=1.0), 3, NUM_ANCHORS)
     alone.load_state_dict(fusion.state_dict())
     with torch.no_grad():
         out_far = fusion(features, record_len, pairwise=far).features
@@ -334,9 +334,9 @@ def test_cobevt_windows_are_local_blocks_and_grid_groups_are_dilated():
 
 
 def test_cobevt_padding_and_absent_agents_do_not_leak():
-    from opencood.models.cobevt import FuseBEVT
+    from opencood.models.cobevt import CoBEVTArgs, FuseBEVT
     torch.manual_seed(0)
-    fusion = FuseBEVT(8, depth=1, window=4, dim_head=4, mlp_dim=8).eval()
+    fusion = FuseBEVT(CoBEVTArgs(depth=1, window=4, dim_head=4, mlp_dim=8), 8, NUM_ANCHORS).eval()
     features = torch.randn(3, 8, 6, 7)            # 6 x 7 pads to 8 x 8
     with torch.no_grad():
         alone = fusion(features[:1], torch.tensor([1])).features

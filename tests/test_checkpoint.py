@@ -267,3 +267,40 @@ def test_a_full_disk_mid_write_keeps_the_previous_checkpoint(tmp_path, monkeypat
     assert (tmp_path / "last.pth").read_bytes() == before
     assert [p.name for p in ckpt.history_files(tmp_path)] == ["step_000000010.pth"]
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000000010.pth"]
+
+
+def _sync_and_rename_log(monkeypatch) -> list:
+    """Every os.fsync (of the inode it synced) and os.replace (the renamed inode, the target),
+    in order: a rename is durable only with the file's data synced before it and its folder's
+    entry synced after it."""
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync_spy(fd):
+        events.append(("fsync", os.fstat(fd).st_ino))
+        return real_fsync(fd)
+
+    def replace_spy(source, target):
+        events.append(("replace", os.stat(source).st_ino, str(target)))
+        return real_replace(source, target)
+
+    monkeypatch.setattr(os, "fsync", fsync_spy)
+    monkeypatch.setattr(os, "replace", replace_spy)
+    return events
+
+
+def test_a_checkpoint_is_synced_before_its_rename_and_its_folder_after(tmp_path, monkeypatch):
+    """The history file and last.pth, as training saves them: for each, the temporary file's
+    data are fsynced before it is renamed into place, and the folder after the rename."""
+    events = _sync_and_rename_log(monkeypatch)
+    step_file = ckpt.save_with_history(tmp_path, {"model": {"w": torch.ones(3)}, "step": 7}, 7,
+                                       keep=3)
+    renames = [(index, event) for index, event in enumerate(events) if event[0] == "replace"]
+    assert [target for _, (_, _, target) in renames] == [str(step_file), str(tmp_path /
+                                                                              "last.pth")]
+    for index, (_, file_inode, target) in renames:
+        folder_inode = os.stat(os.path.dirname(target)).st_ino
+        synced_before = [inode for kind, inode, *_ in events[:index] if kind == "fsync"]
+        synced_after = [inode for kind, inode, *_ in events[index + 1:] if kind == "fsync"]
+        assert file_inode in synced_before, (target, events)
+        assert folder_inode in synced_after, (target, events)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import fields
+from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Union, get_args, get_origin, get_type_hints
 
@@ -14,7 +14,8 @@ import torch
 import yaml
 
 from opencood import config_schema as schema
-from opencood.config import ConfigError, load_config, resolve, resolve_section
+from opencood.config import load_config, resolve, resolve_section
+from opencood.errors import ConfigError
 from opencood.utils.checkpoint import load_checkpoint
 from opv2v_factory import write_simple_split
 from process_state import preserved_opencood_logger, preserved_torch_switches
@@ -297,9 +298,10 @@ def test_schema_enumerations_match_the_implementations():
     from opencood.strategies import get_strategy, strategy_names
     assert {get_strategy(name).dataset_name for name in strategy_names()} <= set(DATASETS.names())
     assert set(schema.AUGMENTATIONS) == set(AUGMENTATIONS)
-    assert set(schema.MODEL_ARGS) <= set(MODELS.names())
-    assert set(schema.FUSION_ARGS) == set(FUSIONS.names())
-    assert set(schema.LOSS_ARGS) <= set(LOSSES.names())
+    # Every model, fusion module and loss declares its arguments (registered with its class).
+    for registry in (MODELS, FUSIONS, LOSSES):
+        for name in registry.names():
+            assert is_dataclass(registry.args_schema(name)), (registry.kind, name)
 
 
 # -- a run folder's saved config -------------------------------------------------------------

@@ -16,9 +16,11 @@ import numpy as np
 import pytest
 import torch
 
-from opencood.config import ConfigError, load_config
+from opencood.config import load_config, resolve_section
 from opencood.engine import recipe
+from opencood.engine.hooks import TrainHooks
 from opencood.engine.teacher import FrozenTeacher
+from opencood.errors import ConfigError
 from opencood.losses import DetectionLoss
 from opencood.losses.distillation import feature_distillation_loss
 from opencood.models import build_model
@@ -214,9 +216,9 @@ def test_build_teacher_loads_a_frozen_model_and_refuses_mismatches(tmp_path):
                for key, value in teacher.model.state_dict().items())
     assert recipe.build_teacher({**student, "kd": None}, CPU) is None
 
-    def refused(kd, error=ConfigError, student_cfg=student):
+    def refused(kd, error=ConfigError):
         with pytest.raises(error) as info:
-            recipe.build_teacher({**student_cfg, "kd": kd}, CPU)
+            recipe.build_teacher({**student, "kd": resolve_section("kd", kd)}, CPU)
         message = str(info.value)
         assert "\n" not in message
         return message
@@ -226,10 +228,14 @@ def test_build_teacher_loads_a_frozen_model_and_refuses_mismatches(tmp_path):
         refused({"teacher": str(attfuse)})
     assert "does not exist" in refused({"teacher": str(tmp_path / "nowhere")})
     assert "holds no best.pth or last.pth" in refused({"teacher": str(tmp_path)})
-    assert "unknown key 'techer'" in refused({"techer": str(good)})
-    assert "kd.teacher: not set" in refused({"weight": 1.0})
-    assert "kd.weight must be > 0" in refused({"teacher": str(good), "weight": 0})
-    assert "kd.weight must be a number" in refused({"teacher": str(good), "weight": "lots"})
+    # The section itself is the schema's to check, once, when the config is resolved.
+    for kd, expected in (({"techer": str(good)}, "unknown key 'kd.techer'"),
+                         ({"weight": 1.0}, "missing required key 'kd.teacher'"),
+                         ({"teacher": str(good), "weight": 0}, "'kd.weight' must be > 0"),
+                         ({"teacher": str(good), "weight": "lots"},
+                          "'kd.weight' must be a number")):
+        with pytest.raises(ConfigError, match=expected):
+            resolve_section("kd", kd)
     other_grid = save_fake_run(tmp_path / "grid.pth", smoke_cfg(
         tmp_path, "point_pillar_early_fusion", "preprocess.args.voxel_size=[0.4,0.4,4.0]"))
     assert "preprocess.args.voxel_size" in refused({"teacher": str(other_grid)})
@@ -239,9 +245,9 @@ def test_build_teacher_loads_a_frozen_model_and_refuses_mismatches(tmp_path):
     save_checkpoint(tmp_path / "lying.pth", lying)
     assert "lying.pth does not fit the model" in refused({"teacher": str(tmp_path / "lying.pth")},
                                                          CheckpointError)
-    no_fusion = {**student, "fusion": {"core_method": "early"}}
-    assert "trains an intermediate-fusion student" in refused(
-        {"teacher": str(good)}, student_cfg=no_fusion)
+    with pytest.raises(ConfigError, match="key 'kd' is for an intermediate-fusion student"):
+        load_config(fusion_yaml(tmp_path, "point_pillar_disconet"),
+                    ["fusion.core_method=early"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -279,30 +285,25 @@ def student_argv(folder: Path, data_root: Path, teacher: Path, *extra):
 
 @pytest.fixture(scope="module")
 def straight_run(data_root, teacher_run, tmp_path_factory):
-    """2 epochs of 2 steps with EMA, spying on the teacher and on what the optimizer gets."""
+    """2 epochs of 2 steps with EMA, spying on the teacher and on what the optimizer holds."""
     work = tmp_path_factory.mktemp("student")
     seen = {}
-    real_build_teacher, real_build_optimizer = trainer.build_teacher, trainer.build_optimizer
 
-    def teacher_spy(cfg, device):
-        teacher = real_build_teacher(cfg, device)
+    def parts_spy(parts, info):       # before the first step
+        teacher = parts.task.teacher
         seen["teacher"] = teacher
         seen["teacher_at_start"] = copy.deepcopy(teacher.model.state_dict())
-        return teacher
-
-    def optimizer_spy(params, optimizer_cfg):
-        seen["optimized"] = list(params)
-        return real_build_optimizer(seen["optimized"], optimizer_cfg)
+        seen["optimized"] = [param for group in parts.optimizer.param_groups
+                             for param in group["params"]]
 
     with pytest.MonkeyPatch.context() as patch, preserved_opencood_logger():
         patch.setattr(torch.cuda, "is_available", lambda: False)
-        patch.setattr(trainer, "build_teacher", teacher_spy)
-        patch.setattr(trainer, "build_optimizer", optimizer_spy)
         result = trainer.main([*student_argv(work, data_root, teacher_run,
                                              "--set", "train_params.epoches=2",
                                              "--set", "train_params.save_freq=1",
                                              "--set", "ema.enabled=true", "--set", "ema.tau=2"),
-                               "--model_dir", str(work / "run")])
+                               "--model_dir", str(work / "run")],
+                              hooks=TrainHooks(on_parts=parts_spy))
     return work / "run", result, seen
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from opencood.config import ConfigError
+from opencood.errors import ConfigError
 from opencood.engine.recipe import new_run_folder_name
 from opencood.utils.checkpoint import load_checkpoint
 from opv2v_factory import frame_stamps, write_simple_split

@@ -46,7 +46,7 @@ def test_no_ramp_when_tau_is_zero():
 
 def test_ema_copy_is_frozen_and_independent():
     model = nn.Linear(2, 2)
-    ema = ModelEMA(model)
+    ema = ModelEMA(model, decay=0.999, tau=200)
     assert not ema.ema_model.training
     assert not any(p.requires_grad for p in ema.module.parameters())
     assert all(p.requires_grad for p in model.parameters()) and model.training
@@ -130,6 +130,6 @@ def test_ema_identical_across_ddp_ranks():
 
 
 def test_update_from_a_different_model_names_the_key():
-    ema = ModelEMA(nn.Linear(2, 2))
+    ema = ModelEMA(nn.Linear(2, 2), decay=0.999, tau=200)
     with pytest.raises(KeyError, match="'weight'"):
         ema.update(nn.Sequential(nn.Linear(2, 2)))  # keys are "0.weight", "0.bias"

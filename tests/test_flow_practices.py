@@ -22,6 +22,7 @@ from tool_modules import load_tool
 from opencood.config import load_config
 from opencood.data.pipeline import BatchPreparer
 from opencood.engine import recipe
+from opencood.engine.hooks import TrainHooks
 from opencood.engine.task import DetectionTask
 from opencood.losses import build_loss
 from opencood.models.build import build_model
@@ -83,20 +84,14 @@ class RecordingDataset:
         return getattr(self.dataset, name)
 
 
-def test_every_epoch_reads_its_own_shuffle_of_the_training_split(data_root, tmp_path,
-                                                                monkeypatch):
+def test_every_epoch_reads_its_own_shuffle_of_the_training_split(data_root, tmp_path):
     """Epoch e reads DistributedSampler(seed, shuffle=True).set_epoch(e)'s order, whole batches.
     Fails if the flow stops calling set_epoch(epoch), calls it with a constant, or trains
     without shuffling."""
-    reads, real_build = [], train_tool.build_dataset
-
-    def build_dataset(cfg, split, **kwargs):
-        dataset = real_build(cfg, split, **kwargs)
-        return RecordingDataset(dataset, reads) if split == "train" else dataset
-
-    monkeypatch.setattr(train_tool, "build_dataset", build_dataset)
+    reads = []
+    recording = TrainHooks(wrap_train_set=lambda dataset: RecordingDataset(dataset, reads))
     train_tool.main(run_args(data_root, tmp_path / "run", "train_params.epoches=3",
-                             "train_params.batch_size=2", "seed=7"))
+                             "train_params.batch_size=2", "seed=7"), hooks=recording)
     for epoch in (1, 2, 3):
         sampler = torch.utils.data.DistributedSampler(range(8), num_replicas=1, rank=0,
                                                       shuffle=True, seed=7)
@@ -155,18 +150,16 @@ def _first_step_stalls_on_rank_1(rank, world_size, port, argv):
     import os
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    real_step, waited = train_tool.optimizer_step, {}
+    waited = {}
 
-    def late_step(*args, **kwargs):
+    def late_step(step):
         if not waited:
             waited["since"] = time.monotonic()
             if rank == 1:
                 time.sleep(15)
-        return real_step(*args, **kwargs)
 
-    train_tool.optimizer_step = late_step
     try:
-        train_tool.main(argv)
+        train_tool.main(argv, hooks=TrainHooks(before_step=late_step))
         outcome = {"finished": True}
     except SystemExit as error:
         outcome = {"exit": str(error.code)}

@@ -1,5 +1,5 @@
 """Rotated BEV IoU and NMS against hand-computed geometry and, on random boxes, the polygon-clipping
-reference (tests/reference_impls.py).
+reference (opencood/testing/reference_impls.py).
 
 Boxes are [x, y, z, h, w, l, yaw] (order 'hwl'); only x, y, w, l, yaw matter in BEV.
 """
@@ -13,8 +13,7 @@ from opencood.ops.iou import (boxes_bev_iou, boxes_bev_iou_aligned, boxes_bev_io
                                polygon_intersection_area)
 from opencood.ops.nms import nms_rotated
 from opencood.ops.transforms import boxes_to_bev_corners
-
-from reference_impls import reference_iou_table
+from opencood.testing.reference_impls import reference_iou_table
 
 SQRT2 = math.sqrt(2.0)
 

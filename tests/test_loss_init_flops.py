@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from torchvision.ops import sigmoid_focal_loss
 
-from opencood.losses import DetectionLoss, build_loss
+from opencood.losses import DetectionLoss, PointPillarLossArgs, build_loss
 from opencood.models.heads import AnchorHead
 from opencood.utils.init import init_weights
 from opencood.utils.model_stats import count_flops, count_parameters, format_model_summary
@@ -36,7 +36,7 @@ def targets_with_one_positive(anchor=5, batch=1):
 
 
 def test_loss_terms_match_hand_computation_for_one_positive():
-    loss_fn = DetectionLoss(cls_weight=1.0, reg_weight=2.0, dir_weight=0.2)
+    loss_fn = DetectionLoss(PointPillarLossArgs(cls_weight=1.0, reg_weight=2.0, dir_weight=0.2))
     outputs = zero_outputs()
     reg_rows = torch.zeros(1, N, 7)
     reg_rows[0, 5, 0] = 1.0            # x residual off by 1 on the positive anchor
@@ -61,7 +61,7 @@ def test_loss_terms_match_hand_computation_for_one_positive():
 
 
 def test_regression_uses_sine_difference_for_yaw():
-    loss_fn = DetectionLoss(cls_weight=0.0, dir_weight=0.0)
+    loss_fn = DetectionLoss(PointPillarLossArgs(cls_weight=0.0, dir_weight=0.0))
     targets = targets_with_one_positive()
     targets["reg_targets"][0, 5, 6] = 0.3
     outputs = zero_outputs()
@@ -125,7 +125,7 @@ def one_positive_outputs(batch=1):
 
 
 def test_per_sample_losses_hand_computed_with_a_sample_without_positives():
-    loss_fn = DetectionLoss(cls_weight=1.0, reg_weight=2.0, dir_weight=0.2)
+    loss_fn = DetectionLoss(PointPillarLossArgs(cls_weight=1.0, reg_weight=2.0, dir_weight=0.2))
     targets = targets_with_one_positive(batch=2)
     targets["labels"][1, 5] = 0          # sample 1: a frame without vehicles
     outputs = one_positive_outputs(batch=2)

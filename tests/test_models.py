@@ -8,9 +8,9 @@ import torch
 from opencood.config import resolve_section
 from opencood.losses import DetectionLoss
 from opencood.models import build_model
-from opencood.models.backbone import BaseBEVBackbone
-from opencood.models.fusion import Where2comm
-from opencood.models.pillar_vfe import PillarVFE
+from opencood.models.backbone import BackboneArgs, BaseBEVBackbone
+from opencood.models.fusion import DenseFusionArgs, Where2comm, Where2commArgs
+from opencood.models.pillar_vfe import PillarVFE, PillarVFEArgs
 from opencood.models.scatter import PointPillarScatter
 from opencood.registry import FUSIONS, MODELS, RegistryError
 
@@ -231,8 +231,8 @@ def test_where2comm_with_zero_budget_is_exactly_ego_only(fusion_mode):
 @pytest.mark.parametrize("fusion_mode", ["attention", "max"])
 def test_where2comm_fusion_with_zero_budget_returns_the_ego_map_bit_for_bit(fusion_mode):
     torch.manual_seed(0)
-    fusion = Where2comm(in_channels=6, num_anchors=2, threshold=0.0, max_bytes_per_agent=0,
-                        fusion_mode=fusion_mode)
+    fusion = Where2comm(Where2commArgs(threshold=0.0, max_bytes_per_agent=0,
+                                       fusion_mode=fusion_mode), in_channels=6, num_anchors=2)
     features = torch.randn(5, 6, 4, 4)           # negative values too: max would pick others
     result = fusion(features, torch.tensor([3, 2]))
     assert torch.equal(result.features, features[[0, 3]])
@@ -267,7 +267,8 @@ def test_where2comm_bytes_count_the_selected_cells():
 
 
 def test_where2comm_top_k_keeps_the_most_confident_cells():
-    fusion = Where2comm(in_channels=2, num_anchors=1, threshold=0.5, max_bytes_per_agent=2 * 8)
+    fusion = Where2comm(Where2commArgs(threshold=0.5, max_bytes_per_agent=2 * 8), in_channels=2,
+                        num_anchors=1)
     confidence = torch.tensor([[[0.9, 0.2], [0.6, 0.7]],     # ego: everything kept
                                [[0.9, 0.2], [0.6, 0.7]],     # top-2 of those above 0.5
                                [[0.1, 0.2], [0.55, 0.3]]])   # only one above the threshold
@@ -302,7 +303,7 @@ def test_fcooper_at_backbone_stage_fuses_the_backbone_output():
 
 
 def test_pillar_vfe_decorates_with_mean_and_centre_offsets_and_ignores_padding():
-    vfe = PillarVFE(VOXEL_SIZE, LIDAR_RANGE, num_filters=(8,))
+    vfe = PillarVFE(PillarVFEArgs(num_filters=(8,)), VOXEL_SIZE, LIDAR_RANGE)
     features = torch.zeros(1, 3, 4)
     features[0, :2] = torch.tensor([[1.1, -7.9, -1.0, 0.5], [1.3, -7.7, 0.0, 0.1]])
     num_points = torch.tensor([2])
@@ -318,7 +319,7 @@ def test_pillar_vfe_decorates_with_mean_and_centre_offsets_and_ignores_padding()
     garbage[0, 2] = torch.tensor([50.0, 50.0, 50.0, 9.0])
     torch.testing.assert_close(vfe(garbage, num_points, coords), vfe(features, num_points, coords))
 
-    two_layers = PillarVFE(VOXEL_SIZE, LIDAR_RANGE, num_filters=(6, 8)).eval()
+    two_layers = PillarVFE(PillarVFEArgs(num_filters=(6, 8)), VOXEL_SIZE, LIDAR_RANGE).eval()
     assert two_layers.out_channels == 8
     torch.testing.assert_close(two_layers(garbage, num_points, coords),
                                two_layers(features, num_points, coords))
@@ -337,8 +338,7 @@ def test_scatter_puts_each_pillar_in_its_agent_and_cell():
 
 
 def test_backbone_calls_the_fusion_once_per_scale():
-    backbone = BaseBEVBackbone(8, **{k.replace("num_upsample_filter", "num_upsample_filters"): v
-                                     for k, v in BACKBONE.items()}).eval()
+    backbone = BaseBEVBackbone(BackboneArgs(**BACKBONE), in_channels=8).eval()
     seen = []
 
     def ego_only(features, record_len):
@@ -357,7 +357,7 @@ def test_backbone_calls_the_fusion_once_per_scale():
 
 
 def test_attention_fusion_weights_agents_by_similarity_to_the_ego():
-    attfuse = FUSIONS.get("attfuse")()
+    attfuse = FUSIONS.get("attfuse")(DenseFusionArgs(), in_channels=2, num_anchors=1)
     ego = torch.tensor([1.0, 0.0])
     other = torch.tensor([0.0, 2.0])
     features = torch.stack([ego, other]).view(2, 2, 1, 1)

@@ -4,9 +4,12 @@ The old path is kept in ``tests/reference_pipeline.py``; on a small synthetic V2
 vehicles and a roadside unit, real ray-cast clouds, crops that cut) every fusion dataset, with
 augmentation on and off, pose noise and latency on, must give the same sample: the same keys,
 agents, types and latencies, the same augmentation draws (hence the same GT ids and visibility
-counts), points and boxes equal up to float32 rounding.
+counts), points and boxes equal up to float32 rounding. The same holds on the tiny world
+written as V2V4Real and as DAIR-V2X-C.
 """
 import dataclasses
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,6 +18,8 @@ import torch
 from opencood.data.collate import build_loader
 from opencood.data.datasets import (EarlyFusionDataset, IntermediateFusionDataset,
                                     LateFusionDataset, NoFusionDataset)
+from opencood.data.opv2v import remove_own_body_points
+from opencood.data.pcd import read_pcd, write_pcd
 from opencood.data.synthetic import generate_dataset
 from opencood.data.synthetic.presets import get_preset
 from opencood.data.wild import WildSetting
@@ -123,6 +128,69 @@ def test_distillation_cloud_equals_the_reference(v2x_split, augment):
 def test_late_fusion_whole_samples_in_training_equal_the_reference(v2x_split):
     # Late fusion's AP view (every agent in its own frame) with augmentation drawn.
     check_every_sample(make_dataset(v2x_split, "late", True, per_cav=False))
+
+
+@pytest.fixture(scope="module")
+def real_format_splits(tmp_path_factory):
+    """The tiny synthetic world written as V2V4Real (two CAVs) and as DAIR-V2X-C (a vehicle and
+    a roadside unit): {dataset name: (train split, cache folder)}."""
+    splits = {}
+    for name, split in (("v2v4real", "train"), ("dairv2x",
+                                                 "cooperative-vehicle-infrastructure/train.json")):
+        out = tmp_path_factory.mktemp(f"pipeline_{name}")
+        generate_dataset(out, preset="tiny", seed=0, progress=False, data_format=name)
+        splits[name] = (out / split, tmp_path_factory.mktemp(f"pipeline_{name}_cache"))
+    return splits
+
+
+@pytest.mark.parametrize("augment", [True, False], ids=["augment", "plain"])
+@pytest.mark.parametrize("fusion", list(DATASETS))
+@pytest.mark.parametrize("data_format", ["v2v4real", "dairv2x"])
+def test_real_world_formats_equal_the_reference_pipeline(real_format_splits, data_format, fusion,
+                                                         augment):
+    # Their readers give the datasets' per-key interface (4x4 poses, own-frame or world-corner
+    # labels, own-body removal in their cache entries); the samples must be main's.
+    dataset = make_dataset(real_format_splits[data_format], fusion, augment, dataset=data_format)
+    assert len(dataset.split.info(0).cav_ids) == 2
+    check_every_sample(dataset, epochs=(0, 1) if augment else (0,))
+
+
+# Returns off a CAV's own body (inside opencood.data.opv2v's OWN_BODY box): the synthetic clouds
+# have none, so the test below writes some into every cloud.
+BODY_POINTS = np.array([[0.5, 0.3, -1.0, 40.0], [-1.5, -0.9, -0.5, 90.0]], dtype=np.float32)
+
+
+def _add_body_points(tree: Path, data_format: str) -> None:
+    """Every PCD under ``tree`` rewritten with BODY_POINTS appended, in its format's layout."""
+    layout = ({"intensity_field": "intensity", "data": "binary"} if data_format == "dairv2x"
+              else {"intensity_field": "rgb", "data": "ascii"})
+    points = BODY_POINTS if data_format == "dairv2x" else BODY_POINTS / [1, 1, 1, 255]
+    for path in tree.rglob("*.pcd"):
+        write_pcd(path, np.concatenate([read_pcd(path), points]), **layout)
+
+
+@pytest.mark.parametrize("data_format", ["v2v4real", "dairv2x"])
+def test_real_world_formats_drop_own_body_returns_as_before(real_format_splits, data_format,
+                                                            tmp_path):
+    # main's datasets removed the own-body box from every format's agents (the roadside unit's
+    # too); the readers' load_points must do it, in their own cache entries.
+    split, _ = real_format_splits[data_format]
+    root = split.parent                      # the data root (V2V4Real) or DAIR's folder
+    copy = tmp_path / "data"
+    shutil.copytree(root, copy)
+    _add_body_points(copy, data_format)
+    split_copy = copy / split.relative_to(root)
+    for fusion in ("intermediate", "late"):
+        dataset = make_dataset((split_copy, tmp_path / "cache"), fusion, True,
+                               dataset=data_format)
+        info = dataset.split.info(0)
+        for cav_id in info.cav_ids:
+            frame = (info.scenario, cav_id, info.timestamp)
+            raw = dataset.split.load_cav_frame(*frame)["points"]
+            kept = dataset.split.load_points(*frame)
+            assert len(kept) == len(raw) - len(BODY_POINTS)
+            np.testing.assert_array_equal(kept, remove_own_body_points(raw))
+        check_every_sample(dataset)
 
 
 def test_a_worker_collates_into_shared_memory_the_batches_made_in_process(v2x_split):

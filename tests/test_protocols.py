@@ -8,8 +8,8 @@ import pytest
 from opencood.config import apply_overrides
 from opencood.eval.ap import APAccumulator, boxes_inside_bev_range
 from opencood.eval.protocols import PROTOCOLS
+from opencood.testing.reference_impls import reference_ap
 from opencood.utils.fake_batch import fake_detection_frames
-from reference_impls import reference_ap
 from test_ap import cars
 
 

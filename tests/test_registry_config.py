@@ -2,8 +2,8 @@
 import pytest
 import yaml
 
-from opencood.config import (ConfigError, apply_overrides, load_config, merge_configs,
-                             parse_override, save_config)
+from opencood.config import apply_overrides, load_config, merge_configs, parse_override, save_config
+from opencood.errors import ConfigError
 from opencood.registry import Registry, RegistryError
 
 
@@ -16,13 +16,45 @@ def test_registry_refuses_duplicates_and_lists_known_names():
 
     reg.add("beta", dict)
     assert reg.get("alpha") is Alpha
-    assert reg.build("beta", a=1) == {"a": 1}
+    assert reg.build("beta", {"a": 1}, "model.args") == {"a": 1}     # no schema: the mapping
     with pytest.raises(RegistryError, match="already registered"):
         reg.add("alpha", list)
     with pytest.raises(RegistryError) as info:
         reg.get("gamma")
     assert "unknown model 'gamma'" in str(info.value)
     assert "alpha, beta" in str(info.value)
+
+
+def test_registry_discovers_its_package_and_builds_from_the_registered_schema(tmp_path,
+                                                                              monkeypatch):
+    from opencood.config_schema import SchemaError
+    package = tmp_path / "toy_parts"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "wide.py").write_text(
+        "from opencood.config_schema import positive, section, spec\n"
+        "from toy_registry import PARTS\n"
+        "@section\n"
+        "class WideArgs:\n"
+        "    width: int = spec(8, check=positive)\n"
+        "@PARTS.register('wide', args=WideArgs)\n"
+        "class Wide:\n"
+        "    def __init__(self, args, depth):\n"
+        "        self.width, self.depth = args.width, depth\n")
+    (tmp_path / "toy_registry.py").write_text(
+        "from opencood.registry import Registry\n"
+        "PARTS = Registry('part', package='toy_parts')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from toy_registry import PARTS
+    assert PARTS.names() == ["wide"]              # no import of toy_parts.wide anywhere
+    assert PARTS.args_schema("wide").__name__ == "WideArgs"
+    part = PARTS.build("wide", {}, "model.args", depth=2)
+    assert (part.width, part.depth) == (8, 2)     # the default comes from the dataclass
+    assert PARTS.build("wide", {"width": 3}, "model.args", depth=1).width == 3
+    with pytest.raises(SchemaError, match="'model.args.width' must be > 0"):
+        PARTS.build("wide", {"width": 0}, "model.args", depth=1)
+    with pytest.raises(SchemaError, match="unknown key 'model.args.wdth'.*did you mean 'width'"):
+        PARTS.build("wide", {"wdth": 3}, "model.args", depth=1)
 
 
 MINIMAL = {

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import opencood.data.datasets  # noqa: F401  (registers the datasets)
-from opencood.config import ConfigError, load_config
+from opencood.config import load_config
+from opencood.errors import ConfigError
 from opencood.registry import DATASETS, STRATEGIES
 from opencood.strategies import FusionStrategy, get_strategy, strategy_names
 

@@ -1,19 +1,20 @@
 """Anchors, residual box coding, direction bins and target assignment on hand-made scenes, and
-assignment against the plain-Python reference (tests/reference_impls.py) on random ones."""
+assignment against the plain-Python reference (opencood/testing/reference_impls.py) on
+random ones."""
 import math
 
 import pytest
 import torch
 
+from opencood.config import resolve_section
 from opencood.ops.transforms import limit_period
 from opencood.postprocess.anchors import generate_anchors
 from opencood.postprocess.box_coder import ResidualBoxCoder
 from opencood.postprocess.layout import flatten_anchor_maps
 from opencood.postprocess.target_assigner import assign_targets, standup_bev
 from opencood.postprocess.voxel_postprocessor import VoxelPostprocessor, anchors_from_config
+from opencood.testing.reference_impls import reference_assign_targets
 from opencood.utils.fake_batch import random_vehicle_boxes
-
-from reference_impls import reference_assign_targets
 
 OPV2V_RANGE = [-140.8, -40.0, -3.0, 140.8, 40.0, 1.0]
 SMALL_RANGE = [0.0, 0.0, -3.0, 8.0, 8.0, 1.0]
@@ -53,7 +54,8 @@ def test_small_anchor_grid_and_config():
     assert anchors.shape == (4, 4, 2, 7)
     torch.testing.assert_close(anchors[1, 2, 1],
                                torch.tensor([5.0, 3.0, -1.0, 1.5, 1.0, 2.0, math.pi / 2]))
-    anchor_args = {"h": 1.5, "w": 1.0, "l": 2.0, "r": [0, 90], "feature_stride": 2, "num": 2}
+    anchor_args = resolve_section("postprocess", {"anchor_args": {
+        "h": 1.5, "w": 1.0, "l": 2.0, "z": -1.0, "r": [0, 90], "feature_stride": 2}})["anchor_args"]
     preprocess = {"cav_lidar_range": SMALL_RANGE, "args": {"voxel_size": [1, 1, 4]}}
     from_yaml = anchors_from_config(anchor_args, preprocess, order="hwl")
     torch.testing.assert_close(from_yaml, anchors)

@@ -6,6 +6,7 @@ session (``two_rank_runs``) whose parts are checked by separate tests.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import shutil
@@ -16,10 +17,13 @@ import pytest
 import torch
 import yaml
 
-from opencood.config import ConfigError, resolve_section
+from opencood import config as config_io
+from opencood.config import resolve_section
 from opencood.engine import recipe, state as train_state
+from opencood.engine.hooks import NO_HOOKS, TrainHooks
 from opencood.engine.optim import build_optimizer, build_scheduler, lr_factor
 from opencood.engine.task import DetectionTask
+from opencood.errors import ConfigError
 from opencood.utils import dist as dist_utils
 from opencood.utils.checkpoint import history_path, load_checkpoint
 from opencood.utils.dist import DistInfo
@@ -115,16 +119,15 @@ def _describe_prepared_model(model, bare, info) -> dict:
     }
 
 
-def _main_on_rank(rank, world_size, port, argv):
+def _main_on_rank(rank, world_size, port, argv, hooks: TrainHooks = NO_HOOKS):
     """trainer.main as torchrun would start it on ``rank``, with spies on what it writes and on
-    the model it prepares."""
+    the model it prepares (``hooks``: more callbacks for the run; its on_parts is the spy's)."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     written = []  # files this rank's trainer asked to write (both ranks share the folder)
     prepared = {}
-    save_checkpoint, save_config = train_state.save_checkpoint, trainer.save_config
+    save_checkpoint, atomic_write = train_state.save_checkpoint, config_io.atomic_write
     save_with_history = train_state.save_with_history
-    prepare_model = trainer.prepare_model
 
     def checkpoint_spy(path, state):
         written.append(Path(path).name)
@@ -134,28 +137,25 @@ def _main_on_rank(rank, world_size, port, argv):
         written.append("last.pth")
         return save_with_history(run_dir, state, step, keep)
 
-    def config_spy(cfg, path):
+    def config_spy(path):     # what opencood.config.save_config writes through
         written.append(Path(path).name)
-        return save_config(cfg, path)
+        return atomic_write(path)
 
-    def prepare_spy(cfg, info, checkpoint, ckpt_path):
-        model, bare, ema = prepare_model(cfg, info, checkpoint, ckpt_path)
-        prepared.update(_describe_prepared_model(model, bare, info))
-        return model, bare, ema
+    def describe_spy(parts, info):
+        prepared.update(_describe_prepared_model(parts.model, parts.model_without_ddp, info))
 
-    train_state.save_checkpoint, trainer.save_config = checkpoint_spy, config_spy
+    train_state.save_checkpoint, config_io.atomic_write = checkpoint_spy, config_spy
     train_state.save_with_history = history_spy
-    trainer.prepare_model = prepare_spy
+    spied = dataclasses.replace(hooks, on_parts=describe_spy)
     try:
-        return {"result": trainer.main(argv), "written": written, "model": prepared}
+        return {"result": trainer.main(argv, spied), "written": written, "model": prepared}
     except SystemExit as error:
         return {"exit": str(error.code), "written": written}
     except BaseException:  # reported by the test that owns this part
         return {"error": traceback.format_exc()}
     finally:
-        train_state.save_checkpoint, trainer.save_config = save_checkpoint, save_config
+        train_state.save_checkpoint, config_io.atomic_write = save_checkpoint, atomic_write
         train_state.save_with_history = save_with_history
-        trainer.prepare_model = prepare_model
 
 
 def _two_rank_body(rank, world_size, jobs):
@@ -266,12 +266,12 @@ def test_tensorboard_holds_the_promised_scalars(two_rank_runs):
 
 def test_impossible_global_batch_fails_on_every_rank(two_rank_runs):
     work, results = two_rank_runs
-    for rank, outcome in enumerate(rank_results["bad_split"] for rank_results in results):
-        assert "exit" in outcome, f"rank {rank}: {outcome}"
-        message = outcome["exit"]
-        assert message.startswith("error: ") and "\n" not in message
-        assert "global batch 3 cannot be split over world size 2" in message
-        assert "2 or 4" in message  # the fix is named
+    rank0, rank1 = (rank_results["bad_split"] for rank_results in results)
+    message = rank0.get("exit", "")
+    assert message.startswith("error: ") and "\n" not in message, rank0
+    assert "global batch 3 cannot be split over world size 2" in message
+    assert "2 or 4" in message  # the fix is named
+    assert rank1 == {"exit": "1", "written": []}  # the same error: rank 0 prints it for the job
     assert not (work / "bad_split").exists()  # failed before writing a run folder
 
 
@@ -325,7 +325,7 @@ def test_every_parameter_receives_a_gradient(name, data_root, tmp_path):
     cfg = load_config(fusion_yaml(tmp_path, name),
                       [arg for arg in data_args(data_root, validate=None) if arg != "--set"])
     info = DistInfo(0, 1, 0, False, None, CPU)
-    model, model_without_ddp, _ = trainer.prepare_model(cfg, info, None, None)
+    model, model_without_ddp, _ = recipe.prepare_model(cfg, info, None, None)
     assert model is model_without_ddp  # no DDP wrapper in one process
     dataset = build_dataset(cfg, "train", train=True)
     task = DetectionTask(BatchPreparer.from_config(cfg, CPU), build_loss(cfg["loss"]))
@@ -346,7 +346,7 @@ def test_model_summary_does_not_change_the_model(data_root):
     from opencood.data.datasets import build_dataset
     loader = torch.utils.data.DataLoader(build_dataset(cfg, "train", train=True), batch_size=2,
                                          collate_fn=collate_samples)
-    model, _, _ = trainer.prepare_model(cfg, info, None, None)
+    model, _, _ = recipe.prepare_model(cfg, info, None, None)
     before = {key: value.clone() for key, value in model.state_dict().items()}
     assert any("running_mean" in key for key in before)  # the summary's forward would move them
     recipe.log_model_summary(model, BatchPreparer.from_config(cfg, CPU), loader)
@@ -492,17 +492,19 @@ def test_restore_grad_scaler_loads_skips_or_ignores():
     assert not disabled.is_enabled() and disabled.state_dict() == {}
 
 
-def test_fp16_resume_of_a_run_saved_without_a_scaler(data_root, tmp_path, monkeypatch,
-                                                     cpu_only):
+def test_fp16_resume_of_a_run_saved_without_a_scaler(data_root, tmp_path, cpu_only):
     """An fp32 run resumed with fp16 (an enabled GradScaler, which CPU training does not
     otherwise get) continues, loss scaling from the default scale."""
     run_dir = tmp_path / "run"
     trainer.main(["--hypes_yaml", str(SMOKE_YAML), "--model_dir", str(run_dir),
                   "--set", "train_params.epoches=1", *data_args(data_root, validate=None)])
     assert load_checkpoint(run_dir / "last.pth")["scaler"] == {}
-    monkeypatch.setattr(trainer, "amp_settings",
-                        lambda cfg, device: (None, torch.amp.GradScaler("cpu")))
-    result = trainer.main(["--model_dir", str(run_dir), "--set", "train_params.epoches=2"])
+
+    def enable_loss_scaling(parts, info):   # before the resume restores the scaler's state
+        parts.scaler = torch.amp.GradScaler("cpu")
+
+    result = trainer.main(["--model_dir", str(run_dir), "--set", "train_params.epoches=2"],
+                          hooks=TrainHooks(on_parts=enable_loss_scaling))
     assert result["step"] == 4  # 2 epochs of 2 steps
     scaler = load_checkpoint(run_dir / "last.pth")["scaler"]
     assert scaler["scale"] == 2.0 ** 16  # torch's default initial scale, no overflow on CPU
@@ -605,16 +607,13 @@ def test_slurm_environment_runs_a_one_rank_process_group(data_root, tmp_path, mo
     monkeypatch.setenv("SLURM_JOB_NODELIST", "localhost")
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     seen = {}
-    original_train = trainer.train
 
-    def spy(cfg, args, info):
+    def spy(parts, info):
         seen.update(initialized=dist_utils.is_dist_initialized(), info=info)
-        return original_train(cfg, args, info)
 
-    monkeypatch.setattr(trainer, "train", spy)
     result = trainer.main(["--hypes_yaml", str(SMOKE_YAML), "--model_dir", str(tmp_path / "run"),
                            "--set", "train_params.epoches=1",
-                           *data_args(data_root, validate=None)])
+                           *data_args(data_root, validate=None)], hooks=TrainHooks(on_parts=spy))
     assert seen["initialized"]
     info = seen["info"]
     assert (info.rank, info.world_size, info.local_rank, info.distributed, info.backend) == \
@@ -789,10 +788,10 @@ def test_amp_is_used_on_cuda_only():
     slower than fp32), and fp16 gets a GradScaler only on CUDA."""
     from opencood.engine.recipe import amp_settings
 
-    cfg = {"amp": {"enabled": True, "dtype": "bf16"}}
-    dtype, scaler = amp_settings(cfg, torch.device("cpu"))
+    dtype, scaler = amp_settings(resolve_section("amp", {"enabled": True, "dtype": "bf16"}),
+                                 torch.device("cpu"))
     assert dtype is None and not scaler.is_enabled()
-    dtype, scaler = amp_settings({"amp": {"enabled": False}}, torch.device("cpu"))
+    dtype, scaler = amp_settings(resolve_section("amp", {"enabled": False}), torch.device("cpu"))
     assert dtype is None and not scaler.is_enabled()
 
 
@@ -812,18 +811,17 @@ def test_unknown_model_name_is_a_one_line_error_listing_models(tmp_path):
 
 
 def _late_rank_main(rank, world_size, port, argv):
-    """trainer.main where rank 1 gets stuck after its last batch of epoch 1."""
+    """trainer.main where rank 1 gets stuck after its last step of epoch 1 (step 2: train4 in
+    global batches of 2)."""
     import time as time_module
-    real_group = trainer.group_micro_batches
 
-    def stuck_after_the_epoch(loader, accum):
-        yield from real_group(loader, accum)
-        if rank == 1:
+    def stuck_after_the_epoch(step, stats):
+        if rank == 1 and step == 2:
             time_module.sleep(20)
 
-    trainer.group_micro_batches = stuck_after_the_epoch
     start = time_module.monotonic()
-    outcome = _main_on_rank(rank, world_size, port, argv)
+    outcome = _main_on_rank(rank, world_size, port, argv,
+                            TrainHooks(after_step=stuck_after_the_epoch))
     outcome["seconds"] = time_module.monotonic() - start
     return outcome
 

@@ -3,8 +3,7 @@ import pytest
 import torch
 
 from opencood.ops.voxelize import PillarizeConfig, grid_size, pillarize
-
-from reference_impls import reference_pillarize
+from opencood.testing.reference_impls import reference_pillarize
 
 SMALL_RANGE = [0.0, 0.0, -3.0, 8.0, 8.0, 1.0]
 OPV2V_RANGE = [-140.8, -40.0, -3.0, 140.8, 40.0, 1.0]

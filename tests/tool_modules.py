@@ -1,7 +1,8 @@
-"""The scripts in tools/ as importable modules, so tests drive (and spy on) the flow a user runs.
+"""The scripts in tools/ as importable modules, so tests drive the flow a user runs.
 
 tools/ is not a package: a script is loaded from its file once per process and cached in
-``sys.modules``, so monkeypatching a name in the module changes what its functions call.
+``sys.modules``. Tests watch a run through its parameters (``tools/train.py``'s ``main(argv,
+hooks)``, opencood.engine.hooks), not by patching the script's names.
 """
 from __future__ import annotations
 

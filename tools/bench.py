@@ -26,9 +26,10 @@ How to read a line
     fp32 on CPU; the other figures are fp32 (``amp_yaml`` says what the yaml asks for).
     A speed ratio compares ours with a reference ON THE SAME INPUT IN THE SAME RUN:
     ``reference_ms`` is one run of the reference the line names (``reference``), ``speedup`` is
-    reference_ms / ms. The plain-Python references are those of tests/reference_impls.py, the
-    definitions the tests prove our code equal to on random inputs (loaded from there, so the
-    ratio is against checked code, not an unchecked copy here).
+    reference_ms / ms. The plain-Python references are those of
+    opencood/testing/reference_impls.py, the definitions the tests prove our code equal to on
+    random inputs (imported from there, so the ratio is against checked code, not an unchecked
+    copy here).
     A figure that cannot run here is ``{"figure": ..., "skipped": "reason"}``; one that failed is
     ``{"figure": ..., "error": ...}`` (and the exit status is 1). Bad input (a missing file, an
     unknown model or figure) is one ``error: ...`` line on stderr and exit status 1.
@@ -63,7 +64,6 @@ import torch
 from opencood.errors import OpencoodError, run_cli
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-REFERENCE_FILE = REPO_ROOT / "tests" / "reference_impls.py"
 STEP_PARTS = ["pillarise", "targets", "forward", "loss", "backward", "grad_clip",
               "optimizer_step"]
 AP_THRESHOLDS = (0.3, 0.5, 0.7)
@@ -271,8 +271,13 @@ def apply_preset(args: argparse.Namespace, preset: Preset) -> None:
 
 
 def resolve_split_dir(data: str) -> Path:
-    """--data is an OPV2V root (with train/) or one split folder; either must hold frames."""
+    """--data is an OPV2V root (with train/) or one split folder; either must hold frames.
+    DAIR-V2X-C (a config with fusion.dataset: dairv2x): its root or a split json."""
     path = Path(data).expanduser()
+    if path.suffix == ".json" and path.is_file():
+        return path
+    if (path / "cooperative" / "data_info.json").is_file() and (path / "train.json").is_file():
+        return path / "train.json"
     if not path.is_dir():
         raise BenchError(f"--data {data}: no such folder")
     split = path / "train" if (path / "train").is_dir() else path
@@ -311,13 +316,10 @@ def summarise(times_ms: List[float], scale: float = 1.0) -> Dict:
             "ms_max": round(max(values), 3)}
 
 
-def versus(ours_ms: float, reference: str, reference_fn: Optional[Callable[[], object]],
+def versus(ours_ms: float, reference: str, reference_fn: Callable[[], object],
            scale: float = 1.0) -> Dict:
     """``reference_ms`` (one run of ``reference_fn``, divided by ``scale``) and the ``speedup``
-    of ours over it; a note instead when the reference is not available here."""
-    if reference_fn is None:
-        return {"reference": f"{reference}: not available ({display_path(REFERENCE_FILE)} "
-                             f"not found)"}
+    of ours over it."""
     # One run: the references are slow Python loops whose run-to-run spread is far smaller
     # than the ratio they are compared by.
     start = time.perf_counter()
@@ -339,25 +341,11 @@ def emit(record: Dict) -> None:
     print(json.dumps(record), flush=True)
 
 
-def load_references():
-    """tests/reference_impls.py as a module, or None where the tests are not present.
-
-    Loaded by path under its own name, not by putting tests/ on sys.path, so nothing else of
-    the tests can be imported by accident; the module imports only torch and opencood.
-    """
-    if not REFERENCE_FILE.is_file():
-        return None
-    spec = importlib.util.spec_from_file_location("opencood_reference_impls", REFERENCE_FILE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 # -- set-up ------------------------------------------------------------------------------------
 
 class Suite:
     """What every figure may use: the arguments, the preset, the device, the config, the
-    references, the results so far; the model set-up (``ModelBench``) is built on first use."""
+    results so far; the model set-up (``ModelBench``) is built on first use."""
 
     def __init__(self, args, preset_name: str, cfg: Dict, device: torch.device,
                  split_dir: Optional[Path]):
@@ -379,11 +367,6 @@ class Suite:
     def model_bench(self) -> "ModelBench":
         return ModelBench(self)
 
-    @functools.cached_property
-    def references(self):
-        """tests/reference_impls.py, or None (then the ratios say so)."""
-        return load_references()
-
     def record(self, figure: str, **values) -> Dict:
         return {"figure": figure, **values, **self.common}
 
@@ -392,42 +375,23 @@ class Suite:
 
 
 class ModelBench:
-    """The config's model, optimiser, loss and a fake batch on the device, as training has them."""
+    """The training objects of tools/train.py in one process (``parts``, a TrainingParts) and a
+    fake batch on the device."""
 
     def __init__(self, suite: Suite):
-        from opencood.engine.optim import build_optimizer
-        from opencood.engine.recipe import (amp_settings, compile_for_training, configure_cuda,
-                                            prepare_model)
-        from opencood.engine.task import DetectionTask
         from opencood.strategies import fuses_agents
-        from opencood.utils.dist import DistInfo
 
         args, cfg, device = suite.args, suite.cfg, suite.device
         self.suite, self.args, self.cfg, self.device = suite, args, cfg, device
-        torch.manual_seed(int(cfg["seed"]))
-        configure_cuda(cfg)
         self.batch_size = args.batch_size
-        info = DistInfo(0, 1, 0, False, None, device)
-        self.model, self.model_without_ddp, self.ema = prepare_model(cfg, info, None, None)
-        self.single_agent = not fuses_agents(self.model_without_ddp)
-        self.model.train()
-        # The step figures run the compiled model (performance.compile); the others, and the
-        # sync count (a dispatch mode), the eager one.
-        self.train_model = compile_for_training(self.model, cfg)
+        self.parts = training_parts(cfg, device)
+        self.single_agent = not fuses_agents(self.parts.model_without_ddp)
+        self.preparer = self.parts.task.preparer      # the training steps' pillar cap
         self.sync_free = cfg["performance"]["sync_free_step"]
-        self.task = DetectionTask.from_config(cfg, device)
-        self.preparer, self.criterion = self.task.preparer, self.task.criterion
-        self.loss_fn = self.task.training_loss
-        self.optimizer = build_optimizer(self.model_without_ddp.parameters(), cfg["optimizer"])
-        amp_cfg = cfg["amp"]
-        amp_yaml = str(amp_cfg["dtype"]) if amp_cfg["enabled"] else "off"
-        if device.type == "cuda":
-            self.amp_dtype, self.scaler = amp_settings(cfg, device)
-        else:  # AMP is a GPU setting; on CPU the bench runs fp32 (amp_yaml still says the yaml)
-            self.amp_dtype, self.scaler = None, torch.amp.GradScaler("cpu", enabled=False)
         self.grad_clip = cfg["train_params"]["grad_clip"]
         self.batch = self._fake_batch()
-        self.common = self._config_fields(amp_yaml)
+        amp_cfg = cfg["amp"]
+        self.common = self._config_fields(str(amp_cfg["dtype"]) if amp_cfg["enabled"] else "off")
 
     def _fake_batch(self) -> Dict:
         from opencood.utils.fake_batch import fake_collated_batch
@@ -460,7 +424,7 @@ class ModelBench:
     def record(self, figure: str, autocast: bool = False, **values) -> Dict:
         """One figure's line; ``autocast``: the figure ran under the training AMP setting
         (``amp`` is then that dtype, else "off": pillarisation, EMA and evaluation run fp32)."""
-        amp = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(self.amp_dtype, "off")
+        amp = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(self.parts.amp_dtype, "off")
         shared = {**self.common, "amp": amp if autocast else "off"}
         # A value measured on real batches (their agents per sample) overrides the fake batch's.
         return self.suite.record(figure, **values,
@@ -470,20 +434,49 @@ class ModelBench:
     def time(self, fn: Callable[[], object]) -> List[float]:
         return self.suite.time(fn)
 
-    def train_step(self, batch, loss_fn, eager: bool = False) -> Dict:
+    def train_step(self, batch, loss_fn, eager: bool = False, ema=None) -> Dict:
+        """One optimizer step as tools/train.py takes it (``ema``: updated after it). The step
+        figures run the compiled model (performance.compile); ``eager`` the uncompiled one
+        (the sync count is a dispatch mode)."""
         from opencood.engine.loop import optimizer_step
-        model = self.model if eager else self.train_model
-        return optimizer_step(model, [batch], loss_fn, self.optimizer, self.scaler,
-                              self.device, self.amp_dtype, self.grad_clip, where="bench",
-                              sync_free=self.sync_free)
+        parts = self.parts
+        model = parts.model_without_ddp if eager else parts.model
+        return optimizer_step(model, [batch], loss_fn, parts.optimizer, parts.scaler,
+                              self.device, parts.amp_dtype, self.grad_clip, where="bench",
+                              sync_free=self.sync_free, ema=ema)
 
     def make_ema(self):
-        if self.ema is not None:
-            return self.ema
+        if self.parts.ema is not None:
+            return self.parts.ema
         from opencood.utils.ema import ModelEMA
         ema_cfg = self.cfg["ema"]
-        return ModelEMA(self.model_without_ddp, decay=float(ema_cfg["decay"]),
+        return ModelEMA(self.parts.model_without_ddp, decay=float(ema_cfg["decay"]),
                         tau=float(ema_cfg["tau"]))
+
+
+def training_parts(cfg: Dict, device: torch.device):
+    """The model (Xavier, EMA), task, optimizer and AMP settings, built as tools/train.py builds
+    them for one process from the config's seed."""
+    from opencood.engine.optim import build_optimizer
+    from opencood.engine.recipe import (amp_settings, compile_for_training, configure_cuda,
+                                        prepare_model)
+    from opencood.engine.state import TrainingParts
+    from opencood.engine.task import DetectionTask
+    from opencood.utils.dist import DistInfo
+    torch.manual_seed(int(cfg["seed"]))
+    configure_cuda(cfg)
+    info = DistInfo(0, 1, 0, False, None, device)
+    model, model_without_ddp, ema = prepare_model(cfg, info, None, None)
+    model.train()
+    task = DetectionTask.from_config(cfg, device)
+    optimizer = build_optimizer(model_without_ddp.parameters(), cfg["optimizer"])
+    if device.type == "cuda":
+        amp_dtype, scaler = amp_settings(cfg["amp"], device)
+    else:  # AMP is a GPU setting; on CPU the bench runs fp32 (amp_yaml still says the yaml)
+        amp_dtype, scaler = None, torch.amp.GradScaler("cpu", enabled=False)
+    # No lr schedule: the timed steps run at the optimizer's lr.
+    return TrainingParts(compile_for_training(model, cfg), model_without_ddp, ema, optimizer,
+                         None, scaler, amp_dtype, task)
 
 
 # -- figures on the model and the fake batch ---------------------------------------------------
@@ -497,13 +490,14 @@ def bench_pillarise(suite: Suite) -> List[Dict]:
     pillars = int(inputs["voxel_coords"].shape[0] if valid is None else valid.sum())
     times = bench.time(lambda: preparer.model_inputs(batch))
     summary = summarise(times)
-    refs = suite.references
+    from opencood.testing.reference_impls import reference_pillarize
     points, agent_index = batch["points"].cpu(), batch["agent_index"].cpu()
     grid = preparer.pillarize
-    reference_fn = None if refs is None else (lambda: refs.reference_pillarize(
-        points, agent_index, grid.lidar_range, grid.voxel_size, grid.max_points_per_pillar))
     return [bench.record("pillarise", **summary, points=int(points.shape[0]), pillars=pillars,
-                         **versus(summary["ms"], "per-point Python dict (CPU)", reference_fn))]
+                         **versus(summary["ms"], "per-point Python dict (CPU)",
+                                  lambda: reference_pillarize(
+                                      points, agent_index, grid.lidar_range, grid.voxel_size,
+                                      grid.max_points_per_pillar)))]
 
 
 def bench_targets(suite: Suite) -> List[Dict]:
@@ -511,7 +505,7 @@ def bench_targets(suite: Suite) -> List[Dict]:
     preparer, batch = bench.preparer, bench.batch
     times = bench.time(lambda: preparer.targets(batch))
     summary = summarise(times)
-    refs = suite.references
+    from opencood.testing.reference_impls import reference_assign_targets
     post = preparer.postprocessor
     anchors = post.anchors.reshape(-1, 7).tolist()
     gt_per_sample = [boxes[mask].tolist() for boxes, mask in
@@ -519,18 +513,18 @@ def bench_targets(suite: Suite) -> List[Dict]:
 
     def reference():
         for gt_boxes in gt_per_sample:
-            refs.reference_assign_targets(anchors, gt_boxes, post.pos_iou, post.neg_iou)
+            reference_assign_targets(anchors, gt_boxes, post.pos_iou, post.neg_iou)
 
     return [bench.record("targets", **summary, anchors_per_sample=len(anchors),
                          gt_boxes=int(batch["gt_mask"].sum()),
                          **versus(summary["ms"], "per anchor-GT pair Python loops (CPU)",
-                                  None if refs is None else reference))]
+                                  reference))]
 
 
 def bench_profile(suite: Suite) -> List[Dict]:
     from opencood.utils.model_stats import count_flops, count_parameters
     bench = suite.model_bench
-    model = bench.model_without_ddp
+    model = bench.parts.model_without_ddp
     total, trainable = count_parameters(model)
     model.eval()
     try:
@@ -550,7 +544,7 @@ def bench_train_step(suite: Suite) -> List[Dict]:
     losses = []
 
     def full_step():
-        losses.append(bench.train_step(bench.batch, bench.loss_fn)["loss"])
+        losses.append(bench.train_step(bench.batch, bench.parts.task.training_loss)["loss"])
 
     times = bench.time(full_step)
     suite.results["train_step_model_only"] = statistics.median(times)
@@ -571,18 +565,16 @@ def bench_train_step(suite: Suite) -> List[Dict]:
 
 
 def bench_train_step_no_pillarise(suite: Suite) -> List[Dict]:
-    bench = suite.model_bench
+    from opencood.engine.task import DetectionTask
+    bench, task = suite.model_bench, suite.model_bench.parts.task
     with torch.no_grad():
         inputs, targets = bench.preparer(bench.batch)
 
-    def prepared_loss_fn(model, _batch):
-        outputs = model(dict(inputs))
-        loss, terms = bench.criterion(outputs, targets)
-        if not bench.sync_free:
-            terms = {name: float(value) for name, value in terms.items()}
-        return loss, terms, bench.batch_size
+    def prepared_beforehand(_batch):   # a copy: the model may add entries to its inputs
+        return dict(inputs), targets
 
-    times = bench.time(lambda: bench.train_step(None, prepared_loss_fn))
+    prepared = DetectionTask(prepared_beforehand, task.criterion, host_terms=task.host_terms)
+    times = bench.time(lambda: bench.train_step(bench.batch, prepared.training_loss))
     return [bench.record("train_step_no_pillarise", autocast=True, **summarise(times),
                          includes=[p for p in STEP_PARTS if p not in ("pillarise", "targets")])]
 
@@ -590,9 +582,10 @@ def bench_train_step_no_pillarise(suite: Suite) -> List[Dict]:
 def bench_host_syncs(suite: Suite) -> List[Dict]:
     from opencood.utils.host_syncs import HostSyncCounter, optimizer_host_tensors
     bench = suite.model_bench
-    bench.train_step(bench.batch, bench.loss_fn, eager=True)     # creates the optimizer state
-    with HostSyncCounter(optimizer_host_tensors(bench.optimizer)) as syncs:
-        bench.train_step(bench.batch, bench.loss_fn, eager=True)
+    loss_fn = bench.parts.task.training_loss
+    bench.train_step(bench.batch, loss_fn, eager=True)     # creates the optimizer state
+    with HostSyncCounter(optimizer_host_tensors(bench.parts.optimizer)) as syncs:
+        bench.train_step(bench.batch, loss_fn, eager=True)
     return [bench.record("host_syncs_per_step", autocast=True, syncs=syncs.total,
                          by_kind=dict(sorted(syncs.counts.items())), includes=STEP_PARTS)]
 
@@ -600,13 +593,13 @@ def bench_host_syncs(suite: Suite) -> List[Dict]:
 def bench_ema(suite: Suite) -> List[Dict]:
     bench = suite.model_bench
     ema = bench.make_ema()
-    times = bench.time(lambda: ema.update(bench.model_without_ddp))
+    times = bench.time(lambda: ema.update(bench.parts.model_without_ddp))
     ema_ms = statistics.median(times)
     step_ms = suite.results.get("train_step_model_only")
     share = round(100.0 * ema_ms / (step_ms + ema_ms), 2) if step_ms else None
     tensors = sum(1 for t in ema.module.state_dict().values() if t.dtype.is_floating_point)
     return [bench.record("ema_update", **summarise(times), share_of_step_pct=share,
-                         float_tensors=tensors, enabled_in_yaml=bench.ema is not None)]
+                         float_tensors=tensors, enabled_in_yaml=bench.parts.ema is not None)]
 
 
 def fake_head_outputs(bench: ModelBench, seed: int = 0) -> Dict:
@@ -694,19 +687,19 @@ def bench_eval_postprocess(suite: Suite) -> List[Dict]:
 
 
 def bench_eval_inference(suite: Suite) -> List[Dict]:
-    """What tools/eval.py times per batch: pillarise + forward + decode + NMS (fp32, eval)."""
+    """What tools/eval.py times per batch (opencood.eval.inference.detect, with the evaluation
+    pillar cap): pillarise + forward + decode + NMS (fp32, eval)."""
+    from opencood.eval.inference import detect
     from opencood.strategies import get_strategy
     bench = suite.model_bench
     strategy = get_strategy(bench.cfg["fusion"]["core_method"])
-    model = bench.model_without_ddp
+    model, preparer = bench.parts.model_without_ddp, bench.parts.task.eval_preparer
     counts = []
 
     @torch.no_grad()
     def inference():
-        inputs, _ = bench.preparer(bench.batch, with_targets=False)
-        outputs = model(strategy.model_inputs(inputs))
-        results = strategy.detections(bench.preparer.postprocessor, outputs, inputs)
-        counts.append(sum(int(r[1].shape[0]) for r in results))
+        results = detect(model, bench.batch, preparer, strategy)
+        counts.append(sum(int(scores.shape[0]) for _, scores, _ in results))
 
     model.eval()
     try:
@@ -886,20 +879,20 @@ def bench_loader_cpu(suite: Suite) -> List[Dict]:
 
 
 def bench_end_to_end(suite: Suite) -> List[Dict]:
+    from opencood.engine.task import DetectionTask
     bench, args, device = suite.model_bench, suite.args, suite.device
     _, loader = build_bench_loader(bench, suite.split_dir, args.warmup + args.steps,
                                    suite.workers)
-    ema = bench.ema
+    ema, task = bench.parts.ema, bench.parts.task
     seen = {"agents": 0, "pillars": 0}
 
-    def counting_loss_fn(model, batch):
-        inputs, targets = bench.preparer(batch)
+    def counting_preparer(batch):      # the training preparer, counting what it prepares
+        inputs, targets = task.preparer(batch)
         seen["agents"] += int(batch["record_len"].sum())
         seen["pillars"] += int(inputs["voxel_coords"].shape[0])
-        outputs = model(inputs)
-        loss, terms = bench.criterion(outputs, targets)
-        return loss, {name: float(value) for name, value in terms.items()}, len(batch["record_len"])
+        return inputs, targets
 
+    counting = DetectionTask(counting_preparer, task.criterion, host_terms=task.host_terms)
     iterator = iter(loader)
     step_ms, wait_ms = [], []
     for index in range(args.warmup + args.steps):
@@ -909,9 +902,7 @@ def bench_end_to_end(suite: Suite) -> List[Dict]:
         start = time.perf_counter()
         batch = next(iterator)
         waited = time.perf_counter() - start
-        bench.train_step(batch, counting_loss_fn)
-        if ema is not None:
-            ema.update(bench.model_without_ddp)
+        bench.train_step(batch, counting.training_loss, ema=ema)
         synchronize(device)
         if index >= args.warmup:
             step_ms.append((time.perf_counter() - start) * 1e3)
@@ -938,14 +929,14 @@ def bench_bev_iou(suite: Suite) -> List[Dict]:
                         for _ in range(2))
     on_device = [boxes.float().to(suite.device) for boxes in (boxes_a, boxes_b)]
     summary = summarise(suite.time(lambda: boxes_bev_iou_aligned(*on_device)))
-    refs = suite.references
+    from opencood.testing.reference_impls import reference_bev_iou
     rows_a, rows_b = boxes_a.tolist(), boxes_b.tolist()
-    reference_fn = None if refs is None else (lambda: [refs.reference_bev_iou(a, b)
-                                                       for a, b in zip(rows_a, rows_b)])
     return [suite.record("bev_iou", **summary, pairs=count, dtype="float32",
                          pairs_per_s=round(count / summary["ms"] * 1e3),
                          **versus(summary["ms"], "Sutherland-Hodgman clipping per pair, "
-                                                 "Python (CPU)", reference_fn))]
+                                                 "Python (CPU)",
+                                  lambda: [reference_bev_iou(a, b)
+                                           for a, b in zip(rows_a, rows_b)]))]
 
 
 def bench_ap(suite: Suite) -> List[Dict]:
@@ -962,15 +953,14 @@ def bench_ap(suite: Suite) -> List[Dict]:
 
     count = len(frames)
     summary = summarise(suite.time(ours, torch.device("cpu")), scale=count)
-    refs = suite.references
+    from opencood.testing.reference_impls import reference_ap
     frame_lists = [tuple(t.tolist() for t in frame) for frame in frames]
-    reference_fn = None if refs is None else (lambda: refs.reference_ap(frame_lists,
-                                                                        AP_THRESHOLDS))
     pairs = sum(len(pred) * len(gt) for pred, _, gt in frames)
     return [suite.record("ap", **summary, frames=count, detection_gt_pairs=pairs,
                          thresholds=list(AP_THRESHOLDS), unit="ms per frame",
                          **versus(summary["ms"], "greedy matching and VOC AP in Python loops, "
-                                                 "IoU by polygon clipping", reference_fn,
+                                                 "IoU by polygon clipping",
+                                  lambda: reference_ap(frame_lists, AP_THRESHOLDS),
                                   scale=count))]
 
 

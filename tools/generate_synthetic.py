@@ -1,12 +1,14 @@
 #!/usr/bin/env python
-"""Generate the synthetic cooperative data set in OPV2V format.
+"""Generate the synthetic cooperative data set in OPV2V, V2V4Real or DAIR-V2X-C format.
 
     python tools/generate_synthetic.py --out DIR [--preset tiny|small|opv2v|v2x_small|v2x]
+                                       [--format opv2v|v2v4real|dairv2x]
                                        [--seed N] [--workers N] [--overwrite]
                                        [--frames N] [--scenarios TRAIN VALIDATE TEST]
 
-Writes DIR/{train,validate,test}/<scenario>/<cav_id>/<ts>.pcd|.yaml and DIR/generation.yaml,
-then prints a summary. Same seed -> identical files, whatever --workers. ``--frames`` and
+Writes DIR/{train,validate,test}/<scenario>/<cav_id>/<ts>.pcd|.yaml (opv2v; v2v4real: two CAVs,
+folders 0 and 1, numpy-tagged yaml; dairv2x: DIR/cooperative-vehicle-infrastructure/ with
+train.json, val.json, test.json) and DIR/generation.yaml, then prints a summary. Same seed -> identical files, whatever --workers. ``--frames`` and
 ``--scenarios`` resize a preset (e.g. a lighter ``opv2v`` for a short GPU session); the sizes
 used are recorded in generation.yaml.
 """
@@ -15,7 +17,7 @@ import dataclasses
 import sys
 
 from opencood.data.synthetic import PRESETS, format_summary, generate_dataset, get_preset
-from opencood.data.synthetic.writer import OutputDirError
+from opencood.data.synthetic.writer import FORMATS, OutputDirError
 
 
 def parse_args(argv=None):
@@ -23,6 +25,9 @@ def parse_args(argv=None):
     parser.add_argument("--out", required=True, help="output folder")
     parser.add_argument("--preset", default="small",
                         help=f"size preset: {', '.join(PRESETS)} (default: small)")
+    parser.add_argument("--format", default="opv2v", choices=FORMATS, dest="data_format",
+                        help="file format (default: opv2v); v2v4real has two CAVs per "
+                             "scenario, dairv2x one vehicle and one roadside unit")
     parser.add_argument("--seed", type=int, default=0, help="random seed (>= 0)")
     parser.add_argument("--workers", type=int, default=1, help="parallel processes")
     parser.add_argument("--overwrite", action="store_true",
@@ -55,7 +60,7 @@ def main(argv=None) -> int:
         preset = sized_preset(args.preset, args.frames, args.scenarios)
         summary = generate_dataset(args.out, preset=preset, seed=args.seed,
                                    workers=args.workers, progress=not args.quiet,
-                                   overwrite=args.overwrite)
+                                   overwrite=args.overwrite, data_format=args.data_format)
     except (ValueError, OutputDirError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

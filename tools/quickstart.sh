@@ -3,12 +3,15 @@
 # intermediate-fusion model (F-Cooper) with torchrun, evaluate it and print the AP table.
 # CPU: 2 processes (gloo). GPUs: one process per visible GPU (nccl).
 # Environment knobs: CONFIG (yaml), RUN (run folder), DATA (data folder), EPOCHS.
+# RUN defaults to one folder per config (runs/quickstart_fcooper, runs/quickstart_attfuse, ...):
+# a run folder belongs to one config, and train.py refuses another one's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 CONFIG=${CONFIG:-hypes_yaml/synthetic/point_pillar_fcooper.yaml}
 DATA=${DATA:-data/synthetic_small}
-RUN=${RUN:-runs/quickstart_fcooper}
+CONFIG_NAME=$(basename "$CONFIG" .yaml)
+RUN=${RUN:-runs/quickstart_${CONFIG_NAME#point_pillar_}}
 if [ ! -f "$CONFIG" ]; then
   echo "error: CONFIG=$CONFIG: config file not found (relative to $(pwd))" >&2
   exit 2

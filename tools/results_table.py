@@ -44,11 +44,11 @@ import yaml
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from opencood.config import ConfigError, get_key, load_config  # noqa: E402
+from opencood.config import get_key, load_config  # noqa: E402
 from opencood.data.datasets import SPLIT_KEYS  # noqa: E402
+from opencood.errors import ConfigError, OpencoodError, one_line  # noqa: E402
 from opencood.eval.protocols import DEFAULT_PROTOCOL  # noqa: E402
 from opencood.eval.records import describe, list_records, matching_records  # noqa: E402
-from opencood.errors import OpencoodError, one_line  # noqa: E402
 from opencood.utils.batching import epochs_for_steps, steps_per_epoch  # noqa: E402
 
 DEFAULT_PRESET_DIR = REPO_ROOT / "hypes_yaml" / "synthetic"

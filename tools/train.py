@@ -23,6 +23,7 @@ import torch
 from opencood.config import ConfigError, save_config
 from opencood.data.collate import build_loader
 from opencood.data.datasets import build_dataset
+from opencood.engine.hooks import NO_HOOKS, TrainHooks
 from opencood.engine.loop import group_micro_batches, optimizer_step
 from opencood.engine.optim import build_optimizer, build_scheduler
 from opencood.engine.recipe import (ScalarLogger, amp_settings, build_teacher,
@@ -32,6 +33,7 @@ from opencood.engine.recipe import (ScalarLogger, amp_settings, build_teacher,
                                     make_run_dir, prepare_model, progress_bar, resolve_config,
                                     seed_everything, seed_model_randomness,
                                     split_batch_or_refuse, step_budget, validate)
+from opencood.engine.run_folder import say_if_finished
 from opencood.engine.state import (MidEpochCheckpoints, TrainingParts, TrainState,
                                    find_resume_checkpoint, restore_training,
                                    save_mid_epoch_checkpoint, save_run_checkpoints,
@@ -45,19 +47,20 @@ from opencood.utils.samplers import build_train_sampler
 logger = logging.getLogger("opencood")
 
 
-def main(argv=None) -> Dict:
-    """Parse, load the config, start the process group, train; errors end in one line."""
-    return run_cli(_main, argv)
+def main(argv=None, hooks: TrainHooks = NO_HOOKS) -> Dict:
+    """Parse, load the config, start the process group, train; errors end in one line.
+    ``hooks``: callbacks at fixed points of the run (opencood.engine.hooks; tests watch it)."""
+    return run_cli(lambda arguments: _main(arguments, hooks), argv)
 
 
-def _main(argv=None) -> Dict:
+def _main(argv, hooks: TrainHooks) -> Dict:
     args = parse_args(argv)
     cfg = resolve_config(args.hypes_yaml, args.model_dir, args.overrides)
     dist_cfg = cfg["distributed"]
     # init_distributed_mode: torchrun / SLURM / one process; the timeout bounds every collective.
     with dist_utils.distributed_session(
             backend=dist_cfg["backend"], timeout_minutes=dist_cfg["timeout_minutes"]) as info:
-        return train(cfg, args, info)
+        return train(cfg, args, info, hooks)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -73,7 +76,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def train(cfg: Dict, args, info: dist_utils.DistInfo) -> Dict:
+def train(cfg: Dict, args, info: dist_utils.DistInfo, hooks: TrainHooks = NO_HOOKS) -> Dict:
     """The run: returns {"run_dir", "history" {epoch: validation results}, "step",
     "skipped_steps"}."""
     train_params = cfg["train_params"]
@@ -87,7 +90,8 @@ def train(cfg: Dict, args, info: dist_utils.DistInfo) -> Dict:
     # Data, indexed before the run folder exists (a data error leaves no folder behind): every
     # rank the same number of shuffled micro-batches (DistributedSampler pads its shard,
     # BatchSampler drops the incomplete tail); the validation split unpadded.
-    train_set = build_dataset(cfg, "train", train=True, **distillation_dataset_args(teacher))
+    train_set = hooks.wrap_train_set(
+        build_dataset(cfg, "train", train=True, **distillation_dataset_args(teacher)))
     try:   # same length on every rank, so every rank fails alike
         batch_sampler, train_sampler = build_train_sampler(   # BatchSampler(DistributedSampler)
             len(train_set), micro, info.rank, info.world_size, seed=seed, shuffle=True)
@@ -124,16 +128,18 @@ def train(cfg: Dict, args, info: dist_utils.DistInfo) -> Dict:
     # training steps, by max_voxel_test in validation), the criterion, the teacher.
     task = DetectionTask.from_config(cfg, info.device, teacher)
     optimizer = build_optimizer(model_without_ddp.parameters(), cfg["optimizer"])
-    amp_dtype, scaler = amp_settings(cfg, info.device)
+    amp_dtype, scaler = amp_settings(cfg["amp"], info.device)
     parts = TrainingParts(model, model_without_ddp, ema, optimizer,
                           build_scheduler(optimizer, cfg["lr_scheduler"], total_steps,
                                           steps_per_epoch),
                           scaler, amp_dtype, task)
+    hooks.on_parts(parts, info)
     progress = TrainState()
     if checkpoint is not None:
         progress = restore_training(checkpoint, parts, info)
         logger.info("resumed from %s at epoch %d (step %d)", ckpt_path, progress.epoch,
                     progress.step)
+        say_if_finished(run_dir, progress.epoch, progress.step, epochs, total_steps)
         if progress.epoch_steps_done:
             logger.info("epoch %d continues after its first %d of %d steps", progress.epoch + 1,
                         progress.epoch_steps_done, steps_per_epoch)
@@ -141,7 +147,7 @@ def train(cfg: Dict, args, info: dist_utils.DistInfo) -> Dict:
         log_model_summary(model_without_ddp, task.preparer, train_loader)
 
     run = EpochRunner(cfg, info, run_dir, progress, parts,
-                      StepPlan(seed, total_steps, steps_per_epoch, accum))
+                      StepPlan(seed, total_steps, steps_per_epoch, accum), hooks)
     history = {}
     try:
         for epoch in range(progress.epoch + 1, epochs + 1):
@@ -173,9 +179,9 @@ class EpochRunner:
     run's objects so that each stage reads as one call there."""
 
     def __init__(self, cfg: Dict, info: dist_utils.DistInfo, run_dir: Path,
-                 progress: TrainState, parts: TrainingParts, plan: StepPlan):
+                 progress: TrainState, parts: TrainingParts, plan: StepPlan, hooks: TrainHooks):
         self.cfg, self.info, self.run_dir = cfg, info, run_dir
-        self.progress, self.parts, self.plan = progress, parts, plan
+        self.progress, self.parts, self.plan, self.hooks = progress, parts, plan, hooks
         train_params = cfg["train_params"]
         self.grad_clip = train_params["grad_clip"]
         # Steps with a non-finite loss or gradients to skip before stopping (0: stop at once).
@@ -202,7 +208,9 @@ class EpochRunner:
         for micro_batches in group_micro_batches(train_loader, self.plan.accum):
             if progress.step >= self.plan.total_steps:
                 break                              # train_params.max_steps ends inside an epoch
+            self.hooks.before_step(progress.step + 1)
             stats = self.train_step(epoch, micro_batches)
+            self.hooks.after_step(progress.step, stats)
             epoch_samples += stats["samples"] * self.info.world_size
             if bar is not None:
                 bar.set_postfix(loss=f"{stats['loss']:.3f}", lr=f"{stats['lr']:.2e}",

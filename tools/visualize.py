@@ -13,8 +13,9 @@ import sys
 from pathlib import Path
 
 
+from opencood.config_schema import DEFAULT_COMM_RANGE
 from opencood.data.datasets import ego_points_per_box
-from opencood.data.opv2v import OPV2VSplit, remove_own_body_points
+from opencood.data.opv2v import OPV2VSplit, is_infrastructure, remove_own_body_points
 from opencood.ops.transforms import apply_transform
 from opencood.utils.vis_bev import bev_range_2d, render_bev, save_image
 
@@ -30,9 +31,17 @@ def parse_args(argv=None):
     parser.add_argument("--range", type=float, nargs="+", default=list(DEFAULT_RANGE),
                         help="xmin ymin [zmin] xmax ymax [zmax] in metres, ego frame")
     parser.add_argument("--ppm", type=float, default=8.0, help="pixels per metre")
-    parser.add_argument("--com_range", type=float, default=70.0)
+    parser.add_argument("--com_range", type=float, default=DEFAULT_COMM_RANGE)
     parser.add_argument("--max_cav", type=int, default=5)
     return parser.parse_args(argv)
+
+
+def agent_kind(cav_id: str, ego_id: str) -> str:
+    """How the picture names an agent: "ego", "RSU" (negative folder ids are roadside units)
+    or "cav"."""
+    if cav_id == ego_id:
+        return "ego"
+    return "RSU" if is_infrastructure(cav_id) else "cav"
 
 
 def sample_layers(split: OPV2VSplit, index: int, bev_range):
@@ -44,7 +53,7 @@ def sample_layers(split: OPV2VSplit, index: int, bev_range):
     ego_id = sample["info"].ego_id
     points_by_agent, positions = {}, {}
     for cav_id, cav in sample["cavs"].items():
-        name = f"{'ego' if cav_id == ego_id else 'cav'} {cav_id}"
+        name = f"{agent_kind(cav_id, ego_id)} {cav_id}"
         points_lidar = remove_own_body_points(cav["points"])
         points_by_agent[name] = apply_transform(points_lidar, cav["T_to_ego"])
         positions[name] = cav["T_to_ego"][:2, 3]
@@ -56,11 +65,7 @@ def sample_layers(split: OPV2VSplit, index: int, bev_range):
 def main(argv=None) -> int:
     args = parse_args(argv)
     data = Path(args.data)
-    if not data.is_dir():
-        print(f"error: data folder {data} not found (expected a split folder such as "
-              f"DATA/train)", file=sys.stderr)
-        return 2
-    try:
+    try:        # a missing folder, or a data root given for a split: one line from the reader
         bev_range = bev_range_2d(args.range)
         split = OPV2VSplit(data, com_range=args.com_range, max_cav=args.max_cav)
     except ValueError as exc:
@@ -71,15 +76,15 @@ def main(argv=None) -> int:
               f"(0..{len(split) - 1})", file=sys.stderr)
         return 2
     points_by_agent, gt_boxes, occluded, positions = sample_layers(split, args.index, bev_range)
+    info = split.info(args.index)
     image = render_bev(points_by_agent, bev_range, gt_boxes=gt_boxes[~occluded],
                        occluded_gt_boxes=gt_boxes[occluded], agent_positions=positions,
-                       pixels_per_meter=args.ppm)
+                       pixels_per_meter=args.ppm, title=f"{info.scenario} {info.timestamp}")
     try:
         save_image(args.out, image)
     except OSError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    info = split.info(args.index)
     print(f"{args.out}: {info.scenario} ts {info.timestamp}, {len(points_by_agent)} CAVs, "
           f"{len(gt_boxes)} GT boxes ({int(occluded.sum())} occluded for the ego), {sum(len(p) for p in points_by_agent.values())} points, "
           f"{image.shape[1]}x{image.shape[0]} px")

@@ -17,10 +17,9 @@ from typing import Iterator, List
 
 from tqdm import tqdm
 
-from opencood.data.opv2v import OPV2VFormatError, load_frame_yaml, scenario_timestamps
+from opencood.data.opv2v import SPLITS, OPV2VFormatError, load_frame_yaml, scenario_timestamps
 from opencood.data.pcd import PcdError, read_pcd
-
-SPLITS = ("train", "validate", "test")
+from opencood.data.sources import DATASET_NAMES, split_class
 
 
 @dataclass
@@ -46,9 +45,14 @@ def split_folders(root: Path) -> List[Path]:
     return present or [root]
 
 
-def check_folder(root, progress: bool = True) -> CheckReport:
+def check_folder(root, progress: bool = True, dataset: str = "opv2v") -> CheckReport:
     """Check a data set folder (holding train/validate/test) or one split folder; a missing
-    folder raises OPV2VFormatError (nothing to report on)."""
+    folder raises OPV2VFormatError (nothing to report on). ``dataset`` (opencood.data.sources):
+    v2v4real frames are parsed by its reader; dairv2x has its own layout (dairv2x.check_root)."""
+    if dataset == "dairv2x":
+        from opencood.data.dairv2x import check_root
+        return check_root(root, CheckReport())
+    load_frame = _frame_loader(dataset)
     root = Path(root)
     if not root.is_dir():
         raise OPV2VFormatError(f"{root}: folder not found")
@@ -59,8 +63,17 @@ def check_folder(root, progress: bool = True) -> CheckReport:
         frame_files += list(_layout_problems(split_dir, report))
     for yaml_path, pcd_path in tqdm(frame_files, desc="checking frames", unit="frame",
                                     disable=not progress, leave=False):
-        _check_frame(yaml_path, pcd_path, report)
+        _check_frame(yaml_path, pcd_path, report, load_frame)
     return report
+
+
+def _frame_loader(dataset: str):
+    """The per-frame yaml parser of an OPV2V-tree data set (raises OPV2VFormatError)."""
+    split_class(dataset)                       # an unknown name: a ValueError listing them
+    if dataset == "v2v4real":
+        from opencood.data.v2v4real import load_v2v4real_yaml
+        return load_v2v4real_yaml
+    return load_frame_yaml
 
 
 def _layout_problems(split_dir: Path, report: CheckReport) -> Iterator[tuple]:
@@ -105,10 +118,10 @@ def _stamps(stamps: list) -> str:
     return shown + (f" and {len(stamps) - 5} more" if len(stamps) > 5 else "")
 
 
-def _check_frame(yaml_path: Path, pcd_path: Path, report: CheckReport) -> None:
+def _check_frame(yaml_path: Path, pcd_path: Path, report: CheckReport, load_frame) -> None:
     report.frames += 1
     try:
-        load_frame_yaml(yaml_path)
+        load_frame(yaml_path)
     except OPV2VFormatError as error:
         report.problems.append(str(error))
     except OSError as error:

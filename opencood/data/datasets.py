@@ -46,16 +46,18 @@ from typing import Dict, List, Tuple
 import numpy as np
 import torch
 
+from opencood.config_schema import DEFAULT_COMM_RANGE, DEFAULT_LIDAR_RANGE
 from opencood.data.augment import (augment_boxes, augmentation_matrix, check_augment_config,
                                    draw_augmentation)
-from opencood.data.opv2v import OPV2VSplit, is_infrastructure, vehicle_boxes
+from opencood.data.opv2v import DEFAULT_GT_RANGE, is_infrastructure
+from opencood.data.sources import open_split
 from opencood.data.wild import WildSetting, delayed_timestamp, noisy_pose
+from opencood.errors import alike_on_every_rank
 from opencood.ops.transforms import count_points_in_boxes, project_and_crop, relative_transform
 from opencood.registry import DATASETS
 from opencood.strategies import get_strategy
+from opencood.utils.collectives import get_rank
 
-DEFAULT_LIDAR_RANGE = [-140.8, -40.0, -3.0, 140.8, 40.0, 1.0]
-DEFAULT_GT_RANGE = [-140.0, -40.0, -3.0, 140.0, 40.0, 1.0]
 VEHICLE, INFRASTRUCTURE = 0, 1             # agent types (V2X-ViT's "infra" flag)
 
 # Purpose codes keep the augmentation and the noise streams independent of each other.
@@ -89,7 +91,7 @@ class BaseFusionDataset(torch.utils.data.Dataset):
     """Shared reading, noise, augmentation and cropping; subclasses choose what agents return.
 
     Args:
-        split_dir: ``<root>/<split>`` folder in the OPV2V layout.
+        split_dir: ``<root>/<split>`` folder in the OPV2V layout (a split json for DAIR-V2X).
         lidar_range: crop range [xmin, ymin, zmin, xmax, ymax, zmax] of the model input.
         gt_range: range GT boxes must lie in (all 8 corners before augmentation).
         train: enables augmentation; noise draws then also depend on the epoch.
@@ -98,6 +100,8 @@ class BaseFusionDataset(torch.utils.data.Dataset):
         seed: base seed of the augmentation draws.
         count_ego_points: fill ``gt_ego_points`` (the AP visibility split); default: not in
             training. A loss-only loader turns it off: nothing reads the counts there.
+        dataset: the format of ``split_dir`` (``fusion.dataset``: opv2v, v2xset, v2v4real,
+            dairv2x; opencood.data.sources).
     """
 
     fusion_method = "base"
@@ -107,10 +111,11 @@ class BaseFusionDataset(torch.utils.data.Dataset):
 
     def __init__(self, split_dir, lidar_range=DEFAULT_LIDAR_RANGE, gt_range=DEFAULT_GT_RANGE,
                  train: bool = False, augment_cfg=None, wild: WildSetting | None = None,
-                 seed: int = 0, max_cav: int = 5, com_range: float = 70.0, order: str = "hwl",
-                 cache_dir=None, count_ego_points: bool | None = None):
+                 seed: int = 0, max_cav: int = 5, com_range: float = DEFAULT_COMM_RANGE,
+                 order: str = "hwl", cache_dir=None, count_ego_points: bool | None = None,
+                 dataset: str = "opv2v"):
         check_augment_config(augment_cfg)
-        self.split = OPV2VSplit(split_dir, com_range=com_range, max_cav=max_cav,
+        self.split = open_split(dataset, split_dir, com_range=com_range, max_cav=max_cav,
                                 cache_dir=cache_dir)
         self.split_dir = Path(split_dir)
         self.lidar_range = list(lidar_range)
@@ -137,6 +142,7 @@ class BaseFusionDataset(torch.utils.data.Dataset):
                    max_cav=cfg["train_params"]["max_cav"],
                    com_range=float(cfg["comm_range"]),
                    order=postprocess["order"],
+                   dataset=cfg["fusion"]["dataset"],
                    cache_dir=cache_dir, **extra)
 
     # -- reproducible randomness -------------------------------------------------------------
@@ -157,10 +163,12 @@ class BaseFusionDataset(torch.utils.data.Dataset):
         """The sample's info and its agents, ego first, without their points.
 
         Each agent: {"cav_id", "frame": (scenario, cav_id, timestamp) of the data it sends (an
-        earlier frame with latency), "lidar_pose" (6,) of that frame, "vehicles" (that frame's
-        mapping, shared: read only), "T_to_ego" (4, 4) float64 from its reported (noisy) pose,
-        "T_to_ego_clean" from its true pose, "latency" (frames)}. Non-ego agents get latency
-        and pose noise from the wild setting; the noise draws go agent after agent.
+        earlier frame with latency), "lidar_pose" of that frame ((6,), or (4, 4) for V2V4Real and
+        DAIR-V2X), "vehicles" (that frame's labels as the split keeps them, shared: read only),
+        "T_to_ego" (4, 4) float64 from its reported (noisy) pose, "T_to_ego_clean" from its true
+        pose, "latency" (frames)}. Non-ego agents get latency and pose noise from the wild
+        setting; the noise draws go agent after agent. The split gives every piece by the
+        frame's key (opencood.data.sources: each format's reader has these methods).
         """
         info = self.split.info(index)
         ego_pose = self.split.lidar_pose(info.scenario, info.ego_id, info.timestamp)
@@ -364,8 +372,8 @@ class LateFusionDataset(BaseFusionDataset):
         info, agents = self._agents(sample_index)
         agent = agents[position]              # only its own cloud is read
         points = self.split.load_points(*agent["frame"])
-        gt_ids, gt_boxes = vehicle_boxes(self.split.vehicle_arrays(*agent["frame"]),
-                                         agent["lidar_pose"], self.gt_range, order=self.order)
+        gt_ids, gt_boxes = self.split.frame_boxes(*agent["frame"], self.gt_range,
+                                                  order=self.order)
         key = (info.scenario, info.timestamp, agent["cav_id"])
         return self._finish(index, key, [agent["cav_id"]], [points], [np.eye(4)], [np.eye(4)],
                             gt_boxes, gt_ids, shared_points=0,
@@ -399,4 +407,6 @@ def build_dataset(cfg: dict, split: str, train: bool, fusion_method: str | None 
         raise ValueError(f"config key {SPLIT_KEYS[split]!r} (the {split} folder) is not set")
     strategy = get_strategy(fusion_method or cfg["fusion"]["core_method"])
     dataset_cls = DATASETS.get(strategy.dataset_name)
-    return dataset_cls.from_config(cfg, split_dir, train=train, cache_dir=cache_dir, **extra)
+    # Every rank indexes the same split: a layout or yaml error is printed by rank 0 alone.
+    with alike_on_every_rank(get_rank()):
+        return dataset_cls.from_config(cfg, split_dir, train=train, cache_dir=cache_dir, **extra)

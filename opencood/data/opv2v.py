@@ -26,6 +26,7 @@ import yaml
 from tqdm import tqdm
 
 from opencood.config import YamlLoader, yaml_error_line
+from opencood.config_schema import DEFAULT_COMM_RANGE
 from opencood.data.pcd import PointCloudCache, default_cache_dir, read_pcd
 from opencood.errors import OpencoodError
 from opencood.ops.transforms import (
@@ -41,6 +42,9 @@ from opencood.utils.atomic import atomic_write
 from opencood.utils.collectives import get_rank
 
 logger = logging.getLogger(__name__)
+
+# The split folders of a data set (a "data root").
+SPLITS = ("train", "validate", "test")
 
 # Own-body box of a CAV in its lidar frame (reference values), bounds inclusive.
 OWN_BODY_X = (-1.95, 2.95)
@@ -315,12 +319,27 @@ def _scan_scenario(scenario_dir: Path) -> _ScenarioLayout:
     return _ScenarioLayout(scenario_dir.name, cav_ids, timestamps, cav_folders)
 
 
+def _missing_split_problem(split_dir: Path) -> str:
+    """"split folder not found", saying where a relative path was looked for: the current
+    directory of the command, not the config's folder."""
+    if split_dir.is_absolute():
+        return "split folder not found"
+    return (f"split folder not found (a relative path, resolved against the current directory "
+            f"{Path.cwd()}: {Path.cwd() / split_dir})")
+
+
 def _scan_split(split_dir: Path) -> list[_ScenarioLayout]:
     if not split_dir.is_dir():
-        raise _format_error(split_dir, "split folder not found")
+        raise _format_error(split_dir, _missing_split_problem(split_dir))
     scenario_names = _sorted_subfolders(split_dir)
     if not scenario_names:
         raise _format_error(split_dir, "split folder contains no scenario folders")
+    splits_inside = [name for name in SPLITS if name in scenario_names]
+    if splits_inside:
+        # A data root instead of a split: its splits would each fail as a scenario folder.
+        raise _format_error(split_dir, f"a data root (it holds {', '.join(splits_inside)}), "
+                                       f"not a split folder: give one split, e.g. "
+                                       f"{split_dir / splits_inside[0]}")
     layouts, problems = [], []
     for name in scenario_names:
         try:
@@ -358,10 +377,11 @@ def _cache_root(cache_dir) -> Path:
     return Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
 
 
-def _index_cache_path(cache_dir, split_dir: Path) -> Path:
-    """One file per split folder (keyed by its absolute path); its content says if it is fresh."""
+def _index_cache_path(cache_dir, split_dir: Path, index_name: str = "opv2v") -> Path:
+    """One file per split folder (keyed by its absolute path) and reader (``index_name``: each
+    format parses the same yaml differently); its content says if it is fresh."""
     key = hashlib.sha1(str(split_dir.resolve()).encode()).hexdigest()[:20]
-    return _cache_root(cache_dir) / "opv2v_index" / f"{split_dir.name}_{key}.json"
+    return _cache_root(cache_dir) / f"{index_name}_index" / f"{split_dir.name}_{key}.json"
 
 
 _PAIRS_TAG = "__pairs__"
@@ -411,8 +431,10 @@ def _write_index_cache(cache_path: Path, fingerprint: str, frames: dict) -> None
         logger.warning("OPV2V index cache not written to %s: %s", cache_path, exc)
 
 
-def _parse_frames(split_dir: Path, layouts: list[_ScenarioLayout]) -> dict:
-    """Parse every (scenario, cav, timestamp) yaml once: {scenario: {cav_id: [params, ...]}}."""
+def _parse_frames(split_dir: Path, layouts: list[_ScenarioLayout], load_frame=None) -> dict:
+    """Parse every (scenario, cav, timestamp) yaml once with ``load_frame`` (path -> params;
+    default :func:`load_frame_yaml`): {scenario: {cav_id: [params, ...]}}."""
+    load_frame = load_frame or load_frame_yaml
     total = sum(len(layout.cav_ids) * len(layout.timestamps) for layout in layouts)
     frames, problems = {}, []
     with tqdm(total=total, desc=f"indexing {split_dir.name}", unit="frame",
@@ -423,17 +445,17 @@ def _parse_frames(split_dir: Path, layouts: list[_ScenarioLayout]) -> dict:
             for cav_id in layout.cav_ids:
                 folder = split_dir / layout.name / cav_id
                 frames[layout.name][cav_id] = [_load_or_note(folder / f"{timestamp}.yaml",
-                                                             problems)
+                                                             problems, load_frame)
                                                for timestamp in layout.timestamps]
                 progress.update(len(layout.timestamps))
     raise_all(split_dir, problems)
     return frames
 
 
-def _load_or_note(path: Path, problems: list):
-    """load_frame_yaml, or None with the problem appended to ``problems``."""
+def _load_or_note(path: Path, problems: list, load_frame):
+    """``load_frame(path)``, or None with the problem appended to ``problems``."""
     try:
-        return load_frame_yaml(path)
+        return load_frame(path)
     except OPV2VFormatError as error:
         problems.append(str(error))
         return None
@@ -474,8 +496,14 @@ class OPV2VSplit:
         index_cache: persist the parsed yaml of the split as JSON and reuse it when unchanged.
     """
 
-    def __init__(self, split_dir, com_range: float = 70.0, max_cav: int = 5, cache_dir=None,
-                 use_point_cache: bool = True, index_cache: bool = True):
+    # What a subclass for another format of the same tree (V2V4Real) changes: its cache folder
+    # name and its per-frame yaml parser (path -> validated params, JSON-able for the cache;
+    # None: this module's load_frame_yaml).
+    index_name = "opv2v"
+    load_frame = None
+
+    def __init__(self, split_dir, com_range: float = DEFAULT_COMM_RANGE, max_cav: int = 5,
+                 cache_dir=None, use_point_cache: bool = True, index_cache: bool = True):
         if max_cav < 1:
             raise ValueError(f"max_cav must be >= 1, got {max_cav}")
         self.split_dir = Path(split_dir)
@@ -499,12 +527,12 @@ class OPV2VSplit:
 
     def _load_frames(self, layouts, cache_dir, index_cache: bool) -> dict:
         if not index_cache:
-            return _parse_frames(self.split_dir, layouts)
+            return _parse_frames(self.split_dir, layouts, self.load_frame)
         fingerprint = _layout_fingerprint(layouts)
-        cache_path = _index_cache_path(cache_dir, self.split_dir)
+        cache_path = _index_cache_path(cache_dir, self.split_dir, self.index_name)
         frames = _read_index_cache(cache_path, fingerprint)
         if frames is None:
-            frames = _parse_frames(self.split_dir, layouts)
+            frames = _parse_frames(self.split_dir, layouts, self.load_frame)
             _write_index_cache(cache_path, fingerprint, frames)
         return frames
 
@@ -561,7 +589,8 @@ class OPV2VSplit:
             raise KeyError(f"no frame {where} in {self.split_dir}") from None
 
     def lidar_pose(self, scenario: str, cav_id: str, timestamp: str) -> np.ndarray:
-        """(6,) float64 lidar pose of one CAV frame (no copy of the frame's yaml)."""
+        """Lidar pose of one CAV frame, float64, as the format stores it: (6,) here, (4, 4)
+        for V2V4Real (no copy of the frame's yaml)."""
         return np.asarray(self._frame_params(scenario, cav_id, timestamp)["lidar_pose"],
                           dtype=np.float64)
 
@@ -616,9 +645,28 @@ class OPV2VSplit:
         gt_ids, gt_boxes = self.sample_gt(index, gt_range, order)
         return {"info": info, "cavs": cavs, "gt_ids": gt_ids, "gt_boxes": gt_boxes}
 
+    def cav_boxes(self, cav: dict, gt_range, order: str = "hwl"):
+        """The GT one CAV sees itself, in its own frame: ``cav`` as :meth:`load_cav_frame`
+        returns it -> (ids (M,) int64, boxes (M, 7) float64). OPV2V: its ``vehicles``."""
+        return vehicles_to_boxes(cav["vehicles"], cav["lidar_pose"], gt_range, order)
+
+    def frame_boxes(self, scenario: str, cav_id: str, timestamp: str, gt_range,
+                    order: str = "hwl"):
+        """:meth:`cav_boxes` of one CAV frame by its key, from the frame's kept arrays (late
+        fusion's per-CAV GT on the datasets' path, which never builds the frame dict)."""
+        return vehicle_boxes(self.vehicle_arrays(scenario, cav_id, timestamp),
+                             self.lidar_pose(scenario, cav_id, timestamp), gt_range, order)
+
+
+def _pose_xy(pose) -> tuple:
+    """(x, y) of a 6-number pose or of a (4, 4) frame->world matrix."""
+    array = np.asarray(pose, dtype=np.float64)
+    return (array[0, 3], array[1, 3]) if array.shape == (4, 4) else (array[0], array[1])
+
 
 def _planar_distance(pose_a, pose_b) -> float:
-    return math.hypot(float(pose_a[0]) - float(pose_b[0]), float(pose_a[1]) - float(pose_b[1]))
+    (xa, ya), (xb, yb) = _pose_xy(pose_a), _pose_xy(pose_b)
+    return math.hypot(float(xa) - float(xb), float(ya) - float(yb))
 
 
 def _is_int_text(text: str) -> bool:

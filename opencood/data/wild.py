@@ -14,45 +14,36 @@ other agents report (their pose, and with latency their points and pose) is affe
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
-
-@dataclass(frozen=True)
-class WildSetting:
-    seed: int = 25
-    loc_err: bool = False
-    xyz_std: float = 0.0
-    yaw_std: float = 0.0
-    latency_frames: int = 0
-
-    @classmethod
-    def from_config(cls, section: dict | None) -> "WildSetting":
-        """From a ``wild_setting`` section; missing keys take the defaults above, unknown keys
-        and negative spreads are refused (opencood.config_schema)."""
-        from opencood.config_schema import parse
-        return parse(cls, section, "wild_setting")
-
-    def problems(self):
-        """What the config schema refuses, as (key, what is wrong)."""
-        for key in ("xyz_std", "yaw_std", "latency_frames"):
-            if getattr(self, key) < 0:
-                yield key, f"must be >= 0, got {getattr(self, key)}"
-
-    @property
-    def has_pose_noise(self) -> bool:
-        return self.loc_err and (self.xyz_std > 0 or self.yaw_std > 0)
+# The section's schema (keys, defaults, checks) is the config's (opencood.config_schema).
+from opencood.config_schema import WildSetting
 
 
 def noisy_pose(lidar_pose: np.ndarray, setting: WildSetting, rng: np.random.Generator) -> np.ndarray:
-    """Perturbed copy of a pose ``[x, y, z, roll, yaw, pitch]`` (yaw in degrees)."""
+    """Perturbed copy of a pose: ``[x, y, z, roll, yaw, pitch]`` (yaw in degrees) or a (4, 4)
+    frame->world matrix (V2V4Real, DAIR-V2X), which gets the same perturbation: x and y shifted,
+    the frame turned about the world z axis (adding to the yaw of a CARLA pose is exactly that)."""
     pose = np.asarray(lidar_pose, dtype=np.float64).copy()
     if not setting.has_pose_noise:
         return pose
-    pose[0:2] += rng.normal(0.0, setting.xyz_std, size=2)
-    pose[4] += rng.normal(0.0, setting.yaw_std)
+    xy_noise = rng.normal(0.0, setting.xyz_std, size=2)
+    yaw_noise = rng.normal(0.0, setting.yaw_std)
+    if pose.shape == (4, 4):
+        return _perturbed_matrix(pose, xy_noise, yaw_noise)
+    pose[0:2] += xy_noise
+    pose[4] += yaw_noise
     return pose
+
+
+def _perturbed_matrix(matrix: np.ndarray, xy_noise: np.ndarray, yaw_noise_deg: float):
+    """(4, 4) frame->world with its rotation turned by ``yaw_noise_deg`` about world z (the
+    frame's origin stays put) and its origin moved by ``xy_noise`` (2,) metres."""
+    cos, sin = np.cos(np.radians(yaw_noise_deg)), np.sin(np.radians(yaw_noise_deg))
+    turn = np.array([[cos, -sin, 0.0], [sin, cos, 0.0], [0.0, 0.0, 1.0]])
+    matrix[:3, :3] = turn @ matrix[:3, :3]
+    matrix[0:2, 3] += xy_noise
+    return matrix
 
 
 def delayed_timestamp(timestamps: list, current: str, latency_frames: int) -> str:

@@ -28,7 +28,7 @@ from opencood.data.collate import build_loader
 from opencood.data.datasets import SPLIT_KEYS, build_dataset
 from opencood.data.pipeline import BatchPreparer
 from opencood.engine.recipe import check_registered_names, configure_cuda
-from opencood.errors import run_cli
+from opencood.errors import alike_on_every_rank, run_cli
 from opencood.eval.inference import evaluate_loader
 from opencood.eval.protocols import DEFAULT_PROTOCOL, PROTOCOLS
 from opencood.eval.records import (RECORDS_DIR, build_record, checkpoint_facts, format_record_line,
@@ -71,10 +71,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="KEY=VALUE", help="override a key of the run's config")
     args = parser.parse_args(argv)
+    # Refused here, before the clean evaluation runs: the sweep would fail (or mean nothing)
+    # only after it.
     if not args.model_dir and not args.list_run:
         parser.error("give --model_dir RUN (evaluate) or --list RUN (show its records)")
     if args.seeds < 1:
         parser.error(f"--seeds must be >= 1, got {args.seeds}")
+    if args.seeds > 1 and not args.pose_noise:
+        parser.error(f"--seeds {args.seeds} repeats each --pose_noise level with another noise "
+                     f"seed; give --pose_noise STD ... (the clean and --latency settings draw "
+                     f"no noise, so their spread would be of one run)")
+    for flag, values in (("--pose_noise", args.pose_noise), ("--latency", args.latency)):
+        negative = [value for value in values if value < 0]
+        if negative:
+            parser.error(f"{flag} must be >= 0, got {negative[0]:g}")
     return args
 
 
@@ -180,7 +190,7 @@ def format_table(name: str, metrics: Dict) -> str:
 
 def vis_callback(run_dir: Path, tag: str, count: int, bev_range):
     """on_sample hook drawing the first ``count`` samples of this rank to RUN/vis/."""
-    from opencood.eval.vis import draw_detection_sample
+    from opencood.eval.vis import draw_detection_sample, frame_title
     out_dir = run_dir / "vis"
     out_dir.mkdir(exist_ok=True)
     drawn = {"n": 0}
@@ -189,7 +199,8 @@ def vis_callback(run_dir: Path, tag: str, count: int, bev_range):
         if drawn["n"] >= count:
             return
         name = "_".join(str(k) for k in key) + (f"_{tag}" if tag else "") + ".png"
-        draw_detection_sample(out_dir / name, batch, row, boxes, scores, bev_range)
+        title = frame_title(key) + (f" ({tag})" if tag else "")
+        draw_detection_sample(out_dir / name, batch, row, boxes, scores, bev_range, title)
         drawn["n"] += 1
 
     return on_sample
@@ -265,21 +276,24 @@ def evaluate(args) -> List[Dict]:
     ``name``, the record's name, and ``record``, its path)."""
     run_dir = Path(args.model_dir)
     config_path = run_dir / "config.yaml"
-    if not config_path.exists():
-        raise ConfigError(f"{config_path}: not found; --model_dir must be a run folder "
-                          f"written by tools/train.py")
-    cfg = load_config(config_path, args.overrides)
-    check_registered_names(cfg, str(config_path))
+    # Every rank reads the same config and checkpoint: their errors are printed by rank 0 alone.
+    with alike_on_every_rank(dist_utils.launcher_rank()):
+        if not config_path.exists():
+            raise ConfigError(f"{config_path}: not found; --model_dir must be a run folder "
+                              f"written by tools/train.py")
+        cfg = load_config(config_path, args.overrides)
+        check_registered_names(cfg, str(config_path))
     dist_cfg = cfg["distributed"]
     with dist_utils.distributed_session(
             backend=dist_cfg["backend"],
             timeout_minutes=float(dist_cfg["timeout_minutes"])) as info:
         dist_utils.setup_logging(None, info.rank)
         configure_cuda(cfg)      # the TF32 switches training validated with
-        checkpoint_path = pick_checkpoint(run_dir, args.checkpoint)
-        model, checkpoint = load_eval_model(cfg, checkpoint_path, args.use_ema, info.device)
-        get_strategy(args.fusion_method or cfg["fusion"]["core_method"]).check_model(
-            model, cfg["model"]["core_method"])
+        with alike_on_every_rank(info.rank):
+            checkpoint_path = pick_checkpoint(run_dir, args.checkpoint)
+            model, checkpoint = load_eval_model(cfg, checkpoint_path, args.use_ema, info.device)
+            get_strategy(args.fusion_method or cfg["fusion"]["core_method"]).check_model(
+                model, cfg["model"]["core_method"])
         logger.info("evaluating %s on %s", checkpoint_path, args.split)
         results = []
         writer = None

@@ -21,8 +21,10 @@ from opencood.config import ConfigError, load_config
 from opencood.data.collate import build_loader
 from opencood.data.datasets import build_dataset
 from opencood.engine.loop import validation_loss
+from opencood.engine.run_folder import refuse_another_config
 from opencood.engine.task import DetectionTask
-from opencood.engine.teacher import DEFAULT_KD_WEIGHT, KD_KEYS, FrozenTeacher, load_teacher
+from opencood.engine.teacher import FrozenTeacher, load_teacher
+from opencood.errors import alike_on_every_rank
 from opencood.eval.inference import evaluate_loader
 from opencood.models.build import build_model
 from opencood.registry import FUSIONS, LOSSES, MODELS, POSTPROCESSORS, RegistryError
@@ -52,26 +54,34 @@ def check_registered_names(cfg: Dict, source: str) -> None:
               fusion["core_method"] if isinstance(fusion, dict) else None),
              ("loss.core_method", LOSSES, cfg["loss"]["core_method"]),
              ("postprocess.core_method", POSTPROCESSORS, cfg["postprocess"]["core_method"])]
-    for dotted, registry, name in names:
-        if name is None:
-            continue
-        try:
-            registry.get(name)
-        except RegistryError as error:
-            raise ConfigError(f"{source}: {dotted}: {error}") from None
+    with alike_on_every_rank(dist_utils.get_rank()):
+        for dotted, registry, name in names:
+            if name is None:
+                continue
+            try:
+                registry.get(name)
+            except RegistryError as error:
+                raise ConfigError(f"{source}: {dotted}: {error}") from None
 
 
 # -- configuration and run folder ------------------------------------------------------------
 
 def resolve_config(hypes_yaml: str | None, model_dir: str | None, overrides) -> Dict:
-    """Config from ``hypes_yaml``, else the run folder's saved config.yaml (resume)."""
-    if hypes_yaml:
-        return load_config(hypes_yaml, overrides)
-    saved = Path(model_dir) / "config.yaml"
-    if not saved.exists():
-        raise ConfigError(f"{saved}: not found; --model_dir without --hypes_yaml must be a run "
-                          f"folder written by tools/train.py")
-    return load_config(saved, overrides)
+    """Config from ``hypes_yaml``, else the run folder's saved config.yaml (resume). A
+    ``hypes_yaml`` whose config is not the one ``model_dir`` already holds is refused
+    (:func:`opencood.engine.run_folder.refuse_another_config`)."""
+    # Before any process group: every rank reads the same files, so rank 0 alone prints.
+    with alike_on_every_rank(dist_utils.launcher_rank()):
+        if hypes_yaml:
+            cfg = load_config(hypes_yaml, overrides)
+            if model_dir:
+                refuse_another_config(cfg, hypes_yaml, model_dir)
+            return cfg
+        saved = Path(model_dir) / "config.yaml"
+        if not saved.exists():
+            raise ConfigError(f"{saved}: not found; --model_dir without --hypes_yaml must be a "
+                              f"run folder written by tools/train.py")
+        return load_config(saved, overrides)
 
 
 def new_run_folder_name(name: str, env: Mapping[str, str], now: datetime) -> str:
@@ -106,11 +116,12 @@ def make_run_dir(name: str, model_dir: str | None, runs_root: str) -> Path:
 
 def split_batch_or_refuse(train_params: Dict, world_size: int) -> tuple:
     """(micro-batch, accumulation steps) of the global batch, or a one-line ConfigError."""
-    try:
-        return split_global_batch(int(train_params["batch_size"]), world_size,
-                                  train_params["max_micro_batch"])
-    except ValueError as error:
-        raise ConfigError(f"train_params.batch_size: {error}") from None
+    with alike_on_every_rank(dist_utils.get_rank()):
+        try:
+            return split_global_batch(int(train_params["batch_size"]), world_size,
+                                      train_params["max_micro_batch"])
+        except ValueError as error:
+            raise ConfigError(f"train_params.batch_size: {error}") from None
 
 
 def seed_everything(seed: int) -> None:
@@ -143,21 +154,17 @@ def configure_cuda(cfg: Dict) -> None:
     torch.backends.cudnn.benchmark = perf["cudnn_benchmark"]
 
 
-def amp_settings(cfg: Dict, device: torch.device):
-    """(autocast dtype or None, GradScaler). fp16 needs a scaler; bf16 does not."""
-    amp_cfg = cfg.get("amp", {}) or {}
-    if amp_cfg.get("enabled", False) and device.type != "cuda":
+def amp_settings(amp: Dict, device: torch.device):
+    """(autocast dtype or None, GradScaler) of the resolved ``amp`` section. fp16 needs a
+    scaler; bf16 does not."""
+    if not amp["enabled"]:
+        return None, torch.amp.GradScaler(device.type, enabled=False)
+    if device.type != "cuda":
         # CPU autocast runs slower than fp32 for these convolutions: mixed precision is for GPUs.
         logger.info("amp.enabled ignored on %s: mixed precision is used on CUDA only", device)
         return None, torch.amp.GradScaler(device.type, enabled=False)
-    if not amp_cfg.get("enabled", False):
-        return None, torch.amp.GradScaler(device.type, enabled=False)
-    name = str(amp_cfg.get("dtype", "bf16"))
-    if name not in AMP_DTYPES:
-        raise ConfigError(f"amp.dtype {name!r} is unknown; use bf16 or fp16")
-    dtype = AMP_DTYPES[name]
-    use_scaler = dtype == torch.float16 and device.type == "cuda"
-    return dtype, torch.amp.GradScaler(device.type, enabled=use_scaler)
+    dtype = AMP_DTYPES[amp["dtype"]]          # the schema allows exactly these names
+    return dtype, torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
 
 
 # -- step budget -----------------------------------------------------------------------------
@@ -271,34 +278,14 @@ def compile_for_training(model: torch.nn.Module, cfg: Dict) -> torch.nn.Module:
 # -- knowledge distillation (DiscoNet) -------------------------------------------------------
 
 def build_teacher(cfg: Dict, device: torch.device) -> FrozenTeacher | None:
-    """The frozen early-fusion teacher of the yaml's ``kd`` section, or None without one.
-
-    Checked before any file is written: unknown ``kd`` keys, a missing teacher, a teacher of
-    another model or grid, and a student that is not intermediate fusion are one-line errors.
-    """
-    kd_cfg = cfg.get("kd")
-    if not kd_cfg:
+    """The frozen early-fusion teacher of the resolved config's ``kd`` section, or None without
+    one. The section (keys, weight, an intermediate-fusion student) is checked by the schema;
+    the teacher's file (it exists, holds an early-fusion model of the student's grid) here,
+    before any file is written, each a one-line error."""
+    kd = cfg["kd"]
+    if kd is None:
         return None
-    if not isinstance(kd_cfg, dict):
-        raise ConfigError(f"kd: expected a mapping with {' and '.join(KD_KEYS)}, got {kd_cfg!r}")
-    unknown = sorted(set(kd_cfg) - set(KD_KEYS))
-    if unknown:
-        raise ConfigError(f"kd: unknown key {unknown[0]!r} (known: {', '.join(KD_KEYS)})")
-    if not kd_cfg.get("teacher"):
-        raise ConfigError("kd.teacher: not set; name the early-fusion teacher's run folder or "
-                          ".pth (or remove the kd section to train without distillation)")
-    try:
-        weight = float(kd_cfg.get("weight", DEFAULT_KD_WEIGHT))
-    except (TypeError, ValueError):
-        raise ConfigError(f"kd.weight must be a number, got {kd_cfg['weight']!r}") from None
-    if not weight > 0:
-        raise ConfigError(f"kd.weight must be > 0, got {weight} (remove the kd section to "
-                          f"train without distillation)")
-    fusion = cfg["fusion"]["core_method"]
-    if fusion != "intermediate":
-        raise ConfigError(f"kd: distillation trains an intermediate-fusion student (its fused "
-                          f"map learns the teacher's); fusion.core_method is {fusion!r}")
-    return load_teacher(str(kd_cfg["teacher"]), weight, cfg, device)
+    return load_teacher(kd["teacher"], kd["weight"], cfg, device)
 
 
 def distillation_dataset_args(teacher: FrozenTeacher | None) -> Dict:
@@ -313,12 +300,13 @@ def first_sample_picture(cfg: Dict, pictures: list):
     """on_sample hook: rank 0 renders its first validation sample (points, GT, detections)."""
     if not dist_utils.is_main_process():
         return None
-    from opencood.eval.vis import render_detection_sample
+    from opencood.eval.vis import frame_title, render_detection_sample
 
     def on_sample(key, batch, row, boxes, scores):
         if not pictures:
             pictures.append(render_detection_sample(batch, row, boxes,
-                                                    cfg["preprocess"]["cav_lidar_range"]))
+                                                    cfg["preprocess"]["cav_lidar_range"],
+                                                    frame_title(key)))
 
     return on_sample
 

@@ -16,6 +16,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from opencood.config import ConfigError
+from opencood.engine.run_folder import record_schedule
 from opencood.utils import dist as dist_utils
 from opencood.utils.checkpoint import (capture_rng_state, newest_readable_checkpoint,
                                        restore_rng_state, rng_state_for_rank, save_checkpoint,
@@ -92,7 +93,8 @@ def training_state(parts: TrainingParts, progress: TrainState, cfg: Dict, seed: 
 def save_run_checkpoints(run_dir: Path, state: Dict, epoch: int, save_freq: int,
                          is_best: bool, keep: int = 3) -> None:
     """Rank 0 only: last.pth and checkpoints/step_N.pth (the ``keep`` newest) always,
-    epoch_N.pth every save_freq epochs, best.pth when best."""
+    epoch_N.pth every save_freq epochs, best.pth when best; config.yaml takes the schedule
+    keys a resume changed."""
     if not dist_utils.is_main_process():
         return
     save_with_history(run_dir, state, int(state["step"]), keep)
@@ -100,12 +102,14 @@ def save_run_checkpoints(run_dir: Path, state: Dict, epoch: int, save_freq: int,
         save_checkpoint(run_dir / f"epoch_{epoch}.pth", state)
     if is_best:
         save_checkpoint(run_dir / "best.pth", state)
+    record_schedule(run_dir, state["config"])
 
 
 def save_mid_epoch_checkpoint(run_dir: Path, state: Dict, keep: int) -> None:
     """Rank 0 only: last.pth and its history file, from inside an epoch."""
     if dist_utils.is_main_process():
         save_with_history(run_dir, state, int(state["step"]), keep)
+        record_schedule(run_dir, state["config"])
 
 
 class MidEpochCheckpoints:

@@ -26,8 +26,6 @@ from opencood.models.build import build_model
 from opencood.utils.checkpoint import (CheckpointError, check_state_dict_compatible,
                                        load_checkpoint)
 
-KD_KEYS = ("teacher", "weight")
-DEFAULT_KD_WEIGHT = 10000.0      # HEAL's lidar_disco.yaml (the loss is a mean over channels too)
 TEACHER_FUSION = "early"
 TRAIN_HINT = "train it first: python tools/train.py -y <early-fusion yaml> --model_dir <run>"
 

@@ -19,6 +19,15 @@ from opencood.strategies import get_strategy
 from opencood.utils import dist as dist_utils
 
 
+def detect(model, batch: Dict, preparer, strategy) -> List:
+    """The timed part of inference on one collated batch: pillarise + forward + decode + NMS
+    (and the late-fusion merge) -> per sample (boxes, scores, bytes sent). Under the caller's
+    ``torch.no_grad`` (tools/bench.py times it alone)."""
+    inputs, _ = preparer(batch, with_targets=False)
+    outputs = model(strategy.model_inputs(inputs))
+    return strategy.detections(preparer.postprocessor, outputs, inputs)
+
+
 @torch.no_grad()
 def run_inference(model, loader, preparer, cfg: Dict, device, fusion_method: str | None = None,
                   on_sample=None, protocol: APProtocol = PROTOCOLS[DEFAULT_PROTOCOL]) -> Dict:
@@ -35,9 +44,7 @@ def run_inference(model, loader, preparer, cfg: Dict, device, fusion_method: str
     frames, bytes_sum, seconds = 0, 0.0, 0.0
     for batch in loader:
         start = time.perf_counter()
-        inputs, _ = preparer(batch, with_targets=False)
-        outputs = model(strategy.model_inputs(inputs))
-        results = strategy.detections(postprocessor, outputs, inputs)
+        results = detect(model, batch, preparer, strategy)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         seconds += time.perf_counter() - start

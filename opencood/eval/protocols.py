@@ -10,7 +10,10 @@ OPV2V AP is reported under two incompatible protocols, and mixing them explains 
 * ``coalign`` (CoAlign, HEAL): GT and detections within [-102.4, -102.4, -3, 102.4, 102.4, 1];
   detections sorted *globally* by score (VOC).
 * ``ours`` (the default): global sort (VOC), GT within the config's ``postprocess.gt_range``,
-  every detection kept.
+  every detection kept. It is also HEAL's DAIR-V2X-C protocol with the hypes_yaml/dairv2x
+  configs, whose gt_range is HEAL's (the crop with z widened by 1 m each way).
+* ``v2v4real`` (the V2V4Real paper): per-frame sort as ``opencood``, GT within the config's
+  ``gt_range`` (the hypes_yaml/v2v4real configs: [-100, -40, -5, 100, 40, 3]), every detection.
 
 Matching (highest-IoU free GT, by descending score within the frame) and VOC all-point
 interpolation are the same in all three.
@@ -20,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-from opencood.config import ConfigError
+from opencood.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,11 @@ PROTOCOLS = {
                            "OpenCOOD/OPV2V paper: per-frame score sort, range +-140 x +-40 m"),
     "coalign": APProtocol("coalign", "global", (-102.4, -102.4, -3.0, 102.4, 102.4, 1.0),
                           "CoAlign/HEAL: global score sort, range +-102.4 m"),
+    # V2V4Real's eval_utils: OpenCOOD's per-frame sort, GT in the data set's GT_RANGE (the
+    # hypes_yaml/v2v4real configs' gt_range, [-100, -40, -5, 100, 40, 3]), every detection.
+    "v2v4real": APProtocol("v2v4real", "per_frame", None,
+                           "V2V4Real paper: per-frame score sort, GT in the config's gt_range, "
+                           "all detections"),
 }
 DEFAULT_PROTOCOL = "ours"
 

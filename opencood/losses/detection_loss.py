@@ -13,14 +13,15 @@ ranks, so the validation loss (and ``best.pth``) is the same on 1 or 8 GPUs.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torchvision.ops import sigmoid_focal_loss
 
-from opencood.postprocess.layout import (BOX_CODE_SIZE, NUM_DIR_BINS, YAW_CODE,
+from opencood.config_schema import section
+from opencood.postprocess.layout import (BOX_CODE_SIZE, DIR_OFFSET, NUM_DIR_BINS, YAW_CODE,
                                          flatten_anchor_maps)
 from opencood.registry import LOSSES
 
@@ -41,7 +42,24 @@ def sine_difference(pred: torch.Tensor, target: torch.Tensor):
             torch.cat([target[..., :YAW_CODE], target_sin], dim=-1))
 
 
-@LOSSES.register("point_pillar_loss")
+@section
+class PointPillarLossArgs:
+    """``loss.args`` of ``point_pillar_loss``: term weights and the focal / smooth-L1 shapes."""
+
+    ALIASES = {"reg": "reg_weight"}                  # OpenCOOD's spelling
+    cls_weight: float = 1.0
+    reg_weight: float = 2.0
+    dir_weight: float = 0.2
+    conf_weight: float = 1.0                         # where2comm's confidence map
+    focal_alpha: float = 0.25
+    focal_gamma: float = 2.0
+    smooth_l1_beta: float = 1.0 / 9.0
+    code_weights: Optional[Tuple[float, ...]] = None    # None: every box code weighs 1
+    # Read by the postprocessor's box coder, kept here where OpenCOOD's configs have it.
+    dir_offset: float = DIR_OFFSET                   # direction-bin offset, radians
+
+
+@LOSSES.register("point_pillar_loss", args=PointPillarLossArgs)
 class DetectionLoss(nn.Module):
     """``forward(outputs, targets) -> (total, terms)``.
 
@@ -54,33 +72,18 @@ class DetectionLoss(nn.Module):
       (tensors, not floats, so logging does not force a device sync every step).
     """
 
-    def __init__(self, cls_weight: float = 1.0, reg_weight: float = 2.0, dir_weight: float = 0.2,
-                 conf_weight: float = 1.0, focal_alpha: float = 0.25, focal_gamma: float = 2.0,
-                 smooth_l1_beta: float = 1.0 / 9.0,
-                 code_weights: Optional[Sequence[float]] = None):
+    def __init__(self, args: PointPillarLossArgs = PointPillarLossArgs()):
         super().__init__()
-        self.cls_weight, self.reg_weight, self.dir_weight = cls_weight, reg_weight, dir_weight
-        self.conf_weight = conf_weight
-        self.focal_alpha, self.focal_gamma = focal_alpha, focal_gamma
-        self.smooth_l1_beta = smooth_l1_beta
-        code_weights = [1.0] * BOX_CODE_SIZE if code_weights is None else list(code_weights)
+        self.cls_weight, self.reg_weight = args.cls_weight, args.reg_weight
+        self.dir_weight, self.conf_weight = args.dir_weight, args.conf_weight
+        self.focal_alpha, self.focal_gamma = args.focal_alpha, args.focal_gamma
+        self.smooth_l1_beta = args.smooth_l1_beta
+        code_weights = [1.0] * BOX_CODE_SIZE if args.code_weights is None \
+            else list(args.code_weights)
         if len(code_weights) != BOX_CODE_SIZE:
             raise ValueError(f"code_weights needs {BOX_CODE_SIZE} entries, got {code_weights}")
         self.register_buffer("code_weights", torch.tensor(code_weights, dtype=torch.float32),
                              persistent=False)
-
-    @classmethod
-    def from_config(cls, args: dict) -> "DetectionLoss":
-        args = args or {}
-        # OpenCOOD yamls say ``cls_weight`` and ``reg``; accept both spellings.
-        return cls(cls_weight=args.get("cls_weight", 1.0),
-                   reg_weight=args.get("reg_weight", args.get("reg", 2.0)),
-                   dir_weight=args.get("dir_weight", 0.2),
-                   conf_weight=args.get("conf_weight", 1.0),
-                   focal_alpha=args.get("focal_alpha", 0.25),
-                   focal_gamma=args.get("focal_gamma", 2.0),
-                   smooth_l1_beta=args.get("smooth_l1_beta", 1.0 / 9.0),
-                   code_weights=args.get("code_weights"))
 
     def focal_map(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """(B, N) logits and labels -> (B, N) focal loss, 0 at ignored anchors."""

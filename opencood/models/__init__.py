@@ -1,11 +1,11 @@
 """Model stages: pillars -> features -> fusion -> head.
 
 ``pillar_vfe.py`` (pillar encoder), ``scatter.py`` (to BEV), ``backbone.py`` (BEV backbone),
-``fusion.py`` (AttFuse, F-Cooper, Where2comm), ``v2vnet.py``, ``v2xvit.py``, ``cobevt.py`` (one file
-per baseline), ``heads.py`` (anchor head), ``detectors.py`` (the models that wire them).
+``fusion.py`` (AttFuse, F-Cooper, Where2comm), ``v2vnet.py``, ``v2xvit.py``, ``cobevt.py``,
+``disconet.py`` (one file per baseline), ``heads.py`` (anchor head), ``detectors.py`` (the models
+that wire them).
 
-Importing this package registers every model (MODELS), backbone, fusion module and head.
+Every module of this package is imported on the first lookup in ``MODELS`` or ``FUSIONS``
+(``opencood.registry``): a file registering a model or fusion module needs no import line here.
 """
-from opencood.models import backbone, detectors, fusion, heads, pillar_vfe, scatter  # noqa: F401
-from opencood.models import cobevt, disconet, v2vnet, v2xvit  # noqa: F401  (fusions)
 from opencood.models.build import build_model  # noqa: F401

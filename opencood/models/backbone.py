@@ -1,12 +1,12 @@
 """Multi-scale 2-D BEV backbone (PointPillars / OpenCOOD ``BaseBEVBackbone``)."""
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Tuple
 
 import torch
 from torch import nn
 
-from opencood.registry import BACKBONES
+from opencood.config_schema import Problems, section
 
 # fuse_fn(features (N_agents, C, H, W), record_len (B,)) -> (B, C, H, W)
 FuseFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -37,40 +37,44 @@ def make_up_block(in_channels: int, out_channels: int, stride: float) -> nn.Sequ
     return nn.Sequential(conv, nn.BatchNorm2d(out_channels, eps=1e-3, momentum=0.01), nn.ReLU())
 
 
-@BACKBONES.register("base_bev_backbone")
+@section
+class BackboneArgs:
+    """``model.args.base_bev_backbone``: one entry per scale in every list."""
+
+    ALIASES = {"num_upsample_filters": "num_upsample_filter"}    # OpenPCDet's spelling
+    layer_nums: Tuple[int, ...]             # stride-1 convs after each down block's first
+    layer_strides: Tuple[int, ...]
+    num_filters: Tuple[int, ...]
+    upsample_strides: Tuple[int, ...]
+    num_upsample_filter: Tuple[int, ...]    # OpenCOOD's singular spelling
+
+    def problems(self) -> Problems:
+        for name in ("layer_strides", "num_filters", "upsample_strides", "num_upsample_filter"):
+            if len(getattr(self, name)) != len(self.layer_nums):
+                yield name, f"needs one entry per layer_nums entry ({len(self.layer_nums)})"
+
+
 class BaseBEVBackbone(nn.Module):
     """Down blocks at strides s0, s0*s1, ...; each scale is brought back to a common stride by an
     up block and the results are concatenated along channels.
 
     With layer_strides [2, 2, 2] and upsample_strides [1, 2, 4] the output stride is 2:
-    (N, C_in, ny, nx) -> (N, sum(num_upsample_filters), ny/2, nx/2) (ny, nx divisible by 8).
+    (N, C_in, ny, nx) -> (N, sum(num_upsample_filter), ny/2, nx/2) (ny, nx divisible by 8).
     """
 
-    def __init__(self, in_channels: int, layer_nums: Sequence[int], layer_strides: Sequence[int],
-                 num_filters: Sequence[int], upsample_strides: Sequence[float],
-                 num_upsample_filters: Sequence[int]):
+    def __init__(self, args: BackboneArgs, in_channels: int):
         super().__init__()
-        lengths = {len(layer_nums), len(layer_strides), len(num_filters),
-                   len(upsample_strides), len(num_upsample_filters)}
-        if len(lengths) != 1:
-            raise ValueError("layer_nums, layer_strides, num_filters, upsample_strides and "
-                             "num_upsample_filter must all have one entry per scale")
-        channels_in = [in_channels, *num_filters[:-1]]
+        channels_in = [in_channels, *args.num_filters[:-1]]
         self.blocks = nn.ModuleList(
             make_down_block(c_in, c_out, stride, n)
-            for c_in, c_out, stride, n in zip(channels_in, num_filters, layer_strides, layer_nums))
+            for c_in, c_out, stride, n in zip(channels_in, args.num_filters, args.layer_strides,
+                                              args.layer_nums))
         self.deblocks = nn.ModuleList(
             make_up_block(c_in, c_out, stride)
-            for c_in, c_out, stride in zip(num_filters, num_upsample_filters, upsample_strides))
-        self.scale_channels = tuple(num_filters)
-        self.out_channels = int(sum(num_upsample_filters))
-
-    @classmethod
-    def from_config(cls, args: dict, in_channels: int) -> "BaseBEVBackbone":
-        # OpenCOOD spells the last key in the singular; accept both.
-        up_filters = args.get("num_upsample_filter", args.get("num_upsample_filters"))
-        return cls(in_channels, args["layer_nums"], args["layer_strides"], args["num_filters"],
-                   args["upsample_strides"], up_filters)
+            for c_in, c_out, stride in zip(args.num_filters, args.num_upsample_filter,
+                                           args.upsample_strides))
+        self.scale_channels = tuple(args.num_filters)
+        self.out_channels = int(sum(args.num_upsample_filter))
 
     def forward(self, spatial_features: torch.Tensor, fuse_fn: Optional[FuseFn] = None,
                 record_len: Optional[torch.Tensor] = None) -> torch.Tensor:

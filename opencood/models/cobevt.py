@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from opencood.config_schema import non_negative, positive, section, spec
 from opencood.models.fusion import (FP32_BYTES, FusionModule, FusionResult, dense_comm_bytes,
                                     pad_by_sample)
 from opencood.registry import FUSIONS
@@ -140,31 +141,31 @@ class FusedAxialBlock(nn.Module):
         return x + self.grid_ffn(x)
 
 
-@FUSIONS.register("cobevt")
-class FuseBEVT(FusionModule):
-    """FuseBEVT at the backbone output (after the optional shrink header).
+@section
+class CoBEVTArgs:
+    depth: int = spec(3, check=positive)            # fused axial blocks
+    window: int = spec(4, check=positive)           # w of the local windows and the global grid
+    dim_head: int = spec(32, check=positive)        # width per head (heads = C / dim_head)
+    mlp_dim: int = spec(256, check=positive)        # feed-forward width
+    dropout: float = spec(0.0, check=non_negative)  # everywhere
+    bytes_per_value: int = spec(FP32_BYTES, check=positive)
 
-    Args:
-        in_channels: C; depth: fused axial blocks; window: w of the local windows and of the
-        global grid; dim_head: width per head (heads = C / dim_head); mlp_dim: feed-forward
-        width; dropout: everywhere.
-    """
+
+@FUSIONS.register("cobevt", args=CoBEVTArgs)
+class FuseBEVT(FusionModule):
+    """FuseBEVT at the backbone output (after the optional shrink header), on (N, in_channels,
+    H, W) maps."""
 
     supported_stages = ("backbone",)
 
-    def __init__(self, in_channels: int, depth: int = 3, window: int = 4, dim_head: int = 32,
-                 mlp_dim: int = 256, dropout: float = 0.0, bytes_per_value: int = FP32_BYTES):
-        super().__init__(bytes_per_value)
-        self.window = window
-        self.blocks = nn.ModuleList(FusedAxialBlock(in_channels, mlp_dim, dim_head, window,
-                                                    dropout) for _ in range(depth))
+    def __init__(self, args: CoBEVTArgs, in_channels: int, num_anchors: int):
+        super().__init__(args.bytes_per_value)
+        self.window = args.window
+        self.blocks = nn.ModuleList(
+            FusedAxialBlock(in_channels, args.mlp_dim, args.dim_head, args.window, args.dropout)
+            for _ in range(args.depth))
         self.head_norm = nn.LayerNorm(in_channels)
         self.head = nn.Linear(in_channels, in_channels)
-
-    @classmethod
-    def from_config(cls, args: dict, in_channels: int, num_anchors: int) -> "FuseBEVT":
-        known = ("depth", "window", "dim_head", "mlp_dim", "dropout", "bytes_per_value")
-        return cls(in_channels, **{key: args[key] for key in known})
 
     def forward(self, features: torch.Tensor, record_len: torch.Tensor) -> FusionResult:
         """features (N, C, H, W), record_len (B,) -> FusionResult, fused map (B, C, H, W)."""

@@ -13,38 +13,103 @@ Output dict: cls_preds (B, A, H, W), reg_preds (B, 7A, H, W), dir_preds (B, 2A, 
   fusion also fused_features (B, C, H, W), the map the head reads, and the fusion module's
   auxiliary outputs (DiscoNet: edge_weights (B, L, H, W)).
 H, W = (ny, nx) / backbone output stride (2 for layer_strides [2, 2, 2], upsample [1, 2, 4]).
+
+Both detectors are built from their parsed ``model.args`` (:class:`PillarArgs`).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Literal, Optional, Tuple
 
 import torch
 from torch import nn
 
-from opencood.models.backbone import BaseBEVBackbone
+from opencood.config_schema import Problems, all_positive, box_range, positive, section, spec
+from opencood.models.backbone import BackboneArgs, BaseBEVBackbone
 from opencood.models.fusion import FusionModule, agent_slots
 from opencood.models.heads import AnchorHead
-from opencood.models.pillar_vfe import PillarVFE
-from opencood.models.scatter import PointPillarScatter
+from opencood.models.pillar_vfe import PillarVFE, PillarVFEArgs
+from opencood.models.scatter import PointPillarScatter, ScatterArgs
 from opencood.registry import FUSIONS, MODELS
 
 POINT_BYTES = 16  # x, y, z, intensity as fp32: what early fusion sends per point
 
 
-def build_pillar_parts(args: dict):
-    """Resolved model args (opencood.config_schema.PillarArgs) -> (vfe, scatter, backbone,
-    head), widths chained from one to the next."""
+@section
+class ShrinkHeaderArgs:
+    """OpenCOOD's ``shrink_header`` before fusion (V2VNet, V2X-ViT, CoBEVT configs)."""
+
+    dim: int = spec(check=positive)
+    stride: int = spec(2, check=positive)
+
+
+@section
+class ModelFusion:
+    """``model.args.fusion``: a module of FUSIONS and the stage it fuses at."""
+
+    core_method: str
+    args: Any = spec(args_of=("core_method", "fusion"))       # the module's own schema
+    stage: Optional[Literal["scatter", "multiscale", "backbone"]] = None   # None: the module's
+
+
+@section
+class PillarArgs:
+    """PointPillars arguments. The first four are derived from the data sections unless given."""
+
+    lidar_range: Optional[Tuple[float, ...]] = spec(None, check=box_range)
+    voxel_size: Optional[Tuple[float, float, float]] = spec(None, check=all_positive)
+    max_points_per_voxel: Optional[int] = spec(None, check=positive)
+    anchor_number: Optional[int] = spec(None, check=positive)
+    bn_momentum: Optional[float] = None             # None: PyTorch's BatchNorm momentum
+    pillar_vfe: PillarVFEArgs
+    point_pillar_scatter: ScatterArgs
+    base_bev_backbone: BackboneArgs
+    fusion: Optional[ModelFusion] = None
+    shrink_header: Optional[ShrinkHeaderArgs] = None   # intermediate fusion only
+
+
+@section
+class PointPillarArgs(PillarArgs):
+    def problems(self) -> Problems:
+        if self.shrink_header is not None:
+            yield "shrink_header", "must be null: point_pillar has no fusion to shrink for"
+        if self.fusion is not None:
+            yield "fusion", ("must be null: point_pillar is single-agent (point_pillar_intermediate "
+                             "fuses features)")
+
+
+@section
+class PointPillarIntermediateArgs(PillarArgs):
+    def problems(self) -> Problems:
+        if self.fusion is None:
+            yield "fusion", "is required by point_pillar_intermediate ({core_method, args})"
+
+
+def set_bn_momentum(model: nn.Module, momentum: Optional[float]) -> None:
+    """Momentum of every BatchNorm running-statistics update (None: leave PyTorch's).
+
+    The OpenCOOD default (0.01) needs thousands of steps before eval-mode statistics match the
+    training batches; short CPU runs of a few hundred steps validate badly with it.
+    """
+    if momentum is None:
+        return
+    for module in model.modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            module.momentum = float(momentum)
+
+
+def build_pillar_parts(args: PillarArgs):
+    """Parsed model args -> (vfe, scatter, backbone, head), widths chained from one to the
+    next."""
     from opencood.ops.voxelize import grid_size
 
-    nx, ny, _ = grid_size(args["lidar_range"], args["voxel_size"])
-    vfe = PillarVFE.from_config(args["pillar_vfe"], args["voxel_size"],
-                                args["lidar_range"])
-    scatter = PointPillarScatter.from_config(args["point_pillar_scatter"], nx=nx, ny=ny)
+    nx, ny, _ = grid_size(args.lidar_range, args.voxel_size)
+    vfe = PillarVFE(args.pillar_vfe, args.voxel_size, args.lidar_range)
+    scatter = PointPillarScatter(args.point_pillar_scatter.num_features, nx=nx, ny=ny)
     if scatter.num_features != vfe.out_channels:
         raise ValueError(f"point_pillar_scatter.num_features ({scatter.num_features}) must equal "
                          f"the last pillar_vfe filter ({vfe.out_channels})")
-    backbone = BaseBEVBackbone.from_config(args["base_bev_backbone"], scatter.num_features)
-    head = AnchorHead.from_config(args, backbone.out_channels)
+    backbone = BaseBEVBackbone(args.base_bev_backbone, scatter.num_features)
+    head = AnchorHead(backbone.out_channels, num_anchors=args.anchor_number)
     return vfe, scatter, backbone, head
 
 
@@ -75,7 +140,7 @@ def early_fusion_bytes(batch: dict, batch_size: int, device) -> torch.Tensor:
     return comm_bytes
 
 
-@MODELS.register("point_pillar")
+@MODELS.register("point_pillar", args=PointPillarArgs)
 class PointPillar(nn.Module):
     """Single-agent PointPillars, used for no fusion (ego points), early fusion (all agents'
     points merged at the ego) and late fusion (each CAV run as its own sample): every
@@ -83,14 +148,10 @@ class PointPillar(nn.Module):
     batch has ``shared_points``, else 0 (late fusion's boxes are counted by the post-processor).
     """
 
-    def __init__(self, vfe: PillarVFE, scatter: PointPillarScatter, backbone: BaseBEVBackbone,
-                 head: AnchorHead):
+    def __init__(self, args: PointPillarArgs):
         super().__init__()
-        self.vfe, self.scatter, self.backbone, self.head = vfe, scatter, backbone, head
-
-    @classmethod
-    def from_config(cls, args: dict) -> "PointPillar":
-        return cls(*build_pillar_parts(args))
+        self.vfe, self.scatter, self.backbone, self.head = build_pillar_parts(args)
+        set_bn_momentum(self, args.bn_momentum)
 
     def bev_features(self, batch: dict) -> torch.Tensor:
         """The BEV map the head reads: (B, C, H, W). An early-fusion model's map is DiscoNet's
@@ -114,26 +175,34 @@ class ShrinkHeader(nn.Module):
     windows stays affordable: (N, C_in, H, W) -> (N, dim, ceil(H / stride), ceil(W / stride)).
     With stride 2 the head runs at feature stride 4 (``anchor_args.feature_stride: 4``)."""
 
-    def __init__(self, in_channels: int, dim: int, stride: int = 2):
+    def __init__(self, args: ShrinkHeaderArgs, in_channels: int):
         super().__init__()
-        self.out_channels = dim
+        self.out_channels = args.dim
         self.layers = nn.Sequential(
-            nn.Conv2d(in_channels, dim, 3, stride=stride, padding=1), nn.ReLU(),
-            nn.Conv2d(dim, dim, 3, padding=1), nn.ReLU())
-
-    @classmethod
-    def from_config(cls, args: dict, in_channels: int) -> "ShrinkHeader":
-        dim, stride = args["dim"], args["stride"]
-        # OpenCOOD writes one-entry lists (dim: [256], stride: [2]); accept both spellings.
-        dim = dim[0] if isinstance(dim, (list, tuple)) else dim
-        stride = stride[0] if isinstance(stride, (list, tuple)) else stride
-        return cls(in_channels, int(dim), int(stride))
+            nn.Conv2d(in_channels, args.dim, 3, stride=args.stride, padding=1), nn.ReLU(),
+            nn.Conv2d(args.dim, args.dim, 3, padding=1), nn.ReLU())
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         return self.layers(features)
 
 
-@MODELS.register("point_pillar_intermediate")
+def build_fusion(fusion: ModelFusion, in_channels: int, num_anchors: int) -> FusionModule:
+    """The FUSIONS module ``fusion.core_method`` from its parsed arguments, on (N, in_channels,
+    H, W) maps with ``num_anchors`` anchors per cell."""
+    fusion_cls = FUSIONS.get(fusion.core_method)
+    return fusion_cls(fusion.args, in_channels=in_channels, num_anchors=num_anchors)
+
+
+def fusion_stage(fusion: FusionModule, stage: Optional[str]) -> str:
+    """``stage`` (None: the module's default), refused when the module cannot fuse there."""
+    stage = stage or fusion.default_stage
+    if stage not in fusion.supported_stages:
+        raise ValueError(f"{type(fusion).__name__} cannot fuse at stage {stage!r}; "
+                         f"supported: {', '.join(fusion.supported_stages)}")
+    return stage
+
+
+@MODELS.register("point_pillar_intermediate", args=PointPillarIntermediateArgs)
 class PointPillarIntermediate(nn.Module):
     """PointPillars with per-agent BEV features fused at the ego by a FUSIONS module.
 
@@ -144,34 +213,22 @@ class PointPillarIntermediate(nn.Module):
     output: per agent before fusion at the "backbone" stage, on the fused map otherwise.
     """
 
-    def __init__(self, vfe: PillarVFE, scatter: PointPillarScatter, backbone: BaseBEVBackbone,
-                 head: AnchorHead, fusion: FusionModule, stage: Optional[str] = None,
-                 shrink: Optional[ShrinkHeader] = None):
+    def __init__(self, args: PointPillarIntermediateArgs):
         super().__init__()
-        stage = stage or fusion.default_stage
-        if stage not in fusion.supported_stages:
-            raise ValueError(f"{type(fusion).__name__} cannot fuse at stage {stage!r}; "
-                             f"supported: {', '.join(fusion.supported_stages)}")
-        self.vfe, self.scatter, self.backbone, self.head = vfe, scatter, backbone, head
-        self.fusion = fusion
-        self.stage = stage
-        self.shrink = shrink if shrink is not None else nn.Identity()
-
-    @classmethod
-    def from_config(cls, args: dict) -> "PointPillarIntermediate":
         vfe, scatter, backbone, head = build_pillar_parts(args)
         shrink = None
-        if args.get("shrink_header"):
-            shrink = ShrinkHeader.from_config(args["shrink_header"], backbone.out_channels)
-            head = AnchorHead.from_config(args, shrink.out_channels)
-        fusion_cfg = args["fusion"]
-        fusion_cls = FUSIONS.get(fusion_cfg["core_method"])
-        fusion = fusion_cls.from_config(
-            fusion_cfg["args"],
-            in_channels=shrink.out_channels if shrink is not None else backbone.out_channels,
-            num_anchors=head.num_anchors)
-        return cls(vfe, scatter, backbone, head, fusion, stage=fusion_cfg["stage"],
-                   shrink=shrink)
+        if args.shrink_header is not None:
+            shrink = ShrinkHeader(args.shrink_header, backbone.out_channels)
+            # A second head, on the narrower map (the first one's draws from the RNG are kept:
+            # initial weights stay what they were for a seed).
+            head = AnchorHead(shrink.out_channels, num_anchors=args.anchor_number)
+        fusion = build_fusion(args.fusion, shrink.out_channels if shrink is not None
+                              else backbone.out_channels, head.num_anchors)
+        self.vfe, self.scatter, self.backbone, self.head = vfe, scatter, backbone, head
+        self.fusion = fusion
+        self.stage = fusion_stage(fusion, args.fusion.stage)
+        self.shrink = shrink if shrink is not None else nn.Identity()
+        set_bn_momentum(self, args.bn_momentum)
 
     def fuse_features(self, canvas: torch.Tensor, record_len: torch.Tensor,
                       extra: Optional[dict] = None):

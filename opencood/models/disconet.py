@@ -18,17 +18,15 @@ Bytes: every non-ego agent sends its whole (C, H, W) map, once.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Sequence, Tuple
 
 import torch
 from torch import nn
 
+from opencood.config_schema import positive, section, spec
 from opencood.models.fusion import (FP32_BYTES, FusionModule, FusionResult, agent_slots,
                                     dense_comm_bytes, pad_by_sample)
 from opencood.registry import FUSIONS
-
-# The edge network of the paper's code (and HEAL's): 2C -> 128 -> 32 -> 8 -> 1, 1x1 kernels.
-DEFAULT_HIDDEN = (128, 32, 8)
 
 
 class EdgeWeightNet(nn.Module):
@@ -38,7 +36,7 @@ class EdgeWeightNet(nn.Module):
     softmax over agents normalises the scores.
     """
 
-    def __init__(self, in_channels: int, hidden: Sequence[int] = DEFAULT_HIDDEN):
+    def __init__(self, in_channels: int, hidden: Sequence[int]):
         super().__init__()
         layers, width = [], 2 * in_channels
         for out in hidden:
@@ -51,28 +49,24 @@ class EdgeWeightNet(nn.Module):
         return self.layers(pairs)
 
 
-@FUSIONS.register("disconet")
+@section
+class DiscoNetArgs:
+    # Widths of the edge network's hidden 1x1 convolutions; the paper's code (and HEAL's):
+    # 2C -> 128 -> 32 -> 8 -> 1.
+    hidden: Tuple[int, ...] = (128, 32, 8)
+    bytes_per_value: int = spec(FP32_BYTES, check=positive)   # what one sent value costs
+
+
+@FUSIONS.register("disconet", args=DiscoNetArgs)
 class DiscoFusion(FusionModule):
     """DiscoNet's fusion at the backbone output: softmax-normalised learned edge weights per
-    cell, weighted sum over the sample's agents.
-
-    Args:
-        in_channels: C of the per-agent maps.
-        hidden: widths of the edge network's hidden 1x1 convolutions.
-        bytes_per_value: what one transmitted value costs (4: fp32).
-    """
+    cell, weighted sum over the sample's agents, on (N, in_channels, H, W) maps."""
 
     supported_stages = ("backbone",)
 
-    def __init__(self, in_channels: int, hidden: Sequence[int] = DEFAULT_HIDDEN,
-                 bytes_per_value: int = FP32_BYTES):
-        super().__init__(bytes_per_value)
-        self.edge_net = EdgeWeightNet(in_channels, hidden)
-
-    @classmethod
-    def from_config(cls, args: dict, in_channels: int, num_anchors: int) -> "DiscoFusion":
-        return cls(in_channels, hidden=tuple(args["hidden"]),
-                   bytes_per_value=args["bytes_per_value"])
+    def __init__(self, args: DiscoNetArgs, in_channels: int, num_anchors: int):
+        super().__init__(args.bytes_per_value)
+        self.edge_net = EdgeWeightNet(in_channels, args.hidden)
 
     def edge_logits(self, features: torch.Tensor, record_len: torch.Tensor) -> torch.Tensor:
         """(N, C, H, W) agents, ego first per sample -> (N, 1, H, W) score of each agent's edge

@@ -14,15 +14,19 @@ Where each module is applied (the detector's ``stage``) decides what is transmit
 ``attfuse`` fuses every backbone scale (OpenCOOD AttFuse), so an agent sends every scale's map;
 ``fcooper`` max-fuses the scattered pillar canvas (F-Cooper's voxel-feature fusion), so it sends
 that canvas; ``where2comm`` fuses the backbone output and sends only its selected cells.
+
+A module is registered with the schema of its yaml arguments (``@FUSIONS.register(name,
+args=...)``) and built as ``cls(args, in_channels=C, num_anchors=A)`` from the parsed arguments.
 """
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional
+from typing import Literal, NamedTuple, Optional
 
 import torch
 from torch import nn
 
+from opencood.config_schema import non_negative, positive, section, spec
 from opencood.models.heads import prior_bias
 from opencood.registry import FUSIONS
 
@@ -112,20 +116,24 @@ class FusionModule(nn.Module):
         self.bytes_per_value = bytes_per_value
 
 
+@section
+class DenseFusionArgs:
+    bytes_per_value: int = spec(FP32_BYTES, check=positive)   # fp32 maps
+
+
 class DenseFusion(FusionModule):
     """Parameter-free fusion of whole maps: every non-ego agent sends its full (C, H, W) map and
     the ego combines the real agents of its sample per location with ``combine``."""
+
+    pads_to_max_agents = True
+
+    def __init__(self, args: DenseFusionArgs, in_channels: int, num_anchors: int):
+        super().__init__(args.bytes_per_value)
 
     @staticmethod
     def combine(padded: torch.Tensor, attend: torch.Tensor) -> torch.Tensor:
         """padded (B, L, C, H, W), attend (B, L, H, W) bool -> (B, C, H, W)."""
         raise NotImplementedError
-
-    @classmethod
-    def from_config(cls, args: dict, in_channels: int, num_anchors: int) -> "DenseFusion":
-        return cls(bytes_per_value=args["bytes_per_value"])
-
-    pads_to_max_agents = True
 
     def forward(self, features: torch.Tensor, record_len: torch.Tensor,
                 max_agents: Optional[int] = None) -> FusionResult:
@@ -137,7 +145,7 @@ class DenseFusion(FusionModule):
                             dense_comm_bytes(features, record_len, self.bytes_per_value), {})
 
 
-@FUSIONS.register("attfuse")
+@FUSIONS.register("attfuse", args=DenseFusionArgs)
 class AttFusion(DenseFusion):
     """OpenCOOD AttFuse: per-location self-attention across agents, the ego's row kept.
     Parameter-free; by default applied at every backbone scale."""
@@ -146,7 +154,7 @@ class AttFusion(DenseFusion):
     combine = staticmethod(ego_attention)
 
 
-@FUSIONS.register("fcooper")
+@FUSIONS.register("fcooper", args=DenseFusionArgs)
 class SpatialMaxFusion(DenseFusion):
     """F-Cooper: element-wise max over agents. Parameter-free; by default applied to the
     scattered pillar canvas (voxel-feature fusion), ``stage: backbone`` gives F-Cooper's
@@ -156,7 +164,15 @@ class SpatialMaxFusion(DenseFusion):
     combine = staticmethod(masked_max)
 
 
-@FUSIONS.register("where2comm")
+@section
+class Where2commArgs:
+    threshold: float = 0.01                 # confidence above which a cell is sent
+    max_bytes_per_agent: Optional[int] = spec(None, check=non_negative)   # None: no budget
+    fusion_mode: Literal["attention", "max"] = "attention"
+    bytes_per_value: int = spec(FP32_BYTES, check=positive)
+
+
+@FUSIONS.register("where2comm", args=Where2commArgs)
 class Where2comm(FusionModule):
     """Where2comm: non-ego agents send only the cells where they see something.
 
@@ -176,28 +192,15 @@ class Where2comm(FusionModule):
 
     supported_stages = ("backbone",)
 
-    def __init__(self, in_channels: int, num_anchors: int, threshold: float = 0.01,
-                 max_bytes_per_agent: Optional[float] = None, fusion_mode: str = "attention",
-                 bytes_per_value: int = FP32_BYTES, cls_prior: float = 0.01):
-        super().__init__(bytes_per_value)
-        if fusion_mode not in ("attention", "max"):
-            raise ValueError(f"where2comm fusion_mode must be 'attention' or 'max', "
-                             f"got {fusion_mode!r}")
-        if max_bytes_per_agent is not None and max_bytes_per_agent < 0:
-            raise ValueError(f"max_bytes_per_agent must be >= 0 or None, got {max_bytes_per_agent}")
+    def __init__(self, args: Where2commArgs, in_channels: int, num_anchors: int,
+                 cls_prior: float = 0.01):
+        super().__init__(args.bytes_per_value)
         self.in_channels = in_channels
-        self.threshold = threshold
-        self.max_bytes_per_agent = max_bytes_per_agent
-        self.fusion_mode = fusion_mode
+        self.threshold = args.threshold
+        self.max_bytes_per_agent = args.max_bytes_per_agent
+        self.fusion_mode = args.fusion_mode
         self.conf_conv = nn.Conv2d(in_channels, num_anchors, 1)
         self.reset_cls_prior(cls_prior)
-
-    @classmethod
-    def from_config(cls, args: dict, in_channels: int, num_anchors: int) -> "Where2comm":
-        return cls(in_channels, num_anchors, threshold=args["threshold"],
-                   max_bytes_per_agent=args["max_bytes_per_agent"],
-                   fusion_mode=args["fusion_mode"],
-                   bytes_per_value=args["bytes_per_value"])
 
     @torch.no_grad()
     def reset_cls_prior(self, prior: float) -> None:

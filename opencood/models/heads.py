@@ -7,7 +7,6 @@ import torch
 from torch import nn
 
 from opencood.postprocess.layout import BOX_CODE_SIZE, NUM_DIR_BINS
-from opencood.registry import HEADS
 
 
 def prior_bias(prior: float) -> float:
@@ -16,7 +15,6 @@ def prior_bias(prior: float) -> float:
     return -math.log((1.0 - prior) / prior)
 
 
-@HEADS.register("anchor_head")
 class AnchorHead(nn.Module):
     """(B, C, H, W) -> cls (B, A, H, W), reg (B, 7A, H, W), dir (B, 2A, H, W), in the channel
     layout of :mod:`opencood.postprocess.layout` (reg channel ``a * 7 + k`` is code k of anchor
@@ -30,10 +28,6 @@ class AnchorHead(nn.Module):
         self.reg_conv = nn.Conv2d(in_channels, BOX_CODE_SIZE * num_anchors, 1)
         self.dir_conv = nn.Conv2d(in_channels, NUM_DIR_BINS * num_anchors, 1)
         self.reset_cls_prior(cls_prior)
-
-    @classmethod
-    def from_config(cls, args: dict, in_channels: int) -> "AnchorHead":
-        return cls(in_channels, num_anchors=args.get("anchor_number", 2))
 
     @torch.no_grad()
     def reset_cls_prior(self, prior: float) -> None:

@@ -1,11 +1,13 @@
 """Pillar feature net (PointPillars / OpenCOOD ``PillarVFE``): points of a pillar -> one vector."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from opencood.config_schema import non_empty, positive, section, spec
 
 
 def masked_batch_norm(norm: nn.BatchNorm1d, values: torch.Tensor,
@@ -101,6 +103,15 @@ class PillarLayer(nn.Module):
         return torch.cat([per_point, repeated_max], dim=-1) * point_mask.unsqueeze(-1)
 
 
+@section
+class PillarVFEArgs:
+    """``model.args.pillar_vfe``."""
+
+    in_channels: int = spec(4, check=positive)      # x, y, z, intensity
+    num_filters: Tuple[int, ...] = spec((64,), check=non_empty)
+    with_distance: bool = False
+
+
 class PillarVFE(nn.Module):
     """Decorates each point with offsets to its pillar's point mean and centre, encodes, pools.
 
@@ -108,29 +119,22 @@ class PillarVFE(nn.Module):
     (plus ||xyz|| when ``with_distance``).
     """
 
-    def __init__(self, voxel_size: Sequence[float], lidar_range: Sequence[float],
-                 in_channels: int = 4, num_filters: Sequence[int] = (64,),
-                 with_distance: bool = False):
+    def __init__(self, args: PillarVFEArgs, voxel_size: Sequence[float],
+                 lidar_range: Sequence[float]):
         super().__init__()
-        self.with_distance = with_distance
+        self.with_distance = args.with_distance
         self.register_buffer("voxel_size", torch.tensor(voxel_size[:3], dtype=torch.float32),
                              persistent=False)
         self.register_buffer("range_min", torch.tensor(lidar_range[:3], dtype=torch.float32),
                              persistent=False)
-        channels = in_channels + 6 + int(with_distance)
+        channels = args.in_channels + 6 + int(args.with_distance)
         layers = []
-        for index, width in enumerate(num_filters):
-            layer = PillarLayer(channels, width, last_layer=index == len(num_filters) - 1)
+        for index, width in enumerate(args.num_filters):
+            layer = PillarLayer(channels, width, last_layer=index == len(args.num_filters) - 1)
             layers.append(layer)
             channels = layer.out_channels
         self.layers = nn.ModuleList(layers)
         self.out_channels = channels
-
-    @classmethod
-    def from_config(cls, args: dict, voxel_size, lidar_range) -> "PillarVFE":
-        return cls(voxel_size, lidar_range, in_channels=args.get("in_channels", 4),
-                   num_filters=tuple(args.get("num_filters", (64,))),
-                   with_distance=args.get("with_distance", False))
 
     def decorate(self, voxel_features: torch.Tensor, voxel_num_points: torch.Tensor,
                  voxel_coords: torch.Tensor, point_mask: torch.Tensor) -> torch.Tensor:

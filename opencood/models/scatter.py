@@ -6,6 +6,15 @@ from typing import Optional
 import torch
 from torch import nn
 
+from opencood.config_schema import positive, section, spec
+
+
+@section
+class ScatterArgs:
+    """``model.args.point_pillar_scatter``."""
+
+    num_features: int = spec(check=positive)      # = the last pillar_vfe filter
+
 
 class PointPillarScatter(nn.Module):
     """(P, C) pillar features + (P, 4) [agent, z, y, x] coords -> (num_agents, C, ny, nx).
@@ -19,10 +28,6 @@ class PointPillarScatter(nn.Module):
         self.num_features = num_features
         self.nx = nx
         self.ny = ny
-
-    @classmethod
-    def from_config(cls, args: dict, nx: int, ny: int) -> "PointPillarScatter":
-        return cls(num_features=args["num_features"], nx=nx, ny=ny)
 
     def forward(self, pillar_features: torch.Tensor, voxel_coords: torch.Tensor,
                 record_len: torch.Tensor, voxel_valid: Optional[torch.Tensor] = None

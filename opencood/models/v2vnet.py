@@ -24,12 +24,13 @@ K x C x H x W values (nothing when K = 0 or when the ego is alone).
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from opencood.config_schema import non_negative, positive, section, spec
 from opencood.models.fusion import FP32_BYTES, FusionModule, FusionResult, pad_by_sample
 from opencood.registry import FUSIONS
 
@@ -95,25 +96,29 @@ class ConvGRUCell(nn.Module):
         return (1 - update) * hidden + update * candidate
 
 
-@FUSIONS.register("v2vnet")
-class V2VNetFusion(FusionModule):
-    """V2VNet message passing at the backbone output (after the optional shrink header).
+@section
+class V2VNetArgs:
+    # K rounds of message passing (0: the ego's own map, through the output layer)
+    num_iteration: int = spec(2, check=non_negative)
+    kernel_size: int = spec(3, check=positive)           # of the ConvGRU convolutions
+    # metres per feature cell and the map's centre in the ego frame (metres), for warping with
+    # explicit pairwise transforms
+    cell_size: float = spec(0.8, check=positive)
+    grid_center: Tuple[float, float] = (0.0, 0.0)
+    bytes_per_value: int = spec(FP32_BYTES, check=positive)
 
-    Args:
-        in_channels: C of the per-agent maps.
-        num_iteration: K rounds of message passing (0: the ego's own map, through the output
-            layer; no message CNN or GRU is built).
-        kernel_size: of the ConvGRU convolutions.
-        cell_size: metres per feature cell, for warping with explicit pairwise transforms.
-        grid_center: (x, y) of the feature map centre in metres, same use.
-    """
+
+@FUSIONS.register("v2vnet", args=V2VNetArgs)
+class V2VNetFusion(FusionModule):
+    """V2VNet message passing at the backbone output (after the optional shrink header), on
+    (N, in_channels, H, W) maps. With ``num_iteration`` 0 no message CNN or GRU is built."""
 
     supported_stages = ("backbone",)
 
-    def __init__(self, in_channels: int, num_iteration: int = 2, kernel_size: int = 3,
-                 cell_size: float = 0.8, grid_center: Sequence[float] = (0.0, 0.0),
-                 bytes_per_value: int = FP32_BYTES):
-        super().__init__(bytes_per_value)
+    def __init__(self, args: V2VNetArgs, in_channels: int, num_anchors: int):
+        num_iteration, kernel_size = args.num_iteration, args.kernel_size
+        cell_size, grid_center = args.cell_size, args.grid_center
+        super().__init__(args.bytes_per_value)
         if num_iteration < 0:
             raise ValueError(f"v2vnet num_iteration must be >= 0, got {num_iteration}")
         self.num_iteration = num_iteration
@@ -126,14 +131,6 @@ class V2VNetFusion(FusionModule):
             if has_rounds else None
         self.gru = ConvGRUCell(2 * in_channels, in_channels, kernel_size) if has_rounds else None
         self.output = nn.Conv2d(in_channels, in_channels, 1)   # OpenCOOD's per-cell linear
-
-    @classmethod
-    def from_config(cls, args: dict, in_channels: int, num_anchors: int) -> "V2VNetFusion":
-        return cls(in_channels, num_iteration=args["num_iteration"],
-                   kernel_size=args["kernel_size"],
-                   cell_size=args["cell_size"],
-                   grid_center=args["grid_center"],
-                   bytes_per_value=args["bytes_per_value"])
 
     def mean_messages(self, states: torch.Tensor, is_real: torch.Tensor,
                       theta: Optional[torch.Tensor], receivers: int) -> torch.Tensor:

@@ -23,12 +23,13 @@ Bytes: a non-ego agent sends its whole (C, H, W) map once.
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import Literal, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from opencood.config_schema import non_negative, positive, section, spec
 from opencood.models.fusion import (FP32_BYTES, FusionModule, FusionResult, dense_comm_bytes,
                                     pad_by_sample)
 from opencood.registry import FUSIONS
@@ -250,51 +251,50 @@ class V2XFusionBlock(nn.Module):
         return x + self.window_attention(self.window_norm(x))
 
 
-@FUSIONS.register("v2xvit")
-class V2XViTFusion(FusionModule):
-    """V2X-ViT encoder at the backbone output (after the optional shrink header).
+@section
+class V2XViTArgs:
+    depth: int = spec(3, check=positive)            # encoder layers
+    num_blocks: int = spec(1, check=positive)       # fusion blocks per layer
+    heads: int = spec(8, check=positive)            # HMSA heads
+    dim_head: int = spec(32, check=positive)        # and their width
+    # one entry per MSwin scale
+    window_sizes: Tuple[int, ...] = (4, 8, 16)
+    window_heads: Tuple[int, ...] = (16, 8, 4)
+    window_dim_heads: Tuple[int, ...] = (16, 32, 64)
+    window_merge: Literal["split_attn", "mean"] = "split_attn"     # split_attn: V2X-ViT's
+    mlp_dim: int = spec(256, check=positive)        # feed-forward width
+    dropout: float = spec(0.0, check=non_negative)  # everywhere
+    rte_ratio: int = spec(2, check=positive)        # delay-encoding steps per latency frame
+    use_delay_encoding: bool = True                 # off for ablation
+    bytes_per_value: int = spec(FP32_BYTES, check=positive)
 
-    Args:
-        in_channels: C (the transformer width).
-        depth, num_blocks: encoder layers, fusion blocks per layer.
-        heads, dim_head: HMSA heads and their width.
-        window_sizes, window_heads, window_dim_heads: one entry per MSwin scale.
-        window_merge: "split_attn" (V2X-ViT) or "mean".
-        mlp_dim: feed-forward width; dropout: everywhere.
-        rte_ratio: delay-encoding steps per latency frame; use_delay_encoding: off for ablation.
-    """
+
+@FUSIONS.register("v2xvit", args=V2XViTArgs)
+class V2XViTFusion(FusionModule):
+    """V2X-ViT encoder at the backbone output (after the optional shrink header), on
+    (N, in_channels, H, W) maps (in_channels: the transformer width)."""
 
     supported_stages = ("backbone",)
     extra_inputs = ("agent_types", "agent_latency")
 
-    def __init__(self, in_channels: int, depth: int = 3, num_blocks: int = 1, heads: int = 8,
-                 dim_head: int = 32, window_sizes: Sequence[int] = (4, 8, 16),
-                 window_heads: Sequence[int] = (16, 8, 4),
-                 window_dim_heads: Sequence[int] = (16, 32, 64), window_merge: str = "split_attn",
-                 mlp_dim: int = 256, dropout: float = 0.0, rte_ratio: int = 2,
-                 use_delay_encoding: bool = True, bytes_per_value: int = FP32_BYTES):
-        super().__init__(bytes_per_value)
-        self.delay_encoding = DelayEncoding(in_channels, rte_ratio) if use_delay_encoding \
-            else None
+    def __init__(self, args: V2XViTArgs, in_channels: int, num_anchors: int):
+        super().__init__(args.bytes_per_value)
+        self.delay_encoding = DelayEncoding(in_channels, args.rte_ratio) \
+            if args.use_delay_encoding else None
         self.blocks = nn.ModuleList()
         self.feed_forwards = nn.ModuleList()
-        for _ in range(depth):
+        for _ in range(args.depth):
             self.blocks.append(nn.ModuleList(
                 V2XFusionBlock(in_channels,
-                               HeteroAgentAttention(in_channels, heads, dim_head, dropout),
-                               MultiScaleWindowAttention(in_channels, window_heads,
-                                                         window_dim_heads, window_sizes, dropout,
-                                                         window_merge))
-                for _ in range(num_blocks)))
-            self.feed_forwards.append(nn.Sequential(nn.LayerNorm(in_channels),
-                                                    FeedForward(in_channels, mlp_dim, dropout)))
-
-    @classmethod
-    def from_config(cls, args: dict, in_channels: int, num_anchors: int) -> "V2XViTFusion":
-        known = ("depth", "num_blocks", "heads", "dim_head", "window_sizes", "window_heads",
-                 "window_dim_heads", "window_merge", "mlp_dim", "dropout", "rte_ratio",
-                 "use_delay_encoding", "bytes_per_value")
-        return cls(in_channels, **{key: args[key] for key in known})
+                               HeteroAgentAttention(in_channels, args.heads, args.dim_head,
+                                                    args.dropout),
+                               MultiScaleWindowAttention(in_channels, args.window_heads,
+                                                         args.window_dim_heads,
+                                                         args.window_sizes, args.dropout,
+                                                         args.window_merge))
+                for _ in range(args.num_blocks)))
+            self.feed_forwards.append(nn.Sequential(
+                nn.LayerNorm(in_channels), FeedForward(in_channels, args.mlp_dim, args.dropout)))
 
     def forward(self, features: torch.Tensor, record_len: torch.Tensor,
                 agent_types: Optional[torch.Tensor] = None,

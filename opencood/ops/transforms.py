@@ -75,9 +75,29 @@ def poses_to_matrices(poses: np.ndarray) -> np.ndarray:
     return matrices
 
 
+def matrix_to_pose(matrix) -> np.ndarray:
+    """(4, 4) frame->world transform -> CARLA pose ``[x, y, z, roll, yaw, pitch]`` (m, deg),
+    float64 (6,): the inverse of :func:`pose_to_matrix` for a rotation matrix (|pitch| < 90)."""
+    matrix = np.asarray(matrix, dtype=np.float64)
+    yaw = np.degrees(np.arctan2(matrix[1, 0], matrix[0, 0]))
+    roll = np.degrees(np.arctan2(-matrix[2, 1], matrix[2, 2]))
+    pitch = np.degrees(np.arctan2(matrix[2, 0], np.hypot(matrix[2, 1], matrix[2, 2])))
+    return np.array([matrix[0, 3], matrix[1, 3], matrix[2, 3], roll, yaw, pitch])
+
+
+def as_pose_matrix(pose) -> np.ndarray:
+    """A pose as OPV2V stores it (6 numbers) or as V2V4Real and DAIR-V2X do (a 4x4 frame->world
+    matrix) -> (4, 4) float64 frame->world."""
+    array = np.asarray(pose, dtype=np.float64)
+    if array.shape == (4, 4):
+        return array.copy()
+    return pose_to_matrix(array)
+
+
 def relative_transform(pose_src, pose_dst) -> np.ndarray:
-    """(4, 4) transform taking coordinates in frame ``pose_src`` to frame ``pose_dst``."""
-    return np.linalg.inv(pose_to_matrix(pose_dst)) @ pose_to_matrix(pose_src)
+    """(4, 4) transform taking coordinates in frame ``pose_src`` to frame ``pose_dst``; each pose
+    is 6 numbers or a 4x4 matrix (:func:`as_pose_matrix`)."""
+    return np.linalg.inv(as_pose_matrix(pose_dst)) @ as_pose_matrix(pose_src)
 
 
 def apply_transform(points: np.ndarray, transform: np.ndarray) -> np.ndarray:

@@ -316,10 +316,10 @@ class PillarizeConfig:
         ``voxel_size``, ``max_points_per_voxel``, ``max_voxel_train`` / ``max_voxel_test``;
         ``static_pillars``: ``performance.static_pillars``."""
         args = preprocess["args"]
-        max_pillars = args.get("max_voxel_train" if training else "max_voxel_test")
+        max_pillars = args["max_voxel_train" if training else "max_voxel_test"]
         return cls(lidar_range=tuple(float(v) for v in preprocess["cav_lidar_range"]),
                    voxel_size=tuple(float(v) for v in args["voxel_size"]),
-                   max_points_per_pillar=int(args.get("max_points_per_voxel", 32)),
+                   max_points_per_pillar=int(args["max_points_per_voxel"]),
                    max_pillars=None if max_pillars is None else int(max_pillars),
                    static_pillars=int(static_pillars))
 

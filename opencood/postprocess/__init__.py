@@ -11,19 +11,16 @@ with ``postprocess.core_method`` (OpenCOOD's name ``VoxelPostprocessor``).
 """
 from __future__ import annotations
 
-from opencood.config import ConfigError
+from opencood.errors import ConfigError
 from opencood.postprocess import voxel_postprocessor  # noqa: F401  (registration)
 from opencood.postprocess.voxel_postprocessor import VoxelPostprocessor  # noqa: F401
 from opencood.registry import POSTPROCESSORS, RegistryError
-
-DEFAULT_CORE_METHOD = "VoxelPostprocessor"
-
 
 def build_postprocessor(cfg: dict, device):
     """yaml ``postprocess.core_method`` -> that postprocessor built from the config (it reads
     ``postprocess``, the pillar grid of ``preprocess`` and ``loss.args.dir_offset``). An unknown
     name is a one-line ConfigError naming the key and the registered names."""
-    name = cfg["postprocess"].get("core_method", DEFAULT_CORE_METHOD)
+    name = cfg["postprocess"]["core_method"]
     try:
         postprocessor_cls = POSTPROCESSORS.get(name)
     except RegistryError as error:

@@ -12,13 +12,9 @@ from typing import Optional, Sequence
 
 import torch
 
+from opencood.config_schema import ANCHOR_HWL, ANCHOR_YAWS_DEG, ANCHOR_Z, FEATURE_STRIDE
 from opencood.ops.transforms import size_columns
 from opencood.ops.voxelize import grid_size
-
-ANCHOR_HWL = (1.56, 1.6, 3.9)       # a mid-size car (OPV2V)
-ANCHOR_Z = -1.0                     # box centre height in the lidar frame
-ANCHOR_YAWS_DEG = (0.0, 90.0)
-FEATURE_STRIDE = 2                  # pillar grid cells per head cell
 
 
 def generate_anchors(lidar_range: Sequence[float], voxel_size: Sequence[float],

@@ -12,13 +12,10 @@ from typing import Dict, List, Sequence, Tuple
 import numpy as np
 import torch
 
-from opencood.config import ConfigError
 from opencood.ops.nms import nms_rotated
-from opencood.ops.transforms import BOX_ORDERS
-from opencood.postprocess.anchors import (ANCHOR_HWL, ANCHOR_YAWS_DEG, ANCHOR_Z, FEATURE_STRIDE,
-                                          generate_anchors)
+from opencood.postprocess.anchors import generate_anchors
 from opencood.postprocess.box_coder import ResidualBoxCoder
-from opencood.postprocess.layout import BOX_CODE_SIZE, DIR_OFFSET, flatten_anchor_maps
+from opencood.postprocess.layout import BOX_CODE_SIZE, flatten_anchor_maps
 from opencood.postprocess.target_assigner import assign_targets
 from opencood.registry import POSTPROCESSORS
 
@@ -50,17 +47,16 @@ def select_top(boxes: torch.Tensor, scores: torch.Tensor, limit: int) -> Detecti
 
 def anchors_from_config(anchor_args: dict, preprocess: dict, order: str,
                         device=None) -> torch.Tensor:
-    """Anchors (H, W, A, 7) from ``postprocess.anchor_args`` (``h``, ``w``, ``l``, ``z``, ``r``
-    yaws in degrees, ``feature_stride``) on the pillar grid of ``preprocess``
+    """Anchors (H, W, A, 7) from the resolved ``postprocess.anchor_args`` (``h``, ``w``, ``l``,
+    ``z``, ``r`` yaws in degrees, ``feature_stride``) on the pillar grid of ``preprocess``
     (``cav_lidar_range``, ``args.voxel_size``). OpenCOOD's ``W``/``H``/``D`` and
     ``cav_lidar_range`` entries of ``anchor_args`` are not read: the grid is derived
     (docs/DESIGN.md §5)."""
     return generate_anchors(
         preprocess["cav_lidar_range"], preprocess["args"]["voxel_size"],
-        feature_stride=anchor_args.get("feature_stride", FEATURE_STRIDE),
-        anchor_hwl=tuple(anchor_args.get(key, default) for key, default in zip("hwl", ANCHOR_HWL)),
-        anchor_z=anchor_args.get("z", ANCHOR_Z),
-        yaws=tuple(math.radians(y) for y in anchor_args.get("r", ANCHOR_YAWS_DEG)),
+        feature_stride=anchor_args["feature_stride"],
+        anchor_hwl=tuple(anchor_args[key] for key in "hwl"),
+        anchor_z=anchor_args["z"], yaws=tuple(math.radians(y) for y in anchor_args["r"]),
         order=order, device=device)
 
 
@@ -90,27 +86,23 @@ class VoxelPostprocessor:
 
     @classmethod
     def from_config(cls, cfg: dict, device) -> "VoxelPostprocessor":
-        """From the yaml's ``postprocess`` section (``anchor_args``, ``target_args``, ``order``,
-        ``nms_thresh``, ``max_num``, ``pre_nms_max``), the pillar grid of ``preprocess``, and
-        ``loss.args.dir_offset`` (where OpenCOOD keeps it)."""
+        """From the resolved config's ``postprocess`` section (``anchor_args``, ``target_args``,
+        ``order``, ``nms_thresh``, ``max_num``, ``pre_nms_max``; the schema checks them), the
+        pillar grid of ``preprocess``, and ``loss.args.dir_offset`` (where OpenCOOD keeps it)."""
         post = cfg["postprocess"]
-        order = post.get("order", "hwl")
-        if order not in BOX_ORDERS:
-            raise ConfigError(f"postprocess.order: {order!r} is not one of {list(BOX_ORDERS)}")
-        loss_args = (cfg.get("loss") or {}).get("args") or {}
-        target_args = post.get("target_args", {})
+        target_args = post["target_args"]
         return cls(
-            anchors=anchors_from_config(post.get("anchor_args", {}), cfg["preprocess"], order,
+            anchors=anchors_from_config(post["anchor_args"], cfg["preprocess"], post["order"],
                                         device),
-            box_coder=ResidualBoxCoder(dir_offset=loss_args.get("dir_offset", DIR_OFFSET),
-                                       order=order),
-            pos_iou=target_args.get("pos_threshold", 0.6),
-            neg_iou=target_args.get("neg_threshold", 0.45),
-            score_threshold=target_args.get("score_threshold", 0.2),
-            nms_thresh=post.get("nms_thresh", 0.15), max_num=post.get("max_num", 100),
+            # The one registered loss (point_pillar_loss) has dir_offset; OpenCOOD keeps it there.
+            box_coder=ResidualBoxCoder(dir_offset=cfg["loss"]["args"]["dir_offset"],
+                                       order=post["order"]),
+            pos_iou=target_args["pos_threshold"], neg_iou=target_args["neg_threshold"],
+            score_threshold=target_args["score_threshold"],
+            nms_thresh=post["nms_thresh"], max_num=post["max_num"],
             # An untrained model firing everywhere would otherwise spend seconds per frame in
             # rotated NMS on CPU.
-            pre_nms_max=post.get("pre_nms_max", 500))
+            pre_nms_max=post["pre_nms_max"])
 
     @property
     def order(self) -> str:

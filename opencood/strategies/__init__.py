@@ -9,7 +9,8 @@ A strategy pairs
 * its model-compatibility check (late needs a single-agent model, intermediate a fusing one).
 
 A new strategy is one new file here: a subclass of :class:`FusionStrategy` registered in
-``STRATEGIES`` (and, when it needs its own samples, a dataset registered in ``DATASETS``).
+``STRATEGIES`` (and, when it needs its own samples, a dataset registered in ``DATASETS``); the
+registry imports every module of this package on its first lookup.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from typing import Dict, List
 
 import torch
 
-from opencood.config import ConfigError
+from opencood.errors import ConfigError
 from opencood.registry import STRATEGIES
 
 
@@ -65,11 +66,9 @@ class FusionStrategy:
 
 def strategy_names() -> List[str]:
     """Every registered fusion method, sorted."""
-    from opencood.strategies import early, intermediate, late, no  # noqa: F401  (registration)
     return sorted(STRATEGIES.names())
 
 
 def get_strategy(name: str) -> FusionStrategy:
     """The strategy registered as ``name`` (an unknown name lists the registered ones)."""
-    strategy_names()
     return STRATEGIES.get(name)()

@@ -13,7 +13,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from opencood.errors import OpencoodError, one_line
+from opencood.errors import OpencoodError, leave_to_rank_0, one_line
 
 # Set by opencood.utils.launch.init_distributed_mode: the launcher's local rank, and how long a
 # collective of the gloo group for object collectives waits (None: torch's default for a new
@@ -239,6 +239,10 @@ def run_together(step: Callable[[], Any], what: str) -> Any:
     For work that can fail on one rank alone (a corrupt file in its shard; rank 0's AP or file
     writing): without the exchange the other ranks would wait in their next collective until
     the process-group timeout. All ranks must call it. Returns ``step()``'s result.
+
+    The job prints each failure once: rank 0 prints its own error or, when it did not fail, the
+    first failing rank's (naming it); another rank prints only an error of its own that rank 0's
+    line does not already tell.
     """
     if get_world_size() == 1:
         return step()
@@ -248,12 +252,24 @@ def run_together(step: Callable[[], Any], what: str) -> Any:
         result, failure = None, error
     report = None if failure is None else f"{type(failure).__name__}: {one_line(failure)}"
     reports = all_gather_object(report)
+    rank = get_rank()
     if failure is not None:
+        if _told_by_rank_0(reports, rank):
+            leave_to_rank_0(failure, rank)
         raise failure
-    for rank, peer_report in enumerate(reports):
+    for failed_rank, peer_report in enumerate(reports):
         if peer_report is not None:
-            raise PeerRankError(f"rank {rank} failed during {what}: {peer_report}")
+            error = PeerRankError(f"rank {failed_rank} failed during {what}: {peer_report}")
+            leave_to_rank_0(error, rank)      # rank 0 prints this line, or its own error
+            raise error
     return result
+
+
+def _told_by_rank_0(reports: list, rank: int) -> bool:
+    """Whether rank 0's line tells the failure ``rank`` reported: rank 0 failed alike, or rank 0
+    did not fail and its PeerRankError names ``rank``, the first rank that did."""
+    first_failed = next(index for index, report in enumerate(reports) if report is not None)
+    return reports[0] == reports[rank] or first_failed == rank
 
 
 def sum_across_ranks(*values: float | int | torch.Tensor) -> tuple:

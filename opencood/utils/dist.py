@@ -15,5 +15,5 @@ from opencood.utils.collectives import (  # noqa: F401
     sum_across_ranks)
 from opencood.utils.launch import (  # noqa: F401
     DEFAULT_MASTER_PORT, DistInfo, cleanup_distributed, distributed_session, expand_nodelist,
-    first_host, init_distributed_mode, resolve_dist_env)
+    first_host, init_distributed_mode, launcher_rank, resolve_dist_env)
 from opencood.utils.run_logging import setup_logging  # noqa: F401

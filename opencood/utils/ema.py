@@ -32,6 +32,8 @@ class ModelEMA:
     thousands of steps. ``tau <= 0`` turns the ramp off. Non-float buffers (BatchNorm's
     ``num_batches_tracked``) are copied, not averaged.
 
+    ``decay`` and ``tau`` have no defaults here: the config's ``ema`` section holds them.
+
     ``module`` (alias ``ema_model``) is a deep copy of the model holding the EMA weights, in eval
     mode with ``requires_grad`` off; validate with it. The update has no collectives, so it is
     identical on every rank when the inputs are: DDP keeps parameters equal, but plain BatchNorm
@@ -39,7 +41,7 @@ class ModelEMA:
     :meth:`broadcast_from` before validating or saving to make those equal too.
     """
 
-    def __init__(self, model: nn.Module, decay: float = 0.9999, tau: float = 2000,
+    def __init__(self, model: nn.Module, decay: float, tau: float,
                  device: torch.device | str | None = None):
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"EMA decay must be in [0, 1), got {decay}")

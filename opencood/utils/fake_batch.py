@@ -12,6 +12,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
+from opencood.config_schema import ANCHOR_HWL, ANCHOR_Z
 from opencood.ops.voxelize import grid_size
 
 
@@ -53,7 +54,7 @@ def fake_collated_batch(cfg: Dict, batch_size: int = 2, agents_per_sample: int =
     gt_boxes[..., 1] = torch.empty(batch_size, max_gt).uniform_(lidar_range[1] + 5,
                                                                 lidar_range[4] - 5,
                                                                 generator=generator)
-    gt_boxes[..., 2:7] = torch.tensor([-1.0, 1.56, 1.6, 3.9, 0.0])
+    gt_boxes[..., 2:7] = torch.tensor([ANCHOR_Z, *ANCHOR_HWL, 0.0])     # anchor-sized, yaw 0
     return {
         "points": torch.cat(clouds), "agent_index": torch.cat(agent_index),
         "record_len": torch.full((batch_size,), agents, dtype=torch.int64),

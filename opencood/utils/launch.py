@@ -21,7 +21,7 @@ from typing import Iterator, Mapping
 import torch
 import torch.distributed as dist
 
-from opencood.errors import one_line
+from opencood.errors import OpencoodError, one_line
 from opencood.utils.collectives import (CollectiveTimeoutError, forget_groups,
                                         is_dist_initialized, is_peer_failure, set_local_rank,
                                         set_object_group_timeout)
@@ -116,6 +116,16 @@ def _slurm_master_addr(env: Mapping[str, str]) -> str:
         if env.get(key):
             return first_host(env[key])
     raise ValueError("SLURM launch without a node list: set MASTER_ADDR or SLURM_JOB_NODELIST")
+
+
+def launcher_rank(env: Mapping[str, str] = os.environ) -> int:
+    """This process's rank as its launcher (torchrun, SLURM) set it, readable before any process
+    group exists; 0 for a plain ``python`` or a value that is not a number (init_distributed_mode
+    reports that one)."""
+    for rank_key, size_key in (("RANK", "WORLD_SIZE"), ("SLURM_PROCID", "SLURM_NTASKS")):
+        if rank_key in env and size_key in env:
+            return int(env[rank_key]) if env[rank_key].isdigit() else 0
+    return 0
 
 
 def resolve_dist_env(env: Mapping[str, str]
@@ -270,6 +280,9 @@ def distributed_session(backend: str | None = None, timeout_minutes: float = 30,
     info = init_distributed_mode(backend=backend, timeout_minutes=timeout_minutes, env=env)
     try:
         yield info
+    except OpencoodError as error:
+        error.rank = info.rank      # its one line names a rank other than 0 (errors.run_cli)
+        raise
     except RuntimeError as error:
         if info.distributed and is_peer_failure(error):
             raise CollectiveTimeoutError(

@@ -11,9 +11,11 @@ import numpy as np
 
 from opencood.ops.transforms import boxes_to_bev_corners
 
-# Distinct, bright on black: one per agent, ego first.
-AGENT_COLORS = [(255, 200, 0), (0, 200, 255), (255, 0, 255), (0, 255, 120), (80, 120, 255),
-                (255, 255, 255), (180, 180, 0), (0, 120, 255)]
+# Distinct, bright on black: one per agent, ego first (BGR: sky blue, amber, magenta, white,
+# orange, royal blue, pink, teal). No green among them: green is the GT's colour, and a cloud of
+# green points around green boxes hides them (each hue is at least 45 degrees from GT_COLOR's).
+AGENT_COLORS = [(255, 200, 0), (0, 200, 255), (255, 0, 255), (255, 255, 255), (0, 120, 255),
+                (255, 110, 70), (170, 110, 255), (180, 180, 0)]
 GT_COLOR = (0, 255, 0)
 OCCLUDED_GT_COLOR = (255, 140, 200)  # lavender: GT the ego's own LiDAR does not see
 PRED_COLOR = (0, 0, 255)
@@ -106,6 +108,15 @@ class BevCanvas:
             cv2.putText(self.image, label, (col + 11, row - 8), cv2.FONT_HERSHEY_SIMPLEX, 0.45,
                         color, 1, cv2.LINE_AA)
 
+    def draw_title(self, text: str):
+        """``text`` (the frame id) in the top-right corner on a dark panel."""
+        (text_w, text_h), _ = cv2.getTextSize(text, cv2.FONT_HERSHEY_SIMPLEX, 0.45, 1)
+        right = self.size[0] - 4
+        cv2.rectangle(self.image, (right - text_w - 12, 4), (right, 12 + text_h), (20, 20, 20),
+                      -1)
+        cv2.putText(self.image, text, (right - text_w - 6, 8 + text_h), cv2.FONT_HERSHEY_SIMPLEX,
+                    0.45, TEXT_COLOR, 1, cv2.LINE_AA)
+
     def draw_legend(self, items):
         """``items``: [(label, color)] listed in the top-left corner on a dark panel."""
         if not items:
@@ -125,13 +136,14 @@ class BevCanvas:
 def render_bev(points_by_agent: dict, bev_range, gt_boxes=None, pred_boxes=None,
                agent_positions: dict | None = None, pixels_per_meter: float = 10.0,
                order: str = "hwl", grid_step: float = 10.0,
-               occluded_gt_boxes=None) -> np.ndarray:
+               occluded_gt_boxes=None, title: str | None = None) -> np.ndarray:
     """One BEV picture (H, W, 3) uint8 BGR.
 
     points_by_agent: {name: points (N, 2+) in the drawing frame}, coloured by insertion order.
     gt_boxes / pred_boxes: (M, 7) boxes in that frame (``order``), drawn green / red.
     occluded_gt_boxes: (M, 7) GT boxes the ego does not see itself, drawn lavender.
     agent_positions: {name: (x, y)} marked with a dot in the agent's colour.
+    title: written in the top-right corner (the frame: scenario and timestamp).
     """
     canvas = BevCanvas(bev_range, pixels_per_meter)
     canvas.draw_grid(grid_step)
@@ -153,6 +165,8 @@ def render_bev(points_by_agent: dict, bev_range, gt_boxes=None, pred_boxes=None,
     for name, xy in (agent_positions or {}).items():
         canvas.draw_marker(xy, colors.get(str(name), TEXT_COLOR), str(name))
     canvas.draw_legend(legend)
+    if title:
+        canvas.draw_title(title)
     return canvas.image
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from opencood.config_schema import DEFAULT_COMM_RANGE
 from opencood.data.synthetic.lidar import LidarConfig
 from opencood.data.synthetic.world import RsuConfig, TownConfig
 
@@ -40,7 +41,7 @@ class Preset:
     eval_range: tuple                      # ego-frame range used by the summary's visibility stats
     frame_dt: float = 0.1                  # seconds between saved frames
     timestamp_step: int = 2                # OPV2V numbering: 000068, 000070, ...
-    com_range: float = 70.0                # for the summary (what the reader will use)
+    com_range: float = DEFAULT_COMM_RANGE  # for the summary (what the reader will use)
     rsu: RsuConfig | None = None           # roadside units (None: vehicles only)
 
 

@@ -204,6 +204,22 @@ def rebuild_world(preset: Preset, seed: int, split: str, index: int) -> World:
                        np.random.default_rng(world_seq), rsu=preset.rsu)
 
 
+def scan_frames(preset: Preset, seed: int, split: str, index: int):
+    """Yield ``(world, frame, scans)`` for each frame of a scenario, ``scans`` = {agent_id:
+    (points (N, 4) in its lidar frame, {actor_id: OPV2V world-frame entry} it hits)}: the same
+    draws whatever format the scenario is then written in (tests rebuild them with this)."""
+    _, lidar_seq, _ = scenario_seed(seed, split, index).spawn(3)
+    world = rebuild_world(preset, seed, split, index)
+    lidar_rng = np.random.default_rng(lidar_seq)
+    for frame in range(preset.frames):
+        scene = world.scene_at(frame)
+        scans = {}
+        for agent_id in world.agent_ids:
+            points, params = scan_agent(world, agent_id, frame, scene, preset, lidar_rng)
+            scans[agent_id] = (points, params["vehicles"])
+        yield world, frame, scans
+
+
 def generate_scenario(out_dir, preset: Preset, seed: int, split: str, index: int,
                       global_index: int) -> dict:
     """Build, scan and write one scenario; returns its statistics."""
@@ -234,13 +250,32 @@ def generate_scenario(out_dir, preset: Preset, seed: int, split: str, index: int
     return stats
 
 
+# The file formats the synthetic world writes (tools/generate_synthetic.py --format).
+FORMATS = ("opv2v", "v2v4real", "dairv2x")
+
+
+def format_writer(data_format: str):
+    """The module writing ``data_format``: ``generate_scenario(out_dir, preset, seed, split,
+    index, global_index) -> stats`` and, optionally, ``adapt_preset(preset) -> preset``,
+    ``OUTPUT_NAMES`` (what it creates in ``out_dir``) and ``finish(out_dir, results)``."""
+    if data_format not in FORMATS:
+        raise ValueError(f"unknown format {data_format!r}; expected one of {', '.join(FORMATS)}")
+    import importlib
+    import sys
+    if data_format == "opv2v":
+        return sys.modules[__name__]
+    return importlib.import_module(f"opencood.data.synthetic.writer_{data_format}")
+
+
 def _scenario_job(job):
-    return generate_scenario(*job)
+    *args, data_format = job
+    return format_writer(data_format).generate_scenario(*args)
 
 
-def _prepare_out_dir(out_dir: Path, overwrite: bool):
-    """Create ``out_dir``; refuse to mix with an earlier data set unless ``overwrite``."""
-    existing = [out_dir / s for s in SPLITS if (out_dir / s).exists()]
+def _prepare_out_dir(out_dir: Path, overwrite: bool, names=SPLITS):
+    """Create ``out_dir``; refuse to mix with an earlier data set (any of ``names`` in it)
+    unless ``overwrite``."""
+    existing = [out_dir / s for s in names if (out_dir / s).exists()]
     if existing and not overwrite:
         raise OutputDirError(f"{out_dir} already holds generated data ({existing[0].name}/); "
                              "choose another folder or pass overwrite=True (--overwrite)")
@@ -313,31 +348,42 @@ def _rsu_summary_lines(summary: dict) -> list:
 
 
 def generate_dataset(out_dir, preset="small", seed: int = 0, workers: int = 1,
-                     progress: bool = True, overwrite: bool = False) -> dict:
-    """Generate a whole synthetic OPV2V-format data set and return its summary.
+                     progress: bool = True, overwrite: bool = False,
+                     data_format: str = "opv2v") -> dict:
+    """Generate a whole synthetic data set and return its summary.
 
-    out_dir gets ``train/``, ``validate/``, ``test/`` and ``generation.yaml``. ``preset`` is a
-    name (see presets.PRESETS) or a Preset. Same seed -> byte-identical files, for any
-    ``workers``. The returned summary also holds ``seconds`` (not written to disk).
+    out_dir gets ``train/``, ``validate/``, ``test/`` (OPV2V and V2V4Real; DAIR-V2X-C: its
+    ``cooperative-vehicle-infrastructure/`` folder) and ``generation.yaml``. ``preset`` is a
+    name (see presets.PRESETS) or a Preset; ``data_format`` one of FORMATS, which may change
+    the preset's agents (V2V4Real: two CAVs; DAIR-V2X-C: one vehicle and one roadside unit).
+    Same seed -> byte-identical files, for any ``workers``. The returned summary also holds
+    ``seconds`` (not written to disk).
     """
     preset = get_preset(preset) if isinstance(preset, str) else preset
     if int(seed) < 0:
         raise ValueError(f"seed must be >= 0, got {seed}")
+    writer = format_writer(data_format)
+    preset = getattr(writer, "adapt_preset", lambda p: p)(preset)
     out_dir = Path(out_dir)
-    _prepare_out_dir(out_dir, overwrite)
+    _prepare_out_dir(out_dir, overwrite, getattr(writer, "OUTPUT_NAMES", SPLITS))
     jobs, global_index = [], 0
     for split in SPLITS:
         for index in range(preset.scenarios.get(split, 0)):
-            jobs.append((str(out_dir), preset, int(seed), split, index, global_index))
+            jobs.append((str(out_dir), preset, int(seed), split, index, global_index,
+                         data_format))
             global_index += 1
     started = time.perf_counter()
     results = _run_jobs(jobs, workers, progress)
+    if hasattr(writer, "finish"):
+        writer.finish(out_dir, results)
     summary = _summarise(preset, seed, results)
     # An absent optional section (rsu: None) is left out: records of presets without it read
     # exactly as they did before it existed.
     preset_config = {k: v for k, v in dataclasses.asdict(preset).items() if v is not None}
     record = {"preset": preset.name, "seed": int(seed), "preset_config": _plain(preset_config),
               "summary": summary}
+    if data_format != "opv2v":      # OPV2V records read exactly as before formats existed
+        record["format"] = data_format
     (out_dir / "generation.yaml").write_text(
         yaml.dump(_plain(record), Dumper=yaml.SafeDumper, default_flow_style=False))
     return {**summary, "seconds": round(time.perf_counter() - started, 2)}

@@ -2,9 +2,9 @@
 
 Each walks its definition one element at a time (a point, a box pair, an anchor-GT pair) in
 Python loops, so that it is easy to read and hard to get wrong; the tests compare our code with
-it on random inputs. ``tools/bench.py`` loads this file by path for its speed ratios (ours vs
-reference on the same input), so it imports nothing from the tests, pytest or the code it checks
-(only ``grid_size``, which the tests pin by hand).
+it on random inputs, and ``tools/bench.py`` times our code against it (speed ratios on the same
+input). It imports nothing from the tests, pytest or the code it checks (only ``grid_size``,
+which the tests pin by hand).
 
 Boxes are ``[x, y, z, h, w, l, yaw]`` (hwl order, yaw in radians) throughout.
 """

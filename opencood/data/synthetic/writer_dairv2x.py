@@ -1,0 +1,215 @@
+"""Write synthetic scenarios as DAIR-V2X-C files (``generate_synthetic.py --format dairv2x``).
+
+One vehicle and one roadside unit at the intersection it drives towards (the ``v2x`` presets'
+RSU: a LiDAR 4-5 m up on a pole, looking down), written under
+``<out>/cooperative-vehicle-infrastructure/`` in the layout opencood.data.dairv2x reads:
+
+* world coordinates are the town's shifted by ``WORLD_ORIGIN`` (a UTM-like offset of hundreds
+  of kilometres, as DAIR's world frame has: float32 poses would lose centimetres);
+* vehicle pose = ``novatel_to_world`` @ ``lidar_to_novatel`` (a fixed mount ``LIDAR_TO_NOVATEL``);
+  the roadside unit's cloud and pose are in a *virtual* LiDAR frame, as DAIR's are: the pole's
+  LiDAR lowered to ``VIRTUAL_LIDAR_HEIGHT`` above the ground (level, same x, y, yaw), so its
+  ground and cars fall in the z range of the vehicle's configs; its ``virtuallidar_to_world``
+  is written with the translation minus the pair's ``system_error_offset`` (non-zero, drawn per
+  scenario), which a reader adds back;
+* ``cooperative/label_world``: world 8-corner boxes (DAIR's corner order) of every vehicle either
+  agent's LiDAR hits (CoAlign's complemented labels); ``label_world_backup``: the original kind,
+  only those in front of the vehicle (x > 0 in its lidar frame, where DAIR's camera looks);
+* clouds: binary PCD ``x y z intensity`` with intensity in 0..255 (the synthetic 0..1 times 256);
+* ids: vehicle frames ``100000 + 1000 * scenario + frame``, roadside frames ``500000 + ...``;
+  ``train.json``, ``val.json``, ``test.json`` list the vehicle frame ids of each split.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+
+from opencood.data.pcd import write_pcd
+from opencood.data.synthetic.presets import RSU_FOV_DEG, Preset
+from opencood.data.synthetic.world import RsuConfig
+from opencood.data.synthetic.writer import sample_visibility, scan_frames, scenario_seed
+from opencood.ops.transforms import pose_to_matrix
+
+ROOT_NAME = "cooperative-vehicle-infrastructure"
+OUTPUT_NAMES = (ROOT_NAME,)
+SPLIT_FILES = {"train": "train.json", "validate": "val.json", "test": "test.json"}
+WORLD_ORIGIN = np.array([456_000.0, 4_403_000.0, 20.0])     # metres added to the town frame
+LIDAR_TO_NOVATEL = pose_to_matrix([0.92, -0.04, 1.35, 0.3, 1.2, -0.4])
+MAX_FRAMES = 1000                                            # frame ids step by scenario * 1000
+OFFSET_RANGE = (-1.5, 1.5)                                   # metres, system_error_offset
+KIND_TO_TYPE = {"car": "Car", "van": "Van", "truck": "Truck", "bus": "Bus"}
+VIRTUAL_LIDAR_HEIGHT = 1.9                                   # metres above the ground
+
+
+def virtual_lidar(points: np.ndarray, pose) -> tuple:
+    """A roadside unit's cloud (N, 4) and pose [x, y, z, roll, yaw, pitch] (level, z its height
+    above the ground) -> the same in its virtual LiDAR frame, ``VIRTUAL_LIDAR_HEIGHT`` up."""
+    drop = float(pose[2]) - VIRTUAL_LIDAR_HEIGHT
+    lowered = np.asarray(points, dtype=np.float32).copy()
+    lowered[:, 2] += np.float32(drop)
+    return lowered, [pose[0], pose[1], VIRTUAL_LIDAR_HEIGHT, pose[3], pose[4], pose[5]]
+
+
+def adapt_preset(preset: Preset) -> Preset:
+    """``preset`` with one vehicle and one roadside unit (the v2x presets' RSU), 10 Hz ids."""
+    if preset.frames >= MAX_FRAMES:
+        raise ValueError(f"the dairv2x format numbers at most {MAX_FRAMES - 1} frames per "
+                         f"scenario, got {preset.frames}")
+    rsu = preset.rsu or RsuConfig(lidar=dataclasses.replace(preset.lidar, fov_deg=RSU_FOV_DEG))
+    town = dataclasses.replace(preset.town, cavs=(1, 1))
+    return dataclasses.replace(preset, town=town, rsu=dataclasses.replace(rsu, count=(1, 1)),
+                               com_range=100.0)
+
+
+def frame_ids(global_index: int, frame: int) -> tuple:
+    """(vehicle frame id, infrastructure frame id), 6 digits, never equal."""
+    number = 1000 * global_index + frame
+    return f"{100000 + number:06d}", f"{500000 + number:06d}"
+
+
+def system_error_offset(seed: int, split: str, index: int) -> dict:
+    """The scenario's {delta_x, delta_y}: its own stream, so the scans draw as in other formats."""
+    rng = np.random.default_rng(scenario_seed(seed, split, index).spawn(4)[3])
+    delta_x, delta_y = rng.uniform(*OFFSET_RANGE, size=2)
+    return {"delta_x": round(float(delta_x), 6), "delta_y": round(float(delta_y), 6)}
+
+
+def calib_json(matrix: np.ndarray) -> dict:
+    """DAIR's {rotation (3x3), translation ([[x], [y], [z]])} of a (4, 4)."""
+    return {"rotation": matrix[:3, :3].tolist(), "translation": matrix[:3, 3:4].tolist()}
+
+
+def dair_corners(entry: dict) -> np.ndarray:
+    """(8, 3) world corners of an OPV2V world entry in DAIR's order: bottom face
+    (+l/2, +w/2), (+l/2, -w/2), (-l/2, -w/2), (-l/2, +w/2), then the top face."""
+    half_l, half_w, half_h = entry["extent"]
+    local = np.array([[1, 1, -1], [1, -1, -1], [-1, -1, -1], [-1, 1, -1],
+                      [1, 1, 1], [1, -1, 1], [-1, -1, 1], [-1, 1, 1]]) * [half_l, half_w, half_h]
+    pose = [entry["location"][i] + entry["center"][i] for i in range(3)] + list(entry["angle"])
+    box_to_world = pose_to_matrix(pose)
+    return local @ box_to_world[:3, :3].T + box_to_world[:3, 3] + WORLD_ORIGIN
+
+
+def label(entry: dict, kind: str) -> dict:
+    corners = dair_corners(entry)
+    half_l, half_w, half_h = entry["extent"]
+    return {"type": KIND_TO_TYPE.get(kind, "Car"), "occluded_state": 0, "truncated_state": 0,
+            "3d_dimensions": {"h": 2 * half_h, "w": 2 * half_w, "l": 2 * half_l},
+            "3d_location": dict(zip("xyz", corners.mean(axis=0).tolist())),
+            "rotation": float(np.radians(entry["angle"][1])),
+            "world_8_points": corners.tolist()}
+
+
+def _write_json(path: Path, data) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1))
+
+
+def _write_cloud(path: Path, points: np.ndarray) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    raw = points.astype(np.float32).copy()
+    raw[:, 3] *= 256.0                       # DAIR stores 0..255; readers divide by 256
+    write_pcd(path, raw, intensity_field="intensity", data="binary")
+
+
+def write_pair(root: Path, world, frame: int, scans: dict, ids: tuple, offset: dict) -> dict:
+    """Write one (vehicle, roadside unit) frame pair; returns its data_info entries."""
+    vehicle_id, rsu_id = world.cav_ids[0], world.rsu_ids[0]
+    vehicle_frame, rsu_frame = ids
+    lidar_to_world = pose_to_matrix(world.lidar_poses[vehicle_id][frame])
+    lidar_to_world[:3, 3] += WORLD_ORIGIN
+    rsu_points, rsu_pose = virtual_lidar(scans[rsu_id][0], world.lidar_poses[rsu_id][frame])
+    rsu_to_world = pose_to_matrix(rsu_pose)
+    rsu_to_world[:3, 3] += WORLD_ORIGIN
+    rsu_calib = rsu_to_world.copy()
+    rsu_calib[:2, 3] -= [offset["delta_x"], offset["delta_y"]]
+    calib = root / "vehicle-side" / "calib"
+    _write_json(calib / "lidar_to_novatel" / f"{vehicle_frame}.json",
+                {"transform": calib_json(LIDAR_TO_NOVATEL)})
+    _write_json(calib / "novatel_to_world" / f"{vehicle_frame}.json",
+                calib_json(lidar_to_world @ np.linalg.inv(LIDAR_TO_NOVATEL)))
+    _write_json(root / "infrastructure-side" / "calib" / "virtuallidar_to_world" /
+                f"{rsu_frame}.json", calib_json(rsu_calib))
+    _write_cloud(root / "vehicle-side" / "velodyne" / f"{vehicle_frame}.pcd", scans[vehicle_id][0])
+    _write_cloud(root / "infrastructure-side" / "velodyne" / f"{rsu_frame}.pcd", rsu_points)
+    _write_labels(root, world, vehicle_frame, scans, lidar_to_world)
+    return _pair_info(vehicle_frame, rsu_frame, offset)
+
+
+def _write_labels(root: Path, world, vehicle_frame: str, scans: dict, lidar_to_world) -> None:
+    seen = {}
+    for _, visible in scans.values():
+        seen.update(visible)
+    labels = [label(seen[actor], world.track(actor).kind) for actor in sorted(seen)]
+    world_to_lidar = np.linalg.inv(lidar_to_world)
+    in_front = [item for item in labels
+                if (world_to_lidar[:3, :3] @ np.mean(item["world_8_points"], axis=0)
+                    + world_to_lidar[:3, 3])[0] > 0]
+    cooperative = root / "cooperative"
+    _write_json(cooperative / "label_world" / f"{vehicle_frame}.json", labels)
+    _write_json(cooperative / "label_world_backup" / f"{vehicle_frame}.json", in_front)
+
+
+def _pair_info(vehicle_frame: str, rsu_frame: str, offset: dict) -> dict:
+    return {"infrastructure_image_path": f"infrastructure-side/image/{rsu_frame}.jpg",
+            "infrastructure_pointcloud_path": f"infrastructure-side/velodyne/{rsu_frame}.pcd",
+            "vehicle_image_path": f"vehicle-side/image/{vehicle_frame}.jpg",
+            "vehicle_pointcloud_path": f"vehicle-side/velodyne/{vehicle_frame}.pcd",
+            "cooperative_label_path": f"cooperative/label_world/{vehicle_frame}.json",
+            "system_error_offset": offset}
+
+
+def _side_info(frame_id: str, batch: str, timestamp: int, calib_keys: dict) -> dict:
+    """A vehicle-side or infrastructure-side data_info.json entry (the keys readers use)."""
+    return {"image_path": f"image/{frame_id}.jpg", "pointcloud_path": f"velodyne/{frame_id}.pcd",
+            "pointcloud_timestamp": str(timestamp), "batch_id": batch,
+            **{key: f"calib/{folder}/{frame_id}.json" for key, folder in calib_keys.items()}}
+
+
+def generate_scenario(out_dir, preset: Preset, seed: int, split: str, index: int,
+                      global_index: int) -> dict:
+    """Scan and write one scenario (one recorded sequence, ``batch_id`` = its number); returns
+    the OPV2V writer's statistics plus the data_info entries and the split's frame ids."""
+    root = Path(out_dir) / ROOT_NAME
+    offset = system_error_offset(seed, split, index)
+    batch = f"{global_index:04d}"
+    stats = {"split": split, "name": batch, "cavs": 1, "rsus": 1, "frames": preset.frames,
+             "points": 0, "gt": 0, "invisible": 0, "rsu_only": 0, "in_range": 0, "unseen": 0,
+             "pairs": [], "vehicle_infos": [], "infrastructure_infos": [], "vehicle_ids": []}
+    for world, frame, scans in scan_frames(preset, seed, split, index):
+        ids = frame_ids(global_index, frame)
+        stats["pairs"].append(write_pair(root, world, frame, scans, ids, offset))
+        timestamp = 1_626_000_000_000_000 + 100_000 * (1000 * global_index + frame)   # us
+        stats["vehicle_infos"].append(_side_info(ids[0], batch, timestamp, {
+            "calib_lidar_to_novatel_path": "lidar_to_novatel",
+            "calib_novatel_to_world_path": "novatel_to_world"}))
+        stats["infrastructure_infos"].append(_side_info(ids[1], batch, timestamp, {
+            "calib_virtuallidar_to_world_path": "virtuallidar_to_world"}))
+        stats["vehicle_ids"].append(ids[0])
+        stats["points"] += sum(len(points) for points, _ in scans.values())
+        visible = {agent: found for agent, (_, found) in scans.items()}
+        poses = {agent: list(world.lidar_poses[agent][frame]) for agent in world.agent_ids}
+        for key, count in sample_visibility(world, frame, visible, poses, preset).items():
+            stats[key] += count
+    return stats
+
+
+def finish(out_dir, results: list) -> None:
+    """The index files: cooperative, vehicle-side and infrastructure-side data_info.json and
+    the split jsons, from every scenario's entries (then dropped from the results)."""
+    root = Path(out_dir) / ROOT_NAME
+    _write_json(root / "cooperative" / "data_info.json",
+                [pair for r in results for pair in r["pairs"]])
+    _write_json(root / "vehicle-side" / "data_info.json",
+                [info for r in results for info in r["vehicle_infos"]])
+    _write_json(root / "infrastructure-side" / "data_info.json",
+                [info for r in results for info in r["infrastructure_infos"]])
+    for split, name in SPLIT_FILES.items():
+        _write_json(root / name, [v for r in results if r["split"] == split
+                                  for v in r["vehicle_ids"]])
+    for result in results:
+        for key in ("pairs", "vehicle_infos", "infrastructure_infos", "vehicle_ids"):
+            result.pop(key)

@@ -1,0 +1,305 @@
+"""OpenCOOD state dicts <-> ours, per model, strictly (issue 24).
+
+OpenCOOD's ``train.py`` saves bare state dicts (no ``module.`` prefix) and reloads them with
+``strict=False``, so a mismatch passes silently there. Here a translation either places every
+tensor or fails: every source tensor must match exactly one rule, land on a key of the target
+model and fit its shape, and every target tensor must be filled (by a rule, or by the one
+documented synthesis below); otherwise :class:`InteropError` names, on one line, the first keys it
+could not place.
+
+The rules follow the two codebases' module structure (read from opencoodx 0.1.19):
+
+OpenCOOD key                                      our key                             transform
+pillar_vfe.pfn_layers.{i}.{linear,norm}.*         vfe.layers.{i}.{linear,norm}.*      copy
+backbone.blocks.{i}.{j}.*  (j = 0: ZeroPad2d)     backbone.blocks.{i}.{j-1}.*         copy (1)
+backbone.deblocks.{i}.{j}.*                       backbone.deblocks.{i}.{j}.*         copy
+cls_head.*, reg_head.*                            head.cls_conv.*, head.reg_conv.*    copy (2)
+shrink_conv.layers.0.double_conv.{0,2}.*          shrink.layers.{0,2}.*               centre (3)
+fusion_net.msg_cnn.weight (V2VNet)                fusion.message_cnn.weight           swap (4)
+fusion_net.msg_cnn.bias                           fusion.message_cnn.bias             copy
+fusion_net.conv_gru.cell_list.0.conv_gates.*      fusion.gru.gates.*                  copy
+fusion_net.conv_gru.cell_list.0.conv_can.*        fusion.gru.candidate.*              copy
+fusion_net.mlp.{weight,bias} (Linear C x C)       fusion.output.* (1x1 conv)          reshape
+
+1. OpenCOOD pads with a ``ZeroPad2d(1)`` before each scale's strided conv (padding 0); ours
+   pads inside the conv (padding 1): the same map, one Sequential index earlier.
+2. Same channel layout: channel ``a * 7 + k`` is box code k of anchor a (anchors (H, W, A)).
+   OpenCOOD has no direction head: import fills ours (``head.dir_conv``) with zeros, so both
+   bins tie everywhere and the decoder keeps bin 0, folding yaw into [pi/4, 5pi/4): a box's yaw
+   may differ by pi from OpenCOOD's own decoding, its BEV IoU and so AP do not. Export drops it.
+   (A head without a direction classifier, which would remove even that, is a missing option
+   of ``AnchorHead``.)
+3. F-Cooper's shrink starts with a 1x1 conv (stride 1, padding 0); ours is a 3x3 conv with
+   padding 1: the 1x1 kernel goes to the centre tap of zeros, which computes exactly the same
+   map. Export takes the centre back and refuses a kernel whose other taps are not zero.
+4. OpenCOOD's message CNN reads [sender warped, receiver]; ours [receiver, sender]: the two
+   halves of the input channels trade places (its own inverse).
+
+The ConvGRU and the attention have the same parameters in both; whether the FORWARD passes agree
+is what ``tests/test_parity_opencood.py`` checks against the authors' code.
+"""
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterable, Mapping, Optional, Tuple
+
+import torch
+
+from opencood.errors import OpencoodError
+
+SHOWN_KEYS = 3
+
+
+class InteropError(OpencoodError, ValueError):
+    """A foreign config or checkpoint that cannot be translated; one line naming file and key."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Tensor transforms: to_ours(tensor, our_shape) and to_peer(tensor, peer_shape); each returns
+# the tensor in the destination's layout, or raises InteropError with the reason.
+# ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Transform:
+    name: str
+    to_ours: Callable[[torch.Tensor, Tuple[int, ...]], torch.Tensor]
+    to_peer: Callable[[torch.Tensor, Tuple[int, ...]], torch.Tensor]
+
+
+def _copy(tensor: torch.Tensor, shape) -> torch.Tensor:
+    return tensor
+
+
+def _swap_input_halves(tensor: torch.Tensor, shape) -> torch.Tensor:
+    if tensor.dim() < 2 or tensor.shape[1] % 2:
+        return tensor          # the shape check reports it
+    first, second = tensor.chunk(2, dim=1)
+    return torch.cat([second, first], dim=1)
+
+
+def _linear_as_conv(tensor: torch.Tensor, shape) -> torch.Tensor:
+    return tensor.reshape(*tensor.shape, 1, 1) if tensor.dim() == 2 else tensor
+
+
+def _conv_as_linear(tensor: torch.Tensor, shape) -> torch.Tensor:
+    return tensor.reshape(tensor.shape[:2]) if tensor.dim() == 4 and \
+        tensor.shape[2:] == (1, 1) else tensor
+
+
+def _kernel_into_centre(tensor: torch.Tensor, shape) -> torch.Tensor:
+    """A 1x1 conv kernel as the centre tap of a k x k kernel of zeros (k odd)."""
+    shape = tuple(shape)
+    if tensor.dim() != 4 or tuple(tensor.shape[2:]) != (1, 1) or len(shape) != 4 or \
+            tuple(tensor.shape) == shape or shape[2] % 2 == 0 or shape[2] != shape[3]:
+        return tensor
+    kernel = tensor.new_zeros(*tensor.shape[:2], *shape[2:])
+    kernel[:, :, shape[2] // 2, shape[3] // 2] = tensor[:, :, 0, 0]
+    return kernel
+
+
+def _kernel_from_centre(tensor: torch.Tensor, shape) -> torch.Tensor:
+    shape = tuple(shape)
+    if tensor.dim() != 4 or len(shape) != 4 or shape[2:] != (1, 1) or \
+            tuple(tensor.shape[2:]) == (1, 1) or tensor.shape[2] % 2 == 0:
+        return tensor
+    centre = tensor[:, :, tensor.shape[2] // 2, tensor.shape[3] // 2]
+    rest = tensor.clone()
+    rest[:, :, tensor.shape[2] // 2, tensor.shape[3] // 2] = 0
+    if rest.abs().max() > 0:
+        raise InteropError("its k x k kernel has non-zero taps off the centre, which a 1x1 "
+                           "conv cannot hold")
+    return centre[:, :, None, None].clone()
+
+
+COPY = Transform("copy", _copy, _copy)
+SWAP_INPUT_HALVES = Transform("swap input halves", _swap_input_halves, _swap_input_halves)
+LINEAR_AS_CONV = Transform("linear as 1x1 conv", _linear_as_conv, _conv_as_linear)
+KERNEL_CENTRE = Transform("1x1 kernel at the centre", _kernel_into_centre, _kernel_from_centre)
+
+
+# ----------------------------------------------------------------------------------------------
+# Rules
+# ----------------------------------------------------------------------------------------------
+
+_PLACEHOLDER = re.compile(r"\{(\w+)\}")
+
+
+@functools.lru_cache(maxsize=None)
+def _template_regex(template: str) -> re.Pattern:
+    """``a.{i}.{p}`` -> ``a\\.(?P<i>\\d+)\\.(?P<p>[A-Za-z_]+)``: ``p`` names a parameter or
+    buffer (weight, running_var, ...), every other placeholder an index."""
+    parts, last = [], 0
+    for match in _PLACEHOLDER.finditer(template):
+        parts.append(re.escape(template[last:match.start()]))
+        name = match.group(1)
+        parts.append(f"(?P<{name}>[A-Za-z_]+)" if name == "p" else f"(?P<{name}>\\d+)")
+        last = match.end()
+    parts.append(re.escape(template[last:]))
+    return re.compile("".join(parts))
+
+
+@dataclass(frozen=True)
+class Rule:
+    """OpenCOOD key template <-> our key template; ``shift``: our index = peer index + shift."""
+
+    peer: str
+    ours: str
+    transform: Transform = COPY
+    shift: Mapping[str, int] = field(default_factory=dict)
+
+    def peer_to_ours(self, key: str) -> Optional[str]:
+        return self._rename(key, self.peer, self.ours, 1)
+
+    def ours_to_peer(self, key: str) -> Optional[str]:
+        return self._rename(key, self.ours, self.peer, -1)
+
+    def _rename(self, key: str, source: str, target: str, sign: int) -> Optional[str]:
+        match = _template_regex(source).fullmatch(key)
+        if match is None:
+            return None
+        values = dict(match.groupdict())
+        for name, offset in self.shift.items():
+            values[name] = str(int(values[name]) + sign * offset)
+        return target.format(**values)
+
+
+PILLAR_RULES = (
+    Rule("pillar_vfe.pfn_layers.{i}.linear.{p}", "vfe.layers.{i}.linear.{p}"),
+    Rule("pillar_vfe.pfn_layers.{i}.norm.{p}", "vfe.layers.{i}.norm.{p}"),
+    Rule("backbone.blocks.{i}.{j}.{p}", "backbone.blocks.{i}.{j}.{p}", shift={"j": -1}),
+    Rule("backbone.deblocks.{i}.{j}.{p}", "backbone.deblocks.{i}.{j}.{p}"),
+    Rule("cls_head.{p}", "head.cls_conv.{p}"),
+    Rule("reg_head.{p}", "head.reg_conv.{p}"),
+)
+SHRINK_RULES = (
+    Rule("shrink_conv.layers.0.double_conv.0.{p}", "shrink.layers.0.{p}", KERNEL_CENTRE),
+    Rule("shrink_conv.layers.0.double_conv.2.{p}", "shrink.layers.2.{p}"),
+)
+V2VNET_RULES = (
+    Rule("fusion_net.msg_cnn.weight", "fusion.message_cnn.weight", SWAP_INPUT_HALVES),
+    Rule("fusion_net.msg_cnn.bias", "fusion.message_cnn.bias"),
+    Rule("fusion_net.conv_gru.cell_list.0.conv_gates.{p}", "fusion.gru.gates.{p}"),
+    Rule("fusion_net.conv_gru.cell_list.0.conv_can.{p}", "fusion.gru.candidate.{p}"),
+    Rule("fusion_net.mlp.weight", "fusion.output.weight", LINEAR_AS_CONV),
+    Rule("fusion_net.mlp.bias", "fusion.output.bias"),
+)
+
+# OpenCOOD model.core_method -> the rules of its state dict.
+RULES: Dict[str, Tuple[Rule, ...]] = {
+    "point_pillar": PILLAR_RULES,
+    "point_pillar_intermediate": PILLAR_RULES,
+    "point_pillar_fcooper": PILLAR_RULES + SHRINK_RULES,
+    "point_pillar_v2vnet": PILLAR_RULES + SHRINK_RULES + V2VNET_RULES,
+}
+
+# Our tensors OpenCOOD has no counterpart for, filled on import (zeros) and dropped on export.
+SYNTHESIZED = ("head.dir_conv.weight", "head.dir_conv.bias")
+
+
+def supported_models() -> Tuple[str, ...]:
+    return tuple(RULES)
+
+
+# ----------------------------------------------------------------------------------------------
+# Translation
+# ----------------------------------------------------------------------------------------------
+
+def _listing(keys: Iterable[str]) -> str:
+    keys = list(keys)
+    shown = ", ".join(keys[:SHOWN_KEYS])
+    return shown + (f" (+{len(keys) - SHOWN_KEYS} more)" if len(keys) > SHOWN_KEYS else "")
+
+
+def _rules_for(core_method: str, source: str) -> Tuple[Rule, ...]:
+    if core_method not in RULES:
+        raise InteropError(f"{source}: OpenCOOD model {core_method!r} has no counterpart here "
+                           f"(supported: {', '.join(RULES)})")
+    return RULES[core_method]
+
+
+def strip_ddp_prefix(state: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Keys saved from a DDP-wrapped model all start with ``module.``: drop it (only then)."""
+    if state and all(key.startswith("module.") for key in state):
+        return {key[len("module."):]: value for key, value in state.items()}
+    return dict(state)
+
+
+def _translate(state: Mapping[str, torch.Tensor], rules, forward: bool,
+               target_shapes: Mapping[str, Tuple[int, ...]], synthesized: Iterable[str],
+               source: str, what: str) -> Dict[str, torch.Tensor]:
+    """The strict core of both directions; ``synthesized``: target keys filled with zeros
+    (import) or source keys dropped (export)."""
+    synthesized = tuple(synthesized)
+    result: Dict[str, torch.Tensor] = {}
+    origin: Dict[str, str] = {}
+    unplaced = []
+    for key, tensor in state.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise InteropError(f"{source}: entry {key!r} is a {type(tensor).__name__}, not a "
+                               "tensor: not a state dict")
+        if not forward and key in synthesized:
+            continue
+        placed = None
+        for rule in rules:
+            target = rule.peer_to_ours(key) if forward else rule.ours_to_peer(key)
+            if target is not None and target in target_shapes:
+                placed = rule, target
+                break
+        if placed is None:
+            unplaced.append(key)
+            continue
+        rule, target = placed
+        if target in result:
+            raise InteropError(f"{source}: {key} and {origin[target]} both map to {target}")
+        shape = tuple(target_shapes[target])
+        convert = rule.transform.to_ours if forward else rule.transform.to_peer
+        try:
+            converted = convert(tensor, shape)
+        except InteropError as error:
+            raise InteropError(f"{source}: {key}: {error}") from None
+        if tuple(converted.shape) != shape:
+            raise InteropError(f"{source}: {key} {tuple(tensor.shape)} does not fit {target} "
+                               f"{shape} of {what} (another width or config?)")
+        result[target] = converted.contiguous()
+        origin[target] = key
+    if forward:
+        for key in synthesized:
+            if key in target_shapes and key not in result:
+                result[key] = torch.zeros(target_shapes[key])
+    unfilled = [key for key in target_shapes if key not in result]
+    if unplaced or unfilled:
+        problems = []
+        if unplaced:
+            problems.append(f"{len(unplaced)} of its tensors have no place in {what}: "
+                            f"{_listing(unplaced)}")
+        if unfilled:
+            problems.append(f"{len(unfilled)} tensors of {what} are left unfilled: "
+                            f"{_listing(unfilled)}")
+        raise InteropError(f"{source}: not a strict match: {'; '.join(problems)}")
+    return {key: result[key] for key in target_shapes}
+
+
+def opencood_to_ours(state: Mapping[str, torch.Tensor], core_method: str,
+                     our_shapes: Mapping[str, Tuple[int, ...]],
+                     source: str = "checkpoint") -> Dict[str, torch.Tensor]:
+    """OpenCOOD state dict of ``core_method`` -> ours, keyed and shaped as ``our_shapes`` (the
+    state-dict shapes of the model built from the translated config). Strict (module doc)."""
+    rules = _rules_for(core_method, source)
+    return _translate(strip_ddp_prefix(state), rules, True, our_shapes, SYNTHESIZED, source,
+                      f"our model (for OpenCOOD's {core_method})")
+
+
+def ours_to_opencood(state: Mapping[str, torch.Tensor], core_method: str,
+                     peer_shapes: Mapping[str, Tuple[int, ...]],
+                     source: str = "checkpoint") -> Dict[str, torch.Tensor]:
+    """Our state dict -> OpenCOOD's ``core_method`` state dict with the keys and shapes of
+    ``peer_shapes``. Strict; our direction head (SYNTHESIZED) is dropped."""
+    rules = _rules_for(core_method, source)
+    return _translate(strip_ddp_prefix(state), rules, False, peer_shapes, SYNTHESIZED, source,
+                      f"OpenCOOD's {core_method}")
+
+
+def state_shapes(state: Mapping[str, torch.Tensor]) -> Dict[str, Tuple[int, ...]]:
+    return {key: tuple(value.shape) for key, value in state.items()}

@@ -1,0 +1,449 @@
+"""Our models against the authors' code: OpenCOOD (opencoodx 0.1.19), issue 24.
+
+The fixtures ``tests/fixtures/parity/<model>.pt`` were made by running OpenCOOD itself
+(``tools/reference/make_model_parity_fixtures.py``, never run in CI): its model built from a
+small-width copy of its own yaml (``<model>.config.yaml``, written as its train.py writes it),
+generated weights with random BatchNorm statistics (``parity_weights.py``), pillars from its
+spconv voxeliser collated as its datasets do, for a batch of samples with 2, 1 and 4 agents
+(PointPillar: 3 single-agent samples), and its eval-mode fp32 head outputs.
+
+Here those weights go through the strict importer (``opencood.interop``) into OUR model, built
+from the translated config, and the same pillars into our model's forward (it takes
+voxel_features / voxel_num_points / voxel_coords [agent, z, y, x] / record_len, the
+dict OpenCOOD's collate builds, minus the pairwise matrices: every fixture's are identities,
+proj_first, and our detector fuses maps already in one frame). Heads must agree within 1e-5
+relative (max |ours - theirs| / max |theirs|).
+
+Where our modules cannot yet reproduce the reference, the plain parity test is
+``xfail(strict=True)`` with the exact reason, so it flips when the option lands, and a second
+test swaps in a test-only stand-in for the missing option (``reference_pillar_layers``,
+``reference_v2vnet_rounds``): that proves everything else (mapping, backbone, fusion, heads)
+equal now. Measured on these fixtures (relative, cls / reg):
+
+* padded point slots (every model): OpenCOOD runs all slots of a pillar, padding zeroed,
+  through linear + BatchNorm + ReLU, so relu(BN(0)) joins the max; ours leaves padding out.
+  PointPillar 2.4e-2 / 3.6e-2, AttFuse 2.8e-2 / 3.3e-2, F-Cooper 1.3e-2 / 1.8e-2 (BatchNorm
+  statistics drawn at random make relu(BN(0)) large; trained weights gave ~2e-3). With the
+  stand-in: 2e-7 to 5e-7.
+* V2VNet's ConvGRU: OpenCOOD feeds [current state, mean message] as the GRU input with a zero
+  hidden state (a fresh ConvGRU per call), so the new state is update * candidate; ours feeds
+  [mean message, initial state] with the current state as hidden. 0.61 / 0.88; with both
+  stand-ins 1.0e-6.
+"""
+from __future__ import annotations
+
+import shutil
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
+import torch
+
+from opencood.config import resolve
+from opencood.engine import evaluator
+from opencood.errors import OpencoodError
+from opencood.interop import opencood_ckpt
+from opencood.interop.importer import import_opencood_run, translate_run
+from opencood.interop.opencood_ckpt import (InteropError, opencood_to_ours, ours_to_opencood,
+                                            state_shapes)
+from opencood.interop.opencood_config import read_opencood_yaml, translate_config
+from opencood.models.build import build_model
+from opv2v_factory import write_simple_split
+from parity_weights import generated_tensor, materialize
+from tool_modules import load_tool
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "parity"
+MODELS = ("point_pillar", "point_pillar_intermediate", "point_pillar_fcooper",
+          "point_pillar_v2vnet")
+TOLERANCE = 1e-5
+HEADS = (("cls_preds", "psm"), ("reg_preds", "rm"))
+
+PADDED_SLOTS = ("OpenCOOD's pillar encoder runs the zeroed padded point slots through linear + "
+                "BatchNorm + ReLU, so relu(BN(0)) joins the max; ours leaves padded slots out "
+                "(needs a reference-compatible pillar_vfe option)")
+V2VNET_GRU = ("OpenCOOD's V2VNet ConvGRU takes [state, mean message] with a zero hidden "
+              "state; ours takes [mean message, initial state] with the state as hidden "
+              "(needs a reference-compatible v2vnet option)")
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers
+# ----------------------------------------------------------------------------------------------
+
+def load_fixture(name: str) -> dict:
+    path = FIXTURES / f"{name}.pt"
+    if not path.is_file():
+        pytest.fail(f"parity fixture {path} is missing (part of the repository; see "
+                    "tools/reference/make_model_parity_fixtures.py)", pytrace=False)
+    return torch.load(path, weights_only=True)
+
+
+def peer_state(fixture: dict) -> "OrderedDict[str, torch.Tensor]":
+    """The state dict OpenCOOD's model ran with (OrderedDict, as its state_dict() returns)."""
+    return OrderedDict(materialize(fixture["state_dict"]))
+
+
+def translated_config(name: str) -> dict:
+    path = FIXTURES / f"{name}.config.yaml"
+    return resolve(translate_config(read_opencood_yaml(path), str(path)), str(path))
+
+
+def our_model(name: str, fixture: dict) -> torch.nn.Module:
+    cfg = translated_config(name)
+    model = build_model(cfg["model"])
+    state = opencood_to_ours(peer_state(fixture), name, state_shapes(model.state_dict()))
+    model.load_state_dict(state)
+    return model.eval()
+
+
+def run_ours(model: torch.nn.Module, fixture: dict) -> dict:
+    inputs = fixture["inputs"]
+    batch = {key: inputs[key] for key in ("voxel_features", "voxel_num_points", "voxel_coords",
+                                          "record_len")}
+    with torch.no_grad():
+        return model(batch)
+
+
+def relative_differences(outputs: dict, fixture: dict) -> dict:
+    diffs = {}
+    for ours, theirs in HEADS:
+        expected = fixture["outputs"][theirs]
+        assert outputs[ours].shape == expected.shape, ours
+        diffs[ours] = float((outputs[ours] - expected).abs().max() / expected.abs().max())
+    return diffs
+
+
+def assert_parity(outputs: dict, fixture: dict) -> None:
+    diffs = relative_differences(outputs, fixture)
+    assert max(diffs.values()) <= TOLERANCE, f"relative differences {diffs}"
+
+
+def reference_pillar_layers(model: torch.nn.Module) -> None:
+    """Test-only stand-in for the missing option: our pillar encoder computed as OpenCOOD's
+    (every point slot through linear + BatchNorm + ReLU, padding zeroed before; a non-last layer
+    concatenates the pillar max without masking), with our modules' own weights."""
+    vfe = model.vfe
+
+    def forward(voxel_features, voxel_num_points, voxel_coords, static_shapes=False):
+        slots = torch.arange(voxel_features.shape[1], device=voxel_features.device)
+        mask = slots.unsqueeze(0) < voxel_num_points.unsqueeze(1)
+        features = vfe.decorate(voxel_features, voxel_num_points, voxel_coords, mask)
+        for layer in vfe.layers:
+            encoded = layer.norm(layer.linear(features).flatten(0, 1)).view(
+                *features.shape[:2], -1)
+            per_point = torch.relu(encoded)
+            pillar_max = per_point.amax(dim=1)
+            features = pillar_max if layer.last_layer else torch.cat(
+                [per_point, pillar_max.unsqueeze(1).expand_as(per_point)], dim=-1)
+        return features
+
+    vfe.forward = forward
+
+
+def reference_v2vnet_rounds(model: torch.nn.Module) -> None:
+    """Test-only stand-in for the missing option: each V2VNet round's GRU as OpenCOOD's
+    (input [state, mean message], hidden state zero), with our modules' own weights."""
+    fusion = model.fusion
+
+    def message_round(states, initial, is_real, theta, receivers):
+        batch, _, channels, height, width = states.shape
+        mean_message = fusion.mean_messages(states, is_real, theta, receivers)
+        flat = (batch * receivers, channels, height, width)
+        gru_input = torch.cat([states[:, :receivers].reshape(flat), mean_message.reshape(flat)],
+                              dim=1)
+        new_state = fusion.gru(gru_input, states.new_zeros(flat))
+        return new_state.view(batch, receivers, channels, height, width)
+
+    fusion.message_round = message_round
+
+
+# ----------------------------------------------------------------------------------------------
+# the fixtures are what the brief says
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", MODELS)
+def test_fixture_exercises_what_matters(name):
+    fixture = load_fixture(name)
+    assert fixture["core_method"] == name and fixture["reference"] == "opencoodx 0.1.19"
+    inputs = fixture["inputs"]
+    counts = inputs["voxel_num_points"]
+    slots = inputs["voxel_features"].shape[1]
+    assert (counts == slots).any() and (counts < slots).any()       # full and padded pillars
+    record_len = inputs["record_len"].tolist()
+    agents = int(inputs["voxel_coords"][:, 0].max()) + 1
+    if name == "point_pillar":
+        assert record_len == [1, 1, 1] and agents == 3
+    else:
+        assert sorted(record_len) == [1, 2, 4] and agents == 7
+        assert torch.equal(inputs["pairwise_t_matrix"],
+                           torch.eye(4, dtype=torch.float64).expand_as(
+                               inputs["pairwise_t_matrix"]))    # proj_first: one frame
+    state = peer_state(fixture)
+    # BatchNorm statistics are not the identity, so they matter.
+    variances = [v for k, v in state.items() if k.endswith("running_var")]
+    assert variances and all(v.std() > 0.1 for v in variances)
+    assert fixture["outputs"]["psm"].std() > 1e-2
+
+
+def test_generated_weights_are_exact_and_stable():
+    """The generator the fixtures rely on: exact float32 multiples, same bits every time."""
+    first = generated_tensor("a.weight", (3, 5), scale=0.25, offset=1.0)
+    assert torch.equal(first, generated_tensor("a.weight", (3, 5), scale=0.25, offset=1.0))
+    assert not torch.equal(first, generated_tensor("b.weight", (3, 5), scale=0.25, offset=1.0))
+    steps = (first.double() - 1.0) / 0.25 * 2 ** 22
+    assert torch.equal(steps, steps.round()) and steps.abs().max() <= 2 ** 22
+    # Pinned values: a change of the generator would silently invalidate every fixture.
+    assert generated_tensor("a.weight", (4,)).tolist() == pytest.approx(
+        PINNED_GENERATED, abs=0)
+    with pytest.raises(ValueError, match="power of two"):
+        generated_tensor("a", (2,), scale=0.3)
+
+
+PINNED_GENERATED = [0.11190605163574219, -0.9073224067687988, 0.5972988605499268,
+                    -0.08577346801757812]
+
+
+# ----------------------------------------------------------------------------------------------
+# the key mapping
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", MODELS)
+def test_mapping_is_strict_and_reversible(name):
+    fixture = load_fixture(name)
+    state = peer_state(fixture)
+    model = build_model(translated_config(name)["model"])
+    ours = opencood_to_ours(state, name, state_shapes(model.state_dict()))
+    assert set(ours) == set(model.state_dict())
+    # Every OpenCOOD tensor lands somewhere (only the direction head is ours alone, zeros).
+    synthesized = set(opencood_ckpt.SYNTHESIZED)
+    assert len(ours) == len(state) + len(synthesized)
+    assert all(not ours[key].any() for key in synthesized)
+    back = ours_to_opencood(ours, name, state_shapes(state))
+    assert list(back) == list(state)
+    assert all(torch.equal(back[key], state[key]) for key in state)
+
+
+def test_mapping_transforms():
+    """The non-trivial rules, on the F-Cooper and V2VNet fixtures."""
+    fcooper = peer_state(load_fixture("point_pillar_fcooper"))
+    ours = opencood_to_ours(fcooper, "point_pillar_fcooper", state_shapes(
+        build_model(translated_config("point_pillar_fcooper")["model"]).state_dict()))
+    one_by_one = fcooper["shrink_conv.layers.0.double_conv.0.weight"]
+    embedded = ours["shrink.layers.0.weight"]
+    assert one_by_one.shape[2:] == (1, 1) and embedded.shape[2:] == (3, 3)
+    assert torch.equal(embedded[:, :, 1, 1], one_by_one[:, :, 0, 0])
+    off_centre = embedded.clone()
+    off_centre[:, :, 1, 1] = 0
+    assert not off_centre.any()
+    # ZeroPad2d shift: OpenCOOD's blocks.i.1 (first conv) is our blocks.i.0.
+    assert torch.equal(ours["backbone.blocks.2.0.weight"], fcooper["backbone.blocks.2.1.weight"])
+    # Export refuses a 3x3 kernel that a 1x1 conv cannot hold.
+    ours["shrink.layers.0.weight"][0, 0, 0, 0] = 1.0
+    with pytest.raises(InteropError, match="off the centre"):
+        ours_to_opencood(ours, "point_pillar_fcooper", state_shapes(fcooper))
+
+    v2v = peer_state(load_fixture("point_pillar_v2vnet"))
+    ours = opencood_to_ours(v2v, "point_pillar_v2vnet", state_shapes(
+        build_model(translated_config("point_pillar_v2vnet")["model"]).state_dict()))
+    theirs = v2v["fusion_net.msg_cnn.weight"]
+    half = theirs.shape[1] // 2
+    assert torch.equal(ours["fusion.message_cnn.weight"][:, :half], theirs[:, half:])
+    assert torch.equal(ours["fusion.output.weight"][:, :, 0, 0], v2v["fusion_net.mlp.weight"])
+
+
+def test_mapping_refuses_in_one_line():
+    name = "point_pillar_intermediate"
+    state = peer_state(load_fixture(name))
+    shapes = state_shapes(build_model(translated_config(name)["model"]).state_dict())
+    extra = OrderedDict(state, **{"backbone.blocks.0.1.extra": torch.zeros(1)})
+    missing = OrderedDict(state)
+    missing.pop("cls_head.bias")
+    wrong = OrderedDict(state)
+    wrong["reg_head.weight"] = torch.zeros(7, *state["reg_head.weight"].shape[1:])
+    cases = ((extra, "1 of its tensors have no place in our model.*backbone.blocks.0.1.extra"),
+             (missing, "1 tensors of our model .* left unfilled: head.cls_conv.bias"),
+             (wrong, r"reg_head.weight \(7, 384, 1, 1\) does not fit head.reg_conv.weight"))
+    for bad, message in cases:
+        with pytest.raises(InteropError, match=message) as error:
+            opencood_to_ours(bad, name, shapes, source="ckpt.pth")
+        assert "\n" not in str(error.value) and str(error.value).startswith("ckpt.pth: ")
+    # A DDP prefix on every key is dropped (and only then).
+    prefixed = OrderedDict((f"module.{k}", v) for k, v in state.items())
+    assert set(opencood_to_ours(prefixed, name, shapes)) == set(shapes)
+
+
+# ----------------------------------------------------------------------------------------------
+# parity with the authors' code
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=pytest.mark.xfail(
+        strict=True, reason=PADDED_SLOTS + ("; " + V2VNET_GRU if "v2vnet" in name else "")))
+    for name in MODELS])
+def test_parity(name):
+    """Our model as imported, the same pillars: heads within 1e-5 relative."""
+    fixture = load_fixture(name)
+    assert_parity(run_ours(our_model(name, fixture), fixture), fixture)
+
+
+@pytest.mark.parametrize("name", [
+    *MODELS[:3],
+    pytest.param("point_pillar_v2vnet", marks=pytest.mark.xfail(strict=True, reason=V2VNET_GRU))])
+def test_parity_with_reference_pillar_slots(name):
+    """Everything but the pillar encoder's padded slots (stand-in) equals the reference."""
+    fixture = load_fixture(name)
+    model = our_model(name, fixture)
+    reference_pillar_layers(model)
+    assert_parity(run_ours(model, fixture), fixture)
+
+
+def test_v2vnet_parity_with_reference_slots_and_gru():
+    """V2VNet: with both stand-ins, equal; so its GRU semantics is the whole remaining gap."""
+    fixture = load_fixture("point_pillar_v2vnet")
+    model = our_model("point_pillar_v2vnet", fixture)
+    reference_pillar_layers(model)
+    reference_v2vnet_rounds(model)
+    assert_parity(run_ours(model, fixture), fixture)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_padded_slots_are_the_measured_difference(name):
+    """The xfails above fail for the stated reason: our encoder alone differs, by more than the
+    tolerance (so these fixtures do detect it)."""
+    fixture = load_fixture(name)
+    diffs = relative_differences(run_ours(our_model(name, fixture), fixture), fixture)
+    assert min(diffs.values()) > 100 * TOLERANCE
+
+
+# ----------------------------------------------------------------------------------------------
+# importing a run folder as OpenCOOD's training writes it, then tools/eval.py
+# ----------------------------------------------------------------------------------------------
+
+def write_opencood_run(folder: Path, name: str, epochs=(3, 12)) -> Path:
+    """config.yaml (yaml.dump of OpenCOOD's parsed hypes, python tags and all, as its
+    train.py writes it) and net_epoch<N>.pth (bare state dicts) for each of ``epochs``; the
+    newest holds the fixture's weights, older ones zeros."""
+    folder.mkdir(parents=True)
+    shutil.copy(FIXTURES / f"{name}.config.yaml", folder / "config.yaml")
+    state = peer_state(load_fixture(name))
+    for epoch in epochs:
+        saved = state if epoch == max(epochs) else OrderedDict(
+            (key, torch.zeros_like(value)) for key, value in state.items())
+        torch.save(saved, folder / f"net_epoch{epoch}.pth")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def test_split(tmp_path_factory):
+    """A tiny synthetic OPV2V test split inside the fixtures' 25.6 x 12.8 m range."""
+    root = tmp_path_factory.mktemp("parity_data")
+    return write_simple_split(root / "test", num_cavs=3, spacing=6.0,
+                              timestamps=("000000", "000002"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", MODELS)
+def test_import_then_eval(name, tmp_path, test_split):
+    peer = write_opencood_run(tmp_path / "opencood_run", name)
+    out = tmp_path / "imported"
+    load_tool("import_checkpoint").main(["--from", "opencood", str(peer), "--out", str(out)])
+    assert sorted(p.name for p in out.iterdir()) == ["config.yaml", "last.pth"]
+    checkpoint = torch.load(out / "last.pth", weights_only=True)
+    assert checkpoint["epoch"] == 12 and checkpoint["imported_from"]["model"] == name
+    # The newest epoch's weights (not the zeros of epoch 3), under our keys.
+    expected = opencood_to_ours(peer_state(load_fixture(name)), name,
+                                state_shapes(checkpoint["model"]))
+    assert all(torch.equal(checkpoint["model"][k], expected[k]) for k in expected)
+    (metrics,) = evaluator.main(["--model_dir", str(out), "--set", f"test_dir={test_split}",
+                                 "--num_workers", "0", "--batch_size", "2"])
+    assert metrics["num_frames"] == 2 and metrics["num_gt"] > 0
+    assert Path(metrics["record"]).is_file() and Path(metrics["record"]).parent == out / "evals"
+
+
+def test_translated_config_keeps_what_decides_the_boxes():
+    cfg = translated_config("point_pillar_fcooper")
+    peer = read_opencood_yaml(FIXTURES / "point_pillar_fcooper.config.yaml")
+    assert peer["model"]["args"]["point_pillar_scatter"]["grid_size"].tag.startswith(
+        "tag:yaml.org,2002:python/object")                 # read, never constructed
+    assert cfg["fusion"]["core_method"] == "intermediate"
+    assert cfg["preprocess"]["cav_lidar_range"] == [-12.8, -6.4, -3.0, 12.8, 6.4, 1.0]
+    assert cfg["preprocess"]["args"]["voxel_size"] == [0.4, 0.4, 4.0]
+    assert cfg["preprocess"]["args"]["max_points_per_voxel"] == 8
+    assert cfg["postprocess"]["anchor_args"] == {"l": 3.9, "w": 1.6, "h": 1.56, "z": -1.0,
+                                                 "r": [0.0, 90.0], "feature_stride": 2}
+    assert cfg["postprocess"]["target_args"]["score_threshold"] == 0.2
+    assert cfg["postprocess"]["nms_thresh"] == 0.15
+    assert cfg["postprocess"]["gt_range"] == [-12.8, -6.4, -3.0, 12.8, 6.4, 1.0]
+    assert cfg["test_dir"] == peer["validate_dir"]
+    assert cfg["train_params"]["max_cav"] == 5                # its yaml's
+    assert translated_config("point_pillar_intermediate")["train_params"]["max_cav"] == 7
+    model = cfg["model"]
+    assert model["core_method"] == "point_pillar_intermediate"
+    assert model["args"]["fusion"]["core_method"] == "fcooper"
+    assert model["args"]["fusion"]["stage"] == "backbone"
+    assert model["args"]["shrink_header"] == {"dim": 256, "stride": 1}
+    assert model["args"]["bn_momentum"] is None
+    v2v = translated_config("point_pillar_v2vnet")["model"]["args"]
+    assert v2v["fusion"]["args"]["cell_size"] == pytest.approx(1.6)
+    assert v2v["fusion"]["args"]["num_iteration"] == 2
+    assert v2v["shrink_header"] == {"dim": 256, "stride": 2}
+    assert translated_config("point_pillar")["fusion"]["core_method"] == "early"
+
+
+def _listing(folder: Path) -> list:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+@pytest.mark.parametrize("defect", ["extra key", "missing key"])
+def test_import_refuses_in_one_line_and_writes_nothing(defect, tmp_path, capsys):
+    name = "point_pillar_intermediate"
+    peer = write_opencood_run(tmp_path / "peer", name, epochs=(7,))
+    state = torch.load(peer / "net_epoch7.pth", weights_only=True)
+    if defect == "extra key":
+        state["backbone.deblocks.0.1.weight_extra"] = torch.ones(3)
+    else:
+        state.pop("pillar_vfe.pfn_layers.0.norm.running_mean")
+    torch.save(state, peer / "net_epoch7.pth")
+    work = tmp_path / "work"
+    work.mkdir()
+    with pytest.raises(SystemExit) as exit_info:
+        load_tool("import_checkpoint").main(["--from", "opencood", str(peer),
+                                             "--out", str(work / "run")])
+    message = str(exit_info.value)
+    assert message.startswith("error: ") and "\n" not in message
+    assert "net_epoch7.pth" in message
+    assert ("weight_extra" in message) if defect == "extra key" else \
+        ("vfe.layers.0.norm.running_mean" in message)
+    assert _listing(work) == []                              # not even a temporary folder
+
+
+def test_import_refusals(tmp_path):
+    name = "point_pillar_v2vnet"
+    peer = write_opencood_run(tmp_path / "peer", name, epochs=(1,))
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(InteropError, match="already exists"):
+        import_opencood_run(peer, out)
+    assert _listing(out) == []
+    # Settings our modules cannot reproduce are refused, naming the key.
+    text = (peer / "config.yaml").read_text()
+    for old, new, key in (("agg_operator: avg", "agg_operator: max", "v2vfusion.agg_operator"),
+                          ("compression: 0", "compression: 4", "model.args.compression"),
+                          ("core_method: point_pillar_v2vnet", "core_method: point_pillar_x",
+                           "model.core_method")):
+        assert old in text
+        (peer / "config.yaml").write_text(text.replace(old, new))
+        with pytest.raises(OpencoodError, match=key):
+            translate_run(peer)
+    # Python tags are never executed: a hostile config is inert, and refused where it matters.
+    marker = tmp_path / "executed"
+    (peer / "config.yaml").write_text(text.replace(
+        "  core_method: point_pillar_v2vnet",
+        f"  core_method: !!python/object/apply:os.system ['touch {marker}']"))
+    with pytest.raises(OpencoodError, match="model.core_method: holds a python object"):
+        translate_run(peer)
+    assert not marker.exists()
+    (peer / "config.yaml").write_text(text)
+    (peer / "net_epoch1.pth").unlink()
+    with pytest.raises(InteropError, match="no net_epoch<N>.pth or latest.pth"):
+        translate_run(peer)

@@ -1,0 +1,53 @@
+#!/usr/bin/env python
+"""Import another codebase's trained run as one of ours (issue 24)::
+
+    python tools/import_checkpoint.py --from opencood PEER_RUN_DIR --out RUN_DIR [--checkpoint FILE]
+    python tools/eval.py --model_dir RUN_DIR [--set test_dir=PATH] [--protocol opencood]
+
+``PEER_RUN_DIR`` is a folder as OpenCOOD's ``train.py`` writes it: ``config.yaml`` and
+``net_epoch<N>.pth`` (bare state dicts; ``latest.pth`` preferred when present, as OpenCOOD's own
+loader does). Supported models: ``point_pillar`` (no / early / late fusion),
+``point_pillar_intermediate`` (AttFuse), ``point_pillar_fcooper``, ``point_pillar_v2vnet``.
+
+The import is strict (every tensor placed, every one of ours filled, shapes equal) and writes
+nothing unless it succeeds; see ``opencood/interop/`` for the config translation, the key mapping
+and the direction head (OpenCOOD has none: ours is zero-filled).
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+from opencood.errors import run_cli
+from opencood.interop.importer import import_opencood_run
+
+CODEBASES = ("opencood",)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="Import a trained run of another codebase.")
+    parser.add_argument("--from", dest="codebase", required=True, choices=CODEBASES,
+                        help="the codebase that wrote PEER_RUN_DIR")
+    parser.add_argument("peer_run_dir", metavar="PEER_RUN_DIR",
+                        help="its run folder (config.yaml + checkpoints)")
+    parser.add_argument("--out", required=True, help="our run folder to create (must not exist)")
+    parser.add_argument("--checkpoint", help="checkpoint file (default: as the codebase's own "
+                                             "loader picks it)")
+    return parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace):
+    start = time.perf_counter()
+    out = import_opencood_run(args.peer_run_dir, args.out, args.checkpoint)
+    print(f"imported {args.peer_run_dir} ({args.codebase}) -> {out} in "
+          f"{time.perf_counter() - start:.2f} s; evaluate with: python tools/eval.py "
+          f"--model_dir {out}")
+    return out
+
+
+def main(argv=None):
+    return run_cli(lambda argv: run(parse_args(argv)), argv)
+
+
+if __name__ == "__main__":
+    main()

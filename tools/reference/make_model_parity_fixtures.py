@@ -1,0 +1,334 @@
+#!/usr/bin/env python
+"""Build the model parity fixtures ``tests/fixtures/parity/<model>.pt`` by running the AUTHORS'
+code: OpenCOOD as packaged on PyPI (``opencoodx==0.1.19``). CI never runs this script; it reads
+the files the script wrote (committed). ``tests/test_parity_opencood.py`` imports each fixture's
+weights into our model (``opencood.interop.opencood_ckpt``) and compares head outputs.
+
+Models (OpenCOOD's ``model.core_method``): ``point_pillar`` (no / early / late fusion: one
+network), ``point_pillar_intermediate`` (AttFuse), ``point_pillar_fcooper`` (F-Cooper),
+``point_pillar_v2vnet`` (V2VNet). For each, the script
+
+1. takes OpenCOOD's own yaml for it (``point_pillar_early_fusion.yaml``,
+   ``point_pillar_intermediate_fusion.yaml``, ``point_pillar_fcooper.yaml``,
+   ``point_pillar_v2vnet.yaml``) and shrinks it (``SMALL``: a 25.6 x 12.8 m range, 8 points per
+   pillar, a one-conv-per-scale backbone of 8-16 filters; the widths OpenCOOD hard-codes stay:
+   64 pillar features, 384 (AttFuse, PointPillar) or 256 (F-Cooper, V2VNet) head inputs),
+   then reads it with OpenCOOD's ``load_yaml`` (its ``yaml_parser`` derives the grid and the
+   anchor sizes) and writes ``<model>.config.yaml`` as OpenCOOD's ``train.py`` does
+   (``yaml.dump`` of the parsed hypes: numpy tags included);
+2. builds the model with OpenCOOD's ``create_model`` and loads generated weights
+   (``tests/parity_weights.py``: every floating tensor a hash of its key, exact in float32, so
+   256-channel V2VNet and F-Cooper need not be stored; BatchNorm affine and running statistics
+   drawn too, running_var in [0.5, 1.5), so they matter), ``strict=True``;
+3. makes each agent's LiDAR points (clusters, where pillars fill all 8 point slots, plus sparse
+   returns, where most slots are padding), pillarises them with OpenCOOD's
+   ``SpVoxelPreprocessor`` (spconv) in test mode and collates them as its datasets do
+   (``merge_features_to_dict`` and ``collate_batch``: ``voxel_coords`` [agent, z, y, x], the
+   agents of a sample consecutive, ego first), with ``record_len`` [2, 1, 4] for the fusion
+   models (3 single-agent samples for PointPillar) and ``pairwise_t_matrix`` (B, max_cav,
+   max_cav, 4, 4) identities (``proj_first``, as OpenCOOD's intermediate dataset builds it);
+4. runs the model's forward in eval mode, fp32, no grad, and saves::
+
+       {"format": 1, "about": str, "reference": "opencoodx 0.1.19", "torch": str,
+        "core_method": str, "config_yaml": "<model>.config.yaml",
+        "state_dict": {key: tensor (integer buffers) | {"shape", "scale", "offset"}},
+        "inputs": {"voxel_features", "voxel_coords", "voxel_num_points", "record_len",
+                   "pairwise_t_matrix"},
+        "outputs": {"psm": (B, A, H, W), "rm": (B, 7A, H, W)}}
+
+   with ``torch.save`` (plain tensors, dicts, strings: ``torch.load(weights_only=True)`` reads
+   it).
+
+Step ``fullsize`` writes, instead, a run folder exactly as OpenCOOD's training leaves it
+(``config.yaml`` + ``net_epoch<N>.pth``, a bare state_dict) for OpenCOOD's full-width AttFuse
+(its own ``point_pillar_intermediate_fusion.yaml``, default initialisation): the importer's
+timing input (issue 24: under 5 s on 2 cores). Never committed (26 MB).
+
+Run (the side environment of ``tools/reference/make_opv2v_fixture.py``, whose docstring has the
+set-up commands; OpenCOOD's package is also called ``opencood``, so run from a folder outside
+the checkout with PYTHONPATH unset; the script refuses to run when ``opencood`` is ours)::
+
+    cd /tmp && env -u PYTHONPATH /work/refenv/bin/python \\
+        /path/to/checkout/tools/reference/make_model_parity_fixtures.py fixtures \\
+        --out /path/to/checkout/tests/fixtures/parity
+    cd /tmp && env -u PYTHONPATH /work/refenv/bin/python \\
+        /path/to/checkout/tools/reference/make_model_parity_fixtures.py fullsize --out /tmp/peer
+
+Deterministic: rerunning it rewrites identical tensors.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+REFERENCE_PACKAGE = ("opencoodx", "0.1.19")
+
+# OpenCOOD core_method -> (its yaml, record_len of the fixture batch)
+MODELS = {
+    "point_pillar": ("point_pillar_early_fusion.yaml", [1, 1, 1]),
+    "point_pillar_intermediate": ("point_pillar_intermediate_fusion.yaml", [2, 1, 4]),
+    "point_pillar_fcooper": ("point_pillar_fcooper.yaml", [2, 1, 4]),
+    "point_pillar_v2vnet": ("point_pillar_v2vnet.yaml", [2, 1, 4]),
+}
+SMALL_RANGE = [-12.8, -6.4, -3.0, 12.8, 6.4, 1.0]
+SMALL_POINTS_PER_PILLAR = 8
+SMALL_BACKBONE = {"layer_nums": [1, 1, 1], "layer_strides": [2, 2, 2], "num_filters": [8, 8, 16],
+                  "upsample_strides": [1, 2, 4], "num_upsample_filter": [128, 128, 128]}
+SEED = 24
+
+ABOUT = ("Made by tools/reference/make_model_parity_fixtures.py from OpenCOOD (opencoodx "
+         "{version}, its {yaml} shrunk; config in {config}): weights generated by "
+         "tests/parity_weights.py and loaded strict, pillars from its SpVoxelPreprocessor, "
+         "collated as its datasets do, forward in eval mode, fp32. outputs psm/rm are its "
+         "cls_head/reg_head maps.")
+
+
+# ---------------------------------------------------------------------------------------------
+# The reference environment
+
+def import_reference():
+    """OpenCOOD's ``opencood`` package; refuses ours (same name) with a one-line error."""
+    from importlib import metadata
+    try:
+        import opencood
+    except ImportError as exc:
+        raise SystemExit(f"error: OpenCOOD is not importable here ({exc}); run with the side "
+                         "environment's python (pip install opencoodx==0.1.19)")
+    location = Path(opencood.__file__).resolve()
+    if REPO_ROOT in location.parents or not (location.parent / "data_utils").is_dir():
+        raise SystemExit(f"error: 'opencood' resolves to {location.parent}, not OpenCOOD's; run "
+                         "from outside the checkout with PYTHONPATH unset")
+    version = metadata.version(REFERENCE_PACKAGE[0])
+    if version != REFERENCE_PACKAGE[1]:
+        print(f"warning: {REFERENCE_PACKAGE[0]} {version} installed; the fixtures were made "
+              f"with {REFERENCE_PACKAGE[1]}", file=sys.stderr)
+    return location.parent, version
+
+
+def load_parity_weights():
+    """``tests/parity_weights.py`` by path (it imports numpy and torch only)."""
+    path = REPO_ROOT / "tests" / "parity_weights.py"
+    spec = importlib.util.spec_from_file_location("parity_weights", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def read_hypes(reference_root: Path, yaml_name: str, shrink: bool) -> tuple:
+    """(hypes as OpenCOOD's train.py holds them, the text its setup_train writes).
+
+    The raw yaml is edited (``shrink``), written to a temporary file and read back with
+    OpenCOOD's ``load_yaml``, so its ``yaml_parser`` derives grid and anchors from the edit."""
+    import yaml
+    from opencood.hypes_yaml.yaml_utils import load_yaml
+
+    source = reference_root / "hypes_yaml" / yaml_name
+    load_yaml(str(source))           # registers OpenCOOD's float resolver on yaml.Loader
+    with open(source) as stream:
+        raw = yaml.load(stream, Loader=yaml.Loader)   # the reference's own loader, its yaml
+    if shrink:
+        raw = shrink_hypes(raw)
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "hypes.yaml"
+        path.write_text(yaml.dump(raw))
+        hypes = load_yaml(str(path))
+    return hypes, yaml.dump(hypes)      # train_utils.setup_train: yaml.dump(hypes, outfile)
+
+
+def shrink_hypes(raw: dict) -> dict:
+    """The small-width, small-range edit of one of OpenCOOD's yamls (module docstring)."""
+    # The yaml's anchors make these lists shared objects: edit them in place, everywhere.
+    raw["preprocess"]["cav_lidar_range"][:] = SMALL_RANGE
+    raw["preprocess"]["args"]["max_points_per_voxel"] = SMALL_POINTS_PER_PILLAR
+    raw["preprocess"]["args"]["max_voxel_test"] = 4000
+    raw["preprocess"]["args"]["max_voxel_train"] = 4000
+    args = raw["model"]["args"]
+    args["lidar_range"][:] = SMALL_RANGE
+    args["base_bev_backbone"].update(SMALL_BACKBONE)
+    if "v2vfusion" in args:
+        nx = round((SMALL_RANGE[3] - SMALL_RANGE[0]) / raw["preprocess"]["args"]["voxel_size"][0])
+        ny = round((SMALL_RANGE[4] - SMALL_RANGE[1]) / raw["preprocess"]["args"]["voxel_size"][1])
+        rate = args["v2vfusion"]["downsample_rate"]
+        args["v2vfusion"]["conv_gru"].update({"H": ny // rate, "W": nx // rate})
+    raw["name"] = raw["name"] + "_parity_small"
+    return raw
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights
+
+def weight_recipes(model, weights) -> dict:
+    """state_dict key -> integer tensor or generated-tensor recipe, by module kind."""
+    import torch
+    from torch import nn
+
+    recipes = {}
+    for module_name, module in model.named_modules():
+        entries = list(module.named_parameters(recurse=False)) + \
+            list(module.named_buffers(recurse=False))
+        for name, tensor in entries:
+            key = f"{module_name}.{name}" if module_name else name
+            if not tensor.is_floating_point():
+                recipes[key] = torch.full_like(tensor, 5)      # num_batches_tracked
+                continue
+            if isinstance(module, nn.modules.batchnorm._BatchNorm):
+                scale, offset = {"weight": (0.25, 1.0), "bias": (0.25, 0.0),
+                                 "running_mean": (0.25, 0.0),
+                                 "running_var": (0.5, 1.0)}[name]
+            elif name == "bias":
+                scale, offset = 0.125, 0.0
+            else:
+                fan_in = tensor[0].numel() if not isinstance(module, nn.ConvTranspose2d) \
+                    else tensor.shape[0]
+                scale, offset = weights.power_of_two_scale(fan_in), 0.0
+            recipes[key] = {"shape": list(tensor.shape), "scale": scale, "offset": offset}
+    missing = set(model.state_dict()) - set(recipes)
+    if missing:
+        raise SystemExit(f"error: no recipe for {sorted(missing)[:3]}")
+    return recipes
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs
+
+def agent_points(rng, lidar_range) -> np.ndarray:
+    """(N, 4) points of one agent: 3 dense clusters (pillars with every slot filled, some
+    overflowing) and 50 scattered returns (pillars of 1-2 points: mostly padding), all inside
+    the range."""
+    xmin, ymin, zmin, xmax, ymax, zmax = lidar_range
+    parts = []
+    for _ in range(3):
+        centre = rng.uniform([xmin + 2, ymin + 2], [xmax - 2, ymax - 2])
+        cluster = np.empty((48, 4), np.float32)
+        cluster[:, :2] = centre + rng.uniform(-0.4, 0.4, (48, 2))
+        cluster[:, 2] = rng.uniform(-2.0, 0.0, 48)
+        cluster[:, 3] = rng.uniform(0, 1, 48)
+        parts.append(cluster)
+    scattered = np.empty((50, 4), np.float32)
+    scattered[:, 0] = rng.uniform(xmin + 0.05, xmax - 0.05, 50)
+    scattered[:, 1] = rng.uniform(ymin + 0.05, ymax - 0.05, 50)
+    scattered[:, 2] = rng.uniform(zmin + 0.05, zmax - 0.05, 50)
+    scattered[:, 3] = rng.uniform(0, 1, 50)
+    parts.append(scattered)
+    return np.concatenate(parts)
+
+
+def make_inputs(hypes: dict, record_len: list, seed: int) -> dict:
+    """The model's input dict as OpenCOOD's datasets collate it."""
+    import torch
+    from opencood.data_utils.datasets.intermediate_fusion_dataset import \
+        IntermediateFusionDataset
+    from opencood.data_utils.pre_processor.sp_voxel_preprocessor import SpVoxelPreprocessor
+
+    rng = np.random.default_rng(seed)
+    pre_processor = SpVoxelPreprocessor(hypes["preprocess"], train=False)
+    per_agent = []
+    for _ in range(sum(record_len)):
+        voxels = pre_processor.preprocess(agent_points(rng, hypes["preprocess"]["cav_lidar_range"]))
+        counts = voxels["voxel_num_points"]
+        slots = np.arange(voxels["voxel_features"].shape[1])
+        padding = voxels["voxel_features"][slots[None, :] >= counts[:, None]]
+        assert not padding.any(), "spconv left values in padded point slots"
+        per_agent.append(voxels)
+    if hypes["model"]["core_method"] == "point_pillar":
+        processed = pre_processor.collate_batch(per_agent)          # early / late: a list
+    else:
+        merged = IntermediateFusionDataset.merge_features_to_dict(per_agent)
+        processed = pre_processor.collate_batch(merged)
+    max_cav = hypes["train_params"].get("max_cav", 5)
+    pairwise = np.zeros((len(record_len), max_cav, max_cav, 4, 4))
+    pairwise[:, :] = np.identity(4)                                 # proj_first
+    return {"processed_lidar": processed,
+            "record_len": torch.from_numpy(np.array(record_len, dtype=int)),
+            "pairwise_t_matrix": torch.from_numpy(pairwise)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Steps
+
+def make_fixture(reference_root: Path, version: str, core_method: str, out: Path) -> None:
+    import torch
+    from opencood.tools import train_utils
+
+    yaml_name, record_len = MODELS[core_method]
+    hypes, config_text = read_hypes(reference_root, yaml_name, shrink=True)
+    assert hypes["model"]["core_method"] == core_method
+    weights = load_parity_weights()
+    torch.manual_seed(SEED)
+    model = train_utils.create_model(hypes)
+    recipes = weight_recipes(model, weights)
+    model.load_state_dict(weights.materialize(recipes), strict=True)
+    model.eval()
+    data = make_inputs(hypes, record_len, SEED)
+    with torch.no_grad():
+        outputs = model(data)
+    lidar = data["processed_lidar"]
+    config_name = f"{core_method}.config.yaml"
+    fixture = {
+        "format": 1,
+        "about": ABOUT.format(version=version, yaml=yaml_name, config=config_name),
+        "reference": f"{REFERENCE_PACKAGE[0]} {version}",
+        "torch": str(torch.__version__),
+        "core_method": core_method,
+        "config_yaml": config_name,
+        "state_dict": recipes,
+        "inputs": {"voxel_features": lidar["voxel_features"].contiguous(),
+                   "voxel_coords": lidar["voxel_coords"].contiguous(),
+                   "voxel_num_points": lidar["voxel_num_points"].contiguous(),
+                   "record_len": data["record_len"],
+                   "pairwise_t_matrix": data["pairwise_t_matrix"]},
+        "outputs": {"psm": outputs["psm"].contiguous(), "rm": outputs["rm"].contiguous()},
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / config_name).write_text(config_text)
+    torch.save(fixture, out / f"{core_method}.pt")
+    torch.load(out / f"{core_method}.pt", weights_only=True)        # loads as the tests will
+    full = lidar["voxel_num_points"] == SMALL_POINTS_PER_PILLAR
+    sparse = lidar["voxel_num_points"] <= 2
+    print(f"{core_method}: {len(recipes)} tensors, {lidar['voxel_features'].shape[0]} pillars "
+          f"({int(full.sum())} full, {int(sparse.sum())} of 1-2 points), "
+          f"psm {tuple(outputs['psm'].shape)}, "
+          f"{(out / f'{core_method}.pt').stat().st_size / 1024:.0f} KiB")
+
+
+def make_fullsize_run(reference_root: Path, out: Path, epoch: int) -> None:
+    """A run folder as OpenCOOD's train.py leaves it, for its full-width AttFuse."""
+    import torch
+    from opencood.tools import train_utils
+
+    hypes, config_text = read_hypes(reference_root, "point_pillar_intermediate_fusion.yaml",
+                                    shrink=False)
+    torch.manual_seed(SEED)
+    model = train_utils.create_model(hypes)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(config_text)
+    torch.save(model.state_dict(), out / f"net_epoch{epoch}.pth")   # as its train.py saves
+    print(f"{out}: config.yaml, net_epoch{epoch}.pth ({len(model.state_dict())} tensors)")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="step", required=True)
+    fixtures = sub.add_parser("fixtures", help="tests/fixtures/parity/<model>.pt")
+    fixtures.add_argument("--out", type=Path, default=REPO_ROOT / "tests" / "fixtures" / "parity")
+    fixtures.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
+    fullsize = sub.add_parser("fullsize", help="an OpenCOOD run folder of full-width AttFuse")
+    fullsize.add_argument("--out", type=Path, required=True)
+    fullsize.add_argument("--epoch", type=int, default=15)
+    args = parser.parse_args(argv)
+    reference_root, version = import_reference()
+    if args.step == "fixtures":
+        for core_method in args.models:
+            make_fixture(reference_root, version, core_method, args.out)
+    else:
+        make_fullsize_run(reference_root, args.out, args.epoch)
+
+
+if __name__ == "__main__":
+    main()
