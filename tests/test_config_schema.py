@@ -51,7 +51,7 @@ DEFAULTS = {
     "data_augment": [],
     "postprocess": {"core_method": "VoxelPostprocessor", "gt_range": OPV2V_RANGE,
                     "anchor_args": {"l": 3.9, "w": 1.6, "h": 1.56, "z": -1.0, "r": [0.0, 90.0],
-                                    "feature_stride": 2},
+                                    "feature_stride": 2, "placement": "cell_centre"},
                     "target_args": {"pos_threshold": 0.6, "neg_threshold": 0.45,
                                     "score_threshold": 0.2},
                     "order": "hwl", "max_num": 100, "nms_thresh": 0.15, "pre_nms_max": 500},
@@ -121,8 +121,10 @@ def test_minimal_yaml_resolves_to_every_default(tmp_path):
     # Derived from the data sections; the model's own defaults filled in.
     assert args["lidar_range"] == OPV2V_RANGE and args["voxel_size"] == [0.8, 0.8, 4.0]
     assert (args["max_points_per_voxel"], args["anchor_number"]) == (32, 2)
-    assert args["pillar_vfe"] == {"in_channels": 4, "num_filters": [64], "with_distance": False}
+    assert args["pillar_vfe"] == {"in_channels": 4, "num_filters": [64], "with_distance": False,
+                                  "padded_slots": "ignore"}
     assert args["bn_momentum"] is None and args["shrink_header"] is None
+    assert args["use_dir"] is True
     assert args["fusion"] == {"core_method": "where2comm", "stage": None, "args": {
         "threshold": 0.01, "max_bytes_per_agent": None, "fusion_mode": "attention",
         "bytes_per_value": 4}}

@@ -14,21 +14,21 @@ dict OpenCOOD's collate builds, minus the pairwise matrices: every fixture's are
 proj_first, and our detector fuses maps already in one frame). Heads must agree within 1e-5
 relative (max |ours - theirs| / max |theirs|).
 
-Where our modules cannot yet reproduce the reference, the plain parity test is
-``xfail(strict=True)`` with the exact reason, so it flips when the option lands, and a second
-test swaps in a test-only stand-in for the missing option (``reference_pillar_layers``,
-``reference_v2vnet_rounds``): that proves everything else (mapping, backbone, fusion, heads)
-equal now. Measured on these fixtures (relative, cls / reg):
+The reference behaviour comes from options of our modules, which the importer switches on
+(``opencood.interop.opencood_config``); each is shown to matter by turning it back to our
+default, which breaks parity on these fixtures (relative, cls / reg, measured when they were
+missing):
 
-* padded point slots (every model): OpenCOOD runs all slots of a pillar, padding zeroed,
-  through linear + BatchNorm + ReLU, so relu(BN(0)) joins the max; ours leaves padding out.
+* ``pillar_vfe.padded_slots: reference`` (every model): OpenCOOD runs all slots of a pillar,
+  padding zeroed, through linear + BatchNorm + ReLU, so relu(BN(0)) joins the max.
   PointPillar 2.4e-2 / 3.6e-2, AttFuse 2.8e-2 / 3.3e-2, F-Cooper 1.3e-2 / 1.8e-2 (BatchNorm
-  statistics drawn at random make relu(BN(0)) large; trained weights gave ~2e-3). With the
-  stand-in: 2e-7 to 5e-7.
-* V2VNet's ConvGRU: OpenCOOD feeds [current state, mean message] as the GRU input with a zero
-  hidden state (a fresh ConvGRU per call), so the new state is update * candidate; ours feeds
-  [mean message, initial state] with the current state as hidden. 0.61 / 0.88; with both
-  stand-ins 1.0e-6.
+  statistics drawn at random make relu(BN(0)) large; trained weights gave ~2e-3).
+* V2VNet ``round_update: reference``: OpenCOOD feeds [current state, mean message] as the GRU
+  input with a zero hidden state (a fresh ConvGRU per call). 0.61 / 0.88.
+* ``use_dir: false`` and ``anchor_args.placement: reference`` change no head map; they decide
+  the decoding: ``test_decoding_matches_opencood`` compares our decoded boxes of the fixture's
+  head maps with OpenCOOD's own anchors and ``delta_to_boxes3d`` (``<model>.decoded.pt``, made
+  by the script's ``decoded`` step); see also ``tests/test_reference_options.py``.
 """
 from __future__ import annotations
 
@@ -42,13 +42,14 @@ import torch
 from opencood.config import resolve
 from opencood.engine import evaluator
 from opencood.errors import OpencoodError
-from opencood.interop import opencood_ckpt
+from opencood.interop.exporter import export_opencood_run
 from opencood.interop.importer import import_opencood_run, translate_run
 from opencood.interop.opencood_ckpt import (InteropError, opencood_to_ours, ours_to_opencood,
                                             state_shapes)
 from opencood.interop.opencood_config import read_opencood_yaml, translate_config
 from opencood.models.build import build_model
 from opv2v_factory import write_simple_split
+from process_state import preserved_opencood_logger
 from parity_weights import generated_tensor, materialize
 from tool_modules import load_tool
 
@@ -57,14 +58,6 @@ MODELS = ("point_pillar", "point_pillar_intermediate", "point_pillar_fcooper",
           "point_pillar_v2vnet")
 TOLERANCE = 1e-5
 HEADS = (("cls_preds", "psm"), ("reg_preds", "rm"))
-
-PADDED_SLOTS = ("OpenCOOD's pillar encoder runs the zeroed padded point slots through linear + "
-                "BatchNorm + ReLU, so relu(BN(0)) joins the max; ours leaves padded slots out "
-                "(needs a reference-compatible pillar_vfe option)")
-V2VNET_GRU = ("OpenCOOD's V2VNet ConvGRU takes [state, mean message] with a zero hidden "
-              "state; ours takes [mean message, initial state] with the state as hidden "
-              "(needs a reference-compatible v2vnet option)")
-
 
 # ----------------------------------------------------------------------------------------------
 # helpers
@@ -88,8 +81,16 @@ def translated_config(name: str) -> dict:
     return resolve(translate_config(read_opencood_yaml(path), str(path)), str(path))
 
 
-def our_model(name: str, fixture: dict) -> torch.nn.Module:
+def our_model(name: str, fixture: dict, **defaults_back) -> torch.nn.Module:
+    """Our model from the translated config with the fixture's weights imported;
+    ``defaults_back``: reference options turned back to our default (``padded_slots``,
+    ``round_update``)."""
     cfg = translated_config(name)
+    args = cfg["model"]["args"]
+    if "padded_slots" in defaults_back:
+        args["pillar_vfe"]["padded_slots"] = defaults_back["padded_slots"]
+    if "round_update" in defaults_back:
+        args["fusion"]["args"]["round_update"] = defaults_back["round_update"]
     model = build_model(cfg["model"])
     state = opencood_to_ours(peer_state(fixture), name, state_shapes(model.state_dict()))
     model.load_state_dict(state)
@@ -116,45 +117,6 @@ def relative_differences(outputs: dict, fixture: dict) -> dict:
 def assert_parity(outputs: dict, fixture: dict) -> None:
     diffs = relative_differences(outputs, fixture)
     assert max(diffs.values()) <= TOLERANCE, f"relative differences {diffs}"
-
-
-def reference_pillar_layers(model: torch.nn.Module) -> None:
-    """Test-only stand-in for the missing option: our pillar encoder computed as OpenCOOD's
-    (every point slot through linear + BatchNorm + ReLU, padding zeroed before; a non-last layer
-    concatenates the pillar max without masking), with our modules' own weights."""
-    vfe = model.vfe
-
-    def forward(voxel_features, voxel_num_points, voxel_coords, static_shapes=False):
-        slots = torch.arange(voxel_features.shape[1], device=voxel_features.device)
-        mask = slots.unsqueeze(0) < voxel_num_points.unsqueeze(1)
-        features = vfe.decorate(voxel_features, voxel_num_points, voxel_coords, mask)
-        for layer in vfe.layers:
-            encoded = layer.norm(layer.linear(features).flatten(0, 1)).view(
-                *features.shape[:2], -1)
-            per_point = torch.relu(encoded)
-            pillar_max = per_point.amax(dim=1)
-            features = pillar_max if layer.last_layer else torch.cat(
-                [per_point, pillar_max.unsqueeze(1).expand_as(per_point)], dim=-1)
-        return features
-
-    vfe.forward = forward
-
-
-def reference_v2vnet_rounds(model: torch.nn.Module) -> None:
-    """Test-only stand-in for the missing option: each V2VNet round's GRU as OpenCOOD's
-    (input [state, mean message], hidden state zero), with our modules' own weights."""
-    fusion = model.fusion
-
-    def message_round(states, initial, is_real, theta, receivers):
-        batch, _, channels, height, width = states.shape
-        mean_message = fusion.mean_messages(states, is_real, theta, receivers)
-        flat = (batch * receivers, channels, height, width)
-        gru_input = torch.cat([states[:, :receivers].reshape(flat), mean_message.reshape(flat)],
-                              dim=1)
-        new_state = fusion.gru(gru_input, states.new_zeros(flat))
-        return new_state.view(batch, receivers, channels, height, width)
-
-    fusion.message_round = message_round
 
 
 # ----------------------------------------------------------------------------------------------
@@ -213,11 +175,8 @@ def test_mapping_is_strict_and_reversible(name):
     state = peer_state(fixture)
     model = build_model(translated_config(name)["model"])
     ours = opencood_to_ours(state, name, state_shapes(model.state_dict()))
-    assert set(ours) == set(model.state_dict())
-    # Every OpenCOOD tensor lands somewhere (only the direction head is ours alone, zeros).
-    synthesized = set(opencood_ckpt.SYNTHESIZED)
-    assert len(ours) == len(state) + len(synthesized)
-    assert all(not ours[key].any() for key in synthesized)
+    # Every tensor has its counterpart: nothing synthesised, nothing dropped.
+    assert set(ours) == set(model.state_dict()) and len(ours) == len(state)
     back = ours_to_opencood(ours, name, state_shapes(state))
     assert list(back) == list(state)
     assert all(torch.equal(back[key], state[key]) for key in state)
@@ -226,8 +185,16 @@ def test_mapping_is_strict_and_reversible(name):
 def test_mapping_transforms():
     """The non-trivial rules, on the F-Cooper and V2VNet fixtures."""
     fcooper = peer_state(load_fixture("point_pillar_fcooper"))
+    model_cfg = translated_config("point_pillar_fcooper")["model"]
+    assert model_cfg["args"]["shrink_header"]["kernel_size"] == 1       # copied as it is
     ours = opencood_to_ours(fcooper, "point_pillar_fcooper", state_shapes(
-        build_model(translated_config("point_pillar_fcooper")["model"]).state_dict()))
+        build_model(model_cfg).state_dict()))
+    assert torch.equal(ours["shrink.layers.0.weight"],
+                       fcooper["shrink_conv.layers.0.double_conv.0.weight"])
+    # Into a 3x3 shrink conv, the 1x1 kernel is the centre tap of zeros (the same map).
+    model_cfg["args"]["shrink_header"]["kernel_size"] = 3
+    ours = opencood_to_ours(fcooper, "point_pillar_fcooper", state_shapes(
+        build_model(model_cfg).state_dict()))
     one_by_one = fcooper["shrink_conv.layers.0.double_conv.0.weight"]
     embedded = ours["shrink.layers.0.weight"]
     assert one_by_one.shape[2:] == (1, 1) and embedded.shape[2:] == (3, 3)
@@ -276,42 +243,27 @@ def test_mapping_refuses_in_one_line():
 # parity with the authors' code
 # ----------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", [
-    pytest.param(name, marks=pytest.mark.xfail(
-        strict=True, reason=PADDED_SLOTS + ("; " + V2VNET_GRU if "v2vnet" in name else "")))
-    for name in MODELS])
+@pytest.mark.parametrize("name", MODELS)
 def test_parity(name):
     """Our model as imported, the same pillars: heads within 1e-5 relative."""
     fixture = load_fixture(name)
     assert_parity(run_ours(our_model(name, fixture), fixture), fixture)
 
 
-@pytest.mark.parametrize("name", [
-    *MODELS[:3],
-    pytest.param("point_pillar_v2vnet", marks=pytest.mark.xfail(strict=True, reason=V2VNET_GRU))])
-def test_parity_with_reference_pillar_slots(name):
-    """Everything but the pillar encoder's padded slots (stand-in) equals the reference."""
-    fixture = load_fixture(name)
-    model = our_model(name, fixture)
-    reference_pillar_layers(model)
-    assert_parity(run_ours(model, fixture), fixture)
-
-
-def test_v2vnet_parity_with_reference_slots_and_gru():
-    """V2VNet: with both stand-ins, equal; so its GRU semantics is the whole remaining gap."""
-    fixture = load_fixture("point_pillar_v2vnet")
-    model = our_model("point_pillar_v2vnet", fixture)
-    reference_pillar_layers(model)
-    reference_v2vnet_rounds(model)
-    assert_parity(run_ours(model, fixture), fixture)
-
-
 @pytest.mark.parametrize("name", MODELS)
-def test_padded_slots_are_the_measured_difference(name):
-    """The xfails above fail for the stated reason: our encoder alone differs, by more than the
-    tolerance (so these fixtures do detect it)."""
+def test_padded_slots_option_matters(name):
+    """With our default pillar encoder the heads differ by far more than the tolerance, so
+    these fixtures do check ``padded_slots: reference``."""
     fixture = load_fixture(name)
-    diffs = relative_differences(run_ours(our_model(name, fixture), fixture), fixture)
+    model = our_model(name, fixture, padded_slots="ignore")
+    diffs = relative_differences(run_ours(model, fixture), fixture)
+    assert min(diffs.values()) > 100 * TOLERANCE
+
+
+def test_v2vnet_round_update_option_matters():
+    fixture = load_fixture("point_pillar_v2vnet")
+    model = our_model("point_pillar_v2vnet", fixture, round_update="gru_on_state")
+    diffs = relative_differences(run_ours(model, fixture), fixture)
     assert min(diffs.values()) > 100 * TOLERANCE
 
 
@@ -370,7 +322,8 @@ def test_translated_config_keeps_what_decides_the_boxes():
     assert cfg["preprocess"]["args"]["voxel_size"] == [0.4, 0.4, 4.0]
     assert cfg["preprocess"]["args"]["max_points_per_voxel"] == 8
     assert cfg["postprocess"]["anchor_args"] == {"l": 3.9, "w": 1.6, "h": 1.56, "z": -1.0,
-                                                 "r": [0.0, 90.0], "feature_stride": 2}
+                                                 "r": [0.0, 90.0], "feature_stride": 2,
+                                                 "placement": "reference"}
     assert cfg["postprocess"]["target_args"]["score_threshold"] == 0.2
     assert cfg["postprocess"]["nms_thresh"] == 0.15
     assert cfg["postprocess"]["gt_range"] == [-12.8, -6.4, -3.0, 12.8, 6.4, 1.0]
@@ -381,12 +334,16 @@ def test_translated_config_keeps_what_decides_the_boxes():
     assert model["core_method"] == "point_pillar_intermediate"
     assert model["args"]["fusion"]["core_method"] == "fcooper"
     assert model["args"]["fusion"]["stage"] == "backbone"
-    assert model["args"]["shrink_header"] == {"dim": 256, "stride": 1}
+    assert model["args"]["shrink_header"] == {"dim": 256, "stride": 1, "kernel_size": 1}
     assert model["args"]["bn_momentum"] is None
+    # The reference options of our modules, on for every imported run.
+    assert model["args"]["use_dir"] is False
+    assert model["args"]["pillar_vfe"]["padded_slots"] == "reference"
     v2v = translated_config("point_pillar_v2vnet")["model"]["args"]
     assert v2v["fusion"]["args"]["cell_size"] == pytest.approx(1.6)
     assert v2v["fusion"]["args"]["num_iteration"] == 2
-    assert v2v["shrink_header"] == {"dim": 256, "stride": 2}
+    assert v2v["fusion"]["args"]["round_update"] == "reference"
+    assert v2v["shrink_header"] == {"dim": 256, "stride": 2, "kernel_size": 3}
     assert translated_config("point_pillar")["fusion"]["core_method"] == "early"
 
 
@@ -447,3 +404,166 @@ def test_import_refusals(tmp_path):
     (peer / "net_epoch1.pth").unlink()
     with pytest.raises(InteropError, match="no net_epoch<N>.pth or latest.pth"):
         translate_run(peer)
+
+
+# ----------------------------------------------------------------------------------------------
+# export: our run -> OpenCOOD's run folder, and back
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", MODELS)
+def test_import_export_import_round_trip(name, tmp_path):
+    """OpenCOOD's run -> ours -> OpenCOOD's: the same tensors under the same keys, and a config
+    that imports to the same config again."""
+    peer = write_opencood_run(tmp_path / "peer", name, epochs=(12,))
+    ours = import_opencood_run(peer, tmp_path / "ours")
+    exported = load_tool("export_checkpoint").main(
+        ["--to", "opencood", "--model_dir", str(ours), "--out", str(tmp_path / "exported")])
+    assert sorted(p.name for p in exported.iterdir()) == ["config.yaml", "net_epoch12.pth"]
+    state = torch.load(exported / "net_epoch12.pth", weights_only=True)
+    original = peer_state(load_fixture(name))
+    assert set(state) == set(original)          # the order is ours (load_state_dict ignores it)
+    assert all(torch.equal(state[key], original[key]) for key in original)
+    hypes = read_opencood_yaml(exported / "config.yaml")
+    assert hypes["model"]["core_method"] == name
+    assert hypes["yaml_parser"] == "load_point_pillar_params"
+    again = import_opencood_run(exported, tmp_path / "again")
+    first, second = (torch.load(run / "last.pth", weights_only=True)["model"]
+                     for run in (ours, again))
+    assert all(torch.equal(first[key], second[key]) for key in first)
+    assert translated_config(name)["model"] == resolve(
+        translate_config(hypes, "exported"), "exported")["model"]
+
+
+def _edit_run_config(run: Path, edit) -> None:
+    import yaml
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    edit(cfg)
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda cfg: cfg["model"]["args"]["pillar_vfe"].update(padded_slots="ignore"),
+     "pillar_vfe.padded_slots is 'ignore'"),
+    (lambda cfg: cfg["model"]["args"].update(use_dir=True), "use_dir is True"),
+    (lambda cfg: cfg["postprocess"]["anchor_args"].update(placement="cell_centre"),
+     "anchor_args.placement is 'cell_centre'"),
+    (lambda cfg: cfg["model"]["args"]["fusion"]["args"].update(round_update="gru_on_state"),
+     "round_update is 'gru_on_state'"),
+    (lambda cfg: cfg["model"]["args"]["fusion"].update(core_method="disconet", args={}),
+     "'disconet' has no OpenCOOD"),
+])
+def test_export_refuses_in_one_line_and_writes_nothing(edit, message, tmp_path):
+    peer = write_opencood_run(tmp_path / "peer", "point_pillar_v2vnet", epochs=(3,))
+    ours = import_opencood_run(peer, tmp_path / "ours")
+    _edit_run_config(ours, edit)
+    out = tmp_path / "work" / "exported"
+    out.parent.mkdir()
+    with pytest.raises(SystemExit) as exit_info:
+        load_tool("export_checkpoint").main(["--to", "opencood", "--model_dir", str(ours),
+                                             "--out", str(out)])
+    text = str(exit_info.value)
+    assert text.startswith("error: ") and "\n" not in text and message in text, text
+    assert _listing(out.parent) == []
+
+
+def test_export_is_strict_about_tensors(tmp_path):
+    peer = write_opencood_run(tmp_path / "peer", "point_pillar_fcooper", epochs=(3,))
+    ours = import_opencood_run(peer, tmp_path / "ours")
+    checkpoint = torch.load(ours / "last.pth", weights_only=True)
+    checkpoint["model"]["head.dir_conv.weight"] = torch.zeros(4, 256, 1, 1)
+    torch.save(checkpoint, ours / "last.pth")
+    with pytest.raises(InteropError, match="no place in OpenCOOD's point_pillar_fcooper: "
+                                           "head.dir_conv.weight"):
+        export_opencood_run(ours, tmp_path / "exported")
+    del checkpoint["model"]["head.cls_conv.bias"]
+    torch.save(checkpoint, ours / "last.pth")
+    with pytest.raises(InteropError, match="left unfilled: cls_head.bias"):
+        export_opencood_run(ours, tmp_path / "exported")
+    assert not (tmp_path / "exported").exists()
+
+
+def test_eval_saves_detections(tmp_path, test_split):
+    """``tools/eval.py --save_detections``: RUN/detections_<split>_<fusion>.npz in the layout of
+    opencood/eval/detections.py; nothing without the flag."""
+    import numpy as np
+    name = "point_pillar_intermediate"
+    run = import_opencood_run(write_opencood_run(tmp_path / "peer", name, epochs=(1,)),
+                              tmp_path / "run")
+    argv = ["--model_dir", str(run), "--set", f"test_dir={test_split}", "--num_workers", "0",
+            "--batch_size", "2"]
+    evaluator.main(argv)
+    assert not list(run.glob("detections_*"))
+    evaluator.main(argv + ["--save_detections"])
+    (path,) = run.glob("detections_*")
+    assert path.name == "detections_test_intermediate.npz"
+    with np.load(path, allow_pickle=False) as saved:
+        boxes, scores, offsets = saved["boxes"], saved["scores"], saved["frame_offsets"]
+        keys, order = saved["sample_keys"], str(saved["box_order"])
+    assert order == "hwl" and boxes.dtype == np.float32 and boxes.shape == (len(scores), 7)
+    assert offsets.tolist()[0] == 0 and offsets[-1] == len(scores) and len(offsets) == 3
+    assert keys.shape[0] == 2 and [tuple(k) for k in keys] == sorted(tuple(k) for k in keys)
+    assert len(scores) > 0 and (scores > 0.2).all()          # above the score threshold
+
+
+@pytest.mark.slow
+def test_reference_model_trained_here_exports(tmp_path, test_split):
+    """A reference-option model (no direction head, padded slots, reference anchors) trains
+    here with tools/train.py and exports: the exported tensors are the trained ones."""
+    ours = import_opencood_run(write_opencood_run(tmp_path / "peer", "point_pillar_intermediate",
+                                                  epochs=(1,)), tmp_path / "ours")
+    trained = tmp_path / "trained"
+    with pytest.MonkeyPatch.context() as patch, preserved_opencood_logger():
+        patch.setattr(torch.cuda, "is_available", lambda: False)
+        load_tool("train").main([
+            "--hypes_yaml", str(ours / "config.yaml"), "--model_dir", str(trained),
+            "--set", f"root_dir={test_split}", "--set", "validate_dir=null",
+            "--set", f"test_dir={test_split}", "--set", "train_params.max_steps=2",
+            "--set", "train_params.batch_size=2", "--set", "train_params.num_workers=0"])
+    state = torch.load(trained / "last.pth", weights_only=True)["model"]
+    imported = torch.load(ours / "last.pth", weights_only=True)["model"]
+    assert not torch.equal(state["head.cls_conv.weight"], imported["head.cls_conv.weight"])
+    exported = export_opencood_run(trained, tmp_path / "exported")
+    epoch = torch.load(trained / "last.pth", weights_only=True)["epoch"]
+    peer = torch.load(exported / f"net_epoch{epoch}.pth", weights_only=True)
+    assert torch.equal(peer["cls_head.weight"], state["head.cls_conv.weight"])
+    assert torch.equal(peer["pillar_vfe.pfn_layers.0.norm.running_mean"],
+                       state["vfe.layers.0.norm.running_mean"])
+
+
+# ----------------------------------------------------------------------------------------------
+# decoding: anchors and box decoding against OpenCOOD's VoxelPostprocessor
+# ----------------------------------------------------------------------------------------------
+
+def decode_all_anchors(cfg: dict, fixture: dict) -> list:
+    """Our postprocessor's decode of the fixture's head outputs, every anchor kept (a score
+    threshold below any sigmoid), per sample (boxes (H*W*A, 7), scores)."""
+    from opencood.postprocess.voxel_postprocessor import VoxelPostprocessor
+    post = VoxelPostprocessor.from_config(cfg, torch.device("cpu"))
+    post.score_threshold = -1.0
+    outputs = {"cls_preds": fixture["outputs"]["psm"], "reg_preds": fixture["outputs"]["rm"]}
+    return post.decode(outputs)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_decoding_matches_opencood(name):
+    """The imported config's anchors (placement: reference) and decoding (no direction head)
+    give OpenCOOD's boxes for the fixture's head maps (``<model>.decoded.pt``, made by its
+    generate_anchor_box and delta_to_boxes3d), at its best-scored anchors."""
+    fixture = load_fixture(name)
+    reference = torch.load(FIXTURES / f"{name}.decoded.pt", weights_only=True)
+    decoded = decode_all_anchors(translated_config(name), fixture)
+    for (boxes, scores), theirs in zip(decoded, reference["per_sample"], strict=True):
+        index = theirs["index"]
+        torch.testing.assert_close(scores[index], theirs["scores"], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(boxes[index], theirs["boxes"], rtol=1e-5, atol=1e-5)
+
+
+def test_decoding_needs_the_reference_anchor_placement():
+    """At stride 4 (V2VNet) our cell-centre anchors put the boxes elsewhere."""
+    name = "point_pillar_v2vnet"
+    cfg = translated_config(name)
+    cfg["postprocess"]["anchor_args"]["placement"] = "cell_centre"
+    reference = torch.load(FIXTURES / f"{name}.decoded.pt", weights_only=True)
+    (boxes, _), *_ = decode_all_anchors(cfg, load_fixture(name))
+    theirs = reference["per_sample"][0]
+    assert (boxes[theirs["index"], :2] - theirs["boxes"][:, :2]).abs().max() > 0.1

@@ -10,8 +10,9 @@ loader does). Supported models: ``point_pillar`` (no / early / late fusion),
 ``point_pillar_intermediate`` (AttFuse), ``point_pillar_fcooper``, ``point_pillar_v2vnet``.
 
 The import is strict (every tensor placed, every one of ours filled, shapes equal) and writes
-nothing unless it succeeds; see ``opencood/interop/`` for the config translation, the key mapping
-and the direction head (OpenCOOD has none: ours is zero-filled).
+nothing unless it succeeds; the imported config switches on the reference options of our modules
+(README "Using published checkpoints"), so the heads equal OpenCOOD's. See ``opencood/interop/``
+for the config translation and the key mapping; ``tools/export_checkpoint.py`` goes back.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """``tools/eval.py``: evaluate a checkpoint of a run (docs/DESIGN.md §7).
 
     python tools/eval.py --model_dir RUN [--checkpoint FILE] [--fusion_method no|early|late|intermediate]
-                         [--split validate|test] [--save_vis] [--no-ema]
+                         [--split validate|test] [--save_vis] [--save_detections] [--no-ema]
                          [--pose_noise STD ...] [--latency FRAMES ...]
     python tools/eval.py --list RUN
 
@@ -29,6 +29,7 @@ from opencood.data.datasets import SPLIT_KEYS, build_dataset
 from opencood.data.pipeline import BatchPreparer
 from opencood.engine.recipe import check_registered_names, configure_cuda
 from opencood.errors import alike_on_every_rank, run_cli
+from opencood.eval.detections import DetectionCollector, detections_name, write_detections
 from opencood.eval.inference import evaluate_loader
 from opencood.eval.protocols import DEFAULT_PROTOCOL, PROTOCOLS
 from opencood.eval.records import (RECORDS_DIR, build_record, checkpoint_facts, format_record_line,
@@ -54,6 +55,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--split", default="test", choices=["validate", "test"])
     parser.add_argument("--save_vis", action="store_true", help="BEV pictures in RUN/vis/")
     parser.add_argument("--vis_count", type=int, default=10, help="pictures with --save_vis")
+    parser.add_argument("--save_detections", action="store_true",
+                        help="every frame's boxes, scores and sample key in "
+                             "RUN/detections_<split>_<fusion>.npz (opencood/eval/detections.py)")
     parser.add_argument("--no-ema", dest="use_ema", action="store_false",
                         help="evaluate the raw weights even if the checkpoint has EMA weights")
     parser.add_argument("--pose_noise", type=float, nargs="*", default=[],
@@ -221,12 +225,29 @@ def evaluate_setting(cfg, args, run_dir, model, info, setting, checkpoint: Dict)
     if args.save_vis:
         on_sample = vis_callback(run_dir, setting["tag"], args.vis_count,
                                  cfg_run["preprocess"]["cav_lidar_range"])
-    metrics = evaluate_loader(model, loader, preparer, cfg_run, info.device, fusion, on_sample,
-                              protocol)
+    collector = DetectionCollector(then=on_sample) if args.save_detections else None
+    metrics = evaluate_loader(model, loader, preparer, cfg_run, info.device, fusion,
+                              collector or on_sample, protocol)
+    if collector is not None:
+        save_detections(collector, run_dir, args, fusion, setting["tag"], cfg_run)
     if metrics is None:
         return None
     metrics["protocol"] = {"name": protocol.name, "description": protocol.description}
     return setting_record(cfg_run, args, setting["tag"], fusion, checkpoint, info, metrics)
+
+
+def save_detections(collector: DetectionCollector, run_dir: Path, args, fusion: str, tag: str,
+                    cfg_run: Dict) -> None:
+    """Every rank's frames to rank 0, written there (every rank calls it)."""
+    frames = collector.gather()
+    protocol = "" if args.protocol == DEFAULT_PROTOCOL else f"_{args.protocol}"
+    path = Path(run_dir) / detections_name(args.split, fusion, tag, protocol)
+    written = dist_utils.run_together(
+        lambda: None if frames is None else write_detections(path, frames,
+                                                             cfg_run["postprocess"]["order"]),
+        "writing detections")
+    if written is not None:
+        print(f"detections: {written}", flush=True)
 
 
 def setting_record(cfg_run: Dict, args, tag: str, fusion: str, checkpoint: Dict, info,

@@ -129,7 +129,9 @@ def load_record(path: Path) -> Dict:
     if not isinstance(data, dict):
         raise RecordError(f"{path}: not an evaluation record (a yaml mapping)")
     if "format" not in data:                # before RECORD_FORMAT 1: the results alone
-        data = {"format": 0, "name": data.get("name", Path(path).stem), "results": data}
+        protocol = (data.get("protocol") or {}).get("name")
+        data = {"format": 0, "name": data.get("name", Path(path).stem), "results": data,
+                "settings": {"protocol": protocol}}
     empty = {"checkpoint": {}, "data": {}, "settings": {}, "code": {}, "machine": {}}
     record = {**{key: None for key in ("config_sha256", "date")}, **empty, **data}
     for key, fields in (("checkpoint", ("file", "epoch", "step", "sha256", "weights")),

@@ -24,14 +24,12 @@ fusion_net.mlp.{weight,bias} (Linear C x C)       fusion.output.* (1x1 conv)    
 1. OpenCOOD pads with a ``ZeroPad2d(1)`` before each scale's strided conv (padding 0); ours
    pads inside the conv (padding 1): the same map, one Sequential index earlier.
 2. Same channel layout: channel ``a * 7 + k`` is box code k of anchor a (anchors (H, W, A)).
-   OpenCOOD has no direction head: import fills ours (``head.dir_conv``) with zeros, so both
-   bins tie everywhere and the decoder keeps bin 0, folding yaw into [pi/4, 5pi/4): a box's yaw
-   may differ by pi from OpenCOOD's own decoding, its BEV IoU and so AP do not. Export drops it.
-   (A head without a direction classifier, which would remove even that, is a missing option
-   of ``AnchorHead``.)
-3. F-Cooper's shrink starts with a 1x1 conv (stride 1, padding 0); ours is a 3x3 conv with
-   padding 1: the 1x1 kernel goes to the centre tap of zeros, which computes exactly the same
-   map. Export takes the centre back and refuses a kernel whose other taps are not zero.
+   OpenCOOD has no direction head: the translated config builds ours without one
+   (``model.args.use_dir: false``), so there is nothing to fill or drop.
+3. F-Cooper's shrink starts with a 1x1 conv (stride 1, padding 0): the translated config
+   builds ours with one too (``shrink_header.kernel_size: 1``), copied as it is. Into a 3x3
+   conv with padding 1 the 1x1 kernel would go to the centre tap of zeros (exactly the same
+   map); the other way the centre comes back, refused when the other taps are not zero.
 4. OpenCOOD's message CNN reads [sender warped, receiver]; ours [receiver, sender]: the two
    halves of the input channels trade places (its own inverse).
 
@@ -194,9 +192,6 @@ RULES: Dict[str, Tuple[Rule, ...]] = {
     "point_pillar_v2vnet": PILLAR_RULES + SHRINK_RULES + V2VNET_RULES,
 }
 
-# Our tensors OpenCOOD has no counterpart for, filled on import (zeros) and dropped on export.
-SYNTHESIZED = ("head.dir_conv.weight", "head.dir_conv.bias")
-
 
 def supported_models() -> Tuple[str, ...]:
     return tuple(RULES)
@@ -227,11 +222,9 @@ def strip_ddp_prefix(state: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tenso
 
 
 def _translate(state: Mapping[str, torch.Tensor], rules, forward: bool,
-               target_shapes: Mapping[str, Tuple[int, ...]], synthesized: Iterable[str],
-               source: str, what: str) -> Dict[str, torch.Tensor]:
-    """The strict core of both directions; ``synthesized``: target keys filled with zeros
-    (import) or source keys dropped (export)."""
-    synthesized = tuple(synthesized)
+               target_shapes: Mapping[str, Tuple[int, ...]], source: str,
+               what: str) -> Dict[str, torch.Tensor]:
+    """The strict core of both directions."""
     result: Dict[str, torch.Tensor] = {}
     origin: Dict[str, str] = {}
     unplaced = []
@@ -239,8 +232,6 @@ def _translate(state: Mapping[str, torch.Tensor], rules, forward: bool,
         if not isinstance(tensor, torch.Tensor):
             raise InteropError(f"{source}: entry {key!r} is a {type(tensor).__name__}, not a "
                                "tensor: not a state dict")
-        if not forward and key in synthesized:
-            continue
         placed = None
         for rule in rules:
             target = rule.peer_to_ours(key) if forward else rule.ours_to_peer(key)
@@ -264,10 +255,6 @@ def _translate(state: Mapping[str, torch.Tensor], rules, forward: bool,
                                f"{shape} of {what} (another width or config?)")
         result[target] = converted.contiguous()
         origin[target] = key
-    if forward:
-        for key in synthesized:
-            if key in target_shapes and key not in result:
-                result[key] = torch.zeros(target_shapes[key])
     unfilled = [key for key in target_shapes if key not in result]
     if unplaced or unfilled:
         problems = []
@@ -287,7 +274,7 @@ def opencood_to_ours(state: Mapping[str, torch.Tensor], core_method: str,
     """OpenCOOD state dict of ``core_method`` -> ours, keyed and shaped as ``our_shapes`` (the
     state-dict shapes of the model built from the translated config). Strict (module doc)."""
     rules = _rules_for(core_method, source)
-    return _translate(strip_ddp_prefix(state), rules, True, our_shapes, SYNTHESIZED, source,
+    return _translate(strip_ddp_prefix(state), rules, True, our_shapes, source,
                       f"our model (for OpenCOOD's {core_method})")
 
 
@@ -295,9 +282,9 @@ def ours_to_opencood(state: Mapping[str, torch.Tensor], core_method: str,
                      peer_shapes: Mapping[str, Tuple[int, ...]],
                      source: str = "checkpoint") -> Dict[str, torch.Tensor]:
     """Our state dict -> OpenCOOD's ``core_method`` state dict with the keys and shapes of
-    ``peer_shapes``. Strict; our direction head (SYNTHESIZED) is dropped."""
+    ``peer_shapes``. Strict."""
     rules = _rules_for(core_method, source)
-    return _translate(strip_ddp_prefix(state), rules, False, peer_shapes, SYNTHESIZED, source,
+    return _translate(strip_ddp_prefix(state), rules, False, peer_shapes, source,
                       f"OpenCOOD's {core_method}")
 
 

@@ -22,6 +22,11 @@ otherwise. Conventions:
   the LiDAR range; anchors sit at z = -1 (OpenCOOD's constant).
 * ``train_params.max_cav``: OpenCOOD's default is 7 when the file has none.
 * ``model.args.bn_momentum`` null: every BatchNorm keeps OpenCOOD's 0.01.
+* The reference options of our modules are switched on, so the imported weights compute what
+  they computed there: ``pillar_vfe.padded_slots: reference`` (padded point slots take part),
+  ``use_dir: false`` (no direction head; yaws decoded as regressed),
+  ``anchor_args.placement: reference`` (OpenCOOD's anchor centres) and, for V2VNet,
+  ``round_update: reference`` (its GRU wiring).
 * F-Cooper is applied to the backbone output after the shrink header (OpenCOOD's
   ``point_pillar_fcooper``), not to the scattered canvas (our default).
 * ``wild_setting`` (OpenCOOD's noise settings) is not carried: evaluation noise is chosen at
@@ -232,7 +237,8 @@ def _postprocess(peer: _Peer, lidar_range: list) -> dict:
                "w": float(peer.get("postprocess.anchor_args.w")),
                "h": float(peer.get("postprocess.anchor_args.h")),
                "z": OPENCOOD_ANCHOR_Z, "r": rotations,
-               "feature_stride": int(peer.get("postprocess.anchor_args.feature_stride", 2))}
+               "feature_stride": int(peer.get("postprocess.anchor_args.feature_stride", 2)),
+               "placement": "reference"}
     targets = {key: float(peer.get(f"postprocess.target_args.{key}"))
                for key in ("pos_threshold", "neg_threshold", "score_threshold")}
     return {"core_method": "VoxelPostprocessor", "gt_range": _gt_range(lidar_range),
@@ -256,9 +262,11 @@ def _model_args(peer: _Peer, core_method: str, fusion_module: Optional[str]) -> 
         "voxel_size": [float(v) for v in peer.get(f"{m}.voxel_size")],
         "anchor_number": int(peer.get(f"{m}.anchor_number")),
         "bn_momentum": None,
+        "use_dir": False,
         "pillar_vfe": {"in_channels": 4,
                        "num_filters": [int(v) for v in peer.get(f"{m}.pillar_vfe.num_filters")],
-                       "with_distance": bool(peer.get(f"{m}.pillar_vfe.with_distance", False))},
+                       "with_distance": bool(peer.get(f"{m}.pillar_vfe.with_distance", False)),
+                       "padded_slots": "reference"},
         "point_pillar_scatter": {"num_features": int(peer.get(
             f"{m}.point_pillar_scatter.num_features"))},
         "base_bev_backbone": {key: [int(v) for v in peer.get(f"{m}.base_bev_backbone.{key}")]
@@ -283,17 +291,16 @@ def _model_args(peer: _Peer, core_method: str, fusion_module: Optional[str]) -> 
 
 
 def _shrink_header(peer: _Peer, key: str) -> dict:
-    """OpenCOOD's DownsampleConv (one DoubleConv) -> our ShrinkHeader (3x3, padding 1)."""
+    """OpenCOOD's DownsampleConv (one DoubleConv) -> our ShrinkHeader (first conv 3x3 with
+    padding 1, or 1x1 without)."""
     kernel = int(peer.one_of_list(f"{key}.kernal_size"))     # OpenCOOD's spelling
     stride = int(peer.one_of_list(f"{key}.stride"))
     padding = int(peer.one_of_list(f"{key}.padding"))
     dim = int(peer.one_of_list(f"{key}.dim"))
-    # A 1x1 kernel at stride 1 is our 3x3 kernel with zeros around the centre (opencood_ckpt).
-    if (kernel, padding) != (3, 1) and (kernel, padding, stride) != (1, 0, 1):
-        raise peer.error(key, f"kernel {kernel}, padding {padding}, stride {stride}: our shrink "
-                              "header is a 3x3 conv with padding 1 (or holds a 1x1 conv at "
-                              "stride 1)")
-    return {"dim": dim, "stride": stride}
+    if (kernel, padding) not in ((3, 1), (1, 0)):
+        raise peer.error(key, f"kernel {kernel}, padding {padding}: our shrink header's first "
+                              "conv is 3x3 with padding 1 or 1x1 without")
+    return {"dim": dim, "stride": stride, "kernel_size": kernel}
 
 
 def _v2vnet_args(peer: _Peer, key: str) -> dict:
@@ -307,7 +314,7 @@ def _v2vnet_args(peer: _Peer, key: str) -> dict:
         kernel = kernel[0]
     cell = float(peer.get(f"{key}.voxel_size")[0]) * float(peer.get(f"{key}.downsample_rate"))
     return {"num_iteration": int(peer.get(f"{key}.num_iteration")),
-            "kernel_size": int(kernel), "cell_size": cell}
+            "kernel_size": int(kernel), "cell_size": cell, "round_update": "reference"}
 
 
 def _loss_args(peer: _Peer) -> dict:

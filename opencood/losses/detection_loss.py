@@ -64,7 +64,7 @@ class DetectionLoss(nn.Module):
     """``forward(outputs, targets) -> (total, terms)``.
 
     outputs: head maps (layout in opencood.postprocess.layout): cls_preds (B, A, H, W), reg_preds
-      (B, 7A, H, W), dir_preds (B, 2A, H, W), optional
+      (B, 7A, H, W), dir_preds (B, 2A, H, W) (absent: no direction term), optional
       where2comm conf_preds (N_agents, A, H, W) with conf_sample_index (N_agents,).
     targets: labels (B, N) int64 in {-1 ignore, 0 negative, 1 positive}, reg_targets (B, N, 7),
       dir_targets (B, N) int64, reg_weights (B, N); N = H*W*A.
@@ -132,9 +132,11 @@ class DetectionLoss(nn.Module):
             "cls_loss": self.cls_weight * self.focal_term(cls_logits, labels),
             "reg_loss": self.reg_weight * self.regression_term(outputs["reg_preds"], targets,
                                                                positive, normaliser),
-            "dir_loss": self.dir_weight * self.direction_term(outputs["dir_preds"], targets,
-                                                              positive, normaliser),
         }
+        # A head without a direction classifier (``use_dir: false``, OpenCOOD's) has no term.
+        if outputs.get("dir_preds") is not None:
+            terms["dir_loss"] = self.dir_weight * self.direction_term(
+                outputs["dir_preds"], targets, positive, normaliser)
         if "conf_preds" in outputs:
             # Every agent's confidence map is in the ego frame: supervise it with its sample's
             # labels, so it learns "an object the ego cares about is here".
@@ -156,11 +158,13 @@ class DetectionLoss(nn.Module):
         positives = positive.sum(dim=1, dtype=torch.float64)                      # (B,)
         normaliser = positives.clamp(min=1.0)
         cls_logits = flat_float(outputs["cls_preds"], 1)
-        total = (self.cls_weight * self.focal_map(cls_logits, labels).double().sum(dim=1)
-                 + self.reg_weight * self.regression_map(outputs["reg_preds"], targets, positive)
-                 .double().sum(dim=(1, 2))
-                 + self.dir_weight * self.direction_map(outputs["dir_preds"], targets, positive)
-                 .double().sum(dim=1)) / normaliser
+        summed = (self.cls_weight * self.focal_map(cls_logits, labels).double().sum(dim=1)
+                  + self.reg_weight * self.regression_map(outputs["reg_preds"], targets,
+                                                          positive).double().sum(dim=(1, 2)))
+        if outputs.get("dir_preds") is not None:
+            summed = summed + self.dir_weight * self.direction_map(
+                outputs["dir_preds"], targets, positive).double().sum(dim=1)
+        total = summed / normaliser
         if "conf_preds" in outputs:
             total = total + self.conf_weight * self.per_sample_confidence(outputs, labels,
                                                                           positives)

@@ -7,7 +7,8 @@ Input ``batch`` (tensors on the model's device):
   optional agent_types (N_agents,) int64 (0 vehicle, 1 infrastructure) and agent_latency
   (N_agents,) int64 (frames each agent's data is late), passed to fusion modules that ask for
   them (``FusionModule.extra_inputs``; V2X-ViT).
-Output dict: cls_preds (B, A, H, W), reg_preds (B, 7A, H, W), dir_preds (B, 2A, H, W),
+Output dict: cls_preds (B, A, H, W), reg_preds (B, 7A, H, W), dir_preds (B, 2A, H, W) (not with
+  ``use_dir: false``),
   comm_bytes (B,) float, and for where2comm conf_preds (N_agents, A, H, W) with
   conf_sample_index (N_agents,) (the sample each confidence map belongs to); intermediate
   fusion also fused_features (B, C, H, W), the map the head reads, and the fusion module's
@@ -40,6 +41,8 @@ class ShrinkHeaderArgs:
 
     dim: int = spec(check=positive)
     stride: int = spec(2, check=positive)
+    # of the first conv (padding kernel_size // 2); OpenCOOD's F-Cooper shrinks with a 1x1
+    kernel_size: Literal[1, 3] = 3
 
 
 @section
@@ -65,6 +68,8 @@ class PillarArgs:
     base_bev_backbone: BackboneArgs
     fusion: Optional[ModelFusion] = None
     shrink_header: Optional[ShrinkHeaderArgs] = None   # intermediate fusion only
+    # False: no direction classifier in the head (OpenCOOD's models; AnchorHead)
+    use_dir: bool = True
 
 
 @section
@@ -109,7 +114,8 @@ def build_pillar_parts(args: PillarArgs):
         raise ValueError(f"point_pillar_scatter.num_features ({scatter.num_features}) must equal "
                          f"the last pillar_vfe filter ({vfe.out_channels})")
     backbone = BaseBEVBackbone(args.base_bev_backbone, scatter.num_features)
-    head = AnchorHead(backbone.out_channels, num_anchors=args.anchor_number)
+    head = AnchorHead(backbone.out_channels, num_anchors=args.anchor_number,
+                      use_dir=args.use_dir)
     return vfe, scatter, backbone, head
 
 
@@ -170,8 +176,8 @@ class PointPillar(nn.Module):
 
 
 class ShrinkHeader(nn.Module):
-    """OpenCOOD's ``shrink_header`` (V2VNet, V2X-ViT, CoBEVT): two 3x3 convs with ReLU, the
-    first strided, narrowing the backbone output before fusion so attention over agents and
+    """OpenCOOD's ``shrink_header`` (V2VNet, V2X-ViT, CoBEVT): two 3x3 convs (the first 1x1
+    with ``kernel_size: 1``, as in its F-Cooper) with ReLU, the first strided, narrowing the backbone output before fusion so attention over agents and
     windows stays affordable: (N, C_in, H, W) -> (N, dim, ceil(H / stride), ceil(W / stride)).
     With stride 2 the head runs at feature stride 4 (``anchor_args.feature_stride: 4``)."""
 
@@ -179,7 +185,8 @@ class ShrinkHeader(nn.Module):
         super().__init__()
         self.out_channels = args.dim
         self.layers = nn.Sequential(
-            nn.Conv2d(in_channels, args.dim, 3, stride=args.stride, padding=1), nn.ReLU(),
+            nn.Conv2d(in_channels, args.dim, args.kernel_size, stride=args.stride,
+                      padding=args.kernel_size // 2), nn.ReLU(),
             nn.Conv2d(args.dim, args.dim, 3, padding=1), nn.ReLU())
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
@@ -221,7 +228,8 @@ class PointPillarIntermediate(nn.Module):
             shrink = ShrinkHeader(args.shrink_header, backbone.out_channels)
             # A second head, on the narrower map (the first one's draws from the RNG are kept:
             # initial weights stay what they were for a seed).
-            head = AnchorHead(shrink.out_channels, num_anchors=args.anchor_number)
+            head = AnchorHead(shrink.out_channels, num_anchors=args.anchor_number,
+                              use_dir=args.use_dir)
         fusion = build_fusion(args.fusion, shrink.out_channels if shrink is not None
                               else backbone.out_channels, head.num_anchors)
         self.vfe, self.scatter, self.backbone, self.head = vfe, scatter, backbone, head

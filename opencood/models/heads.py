@@ -19,14 +19,19 @@ class AnchorHead(nn.Module):
     """(B, C, H, W) -> cls (B, A, H, W), reg (B, 7A, H, W), dir (B, 2A, H, W), in the channel
     layout of :mod:`opencood.postprocess.layout` (reg channel ``a * 7 + k`` is code k of anchor
     a), which lines up with the postprocessor's anchors (H, W, A, 7).
+
+    ``use_dir=False``: no direction classifier (OpenCOOD's heads): no ``dir_preds``, so the
+    decoder keeps the regressed yaw as it is and the loss has no direction term.
     """
 
-    def __init__(self, in_channels: int, num_anchors: int = 2, cls_prior: float = 0.01):
+    def __init__(self, in_channels: int, num_anchors: int = 2, cls_prior: float = 0.01,
+                 use_dir: bool = True):
         super().__init__()
         self.num_anchors = num_anchors
         self.cls_conv = nn.Conv2d(in_channels, num_anchors, 1)
         self.reg_conv = nn.Conv2d(in_channels, BOX_CODE_SIZE * num_anchors, 1)
-        self.dir_conv = nn.Conv2d(in_channels, NUM_DIR_BINS * num_anchors, 1)
+        self.dir_conv = nn.Conv2d(in_channels, NUM_DIR_BINS * num_anchors, 1) if use_dir \
+            else None
         self.reset_cls_prior(cls_prior)
 
     @torch.no_grad()
@@ -35,5 +40,7 @@ class AnchorHead(nn.Module):
         self.cls_conv.bias.fill_(prior_bias(prior))
 
     def forward(self, features: torch.Tensor) -> dict:
-        return {"cls_preds": self.cls_conv(features), "reg_preds": self.reg_conv(features),
-                "dir_preds": self.dir_conv(features)}
+        outputs = {"cls_preds": self.cls_conv(features), "reg_preds": self.reg_conv(features)}
+        if self.dir_conv is not None:
+            outputs["dir_preds"] = self.dir_conv(features)
+        return outputs

@@ -1,7 +1,7 @@
 """Pillar feature net (PointPillars / OpenCOOD ``PillarVFE``): points of a pillar -> one vector."""
 from __future__ import annotations
 
-from typing import Sequence, Tuple
+from typing import Literal, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -68,11 +68,18 @@ class PillarLayer(nn.Module):
 
     Padded points are dropped before the linear layer (rather than zeroed after it, as OpenCOOD
     does) so they neither shift the BatchNorm statistics nor reach the max.
+
+    ``padded_slots="reference"``: OpenCOOD's (and OpenPCDet's) PFN layer instead, which weights
+    trained there expect: every point slot of a pillar, the padded ones holding zeros, goes
+    through linear + BatchNorm (statistics over all slots) + ReLU, so a padded slot's
+    relu(BN(0)) joins the max, and a non-last layer hands on its output without masking.
     """
 
-    def __init__(self, in_channels: int, out_channels: int, last_layer: bool):
+    def __init__(self, in_channels: int, out_channels: int, last_layer: bool,
+                 padded_slots: str = "ignore"):
         super().__init__()
         self.last_layer = last_layer
+        self.padded_slots = padded_slots
         # A non-last layer concatenates its per-point output with the pillar max (PointPillars),
         # so it computes half the channels to hand out_channels to the next layer.
         hidden = out_channels if last_layer else out_channels // 2
@@ -87,6 +94,8 @@ class PillarLayer(nn.Module):
         ``static_shapes``: every point slot goes through the linear layer and the BatchNorm
         statistics are masked (:func:`masked_batch_norm`), instead of selecting the real points
         (a data-dependent size): same result, fixed shapes."""
+        if self.padded_slots == "reference":
+            return self.forward_reference(point_features, point_mask, static_shapes)
         if static_shapes:
             encoded = self.linear(point_features)
             normed = masked_batch_norm(self.norm, encoded.flatten(0, 1), point_mask.flatten())
@@ -102,6 +111,26 @@ class PillarLayer(nn.Module):
         repeated_max = pillar_max.unsqueeze(1).expand_as(per_point)
         return torch.cat([per_point, repeated_max], dim=-1) * point_mask.unsqueeze(-1)
 
+    def forward_reference(self, point_features: torch.Tensor, point_mask: torch.Tensor,
+                          static_shapes: bool) -> torch.Tensor:
+        """OpenCOOD's PFN layer (class docstring); same shapes as ``forward``.
+
+        With ``static_shapes`` the pillars that only pad the batch (no point at all) stay out
+        of the BatchNorm statistics, which OpenCOOD (no such pillars) never sees; their
+        features are dropped by the scatter."""
+        encoded = self.linear(point_features)
+        rows = encoded.flatten(0, 1)
+        if static_shapes:
+            real_pillar = point_mask.any(dim=1, keepdim=True).expand_as(point_mask)
+            normed = masked_batch_norm(self.norm, rows, real_pillar.flatten())
+        else:
+            normed = self.norm(rows)
+        per_point = torch.relu(normed.view_as(encoded))
+        pillar_max = per_point.amax(dim=1)
+        if self.last_layer:
+            return pillar_max
+        return torch.cat([per_point, pillar_max.unsqueeze(1).expand_as(per_point)], dim=-1)
+
 
 @section
 class PillarVFEArgs:
@@ -110,6 +139,9 @@ class PillarVFEArgs:
     in_channels: int = spec(4, check=positive)      # x, y, z, intensity
     num_filters: Tuple[int, ...] = spec((64,), check=non_empty)
     with_distance: bool = False
+    # "ignore": padded point slots are left out (ours); "reference": OpenCOOD's PFN layers,
+    # where they take part (``PillarLayer``), for weights trained there
+    padded_slots: Literal["ignore", "reference"] = "ignore"
 
 
 class PillarVFE(nn.Module):
@@ -130,7 +162,8 @@ class PillarVFE(nn.Module):
         channels = args.in_channels + 6 + int(args.with_distance)
         layers = []
         for index, width in enumerate(args.num_filters):
-            layer = PillarLayer(channels, width, last_layer=index == len(args.num_filters) - 1)
+            layer = PillarLayer(channels, width, last_layer=index == len(args.num_filters) - 1,
+                                padded_slots=args.padded_slots)
             layers.append(layer)
             channels = layer.out_channels
         self.layers = nn.ModuleList(layers)

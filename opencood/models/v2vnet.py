@@ -6,7 +6,7 @@ lone agent still runs the same layers), a message computed by a CNN over [receiv
 sender state warped into the receiver's frame], masked to the cells the sender's map covers;
 the messages are averaged over senders and a ConvGRU updates the receiver's state from
 [mean message, initial state]. The ego's final state, through a per-cell linear layer, feeds the
-head.
+head. ``round_update: reference`` reproduces OpenCOOD's wiring instead (``V2VNetArgs``).
 
 Warping uses the pairwise transforms between the agents' feature frames (``affine_grid`` /
 ``grid_sample``). Our intermediate dataset projects every cloud into the ego frame before
@@ -24,7 +24,7 @@ K x C x H x W values (nothing when K = 0 or when the ego is alone).
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+from typing import Literal, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -106,6 +106,12 @@ class V2VNetArgs:
     cell_size: float = spec(0.8, check=positive)
     grid_center: Tuple[float, float] = (0.0, 0.0)
     bytes_per_value: int = spec(FP32_BYTES, check=positive)
+    # How a round updates a state. "gru_on_state": the ConvGRU reads [mean message, initial
+    # map] with the current state as its hidden state (the paper's recurrent update).
+    # "reference": OpenCOOD's wiring, which weights trained there expect: the GRU reads
+    # [current state, mean message] with a zero hidden state, its output the new state, and
+    # the mean message divides by every real sender (also those whose map misses the cell).
+    round_update: Literal["gru_on_state", "reference"] = "gru_on_state"
 
 
 @FUSIONS.register("v2vnet", args=V2VNetArgs)
@@ -122,6 +128,7 @@ class V2VNetFusion(FusionModule):
         if num_iteration < 0:
             raise ValueError(f"v2vnet num_iteration must be >= 0, got {num_iteration}")
         self.num_iteration = num_iteration
+        self.round_update = args.round_update
         self.cell_size = float(cell_size)
         self.grid_center = tuple(float(v) for v in grid_center)
         # Only the rounds use the message CNN and the GRU: built without rounds they would get no
@@ -149,6 +156,10 @@ class V2VNetFusion(FusionModule):
         messages = messages.view(batch, receivers, agents, channels, height, width)
         # A sender counts where it is a real agent and its map covers the receiver's cell.
         weight = (covered & is_real[:, None, :, None, None, None]).to(states.dtype)
+        if self.round_update == "reference":
+            # OpenCOOD: torch.mean over the sample's agents of the masked messages.
+            senders = is_real.sum(1).to(states.dtype).view(batch, 1, 1, 1, 1)
+            return (messages * weight).sum(2) / senders
         return (messages * weight).sum(2) / weight.sum(2).clamp(min=1.0)
 
     def mean_messages_in_one_frame(self, states: torch.Tensor, is_real: torch.Tensor,
@@ -179,6 +190,11 @@ class V2VNetFusion(FusionModule):
         batch, _, channels, height, width = states.shape
         mean_message = self.mean_messages(states, is_real, theta, receivers)
         flat = (batch * receivers, channels, height, width)
+        if self.round_update == "reference":
+            gru_input = torch.cat([states[:, :receivers].reshape(flat),
+                                   mean_message.reshape(flat)], dim=1)
+            new_states = self.gru(gru_input, states.new_zeros(flat))
+            return new_states.view(batch, receivers, channels, height, width)
         gru_input = torch.cat([mean_message.reshape(flat),
                                initial[:, :receivers].reshape(flat)], dim=1)
         hidden = states[:, :receivers].reshape(flat)

@@ -57,7 +57,7 @@ def anchors_from_config(anchor_args: dict, preprocess: dict, order: str,
         feature_stride=anchor_args["feature_stride"],
         anchor_hwl=tuple(anchor_args[key] for key in "hwl"),
         anchor_z=anchor_args["z"], yaws=tuple(math.radians(y) for y in anchor_args["r"]),
-        order=order, device=device)
+        order=order, device=device, placement=anchor_args["placement"])
 
 
 @POSTPROCESSORS.register("VoxelPostprocessor")

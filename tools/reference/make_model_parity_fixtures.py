@@ -54,6 +54,21 @@ the checkout with PYTHONPATH unset; the script refuses to run when ``opencood`` 
     cd /tmp && env -u PYTHONPATH /work/refenv/bin/python \\
         /path/to/checkout/tools/reference/make_model_parity_fixtures.py fullsize --out /tmp/peer
 
+Step ``decoded`` writes ``<model>.decoded.pt`` beside each fixture: OpenCOOD's anchors and
+box decoding applied to the fixture's head outputs (``make_decoded``), for the decoding parity
+test.
+
+Step ``export-check`` takes folders written by our ``tools/export_checkpoint.py --to opencood``
+and, for each, reads its ``config.yaml`` with OpenCOOD's ``load_yaml`` (its yaml_parser
+included), builds the model with OpenCOOD's ``create_model`` and loads the newest
+``net_epoch<N>.pth`` with ``load_state_dict(strict=True)``; with ``--fixtures`` it also runs the
+fixture's inputs through it and compares the heads with the fixture's outputs (exact weights
+round trip: equal bits expected). One line per folder; exit status 1 if any fails::
+
+    cd /tmp && env -u PYTHONPATH /work/refenv/bin/python \
+        /path/to/checkout/tools/reference/make_model_parity_fixtures.py export-check \
+        /tmp/exported/point_pillar ... [--fixtures /path/to/checkout/tests/fixtures/parity]
+
 Deterministic: rerunning it rewrites identical tensors.
 """
 from __future__ import annotations
@@ -312,6 +327,88 @@ def make_fullsize_run(reference_root: Path, out: Path, epoch: int) -> None:
     print(f"{out}: config.yaml, net_epoch{epoch}.pth ({len(model.state_dict())} tensors)")
 
 
+DECODED_PER_SAMPLE = 64      # best-scored anchors kept per sample in <model>.decoded.pt
+
+
+def make_decoded(out: Path, core_method: str) -> None:
+    """``<model>.decoded.pt``: OpenCOOD's anchors and decoding (its VoxelPostprocessor's
+    ``generate_anchor_box`` and ``delta_to_boxes3d``, sigmoid scores) applied to the fixture's
+    head outputs: per sample the ``DECODED_PER_SAMPLE`` best-scored anchors (flat index in
+    (H, W, A) order), their boxes [x, y, z, h, w, l, yaw] and scores. Pins anchor placement
+    (stride 4 for V2VNet) and the decoding without a direction classifier."""
+    import torch
+    from opencood.data_utils.post_processor import build_postprocessor
+    from opencood.hypes_yaml.yaml_utils import load_yaml
+
+    hypes = load_yaml(str(out / f"{core_method}.config.yaml"))     # OpenCOOD's own reader
+    postprocessor = build_postprocessor(hypes["postprocess"], train=False)
+    anchors = torch.from_numpy(postprocessor.generate_anchor_box())
+    fixture = torch.load(out / f"{core_method}.pt", weights_only=True)
+    psm, rm = fixture["outputs"]["psm"], fixture["outputs"]["rm"]
+    samples = []
+    for b in range(psm.shape[0]):
+        boxes = postprocessor.delta_to_boxes3d(rm[b:b + 1], anchors)[0]
+        scores = torch.sigmoid(psm[b:b + 1].permute(0, 2, 3, 1)).reshape(-1)
+        top = torch.topk(scores, DECODED_PER_SAMPLE).indices
+        samples.append({"index": top, "boxes": boxes[top].contiguous(),
+                        "scores": scores[top].contiguous()})
+    torch.save({"format": 1, "core_method": core_method, "per_sample": samples},
+               out / f"{core_method}.decoded.pt")
+    print(f"{core_method}: decoded {len(samples)} samples, anchors {tuple(anchors.shape)}")
+
+
+def newest_epoch_file(folder: Path) -> Path:
+    import re
+    epochs = sorted((int(m.group(1)), p) for p in folder.glob("net_epoch*.pth")
+                    if (m := re.fullmatch(r"net_epoch(\d+)\.pth", p.name)))
+    if not epochs:
+        raise ValueError(f"{folder}: no net_epoch<N>.pth")
+    return epochs[-1][1]
+
+
+def export_check_one(folder: Path, fixtures: Path | None) -> str:
+    """Build OpenCOOD's model from an exported folder and load its checkpoint strictly; a
+    one-line report (raises on failure)."""
+    import torch
+    from opencood.hypes_yaml.yaml_utils import load_yaml
+    from opencood.tools import train_utils
+
+    hypes = load_yaml(str(folder / "config.yaml"))
+    model = train_utils.create_model(hypes)
+    path = newest_epoch_file(folder)
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    model.load_state_dict(state, strict=True)
+    core_method = hypes["model"]["core_method"]
+    report = f"{core_method}: create_model + load_state_dict(strict=True) OK ({len(state)} " \
+             f"tensors, {path.name})"
+    fixture_path = fixtures / f"{core_method}.pt" if fixtures else None
+    if fixture_path is not None and fixture_path.is_file():
+        fixture = torch.load(fixture_path, weights_only=True)
+        inputs = fixture["inputs"]
+        data = {"processed_lidar": {key: inputs[key] for key in
+                                    ("voxel_features", "voxel_coords", "voxel_num_points")},
+                "record_len": inputs["record_len"],
+                "pairwise_t_matrix": inputs["pairwise_t_matrix"]}
+        with torch.no_grad():
+            outputs = model.eval()(data)
+        diffs = {name: float((outputs[name] - fixture["outputs"][name]).abs().max())
+                 for name in ("psm", "rm")}
+        report += f"; heads vs fixture max |diff| {diffs}"
+    return report
+
+
+def export_check(folders, fixtures: Path | None) -> int:
+    failures = 0
+    for folder in folders:
+        try:
+            print(f"{folder}: {export_check_one(Path(folder), fixtures)}")
+        except Exception as error:          # one line per folder, every folder checked
+            failures += 1
+            print(f"{folder}: FAILED {type(error).__name__}: "
+                  f"{str(error).splitlines()[0] if str(error) else ''}")
+    return 1 if failures else 0
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="step", required=True)
@@ -321,8 +418,20 @@ def main(argv=None) -> None:
     fullsize = sub.add_parser("fullsize", help="an OpenCOOD run folder of full-width AttFuse")
     fullsize.add_argument("--out", type=Path, required=True)
     fullsize.add_argument("--epoch", type=int, default=15)
+    decoded = sub.add_parser("decoded", help="tests/fixtures/parity/<model>.decoded.pt")
+    decoded.add_argument("--out", type=Path, default=REPO_ROOT / "tests" / "fixtures" / "parity")
+    decoded.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
+    check = sub.add_parser("export-check", help="OpenCOOD loads our exports strictly")
+    check.add_argument("folders", nargs="+", type=Path)
+    check.add_argument("--fixtures", type=Path, help="also run the fixtures' inputs")
     args = parser.parse_args(argv)
     reference_root, version = import_reference()
+    if args.step == "export-check":
+        raise SystemExit(export_check(args.folders, args.fixtures))
+    if args.step == "decoded":
+        for core_method in args.models:
+            make_decoded(args.out, core_method)
+        return
     if args.step == "fixtures":
         for core_method in args.models:
             make_fixture(reference_root, version, core_method, args.out)

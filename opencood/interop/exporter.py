@@ -1,0 +1,309 @@
+"""One of our run folders -> a folder OpenCOOD's own code loads (issue 24): the inverse of
+``importer``.
+
+Only a model whose architecture exists in OpenCOOD (opencoodx 0.1.19) and that runs with the
+reference options on is exported; anything else is refused in one line naming the setting:
+
+our model                                            OpenCOOD model.core_method
+point_pillar (no / early / late fusion)              point_pillar
+point_pillar_intermediate + attfuse (multiscale)     point_pillar_intermediate
+point_pillar_intermediate + fcooper (backbone)       point_pillar_fcooper
+point_pillar_intermediate + v2vnet (backbone)        point_pillar_v2vnet
+
+Reference options required: ``pillar_vfe.padded_slots: reference``, ``use_dir: false``,
+``postprocess.anchor_args.placement: reference``, V2VNet ``round_update: reference``; and the
+widths OpenCOOD hard-codes (64 pillar features; heads on 384 channels, or 256 after the
+shrink header), box order hwl, anchors at z = -1.
+
+Written: ``config.yaml``, OpenCOOD's hypes in the form of its ``hypes_yaml`` files (plain yaml,
+``yaml_parser: load_point_pillar_params``, which derives grid and anchor sizes when its
+``load_yaml`` reads it), and ``net_epoch<N>.pth`` (N: the checkpoint's epoch), a bare state
+dict with OpenCOOD's keys (``opencood_ckpt``, strict). Training-only settings are carried where
+OpenCOOD has them (batch size, epochs, loss weights, optimiser, multistep schedule; any other
+schedule becomes a constant one). As on import: everything is checked before anything is
+written, into a hidden folder renamed into place at the end.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Optional, Tuple
+
+import torch
+import yaml
+
+from opencood.config import load_config
+from opencood.interop.opencood_ckpt import LINEAR_AS_CONV, RULES, InteropError, ours_to_opencood
+from opencood.interop.importer import our_state_shapes
+from opencood.interop.opencood_config import DATASETS, OPENCOOD_ANCHOR_Z
+from opencood.utils.checkpoint import load_checkpoint
+
+# Our fusion module -> (OpenCOOD model, the stage it fuses at, whether it shrinks to 256
+# channels before its heads: they are on 384 channels otherwise)
+INTERMEDIATE = {"attfuse": ("point_pillar_intermediate", "multiscale", False),
+                "fcooper": ("point_pillar_fcooper", "backbone", True),
+                "v2vnet": ("point_pillar_v2vnet", "backbone", True)}
+SINGLE_AGENT_HEAD = 384            # OpenCOOD's PointPillar: cls/reg heads on 128 * 3 channels
+SHRUNK_HEAD = 256                  # its F-Cooper and V2VNet: heads on 128 * 2 channels
+PILLAR_FEATURES = 64               # its backbones are built on 64 scattered channels
+# Our strategy -> OpenCOOD's dataset; no fusion runs the single-agent network, as late fusion
+# does for every agent (OpenCOOD 0.1.19 has no separate no-fusion dataset).
+STRATEGY_DATASET = {**{ours: theirs for theirs, ours in DATASETS.items()},
+                    "no": "LateFusionDataset"}
+
+
+class _Ours:
+    """Our resolved config with one-line refusals naming the key."""
+
+    def __init__(self, cfg: dict, source: str):
+        self.cfg, self.source = cfg, source
+
+    def get(self, dotted: str):
+        node = self.cfg
+        for key in dotted.split("."):
+            node = node.get(key) if isinstance(node, dict) else None
+        return node
+
+    def require(self, dotted: str, expected, why: str) -> None:
+        value = self.get(dotted)
+        if value != expected:
+            raise InteropError(f"{self.source}: {dotted} is {value!r}; OpenCOOD needs "
+                               f"{expected!r} ({why})")
+
+
+def opencood_model(ours: _Ours) -> Tuple[str, Optional[dict]]:
+    """(OpenCOOD core_method, our model.args.fusion or None), refusing what has no
+    counterpart."""
+    model = ours.get("model.core_method")
+    fusion = ours.get("model.args.fusion")
+    if model == "point_pillar":
+        return "point_pillar", None
+    if model != "point_pillar_intermediate" or not fusion:
+        raise InteropError(f"{ours.source}: model.core_method {model!r} has no OpenCOOD "
+                           "counterpart (point_pillar, point_pillar_intermediate)")
+    name = fusion["core_method"]
+    if name not in INTERMEDIATE:
+        raise InteropError(f"{ours.source}: model.args.fusion.core_method {name!r} has no "
+                           f"OpenCOOD 0.1.19 counterpart (exported: {', '.join(INTERMEDIATE)})")
+    core_method, stage, _ = INTERMEDIATE[name]
+    ours.require("model.args.fusion.stage", stage, f"where its {core_method} fuses")
+    return core_method, fusion
+
+
+def check_reference_options(ours: _Ours, core_method: str) -> None:
+    """The options that make our modules compute what OpenCOOD's do (module docstring)."""
+    why = "the reference option; see hypes_yaml/opv2v/reference/"
+    ours.require("model.args.pillar_vfe.padded_slots", "reference", why)
+    ours.require("model.args.use_dir", False, "OpenCOOD's heads have no direction classifier")
+    ours.require("postprocess.anchor_args.placement", "reference", why)
+    ours.require("postprocess.order", "hwl", "its target assignment supports hwl only")
+    ours.require("postprocess.anchor_args.z", OPENCOOD_ANCHOR_Z, "its anchors sit at z = -1")
+    ours.require("model.args.point_pillar_scatter.num_features", PILLAR_FEATURES,
+                 "its backbone input is hard-coded")
+    if core_method == "point_pillar_v2vnet":
+        ours.require("model.args.fusion.args.round_update", "reference", why)
+
+
+def check_head_width(ours: _Ours, core_method: str, fusion: Optional[dict]) -> None:
+    if fusion is None or not INTERMEDIATE[fusion["core_method"]][2]:
+        upsample = ours.get("model.args.base_bev_backbone.num_upsample_filter")
+        if sum(upsample) != SINGLE_AGENT_HEAD or ours.get("model.args.shrink_header"):
+            raise InteropError(f"{ours.source}: model.args.base_bev_backbone."
+                               f"num_upsample_filter {list(upsample)} and no shrink_header: "
+                               f"OpenCOOD's {core_method} has its heads on 384 channels")
+        return
+    shrink = ours.get("model.args.shrink_header")
+    if not shrink or shrink["dim"] != SHRUNK_HEAD:
+        raise InteropError(f"{ours.source}: model.args.shrink_header {shrink!r}: OpenCOOD's "
+                           f"{core_method} shrinks to {SHRUNK_HEAD} channels before its heads")
+
+
+def peer_config(cfg: dict, source: str) -> Tuple[str, dict]:
+    """(OpenCOOD core_method, its hypes) for our resolved ``cfg``; raises InteropError."""
+    ours = _Ours(cfg, source)
+    core_method, fusion = opencood_model(ours)
+    check_reference_options(ours, core_method)
+    check_head_width(ours, core_method, fusion)
+    strategy = ours.get("fusion.core_method")
+    if (strategy == "intermediate") != (fusion is not None) or strategy not in STRATEGY_DATASET:
+        raise InteropError(f"{source}: fusion.core_method {strategy!r} does not go with "
+                           f"OpenCOOD's {core_method}")
+    lidar_range = [float(v) for v in cfg["preprocess"]["cav_lidar_range"]]
+    hypes = {
+        "name": str(cfg.get("name") or "opencood_export"),
+        "root_dir": cfg.get("root_dir") or "", "validate_dir": cfg.get("validate_dir") or "",
+        "yaml_parser": "load_point_pillar_params",
+        "train_params": peer_train_params(cfg),
+        "fusion": {"core_method": STRATEGY_DATASET[strategy],
+                   "args": {"proj_first": True} if fusion is not None else []},
+        "preprocess": peer_preprocess(cfg, lidar_range),
+        "data_augment": [dict(entry) for entry in cfg.get("data_augment") or []],
+        "postprocess": peer_postprocess(cfg, lidar_range),
+        "model": {"core_method": core_method,
+                  "args": peer_model_args(cfg, lidar_range, fusion)},
+        "loss": {"core_method": "point_pillar_loss",
+                 "args": {"cls_weight": float(cfg["loss"]["args"]["cls_weight"]),
+                          "reg": float(cfg["loss"]["args"]["reg_weight"])}},
+        "optimizer": {"core_method": cfg["optimizer"]["core_method"],
+                      "lr": float(cfg["optimizer"]["lr"]),
+                      "args": dict(cfg["optimizer"]["args"])},
+        "lr_scheduler": peer_lr_scheduler(cfg["lr_scheduler"]),
+    }
+    return core_method, hypes
+
+
+def peer_train_params(cfg: dict) -> dict:
+    params = cfg["train_params"]
+    return {key: int(params[key]) for key in ("batch_size", "epoches", "eval_freq",
+                                                 "save_freq", "max_cav")}
+
+
+def peer_preprocess(cfg: dict, lidar_range: list) -> dict:
+    args = cfg["preprocess"]["args"]
+    out = {"voxel_size": [float(v) for v in args["voxel_size"]],
+           "max_points_per_voxel": int(args["max_points_per_voxel"])}
+    for key in ("max_voxel_train", "max_voxel_test"):
+        if args.get(key) is not None:
+            out[key] = int(args[key])
+    return {"core_method": "SpVoxelPreprocessor", "args": out, "cav_lidar_range": lidar_range}
+
+
+def peer_postprocess(cfg: dict, lidar_range: list) -> dict:
+    post = cfg["postprocess"]
+    anchors = post["anchor_args"]
+    rotations = [float(r) for r in anchors["r"]]
+    return {"core_method": "VoxelPostprocessor",
+            "anchor_args": {"cav_lidar_range": lidar_range, "l": float(anchors["l"]),
+                            "w": float(anchors["w"]), "h": float(anchors["h"]),
+                            "r": rotations, "feature_stride": int(anchors["feature_stride"]),
+                            "num": len(rotations)},
+            "target_args": {key: float(post["target_args"][key]) for key in
+                            ("pos_threshold", "neg_threshold", "score_threshold")},
+            "order": "hwl", "max_num": int(post["max_num"]),
+            "nms_thresh": float(post["nms_thresh"])}
+
+
+def peer_model_args(cfg: dict, lidar_range: list, fusion: Optional[dict]) -> dict:
+    args = cfg["model"]["args"]
+    anchor_number = int(args["anchor_number"])
+    backbone = {key: [int(v) for v in args["base_bev_backbone"][key]]
+                for key in ("layer_nums", "layer_strides", "num_filters", "upsample_strides",
+                            "num_upsample_filter")}
+    out = {"voxel_size": [float(v) for v in args["voxel_size"]], "lidar_range": lidar_range,
+           "anchor_number": anchor_number, "anchor_num": anchor_number,
+           "max_cav": int(cfg["train_params"]["max_cav"]), "compression": 0,
+           "backbone_fix": False,
+           "pillar_vfe": {"use_norm": True, "with_distance": bool(
+               args["pillar_vfe"]["with_distance"]), "use_absolute_xyz": True,
+               "num_filters": [int(v) for v in args["pillar_vfe"]["num_filters"]]},
+           "point_pillar_scatter": {"num_features": int(
+               args["point_pillar_scatter"]["num_features"])},
+           "base_bev_backbone": {**backbone, "compression": 0}}
+    if fusion is None:
+        return out
+    shrink = args.get("shrink_header")
+    if shrink:
+        kernel = int(shrink["kernel_size"])
+        out["shrink_header"] = {"kernal_size": [kernel], "stride": [int(shrink["stride"])],
+                                "padding": [kernel // 2], "dim": [int(shrink["dim"])],
+                                "input_dim": sum(backbone["num_upsample_filter"])}
+    if fusion["core_method"] == "v2vnet":
+        out["v2vfusion"] = peer_v2vnet(cfg, fusion["args"], int(args["shrink_header"]["dim"]))
+    return out
+
+
+def peer_v2vnet(cfg: dict, fusion_args: dict, channels: int) -> dict:
+    """OpenCOOD's v2vfusion: its warp grid is voxel x downsample_rate per feature cell."""
+    voxel_size = [float(v) for v in cfg["preprocess"]["args"]["voxel_size"]]
+    stride = int(cfg["postprocess"]["anchor_args"]["feature_stride"])
+    cell = voxel_size[0] * stride
+    if abs(cell - float(fusion_args["cell_size"])) > 1e-6:
+        raise InteropError(f"model.args.fusion.args.cell_size {fusion_args['cell_size']} is "
+                           f"not voxel x feature_stride ({cell:g}), which OpenCOOD derives")
+    nx = round((cfg["preprocess"]["cav_lidar_range"][3] -
+                cfg["preprocess"]["cav_lidar_range"][0]) / voxel_size[0])
+    ny = round((cfg["preprocess"]["cav_lidar_range"][4] -
+                cfg["preprocess"]["cav_lidar_range"][1]) / voxel_size[1])
+    kernel = int(fusion_args["kernel_size"])
+    return {"voxel_size": voxel_size, "downsample_rate": stride,
+            "num_iteration": int(fusion_args["num_iteration"]), "in_channels": channels,
+            "gru_flag": True, "agg_operator": "avg",
+            "conv_gru": {"H": ny // stride, "W": nx // stride, "num_layers": 1,
+                         "kernel_size": [[kernel, kernel]]}}
+
+
+def peer_lr_scheduler(schedule: dict) -> dict:
+    """Multistep as it is; any other schedule as a constant one (MultiStepLR, no milestone)."""
+    if schedule["core_method"] == "multistep":
+        return {"core_method": "multistep", "gamma": float(schedule["gamma"]),
+                "step_size": [int(v) for v in schedule["step_size"]]}
+    return {"core_method": "multistep", "gamma": 0.1, "step_size": []}
+
+
+def peer_shapes(our_shapes: dict, core_method: str) -> dict:
+    """OpenCOOD's state-dict shapes, from those of our model built from the config (not from
+    the checkpoint, so a tensor missing there is reported): every tensor our rules place, in
+    our shape except where a rule changes the layout (the shrink kernel keeps its size: the
+    exported yaml states it). A tensor no rule places is reported by the strict translation."""
+    shapes = {}
+    for key, our_shape in our_shapes.items():
+        for rule in RULES[core_method]:
+            peer_key = rule.ours_to_peer(key)
+            if peer_key is None:
+                continue
+            shape = tuple(our_shape)
+            if rule.transform is LINEAR_AS_CONV:
+                shape = shape[:2]
+            shapes[peer_key] = shape
+            break
+    return shapes
+
+
+def translate_our_run(run_dir, checkpoint: Optional[str] = None) -> Tuple[dict, dict, int]:
+    """(OpenCOOD hypes, OpenCOOD state dict, epoch) for our run folder; writes nothing."""
+    run_dir = Path(run_dir)
+    config_path = run_dir / "config.yaml"
+    if not config_path.is_file():
+        raise InteropError(f"{run_dir}: no config.yaml (give one of our run folders)")
+    cfg = load_config(config_path)
+    core_method, hypes = peer_config(cfg, str(config_path))
+    path = Path(checkpoint) if checkpoint else pick_our_checkpoint(run_dir)
+    saved = load_checkpoint(path)
+    if "model" not in saved:
+        raise InteropError(f"{path}: not a training checkpoint (no 'model' entry)")
+    shapes = peer_shapes(our_state_shapes(cfg["model"]), core_method)
+    state = ours_to_opencood(saved["model"], core_method, shapes, source=str(path))
+    return hypes, state, max(int(saved.get("epoch", 0)), 0)
+
+
+def pick_our_checkpoint(run_dir: Path) -> Path:
+    """As ``tools/eval.py`` picks it: best.pth, else last.pth."""
+    for name in ("best.pth", "last.pth"):
+        if (run_dir / name).is_file():
+            return run_dir / name
+    raise InteropError(f"{run_dir}: no best.pth or last.pth (give --checkpoint FILE)")
+
+
+def export_opencood_run(run_dir, out_dir, checkpoint: Optional[str] = None) -> Path:
+    """Translate our ``run_dir`` and write OpenCOOD's run folder ``out_dir`` (must not exist)."""
+    out_dir = Path(out_dir)
+    if out_dir.exists():
+        raise InteropError(f"{out_dir}: already exists; give a new folder for the export")
+    hypes, state, epoch = translate_our_run(run_dir, checkpoint)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = out_dir.with_name(f".{out_dir.name}.export-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        staging.mkdir()
+        (staging / "config.yaml").write_text(yaml.safe_dump(hypes, sort_keys=False))
+        torch.save(state, staging / f"net_epoch{epoch}.pth")      # bare, as its train.py saves
+        try:
+            os.rename(staging, out_dir)
+        except OSError as error:
+            raise InteropError(f"{out_dir}: cannot create the folder "
+                               f"({error.strerror or error})") from None
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return out_dir

@@ -1,0 +1,46 @@
+#!/usr/bin/env python
+"""Export one of our runs as another codebase's run folder (issue 24)::
+
+    python tools/export_checkpoint.py --to opencood --model_dir RUN --out DIR [--checkpoint FILE]
+
+Writes ``DIR/config.yaml`` (OpenCOOD's hypes, read by its ``load_yaml``) and
+``DIR/net_epoch<N>.pth`` (a bare state dict with OpenCOOD's keys), which OpenCOOD's
+``create_model`` builds and ``load_state_dict(strict=True)`` accepts. Only models whose
+architecture exists there, run with the reference options (``hypes_yaml/opv2v/reference/``, or
+any run made by ``tools/import_checkpoint.py``), are exported; others are refused in one line.
+Nothing is written unless the whole export succeeds; see ``opencood/interop/exporter.py``.
+"""
+from __future__ import annotations
+
+import argparse
+
+from opencood.errors import run_cli
+from opencood.interop.exporter import export_opencood_run
+
+CODEBASES = ("opencood",)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="Export our run as another codebase's.")
+    parser.add_argument("--to", dest="codebase", required=True, choices=CODEBASES,
+                        help="the codebase to write for")
+    parser.add_argument("--model_dir", required=True, help="our run folder")
+    parser.add_argument("--out", required=True, help="the folder to create (must not exist)")
+    parser.add_argument("--checkpoint", help="checkpoint file (default RUN/best.pth, else "
+                                             "last.pth, as tools/eval.py picks)")
+    return parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace):
+    out = export_opencood_run(args.model_dir, args.out, args.checkpoint)
+    print(f"exported {args.model_dir} -> {out} ({args.codebase}: config.yaml, "
+          f"{', '.join(sorted(p.name for p in out.glob('*.pth')))})")
+    return out
+
+
+def main(argv=None):
+    return run_cli(lambda argv: run(parse_args(argv)), argv)
+
+
+if __name__ == "__main__":
+    main()
