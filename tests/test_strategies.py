@@ -27,7 +27,7 @@ class Fusing(torch.nn.Module):
 
 
 def test_the_four_strategies_and_their_datasets():
-    assert strategy_names() == ["early", "intermediate", "late", "no"]
+    assert strategy_names() == ["early", "intermediate", "late", "late_box_align", "no"]
     for name in strategy_names():
         assert get_strategy(name).dataset_name in DATASETS
     assert get_strategy("late").loss_dataset_args() == {"per_cav": True}

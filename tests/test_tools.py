@@ -30,7 +30,8 @@ BENCH_FIGURES = {"pillarise", "targets", "profile", "train_step_model_only",
                  "train_step_no_pillarise", "peak_gpu_memory", "ema_update",
                  "eval_postprocess_per_frame", "eval_inference_per_frame", "dataloader",
                  "dataloader_by_fusion", "train_step_end_to_end", "bev_iou", "ap",
-                 "visibility_count", "pcd", "host_syncs_per_step", "loader_cpu_ms"}
+                 "visibility_count", "pcd", "host_syncs_per_step", "pose_graph_solve_ms",
+                 "loader_cpu_ms"}
 DATA_FIGURES = {"dataloader", "dataloader_by_fusion", "train_step_end_to_end", "loader_cpu_ms"}
 # Figures timing ours against a reference on the same input.
 RATIO_FIGURES = {"pillarise", "targets", "bev_iou", "ap", "visibility_count"}
@@ -175,7 +176,7 @@ def check_figure(record: dict) -> None:
         assert record["reference_ms"] > 0, record
         assert record["speedup"] == pytest.approx(record["reference_ms"] / record["ms"],
                                                   rel=0.05, abs=0.1), record
-    if record["figure"] in ("bev_iou", "ap", "visibility_count"):
+    if record["figure"] in ("bev_iou", "ap", "visibility_count", "pose_graph_solve_ms"):
         return
     for key in ("batch_per_gpu", "agents", "amp", "grid"):
         assert key in record, (key, record)
@@ -224,8 +225,9 @@ def test_bench_quick_cpu_prints_only_json_lines(tmp_path):
     assert step["static_pillars"] == 0 and not step["sync_free_step"] and not step["compile"]
     syncs = by_name["host_syncs_per_step"]
     assert syncs["syncs"] == sum(syncs["by_kind"].values()) and syncs["by_kind"]["unique"] >= 1
-    every = f"bench plan: {len(BENCH_FIGURES)} of {len(BENCH_FIGURES)}"
-    plan = [line for line in result.stderr.splitlines() if every in line]
+    count = len(BENCH_FIGURES)
+    plan = [line for line in result.stderr.splitlines()
+            if f"bench plan: {count} of {count}" in line]
     assert len(plan) == 1 and "preset quick" in plan[0], result.stderr
     assert result.stderr.index("bench plan:") < result.stderr.index("measuring")   # said first
 
@@ -306,7 +308,7 @@ def test_bench_with_a_data_folder(tmp_path, monkeypatch, capsys):
     assert loader["samples_per_s"] > 0 and loader["num_workers"] == 0
     assert loader["dataset_samples"] == 4 and loader["agents"] == 3
     by_fusion = by_name["dataloader_by_fusion"]["samples_per_s"]
-    assert set(by_fusion) == {"no", "early", "late", "intermediate"}
+    assert set(by_fusion) == {"no", "early", "late", "late_box_align", "intermediate"}
     assert all(rate > 0 for rate in by_fusion.values())
     cpu = by_name["loader_cpu_ms"]             # issue 28: per strategy, ours vs the old path
     assert set(cpu["ms"]) == set(cpu["reference_ms"]) == {"no", "early", "late", "intermediate"}

@@ -21,6 +21,7 @@ from torch import nn
 from torchvision.ops import sigmoid_focal_loss
 
 from opencood.config_schema import section
+from opencood.losses.uncertainty import UncertaintyLossArgs, uncertainty_loss_map
 from opencood.postprocess.layout import (BOX_CODE_SIZE, DIR_OFFSET, NUM_DIR_BINS, YAW_CODE,
                                          flatten_anchor_maps)
 from opencood.registry import LOSSES
@@ -57,6 +58,8 @@ class PointPillarLossArgs:
     code_weights: Optional[Tuple[float, ...]] = None    # None: every box code weighs 1
     # Read by the postprocessor's box coder, kept here where OpenCOOD's configs have it.
     dir_offset: float = DIR_OFFSET                   # direction-bin offset, radians
+    # CoAlign's loss of the head's log variances (model.args.uncertainty_dim); None: off.
+    uncertainty: Optional[UncertaintyLossArgs] = None
 
 
 @LOSSES.register("point_pillar_loss", args=PointPillarLossArgs)
@@ -84,6 +87,7 @@ class DetectionLoss(nn.Module):
             raise ValueError(f"code_weights needs {BOX_CODE_SIZE} entries, got {code_weights}")
         self.register_buffer("code_weights", torch.tensor(code_weights, dtype=torch.float32),
                              persistent=False)
+        self.uncertainty = args.uncertainty
 
     def focal_map(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """(B, N) logits and labels -> (B, N) focal loss, 0 at ignored anchors."""
@@ -123,6 +127,19 @@ class DetectionLoss(nn.Module):
     def direction_term(self, dir_preds, targets, positive, normaliser) -> torch.Tensor:
         return self.direction_map(dir_preds, targets, positive).sum() / normaliser
 
+    def uncertainty_map(self, outputs, targets, positive) -> torch.Tensor:
+        """(B, N) CoAlign's weighted uncertainty loss per anchor (``weight`` applied), 0 off the
+        positives; needs the head's ``unc_preds`` (B, dim * A, H, W)."""
+        if "unc_preds" not in outputs:
+            raise ValueError("loss.args.uncertainty needs a head with log variances: set "
+                             "model.args.uncertainty_dim")
+        log_var = flat_float(outputs["unc_preds"], self.uncertainty.dim)
+        per_anchor = uncertainty_loss_map(flat_float(outputs["reg_preds"], BOX_CODE_SIZE),
+                                          targets["reg_targets"].float(), log_var,
+                                          self.uncertainty).sum(dim=-1)
+        weights = targets.get("reg_weights", positive).to(per_anchor.dtype) * positive
+        return self.uncertainty.weight * per_anchor * weights
+
     def forward(self, outputs: dict, targets: dict):
         labels = targets["labels"]
         positive = (labels == 1).to(torch.float32)
@@ -143,6 +160,8 @@ class DetectionLoss(nn.Module):
             agent_labels = labels[outputs["conf_sample_index"]]
             conf_logits = flat_float(outputs["conf_preds"], 1)
             terms["conf_loss"] = self.conf_weight * self.focal_term(conf_logits, agent_labels)
+        if self.uncertainty is not None:
+            terms["unc_loss"] = self.uncertainty_map(outputs, targets, positive).sum() / normaliser
         total = sum(terms.values())
         terms = {name: value.detach() for name, value in terms.items()}
         terms["total_loss"] = total.detach()
@@ -165,6 +184,9 @@ class DetectionLoss(nn.Module):
             summed = summed + self.dir_weight * self.direction_map(
                 outputs["dir_preds"], targets, positive).double().sum(dim=1)
         total = summed / normaliser
+        if self.uncertainty is not None:
+            total = total + self.uncertainty_map(outputs, targets, positive).double().sum(
+                dim=1) / normaliser
         if "conf_preds" in outputs:
             total = total + self.conf_weight * self.per_sample_confidence(outputs, labels,
                                                                           positives)

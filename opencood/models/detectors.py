@@ -70,6 +70,7 @@ class PillarArgs:
     shrink_header: Optional[ShrinkHeaderArgs] = None   # intermediate fusion only
     # False: no direction classifier in the head (OpenCOOD's models; AnchorHead)
     use_dir: bool = True
+    uncertainty_dim: Literal[0, 2, 3] = 0   # CoAlign's head: log variances of x, y (, yaw)
 
 
 @section
@@ -115,7 +116,7 @@ def build_pillar_parts(args: PillarArgs):
                          f"the last pillar_vfe filter ({vfe.out_channels})")
     backbone = BaseBEVBackbone(args.base_bev_backbone, scatter.num_features)
     head = AnchorHead(backbone.out_channels, num_anchors=args.anchor_number,
-                      use_dir=args.use_dir)
+                      use_dir=args.use_dir, uncertainty_dim=args.uncertainty_dim)
     return vfe, scatter, backbone, head
 
 
@@ -229,7 +230,7 @@ class PointPillarIntermediate(nn.Module):
             # A second head, on the narrower map (the first one's draws from the RNG are kept:
             # initial weights stay what they were for a seed).
             head = AnchorHead(shrink.out_channels, num_anchors=args.anchor_number,
-                              use_dir=args.use_dir)
+                              use_dir=args.use_dir, uncertainty_dim=args.uncertainty_dim)
         fusion = build_fusion(args.fusion, shrink.out_channels if shrink is not None
                               else backbone.out_channels, head.num_anchors)
         self.vfe, self.scatter, self.backbone, self.head = vfe, scatter, backbone, head

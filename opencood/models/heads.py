@@ -25,13 +25,18 @@ class AnchorHead(nn.Module):
     """
 
     def __init__(self, in_channels: int, num_anchors: int = 2, cls_prior: float = 0.01,
-                 use_dir: bool = True):
+                 use_dir: bool = True, uncertainty_dim: int = 0):
         super().__init__()
         self.num_anchors = num_anchors
         self.cls_conv = nn.Conv2d(in_channels, num_anchors, 1)
         self.reg_conv = nn.Conv2d(in_channels, BOX_CODE_SIZE * num_anchors, 1)
         self.dir_conv = nn.Conv2d(in_channels, NUM_DIR_BINS * num_anchors, 1) if use_dir \
             else None
+        # CoAlign: per anchor the log variances of the x, y (, yaw) targets (unc_preds,
+        # (B, uncertainty_dim * A, H, W)), the pose graph's edge weights. Built last and only
+        # when asked, so other heads' initialisation and checkpoints are unchanged.
+        self.unc_conv = (nn.Conv2d(in_channels, uncertainty_dim * num_anchors, 1)
+                         if uncertainty_dim else None)
         self.reset_cls_prior(cls_prior)
 
     @torch.no_grad()
@@ -43,4 +48,6 @@ class AnchorHead(nn.Module):
         outputs = {"cls_preds": self.cls_conv(features), "reg_preds": self.reg_conv(features)}
         if self.dir_conv is not None:
             outputs["dir_preds"] = self.dir_conv(features)
+        if self.unc_conv is not None:
+            outputs["unc_preds"] = self.unc_conv(features)
         return outputs
