@@ -30,8 +30,9 @@ BENCH_FIGURES = {"pillarise", "targets", "profile", "train_step_model_only",
                  "train_step_no_pillarise", "peak_gpu_memory", "ema_update",
                  "eval_postprocess_per_frame", "eval_inference_per_frame", "dataloader",
                  "dataloader_by_fusion", "train_step_end_to_end", "bev_iou", "ap",
-                 "visibility_count", "pcd", "host_syncs_per_step", "pose_graph_solve_ms"}
-DATA_FIGURES = {"dataloader", "dataloader_by_fusion", "train_step_end_to_end"}
+                 "visibility_count", "pcd", "host_syncs_per_step", "pose_graph_solve_ms",
+                 "loader_cpu_ms"}
+DATA_FIGURES = {"dataloader", "dataloader_by_fusion", "train_step_end_to_end", "loader_cpu_ms"}
 # Figures timing ours against a reference on the same input.
 RATIO_FIGURES = {"pillarise", "targets", "bev_iou", "ap", "visibility_count"}
 
@@ -167,7 +168,7 @@ def check_figure(record: dict) -> None:
     assert "error" not in record, record
     assert record["device"] == "cpu"
     if record["figure"] in ("peak_gpu_memory", "profile", "pcd", "dataloader_by_fusion",
-                            "host_syncs_per_step"):
+                            "host_syncs_per_step", "loader_cpu_ms"):
         return
     assert record["ms"] > 0, record
     if record["figure"] in RATIO_FIGURES:
@@ -309,6 +310,12 @@ def test_bench_with_a_data_folder(tmp_path, monkeypatch, capsys):
     by_fusion = by_name["dataloader_by_fusion"]["samples_per_s"]
     assert set(by_fusion) == {"no", "early", "late", "late_box_align", "intermediate"}
     assert all(rate > 0 for rate in by_fusion.values())
+    cpu = by_name["loader_cpu_ms"]             # issue 28: per strategy, ours vs the old path
+    assert set(cpu["ms"]) == set(cpu["reference_ms"]) == {"no", "early", "late", "intermediate"}
+    assert all(cpu["ms"][name] > 0 and cpu["first_epoch_ms"][name] > 0 for name in cpu["ms"])
+    assert cpu["speedup"]["early"] == pytest.approx(
+        cpu["reference_ms"]["early"] / cpu["ms"]["early"], rel=0.05, abs=0.1)
+    assert cpu["agents_per_sample"]["intermediate"] == 3 and cpu["samples"]["early"] >= 12
     end_to_end = by_name["train_step_end_to_end"]
     assert end_to_end["agents"] == 3           # measured on the real batches
     assert "data_wait" in end_to_end["includes"]

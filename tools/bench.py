@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import json
 import logging
 import statistics
@@ -142,6 +143,9 @@ FIGURES = {
                   "collate), timed over whole waves of num_workers batches",
     "dataloader_by_fusion": "samples/s of that DataLoader for each fusion strategy "
                             "(no, early, late, intermediate)",
+    "loader_cpu_ms": "CPU ms per sample from files to a collated batch on one thread, per fusion "
+                     "strategy (warm point cache; first_epoch_ms: the cold first pass), vs the "
+                     "pre-issue-28 path of tests/reference_pipeline.py on the same batches",
     "train_step_end_to_end": "ms per step from files: wait for the batch + the step + EMA if "
                              "the yaml enables it, with data_wait_ms",
     "bev_iou": "ms for N overlapping box pairs, rotated BEV IoU (boxes_bev_iou_aligned) vs "
@@ -786,6 +790,103 @@ def bench_loader_by_fusion(suite: Suite) -> List[Dict]:
     return [record]
 
 
+# -- loader_cpu_ms (issue 28) ------------------------------------------------------------------
+
+def dataset_strategies() -> List[str]:
+    """One strategy per dataset class: a strategy sharing another's samples (late_box_align:
+    late's) would time the same pipeline twice."""
+    from opencood.strategies import get_strategy, strategy_names
+    return [name for name in strategy_names() if get_strategy(name).dataset_name == name]
+
+
+def bench_loader_cpu(suite: Suite) -> List[Dict]:
+    """CPU cost of the input pipeline's CPU part (files -> dataset samples -> collated batch;
+    pillars and targets are made on the device), per fusion strategy, in this process on one
+    thread (OMP_NUM_THREADS=OPENBLAS_NUM_THREADS=1 in the environment keeps BLAS on one too).
+
+    Clock: ``time.process_time`` (every thread of the process), so a machine shared with other
+    jobs inflates the figures less than wall time would. Per strategy, in a fresh cache folder:
+    one cold pass of ours (empty point cache: PCD parsing and cache writes, ``first_epoch_ms``,
+    the mean), one warm-up pass of the reference (tests/reference_pipeline.py, the path before
+    issue 28), then passes alternating ours / reference over the same batches and epochs until
+    each has at least 12 samples; ``ms`` and ``reference_ms`` are medians per sample (batch / its
+    size), each a dict by strategy (one per dataset class: dataset_strategies). Late fusion's
+    samples are its training examples, one per (sample, CAV).
+    """
+    from opencood.data.collate import collate_samples
+    from opencood.data.datasets import build_dataset
+    reference_file = REPO_ROOT / "tests" / "reference_pipeline.py"
+    reference = None
+    if reference_file.is_file():
+        spec = importlib.util.spec_from_file_location("opencood_reference_pipeline",
+                                                      reference_file)
+        reference = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(reference)
+    cfg = dict(suite.cfg, root_dir=str(suite.split_dir))
+    batch_size = suite.args.batch_size
+    figures = {key: {} for key in ("ms", "reference_ms", "speedup", "first_epoch_ms", "samples",
+                                   "agents_per_sample", "points_per_agent")}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with tempfile.TemporaryDirectory(prefix="loader_cpu_") as cache_root:
+            for fusion in dataset_strategies():
+                dataset = build_dataset(cfg, "train", train=True, fusion_method=fusion,
+                                        cache_dir=Path(cache_root) / fusion)
+                batches = [list(range(start, start + batch_size))
+                           for start in range(0, len(dataset) - batch_size + 1, batch_size)]
+                if not batches:
+                    raise BenchError(f"--data: fewer than {batch_size} samples in "
+                                     f"{suite.split_dir}")
+                seen = {"samples": 0, "agents": 0, "points": 0}
+
+                def cpu_ms_per_sample(make_sample, count_into=None) -> List[float]:
+                    """One pass over ``batches``: process-CPU ms per sample of each batch."""
+                    times = []
+                    for indices in batches:
+                        start = time.process_time()
+                        batch = collate_samples([make_sample(index) for index in indices])
+                        times.append((time.process_time() - start) * 1e3 / len(indices))
+                        if count_into is not None:
+                            count_into["samples"] += len(indices)
+                            count_into["agents"] += int(batch["record_len"].sum())
+                            count_into["points"] += int(batch["points"].shape[0])
+                    return times
+
+                ours = dataset.__getitem__
+                first_epoch = cpu_ms_per_sample(ours, seen)
+                theirs = ((lambda index: reference.reference_sample(dataset, index))
+                          if reference is not None else None)
+                if theirs is not None:
+                    cpu_ms_per_sample(theirs)                 # warm its raw point cache
+                ours_ms, theirs_ms, epoch = [], [], 0
+                while len(ours_ms) * batch_size < 12 or epoch < 2:
+                    epoch += 1
+                    dataset.set_epoch(epoch)               # new augmentation draws, both paths
+                    ours_ms += cpu_ms_per_sample(ours)
+                    if theirs is not None:
+                        theirs_ms += cpu_ms_per_sample(theirs)
+                figures["ms"][fusion] = round(statistics.median(ours_ms), 3)
+                figures["first_epoch_ms"][fusion] = round(statistics.mean(first_epoch), 3)
+                figures["samples"][fusion] = len(ours_ms) * batch_size
+                figures["agents_per_sample"][fusion] = round(seen["agents"] / seen["samples"], 2)
+                figures["points_per_agent"][fusion] = round(seen["points"]
+                                                            / max(seen["agents"], 1), 1)
+                if theirs_ms:
+                    figures["reference_ms"][fusion] = round(statistics.median(theirs_ms), 3)
+                    figures["speedup"][fusion] = round(statistics.median(theirs_ms)
+                                                       / max(statistics.median(ours_ms), 1e-6), 1)
+    finally:
+        torch.set_num_threads(threads)
+    if reference is None:
+        del figures["reference_ms"], figures["speedup"]
+        about = f"not available ({display_path(reference_file)} not found)"
+    else:
+        about = f"{display_path(reference_file)} (the path before issue 28)"
+    return [suite.record("loader_cpu_ms", **figures, reference=about, batch_size=batch_size,
+                         threads=1, clock="process_time", data=str(suite.split_dir))]
+
+
 def bench_end_to_end(suite: Suite) -> List[Dict]:
     from opencood.engine.task import DetectionTask
     bench, args, device = suite.model_bench, suite.args, suite.device
@@ -998,6 +1099,7 @@ GROUPS = (
     Group(("ema_update",), "model", bench_ema),
     Group(("dataloader",), "data", bench_loader),
     Group(("dataloader_by_fusion",), "data", bench_loader_by_fusion),
+    Group(("loader_cpu_ms",), "data", bench_loader_cpu),
     Group(("train_step_end_to_end",), "data", bench_end_to_end),
     Group(("bev_iou",), "", bench_bev_iou),
     Group(("ap",), "", bench_ap),

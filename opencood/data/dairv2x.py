@@ -48,7 +48,7 @@ from pathlib import Path
 import numpy as np
 
 from opencood.data.opv2v import (SampleInfo, _cache_root, _index_cache_path, _read_index_cache,
-                                 _write_index_cache)
+                                 _write_index_cache, remove_own_body_points)
 from opencood.data.pcd import PcdError, PointCloudCache, read_pcd
 from opencood.errors import OpencoodError
 from opencood.ops.transforms import boxes_to_corners_3d, corners_in_range_mask, corners_to_boxes
@@ -172,6 +172,17 @@ def read_cloud(path: Path, point_cache=None) -> np.ndarray:
     return points
 
 
+class BodyFreeDairCache(PointCloudCache):
+    """Point cache of the clouds the datasets consume: :func:`read_cloud`'s (NaN rows dropped,
+    intensity / 256) less the own-body box (the datasets remove it from every format's agents,
+    the roadside unit's too). A hit is memory-mapped read-only: the datasets only read it."""
+
+    mmap_mode = "r"
+
+    def parse(self, path):
+        return remove_own_body_points(read_cloud(path))
+
+
 # ------------------------------------------------------------------------------ the index
 
 def frame_id_of(relative_path, info_path) -> str:
@@ -272,6 +283,26 @@ def _fingerprint(paths: list) -> str:
 
 # ------------------------------------------------------------------------------ the split
 
+def label_arrays(labels: list):
+    """Cooperative labels as arrays: (ids (M,) int64 = positions in the label file, world
+    corners (M, 8, 3) float64)."""
+    return (np.asarray([label["position"] for label in labels], dtype=np.int64),
+            np.asarray([label["corners"] for label in labels], dtype=np.float64).reshape(-1, 8, 3))
+
+
+def world_corners_to_frame(ids: np.ndarray, corners: np.ndarray, lidar_to_world: np.ndarray,
+                           limit_range, order: str = "hwl"):
+    """:func:`label_arrays`' arrays seen from a lidar frame (lidar_to_world (4, 4)) -> (ids (M,),
+    boxes (M, 7) float64), boxes with all 8 corners of the rebuilt box in ``limit_range``."""
+    if not len(ids):
+        return np.zeros(0, dtype=np.int64), np.zeros((0, 7), dtype=np.float64)
+    world_to_lidar = np.linalg.inv(lidar_to_world)
+    corners = corners @ world_to_lidar[:3, :3].T + world_to_lidar[:3, 3]
+    boxes = corners_to_boxes(corners, order)
+    keep = corners_in_range_mask(boxes_to_corners_3d(boxes, order), limit_range, min_corners=8)
+    return ids[keep], boxes[keep]
+
+
 def world_boxes_to_frame(labels: list, lidar_to_world: np.ndarray, limit_range,
                          order: str = "hwl"):
     """Cooperative labels (world corners) seen from a lidar frame.
@@ -280,15 +311,7 @@ def world_boxes_to_frame(labels: list, lidar_to_world: np.ndarray, limit_range,
     int64 = positions in the label file, boxes (M, 7) float64), boxes with all 8 corners of
     the rebuilt box in ``limit_range``.
     """
-    if not labels:
-        return np.zeros(0, dtype=np.int64), np.zeros((0, 7), dtype=np.float64)
-    world_to_lidar = np.linalg.inv(lidar_to_world)
-    corners = np.asarray([label["corners"] for label in labels], dtype=np.float64)
-    corners = corners @ world_to_lidar[:3, :3].T + world_to_lidar[:3, 3]
-    boxes = corners_to_boxes(corners, order)
-    keep = corners_in_range_mask(boxes_to_corners_3d(boxes, order), limit_range, min_corners=8)
-    ids = np.asarray([label["position"] for label in labels], dtype=np.int64)
-    return ids[keep], boxes[keep]
+    return world_corners_to_frame(*label_arrays(labels), lidar_to_world, limit_range, order)
 
 
 @dataclass
@@ -330,6 +353,11 @@ class DairV2XSplit:
                          for vehicle_id in sequence.vehicle_ids]
         self._point_cache = (PointCloudCache(_cache_root(cache_dir) / "pcd")
                              if use_point_cache else None)
+        # vehicle frame id -> label_arrays of its pair, built on the pair's first use.
+        self._label_arrays = {}
+        # Its own folder: its entries differ from OPV2V's body-free ones (intensity scaled).
+        self._body_free_cache = (BodyFreeDairCache(_cache_root(cache_dir) / "pcd_body_free_dair")
+                                 if use_point_cache else None)
         logger.info("DAIR-V2X-C %s: %d pairs, cooperative labels: %s", self.split_path,
                     len(self._samples), self.label_set)
 
@@ -396,6 +424,46 @@ class DairV2XSplit:
                 "lidar_pose": np.asarray(frame[f"{side}_pose"], dtype=np.float64),
                 "vehicles": frame["labels"], "params": {**frame, "vehicles": frame["labels"]},
                 "cav_id": cav_id}
+
+    # -- what the datasets read (OPV2VSplit's names), no frame dict built -------------------
+    def _side(self, cav_id: str) -> str:
+        return "vehicle" if cav_id == VEHICLE_ID else "infrastructure"
+
+    def lidar_pose(self, scenario: str, cav_id: str, timestamp: str) -> np.ndarray:
+        """(4, 4) float64 lidar -> world of one agent of the pair of vehicle frame ``timestamp``."""
+        return np.asarray(self._frames[timestamp][f"{self._side(cav_id)}_pose"], dtype=np.float64)
+
+    def vehicles(self, scenario: str, cav_id: str, timestamp: str) -> list:
+        """The pair's cooperative labels (world corners), shared with the index: read only."""
+        return self._frames[timestamp]["labels"]
+
+    def vehicle_arrays(self, scenario: str, cav_id: str, timestamp: str):
+        """:func:`label_arrays` of the pair's cooperative labels (world corners), kept."""
+        arrays = self._label_arrays.get(timestamp)
+        if arrays is None:
+            arrays = label_arrays(self.vehicles(scenario, cav_id, timestamp))
+            self._label_arrays[timestamp] = arrays
+        return arrays
+
+    def load_points(self, scenario: str, cav_id: str, timestamp: str) -> np.ndarray:
+        """(N, 4) float32 of one agent in its lidar frame as :meth:`load_cav_frame` gives it,
+        less the own-body box; from the cache read-only (never write to it) when enabled."""
+        path = self.root / self._frames[timestamp][f"{self._side(cav_id)}_cloud"]
+        if self._body_free_cache is not None:
+            return self._body_free_cache.load(path)
+        return remove_own_body_points(read_cloud(path))
+
+    def sample_gt(self, index: int, gt_range, order: str = "hwl"):
+        """GT of sample ``index``: the cooperative labels in the vehicle's lidar frame."""
+        info = self._samples[index]
+        return self.frame_boxes(info.scenario, VEHICLE_ID, info.timestamp, gt_range, order)
+
+    def frame_boxes(self, scenario: str, cav_id: str, timestamp: str, gt_range,
+                    order: str = "hwl"):
+        """:meth:`cav_boxes` of one agent by its key (the datasets' late-fusion path)."""
+        return world_corners_to_frame(*self.vehicle_arrays(scenario, cav_id, timestamp),
+                                      self.lidar_pose(scenario, cav_id, timestamp), gt_range,
+                                      order)
 
     def load_sample(self, index: int, gt_range, order: str = "hwl") -> dict:
         """As OPV2VSplit's: {"info", "cavs" (with "T_to_ego"), "gt_ids", "gt_boxes"}; GT is the

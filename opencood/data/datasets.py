@@ -3,6 +3,10 @@
 One sample = one (scenario, timestamp); GT always in the ego frame (late fusion training is the
 exception: one CAV's own view, see below). Workers only read, project, augment and crop; the
 pillarisation and target assignment run on the training device (``opencood.data.pipeline``).
+Each agent's cloud (own-body returns already removed in the split's cache) is moved once, in
+float32, by one 4x4 (augmentation @ agent->ego) and cropped in the same pass, straight into the
+sample's buffer (``opencood.ops.transforms.project_and_crop``): ~4x less CPU per sample than a
+pass per step (issue 28; ``tools/bench.py --figures loader_cpu_ms``).
 
 A sample is a dict::
 
@@ -37,19 +41,19 @@ Strategies (``fusion.core_method``):
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import numpy as np
 import torch
 
 from opencood.config_schema import DEFAULT_COMM_RANGE, DEFAULT_LIDAR_RANGE
-from opencood.data.augment import augment_sample, check_augment_config
-from opencood.data.opv2v import DEFAULT_GT_RANGE, is_infrastructure, remove_own_body_points
+from opencood.data.augment import (augment_boxes, augmentation_matrix, check_augment_config,
+                                   draw_augmentation)
+from opencood.data.opv2v import DEFAULT_GT_RANGE, is_infrastructure
 from opencood.data.sources import open_split
 from opencood.data.wild import WildSetting, delayed_timestamp, noisy_pose
-from opencood.ops.transforms import (apply_transform, count_points_in_boxes, points_in_range_mask,
-                                     relative_transform)
 from opencood.errors import alike_on_every_rank
+from opencood.ops.transforms import count_points_in_boxes, project_and_crop, relative_transform
 from opencood.registry import DATASETS
 from opencood.strategies import get_strategy
 from opencood.utils.collectives import get_rank
@@ -102,6 +106,8 @@ class BaseFusionDataset(torch.utils.data.Dataset):
 
     fusion_method = "base"
     points_in_agent_frame = False
+    # False: only the ego's cloud is read (the others' would be loaded for nothing).
+    uses_other_agents_points = True
 
     def __init__(self, split_dir, lidar_range=DEFAULT_LIDAR_RANGE, gt_range=DEFAULT_GT_RANGE,
                  train: bool = False, augment_cfg=None, wild: WildSetting | None = None,
@@ -153,43 +159,59 @@ class BaseFusionDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.split)
 
-    def _load_agents(self, index: int) -> Dict:
-        """Ego-first list of agents: own-body-free points in their own frame and poses.
+    def _agents(self, index: int):
+        """The sample's info and its agents, ego first, without their points.
 
-        Non-ego agents get latency (an earlier frame) and pose noise from the wild setting.
+        Each agent: {"cav_id", "frame": (scenario, cav_id, timestamp) of the data it sends (an
+        earlier frame with latency), "lidar_pose" of that frame ((6,), or (4, 4) for V2V4Real and
+        DAIR-V2X), "vehicles" (that frame's labels as the split keeps them, shared: read only),
+        "T_to_ego" (4, 4) float64 from its reported (noisy) pose, "T_to_ego_clean" from its true
+        pose, "latency" (frames)}. Non-ego agents get latency and pose noise from the wild
+        setting; the noise draws go agent after agent. The split gives every piece by the
+        frame's key (opencood.data.sources: each format's reader has these methods).
+        """
+        info = self.split.info(index)
+        ego_pose = self.split.lidar_pose(info.scenario, info.ego_id, info.timestamp)
+        noise_rng = self._rng(index, _NOISE_STREAM)
+        stamps = self.split.timestamps(info.scenario)
+        agents = []
+        for cav_id in info.cav_ids:
+            is_ego = cav_id == info.ego_id
+            stamp = info.timestamp
+            if not is_ego and self.wild.latency_frames > 0:
+                stamp = delayed_timestamp(stamps, info.timestamp, self.wild.latency_frames)
+            lidar_pose = self.split.lidar_pose(info.scenario, cav_id, stamp)
+            reported_pose = lidar_pose if is_ego else noisy_pose(lidar_pose, self.wild, noise_rng)
+            to_ego = relative_transform(reported_pose, ego_pose)
+            agents.append({
+                "cav_id": cav_id,
+                "frame": (info.scenario, cav_id, stamp),
+                "lidar_pose": lidar_pose,
+                "vehicles": self.split.vehicles(info.scenario, cav_id, stamp),
+                "T_to_ego": to_ego,
+                # The true alignment, for the view of DiscoNet's early-fusion teacher (the
+                # reported one when there is no noise: noisy_pose then returns the pose).
+                "T_to_ego_clean": (relative_transform(lidar_pose, ego_pose)
+                                   if self.wild.has_pose_noise and not is_ego else to_ego),
+                # The delay actually applied (clamped at the scenario's first frame).
+                "latency": stamps.index(info.timestamp) - stamps.index(stamp),
+            })
+        return info, agents
+
+    def _load_agents(self, index: int) -> Dict:
+        """:meth:`_agents` with each agent's "points" (N_i, 4) float32 in its own frame, own-body
+        returns removed (the split's cache holds them so; the ego's alone when the strategy
+        uses no other cloud), and the sample's GT in the ego frame.
+
         The own-body crop applies to roadside units too, as in OpenCOOD/V2X-ViT: an RSU has no
         body there, and our synthetic RSUs stand where the crop box holds no returns.
         """
-        sample = self.split.load_sample(index, gt_range=self.gt_range, order=self.order)
-        info = sample["info"]
-        ego_pose = sample["cavs"][info.ego_id]["lidar_pose"]
-        noise_rng = self._rng(index, _NOISE_STREAM)
-        agents = []
-        for cav_id in info.cav_ids:
-            cav = sample["cavs"][cav_id]
-            is_ego = cav_id == info.ego_id
-            latency = 0
-            if not is_ego and self.wild.latency_frames > 0:
-                stamps = self.split.timestamps(info.scenario)
-                stamp = delayed_timestamp(stamps, info.timestamp, self.wild.latency_frames)
-                cav = self.split.load_cav_frame(info.scenario, cav_id, stamp)
-                # The delay actually applied (clamped at the scenario's first frame).
-                latency = stamps.index(info.timestamp) - stamps.index(stamp)
-            reported_pose = cav["lidar_pose"] if is_ego else noisy_pose(
-                cav["lidar_pose"], self.wild, noise_rng)
-            agents.append({
-                "cav_id": cav_id,
-                "points": remove_own_body_points(cav["points"]),
-                "lidar_pose": np.asarray(cav["lidar_pose"], dtype=np.float64),
-                "vehicles": cav.get("params", {}).get("vehicles", {}),
-                "T_to_ego": relative_transform(reported_pose, ego_pose),
-                # The true alignment, for the view of DiscoNet's early-fusion teacher.
-                "T_to_ego_clean": relative_transform(cav["lidar_pose"], ego_pose),
-                "latency": latency,
-            })
-        return {"info": info, "agents": agents, "gt_boxes": sample["gt_boxes"],
-                "gt_ids": sample["gt_ids"],
-                "gt_ego_points": self._points_per_box(agents[0]["points"], sample["gt_boxes"])}
+        info, agents = self._agents(index)
+        for agent in agents if self.uses_other_agents_points else agents[:1]:
+            agent["points"] = self.split.load_points(*agent["frame"])
+        gt_ids, gt_boxes = self.split.sample_gt(index, gt_range=self.gt_range, order=self.order)
+        return {"info": info, "agents": agents, "gt_boxes": gt_boxes, "gt_ids": gt_ids,
+                "gt_ego_points": self._points_per_box(agents[0]["points"], gt_boxes)}
 
     def _points_per_box(self, points: np.ndarray, boxes) -> np.ndarray:
         """(M,) own points of the viewing agent inside each GT box (same frame), for the
@@ -199,24 +221,38 @@ class BaseFusionDataset(torch.utils.data.Dataset):
             return np.full(boxes.shape[0], -1, dtype=np.int64)
         return ego_points_per_box(points, boxes, self.order)
 
-    def _finish(self, index: int, key, agent_ids, points_list, transforms, gt_boxes, gt_ids,
-                shared_points: int, gt_ego_points: np.ndarray, agent_latency=None) -> Dict:
-        """Augment (one transform for all agents), crop points and boxes, cast dtypes.
-        ``agent_latency``: frames of delay per agent, default 0 (one merged or own cloud)."""
+    def _augmentation_matrix(self, index: int) -> Tuple[np.ndarray, tuple]:
+        """(4, 4) float64 of the sample's augmentation (identity without one), and its steps
+        (``opencood.data.augment.Augmentation.steps``), drawn from (seed, epoch, index)."""
+        augmentation = draw_augmentation(self.augment_cfg, self._rng(index, _AUGMENT_STREAM))
+        return augmentation_matrix(augmentation.steps), augmentation.steps
+
+    def _finish(self, index: int, key, agent_ids, clouds, to_output, transforms, gt_boxes,
+                gt_ids, shared_points: int, gt_ego_points: np.ndarray, agent_latency=None,
+                merge: bool = False) -> Dict:
+        """Move, augment and crop every cloud in one pass, augment and crop the boxes, cast.
+
+        clouds: per agent (N_i, 4) float32 in its own frame (only read); to_output: per cloud
+        the (4, 4) to the sample's frame before augmentation (to the ego, or the identity); each
+        cloud moves once through augmentation @ to_output. ``merge``: one cloud of them all
+        (early fusion). transforms: what ``transforms_to_ego`` reports, one per output cloud.
+        ``agent_latency``: frames of delay per agent, default 0 (one merged or own cloud).
+        """
         if agent_latency is None:
             agent_latency = [0] * len(agent_ids)
-        points_list, gt_boxes, _ = augment_sample(points_list, np.asarray(gt_boxes, np.float64),
-                                                  self.augment_cfg,
-                                                  self._rng(index, _AUGMENT_STREAM))
-        points_list = [p[points_in_range_mask(p, self.lidar_range)].astype(np.float32)
-                       for p in points_list]
+        augment, steps = self._augmentation_matrix(index)
+        points, counts = project_and_crop(clouds, [augment @ to_frame for to_frame in to_output],
+                                          self.lidar_range)
+        # Views into the one buffer: the collate copies each once into the batch.
+        agent_points = [points] if merge else np.split(points, np.cumsum(counts)[:-1])
+        gt_boxes = augment_boxes(gt_boxes, steps)
         keep = boxes_center_in_range(gt_boxes, self.lidar_range)
         return {
             "sample_key": key,
             "agent_ids": list(agent_ids),
             "agent_types": agent_types(agent_ids),
             "agent_latency": np.asarray(agent_latency, dtype=np.int64),
-            "agent_points": points_list,
+            "agent_points": agent_points,
             "transforms_to_ego": np.asarray(transforms, dtype=np.float32).reshape(-1, 4, 4),
             "gt_boxes": gt_boxes[keep].astype(np.float32).reshape(-1, 7),
             "gt_ids": np.asarray(gt_ids, dtype=np.int64)[keep],
@@ -239,16 +275,13 @@ class NoFusionDataset(BaseFusionDataset):
     """The ego's own cloud only; GT is still the cooperative union (what the ego should find)."""
 
     fusion_method = "no"
+    uses_other_agents_points = False
 
     def _build(self, index, key, loaded):
         ego = loaded["agents"][0]
         return self._finish(index, key, [ego["cav_id"]], [ego["points"]], [np.eye(4)],
-                            loaded["gt_boxes"], loaded["gt_ids"], shared_points=0,
+                            [np.eye(4)], loaded["gt_boxes"], loaded["gt_ids"], shared_points=0,
                             gt_ego_points=loaded["gt_ego_points"])
-
-
-def _points_to_ego(agents: List[Dict]) -> List[np.ndarray]:
-    return [apply_transform(agent["points"], agent["T_to_ego"]) for agent in agents]
 
 
 @DATASETS.register("early")
@@ -259,13 +292,14 @@ class EarlyFusionDataset(BaseFusionDataset):
 
     def _build(self, index, key, loaded):
         agents = loaded["agents"]
-        clouds = _points_to_ego(agents)
-        merged = np.concatenate(clouds, axis=0) if clouds else np.zeros((0, 4), np.float32)
-        # Bytes are reported per sending agent, so average over the non-ego agents.
+        clouds = [agent["points"] for agent in agents]
+        # Bytes are reported per sending agent (all it has, before the crop), so average over
+        # the non-ego agents.
         shared = int(round(sum(len(c) for c in clouds[1:]) / max(1, len(clouds) - 1)))
-        return self._finish(index, key, [agents[0]["cav_id"]], [merged], [np.eye(4)],
+        return self._finish(index, key, [agents[0]["cav_id"]], clouds,
+                            [agent["T_to_ego"] for agent in agents], [np.eye(4)],
                             loaded["gt_boxes"], loaded["gt_ids"], shared_points=shared,
-                            gt_ego_points=loaded["gt_ego_points"])
+                            gt_ego_points=loaded["gt_ego_points"], merge=True)
 
 
 @DATASETS.register("intermediate")
@@ -287,7 +321,8 @@ class IntermediateFusionDataset(BaseFusionDataset):
 
     def _build(self, index, key, loaded):
         agents = loaded["agents"]
-        sample = self._finish(index, key, [a["cav_id"] for a in agents], _points_to_ego(agents),
+        sample = self._finish(index, key, [a["cav_id"] for a in agents],
+                              [a["points"] for a in agents], [a["T_to_ego"] for a in agents],
                               [a["T_to_ego"] for a in agents], loaded["gt_boxes"],
                               loaded["gt_ids"], shared_points=0,
                               gt_ego_points=loaded["gt_ego_points"],
@@ -300,11 +335,11 @@ class IntermediateFusionDataset(BaseFusionDataset):
         """Every agent's cloud through its true transform, merged, augmented and cropped ->
         (N, 4) float32. The augmentation generator is re-created from (seed, epoch, index) and
         its draws do not depend on the clouds, so the transform is the one ``_finish`` drew."""
-        merged = np.concatenate([apply_transform(a["points"], a["T_to_ego_clean"])
-                                 for a in agents], axis=0)
-        (merged,), _, _ = augment_sample([merged], np.zeros((0, 7)), self.augment_cfg,
-                                         self._rng(index, _AUGMENT_STREAM))
-        return merged[points_in_range_mask(merged, self.lidar_range)].astype(np.float32)
+        augment, _ = self._augmentation_matrix(index)
+        merged, _ = project_and_crop([a["points"] for a in agents],
+                                     [augment @ a["T_to_ego_clean"] for a in agents],
+                                     self.lidar_range)
+        return merged
 
 
 @DATASETS.register("late")
@@ -334,20 +369,22 @@ class LateFusionDataset(BaseFusionDataset):
         if not self.per_cav:
             return super().__getitem__(index)
         sample_index, position = self.pairs[index]
-        loaded = self._load_agents(sample_index)
-        info = loaded["info"]
-        agent = loaded["agents"][position]
-        gt_ids, gt_boxes = self.split.cav_boxes(agent, self.gt_range, order=self.order)
+        info, agents = self._agents(sample_index)
+        agent = agents[position]              # only its own cloud is read
+        points = self.split.load_points(*agent["frame"])
+        gt_ids, gt_boxes = self.split.frame_boxes(*agent["frame"], self.gt_range,
+                                                  order=self.order)
         key = (info.scenario, info.timestamp, agent["cav_id"])
-        return self._finish(index, key, [agent["cav_id"]], [agent["points"]], [np.eye(4)],
+        return self._finish(index, key, [agent["cav_id"]], [points], [np.eye(4)], [np.eye(4)],
                             gt_boxes, gt_ids, shared_points=0,
-                            gt_ego_points=self._points_per_box(agent["points"], gt_boxes))
+                            gt_ego_points=self._points_per_box(points, gt_boxes))
 
     def _build(self, index, key, loaded):
         agents = loaded["agents"]
         return self._finish(index, key, [a["cav_id"] for a in agents],
-                            [a["points"] for a in agents], [a["T_to_ego"] for a in agents],
-                            loaded["gt_boxes"], loaded["gt_ids"], shared_points=0,
+                            [a["points"] for a in agents], [np.eye(4)] * len(agents),
+                            [a["T_to_ego"] for a in agents], loaded["gt_boxes"],
+                            loaded["gt_ids"], shared_points=0,
                             gt_ego_points=loaded["gt_ego_points"],
                             agent_latency=[a["latency"] for a in agents])
 

@@ -6,7 +6,10 @@ the ego is the first CAV folder of the scenario (string sort, negative ids = inf
 Every frame's yaml is parsed exactly once, while the index is built (the CAV poses are needed for
 the communication-range test anyway), and kept in memory; the parsed frames are also persisted as
 JSON in the cache folder so the next start skips yaml parsing entirely. Point clouds are read
-lazily per sample, through :class:`~opencood.data.pcd.PointCloudCache` when enabled.
+lazily per sample, through :class:`~opencood.data.pcd.PointCloudCache` when enabled; the
+datasets read them through :class:`BodyFreeCloudCache`, whose entries hold exactly what they
+consume (the cloud less the CAV's own-body returns), memory-mapped, and each frame's vehicles as
+arrays (:class:`VehicleArrays`, built once per frame), so a sample's GT is a few vector ops.
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ from opencood.ops.transforms import (
     corners_to_boxes,
     extent_corners,
     pose_to_matrix,
+    poses_to_matrices,
     relative_transform,
 )
 from opencood.utils.atomic import atomic_write
@@ -133,6 +137,17 @@ def remove_own_body_points(points: np.ndarray) -> np.ndarray:
     return points[~on_body]
 
 
+class BodyFreeCloudCache(PointCloudCache):
+    """Point cache whose entries hold each cloud without its CAV's own-body returns: the array
+    the datasets consume. A hit is memory-mapped read-only: the datasets only read it (their
+    first pass moves it into the sample's buffer), so nothing is copied on load."""
+
+    mmap_mode = "r"
+
+    def parse(self, path):
+        return remove_own_body_points(read_pcd(path))
+
+
 def _vehicle_pose(vehicle: dict) -> list:
     """World pose [x, y, z, roll, yaw, pitch] of a vehicle's box centre.
 
@@ -144,6 +159,34 @@ def _vehicle_pose(vehicle: dict) -> list:
         + [float(a) for a in vehicle["angle"]]
 
 
+@dataclass(frozen=True)
+class VehicleArrays:
+    """A ``vehicles`` mapping as arrays, sorted by actor id (V vehicles).
+
+    ids (V,) int64; poses (V, 6) float64 world pose of each box centre [x, y, z, roll, yaw,
+    pitch] (degrees); extents (V, 3) float64 half sizes [l, w, h].
+    """
+    ids: np.ndarray
+    poses: np.ndarray
+    extents: np.ndarray
+
+    @classmethod
+    def from_vehicles(cls, vehicles: dict) -> "VehicleArrays":
+        actor_ids = sorted(vehicles, key=int)
+        return cls(np.asarray([int(a) for a in actor_ids], dtype=np.int64),
+                   np.asarray([_vehicle_pose(vehicles[a]) for a in actor_ids],
+                              dtype=np.float64).reshape(-1, 6),
+                   np.asarray([vehicles[a]["extent"] for a in actor_ids],
+                              dtype=np.float64).reshape(-1, 3))
+
+    @classmethod
+    def concatenate(cls, parts: list) -> "VehicleArrays":
+        """The vehicles of several frames one after the other (ids may repeat)."""
+        return cls(np.concatenate([part.ids for part in parts]),
+                   np.concatenate([part.poses for part in parts]),
+                   np.concatenate([part.extents for part in parts]))
+
+
 def vehicles_to_boxes(vehicles: dict, lidar_pose, limit_range, order: str = "hwl"):
     """Project world-frame vehicles into the frame of ``lidar_pose`` and keep boxes in range.
 
@@ -152,41 +195,35 @@ def vehicles_to_boxes(vehicles: dict, lidar_pose, limit_range, order: str = "hwl
     box rebuilt from its 7 numbers lie inside ``limit_range`` (inclusive, z too), which is what the
     reference checks.
     """
-    if not vehicles:
+    return vehicle_boxes(VehicleArrays.from_vehicles(vehicles), lidar_pose, limit_range, order)
+
+
+def vehicle_boxes(vehicles: VehicleArrays, lidar_pose, limit_range, order: str = "hwl"):
+    """:func:`vehicles_to_boxes` of arrays, all vehicles at once: (ids (M,), boxes (M, 7)) in
+    the input's order, the vehicles whose box lies in ``limit_range``."""
+    if vehicles.ids.shape[0] == 0:
         return np.zeros(0, dtype=np.int64), np.zeros((0, 7), dtype=np.float64)
-    actor_ids = sorted(vehicles, key=int)
     # relative_transform(object_pose, lidar_pose) = inv(T_lidar) @ T_object; invert once.
-    world_to_lidar = np.linalg.inv(pose_to_matrix(lidar_pose))
-    corners_lidar = np.stack([
-        _vehicle_corners(vehicles[actor_id], world_to_lidar) for actor_id in actor_ids])
+    object_to_lidar = np.linalg.inv(pose_to_matrix(lidar_pose)) @ poses_to_matrices(vehicles.poses)
+    corners_lidar = (extent_corners(vehicles.extents) @ object_to_lidar[:, :3, :3].transpose(0, 2, 1)
+                     + object_to_lidar[:, None, :3, 3])                          # (V, 8, 3)
     boxes = corners_to_boxes(corners_lidar, order)
     keep = corners_in_range_mask(boxes_to_corners_3d(boxes, order), limit_range, min_corners=8)
-    return np.asarray([int(a) for a in actor_ids], dtype=np.int64)[keep], boxes[keep]
+    return vehicles.ids[keep], boxes[keep]
 
 
-def _vehicle_corners(vehicle: dict, world_to_lidar: np.ndarray) -> np.ndarray:
-    """(8, 3) box corners of one vehicle in the lidar frame given by ``world_to_lidar`` (4, 4)."""
-    object_to_lidar = world_to_lidar @ pose_to_matrix(_vehicle_pose(vehicle))
-    corners_object = extent_corners(vehicle["extent"])
-    return corners_object @ object_to_lidar[:3, :3].T + object_to_lidar[:3, 3]
+def _gt_union(vehicle_arrays: list, ego_pose, exclude_ids: set, gt_range, order: str):
+    """Union of the boxes of several CAVs' vehicles, all projected with the ego pose, at once.
 
-
-def _gt_union(vehicle_dicts: list, ego_pose, exclude_ids: set, gt_range, order: str):
-    """Union of the boxes of several CAVs' ``vehicles``, all projected with the ego pose.
-
-    The first CAV listing an actor wins (ego first); returns (ids (M,), boxes (M, 7)) sorted by id.
+    An actor listed in range by several CAVs takes the box of the first (ego first); returns
+    (ids (M,), boxes (M, 7)) sorted by id.
     """
-    boxes_by_id = {}
-    for vehicles in vehicle_dicts:
-        ids, boxes = vehicles_to_boxes(vehicles, ego_pose, gt_range, order)
-        for actor_id, box in zip(ids.tolist(), boxes):
-            if actor_id not in exclude_ids and actor_id not in boxes_by_id:
-                boxes_by_id[actor_id] = box
-    sorted_ids = sorted(boxes_by_id)
-    if not sorted_ids:
-        return np.zeros(0, dtype=np.int64), np.zeros((0, 7), dtype=np.float64)
-    return (np.asarray(sorted_ids, dtype=np.int64),
-            np.stack([boxes_by_id[actor_id] for actor_id in sorted_ids]))
+    ids, boxes = vehicle_boxes(VehicleArrays.concatenate(vehicle_arrays), ego_pose, gt_range,
+                               order)
+    wanted = ~np.isin(ids, np.asarray(sorted(exclude_ids), dtype=np.int64))
+    # np.unique gives each id's first position: the first CAV listing it, as CAVs come in order.
+    unique_ids, first = np.unique(ids[wanted], return_index=True)
+    return unique_ids.astype(np.int64), boxes[wanted][first].reshape(-1, 7)
 
 
 # ------------------------------------------------------------------------------------ layout
@@ -481,6 +518,12 @@ class OPV2VSplit:
         self._samples = [info for layout in layouts for info in self._scenario_samples(layout)]
         self._point_cache = (PointCloudCache(_cache_root(cache_dir) / "pcd")
                              if use_point_cache else None)
+        # The datasets' clouds (own body removed) have their own entries; the raw ones above
+        # are made only for load_cav_frame's callers (tools, tests).
+        self._body_free_cache = (BodyFreeCloudCache(_cache_root(cache_dir) / "pcd_body_free")
+                                 if use_point_cache else None)
+        # (scenario, cav_id, timestamp) -> VehicleArrays, built on a frame's first use.
+        self._vehicle_arrays = {}
 
     def _load_frames(self, layouts, cache_dir, index_cache: bool) -> dict:
         if not index_cache:
@@ -545,6 +588,46 @@ class OPV2VSplit:
             where = f"{scenario}/{cav_id}/{timestamp}"
             raise KeyError(f"no frame {where} in {self.split_dir}") from None
 
+    def lidar_pose(self, scenario: str, cav_id: str, timestamp: str) -> np.ndarray:
+        """Lidar pose of one CAV frame, float64, as the format stores it: (6,) here, (4, 4)
+        for V2V4Real (no copy of the frame's yaml)."""
+        return np.asarray(self._frame_params(scenario, cav_id, timestamp)["lidar_pose"],
+                          dtype=np.float64)
+
+    def vehicles(self, scenario: str, cav_id: str, timestamp: str) -> dict:
+        """The frame's ``vehicles`` mapping itself, shared with the index: read, never modify."""
+        return self._frame_params(scenario, cav_id, timestamp)["vehicles"]
+
+    def vehicle_arrays(self, scenario: str, cav_id: str, timestamp: str) -> VehicleArrays:
+        """The frame's ``vehicles`` as arrays, converted once per frame and kept."""
+        key = (scenario, cav_id, timestamp)
+        arrays = self._vehicle_arrays.get(key)
+        if arrays is None:
+            arrays = VehicleArrays.from_vehicles(self.vehicles(scenario, cav_id, timestamp))
+            self._vehicle_arrays[key] = arrays
+        return arrays
+
+    def load_points(self, scenario: str, cav_id: str, timestamp: str) -> np.ndarray:
+        """(N, 4) float32 [x, y, z, intensity] of one CAV frame in its lidar frame, without the
+        returns from its own body: what the datasets consume, from the cache when fresh (then
+        read-only, mapped from the cache file: read it, never write to it)."""
+        pcd_path = self.split_dir / scenario / cav_id / f"{timestamp}.pcd"
+        if self._body_free_cache is not None:
+            return self._body_free_cache.load(pcd_path)
+        return remove_own_body_points(read_pcd(pcd_path))
+
+    def sample_gt(self, index: int, gt_range=DEFAULT_GT_RANGE, order: str = "hwl"):
+        """GT of sample ``index`` in the ego lidar frame: (ids (M,) int64 sorted, boxes (M, 7)
+        float64), the union over the used CAVs' ``vehicles`` at the sample's timestamp projected
+        with the ego pose, deduplicated by actor id (the first CAV listing one in range wins)."""
+        info = self._samples[index]
+        # A CAV is never its own GT, and should another CAV's yaml list it, it is not a target.
+        cav_actor_ids = {int(cav_id) for cav_id in info.cav_ids if _is_int_text(cav_id)}
+        return _gt_union([self.vehicle_arrays(info.scenario, cav_id, info.timestamp)
+                          for cav_id in info.cav_ids],
+                         self.lidar_pose(info.scenario, info.ego_id, info.timestamp),
+                         cav_actor_ids, gt_range, order)
+
     def load_sample(self, index: int, gt_range=DEFAULT_GT_RANGE, order: str = "hwl") -> dict:
         """Everything of sample ``index`` before any fusion-specific processing.
 
@@ -559,16 +642,20 @@ class OPV2VSplit:
         ego_pose = cavs[info.ego_id]["lidar_pose"]
         for cav in cavs.values():
             cav["T_to_ego"] = relative_transform(cav["lidar_pose"], ego_pose)
-        # A CAV is never its own GT, and should another CAV's yaml list it, it is not a target.
-        cav_actor_ids = {int(cav_id) for cav_id in info.cav_ids if _is_int_text(cav_id)}
-        gt_ids, gt_boxes = _gt_union([cav["vehicles"] for cav in cavs.values()], ego_pose,
-                                     cav_actor_ids, gt_range, order)
+        gt_ids, gt_boxes = self.sample_gt(index, gt_range, order)
         return {"info": info, "cavs": cavs, "gt_ids": gt_ids, "gt_boxes": gt_boxes}
 
     def cav_boxes(self, cav: dict, gt_range, order: str = "hwl"):
         """The GT one CAV sees itself, in its own frame: ``cav`` as :meth:`load_cav_frame`
         returns it -> (ids (M,) int64, boxes (M, 7) float64). OPV2V: its ``vehicles``."""
         return vehicles_to_boxes(cav["vehicles"], cav["lidar_pose"], gt_range, order)
+
+    def frame_boxes(self, scenario: str, cav_id: str, timestamp: str, gt_range,
+                    order: str = "hwl"):
+        """:meth:`cav_boxes` of one CAV frame by its key, from the frame's kept arrays (late
+        fusion's per-CAV GT on the datasets' path, which never builds the frame dict)."""
+        return vehicle_boxes(self.vehicle_arrays(scenario, cav_id, timestamp),
+                             self.lidar_pose(scenario, cav_id, timestamp), gt_range, order)
 
 
 def _pose_xy(pose) -> tuple:

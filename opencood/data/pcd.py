@@ -544,14 +544,23 @@ class PointCloudCache:
         """Where the cached cloud of `path` (in its current state) is or would be stored."""
         return self._entry_for(os.path.abspath(path), _stat(path))
 
+    #: None: a hit is read into memory (a writable array). "r": a hit is memory-mapped read-only,
+    #: for callers that only read it (no copy out of the page cache, no fresh pages to fault in).
+    mmap_mode = None
+
+    def parse(self, path):
+        """What an entry holds for ``path``: read_pcd(path). A subclass may store a cloud derived
+        from it ((K, 4) float32, e.g. less some points), in its own cache folder."""
+        return read_pcd(path)
+
     def load(self, path):
-        """Same as read_pcd(path) -> (N, 4) float32, served from the cache when fresh."""
+        """Same as self.parse(path) -> (N, 4) float32, served from the cache when fresh."""
         file_stat = _stat(path)
         entry = self._entry_for(os.path.abspath(path), file_stat)
-        cached = _load_entry(entry)
+        cached = _load_entry(entry, self.mmap_mode)
         if cached is not None:
             return cached
-        points = read_pcd(path)
+        points = self.parse(path)
         # Store only if the file did not change while it was parsed; otherwise the entry
         # would pair the old key with new content.
         if _same_version(file_stat, _stat(path)):
@@ -591,10 +600,11 @@ def _same_version(stat_a, stat_b):
     return (stat_a.st_size, stat_a.st_mtime_ns) == (stat_b.st_size, stat_b.st_mtime_ns)
 
 
-def _load_entry(entry):
-    """Cached (N, 4) float32 array, or None when absent, unreadable or not a valid cloud."""
+def _load_entry(entry, mmap_mode=None):
+    """Cached (N, 4) float32 array, or None when absent, unreadable or not a valid cloud.
+    ``mmap_mode="r"``: a read-only plain ndarray view of the file mapped in memory."""
     try:
-        cached = np.load(entry, allow_pickle=False)
+        cached = np.load(entry, mmap_mode=mmap_mode, allow_pickle=False)
     except (OSError, ValueError, EOFError):
         return None                   # missing, truncated or garbage: parse again
     if not isinstance(cached, np.ndarray):
@@ -602,7 +612,7 @@ def _load_entry(entry):
         return None
     if cached.dtype != np.float32 or cached.ndim != 2 or cached.shape[1] != 4:
         return None
-    return cached
+    return np.asarray(cached)         # a np.memmap as a plain array (its slices stay plain)
 
 
 def _remove_quietly(file_name):

@@ -3,7 +3,10 @@
 Every reader is a split index with the interface of :class:`opencood.data.opv2v.OPV2VSplit`
 (``len``, ``info``, ``scenarios``, ``timestamps``, ``load_cav_frame``, ``load_sample``,
 ``cav_boxes``), so every fusion strategy, augmentation, pose noise, latency and the visibility
-split work on each of them unchanged.
+split work on each of them unchanged. The datasets' per-sample path (issue 28) reads a frame by
+its key (scenario, cav_id, timestamp) without building its dict: ``lidar_pose``, ``vehicles``,
+``load_points`` (own-body returns removed, cached), ``sample_gt`` and ``frame_boxes`` (GT in the
+ego's / the agent's own frame); every reader has them.
 
 * ``opv2v``, ``v2xset``: ``<split>/<scenario>/<cav_id>/<ts>.pcd|.yaml``, world-frame boxes,
   6-number poses (V2XSet: roadside units in negative-id folders).

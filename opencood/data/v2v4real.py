@@ -126,6 +126,29 @@ def object_corners(vehicle: dict) -> np.ndarray:
     return corners @ object_to_cav[:3, :3].T + object_to_cav[:3, 3]
 
 
+def own_frame_objects(vehicles: dict, cav_id: str):
+    """One CAV's objects as arrays in its own lidar frame, pedestrians left out, in key order:
+    (ids (V,) int64 across CAVs (:func:`object_id`), corners (V, 8, 3) float64)."""
+    keys = [key for key in sorted(vehicles) if vehicles[key].get("obj_type") not in SKIPPED_TYPES]
+    if not keys:
+        return np.zeros(0, dtype=np.int64), np.zeros((0, 8, 3), dtype=np.float64)
+    return (np.asarray([object_id(key, vehicles[key], cav_id) for key in keys], dtype=np.int64),
+            np.stack([object_corners(vehicles[key]) for key in keys]))
+
+
+def objects_to_boxes(ids: np.ndarray, corners: np.ndarray, cav_to_target: np.ndarray,
+                     limit_range, order: str = "hwl"):
+    """:func:`own_frame_objects`' arrays seen from a target frame (cav_to_target (4, 4)) ->
+    (ids (M,) int64, boxes (M, 7) float64 in ``order``), boxes with >= 2 corners in range."""
+    if not len(ids):
+        return np.zeros(0, dtype=np.int64), np.zeros((0, 7), dtype=np.float64)
+    corners = corners @ cav_to_target[:3, :3].T + cav_to_target[:3, 3]
+    boxes = corners_to_boxes(corners, order)
+    keep = corners_in_range_mask(boxes_to_corners_3d(boxes, order), limit_range,
+                                 min_corners=GT_MIN_CORNERS)
+    return ids[keep], boxes[keep]
+
+
 def own_frame_boxes(vehicles: dict, cav_id: str, cav_to_target: np.ndarray, limit_range,
                     order: str = "hwl"):
     """One CAV's objects (own lidar frame) seen from a target frame.
@@ -134,16 +157,8 @@ def own_frame_boxes(vehicles: dict, cav_id: str, cav_to_target: np.ndarray, limi
     float64 in ``order``), pedestrians left out, boxes with >= 2 corners in ``limit_range``,
     in key order.
     """
-    keys = [key for key in sorted(vehicles) if vehicles[key].get("obj_type") not in SKIPPED_TYPES]
-    if not keys:
-        return np.zeros(0, dtype=np.int64), np.zeros((0, 7), dtype=np.float64)
-    corners = np.stack([object_corners(vehicles[key]) for key in keys])
-    corners = corners @ cav_to_target[:3, :3].T + cav_to_target[:3, 3]
-    boxes = corners_to_boxes(corners, order)
-    keep = corners_in_range_mask(boxes_to_corners_3d(boxes, order), limit_range,
-                                 min_corners=GT_MIN_CORNERS)
-    ids = np.asarray([object_id(key, vehicles[key], cav_id) for key in keys], dtype=np.int64)
-    return ids[keep], boxes[keep]
+    ids, corners = own_frame_objects(vehicles, cav_id)
+    return objects_to_boxes(ids, corners, cav_to_target, limit_range, order)
 
 
 def union_by_id(per_cav: list):
@@ -176,19 +191,35 @@ class V2V4RealSplit(OPV2VSplit):
         frame["cav_id"] = cav_id
         return frame
 
-    def load_sample(self, index: int, gt_range, order: str = "hwl") -> dict:
-        """As OPV2VSplit's; GT is the union of the used CAVs' own-frame objects projected with
-        their true CAV -> ego matrices (module doc)."""
+    def vehicle_arrays(self, scenario: str, cav_id: str, timestamp: str):
+        """(ids (V,), corners (V, 8, 3)) of the frame's objects in the CAV's own frame
+        (:func:`own_frame_objects`), built on the frame's first use and kept: what OPV2V's
+        VehicleArrays (world poses) are to its GT."""
+        key = (scenario, cav_id, timestamp)
+        arrays = self._vehicle_arrays.get(key)
+        if arrays is None:
+            arrays = own_frame_objects(self.vehicles(scenario, cav_id, timestamp), cav_id)
+            self._vehicle_arrays[key] = arrays
+        return arrays
+
+    def sample_gt(self, index: int, gt_range, order: str = "hwl"):
+        """GT of sample ``index`` in the ego frame: the union of the used CAVs' own-frame objects
+        projected with their true CAV -> ego matrices (module doc); OPV2VSplit.load_sample and
+        the datasets take it from here."""
         info = self.info(index)
-        cavs = {cav_id: self.load_cav_frame(info.scenario, cav_id, info.timestamp)
-                for cav_id in info.cav_ids}
-        ego_pose = cavs[info.ego_id]["lidar_pose"]
-        for cav in cavs.values():
-            cav["T_to_ego"] = relative_transform(cav["lidar_pose"], ego_pose)
-        gt_ids, gt_boxes = union_by_id([
-            own_frame_boxes(cav["vehicles"], cav_id, cav["T_to_ego"], gt_range, order)
-            for cav_id, cav in cavs.items()])
-        return {"info": info, "cavs": cavs, "gt_ids": gt_ids, "gt_boxes": gt_boxes}
+        ego_pose = self.lidar_pose(info.scenario, info.ego_id, info.timestamp)
+        return union_by_id([
+            objects_to_boxes(*self.vehicle_arrays(info.scenario, cav_id, info.timestamp),
+                             relative_transform(self.lidar_pose(info.scenario, cav_id,
+                                                                info.timestamp), ego_pose),
+                             gt_range, order)
+            for cav_id in info.cav_ids])
+
+    def frame_boxes(self, scenario: str, cav_id: str, timestamp: str, gt_range,
+                    order: str = "hwl"):
+        """:meth:`cav_boxes` of one CAV frame by its key (the datasets' late-fusion path)."""
+        return objects_to_boxes(*self.vehicle_arrays(scenario, cav_id, timestamp), np.eye(4),
+                                gt_range, order)
 
     def cav_boxes(self, cav: dict, gt_range, order: str = "hwl"):
         """The CAV's own objects in its own frame (late fusion's per-CAV GT)."""
