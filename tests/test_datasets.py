@@ -160,7 +160,7 @@ def test_build_dataset_errors_are_clear(road):
     cfg = load_config("hypes_yaml/synthetic/smoke.yaml", [f"root_dir={road}", "validate_dir=null"])
     with pytest.raises(ValueError, match="validate_dir"):
         build_dataset(cfg, "validate", train=False)
-    with pytest.raises(KeyError, match="registered fusion methods: early, intermediate, late, no"):
+    with pytest.raises(KeyError, match="registered fusion methods: early, intermediate, late, late_box_align, no"):
         build_dataset(cfg, "train", train=True, fusion_method="mid")
     with pytest.raises(ValueError, match="unknown augmentation 'flip'"):
         make(EarlyFusionDataset, road, train=True, augment_cfg=[{"NAME": "flip"}])

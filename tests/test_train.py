@@ -492,6 +492,24 @@ def test_restore_grad_scaler_loads_skips_or_ignores():
     assert not disabled.is_enabled() and disabled.state_dict() == {}
 
 
+def test_training_batches_come_through_the_device_prefetcher(data_root, tmp_path, cpu_only,
+                                                             monkeypatch):
+    """Every epoch's batches pass DevicePrefetcher (on CUDA it overlaps the next batch's copy
+    with the step; on CPU it hands the loader's batches over unchanged)."""
+    from opencood.data.collate import DevicePrefetcher
+    devices, real_iter = [], DevicePrefetcher.__iter__
+
+    def recording_iter(prefetcher):
+        devices.append(prefetcher.device)
+        return real_iter(prefetcher)
+
+    monkeypatch.setattr(DevicePrefetcher, "__iter__", recording_iter)
+    result = trainer.main(["--hypes_yaml", str(SMOKE_YAML), "--model_dir", str(tmp_path / "run"),
+                           "--set", "train_params.epoches=2", *data_args(data_root,
+                                                                         validate=None)])
+    assert result["step"] == 4 and devices == [torch.device("cpu")] * 2
+
+
 def test_fp16_resume_of_a_run_saved_without_a_scaler(data_root, tmp_path, cpu_only):
     """An fp32 run resumed with fp16 (an enabled GradScaler, which CPU training does not
     otherwise get) continues, loss scaling from the default scale."""

@@ -21,7 +21,7 @@ from typing import Dict
 import torch
 
 from opencood.config import ConfigError, save_config
-from opencood.data.collate import build_loader
+from opencood.data.collate import DevicePrefetcher, build_loader
 from opencood.data.datasets import build_dataset
 from opencood.engine.hooks import NO_HOOKS, TrainHooks
 from opencood.engine.loop import group_micro_batches, optimizer_step
@@ -205,7 +205,9 @@ class EpochRunner:
         self.parts.model.train()
         bar = progress_bar(self.plan.steps_per_epoch, epoch, progress.epoch_steps_done)
         epoch_start, epoch_samples = time.perf_counter(), 0
-        for micro_batches in group_micro_batches(train_loader, self.plan.accum):
+        # On CUDA the next batch's copy to the device overlaps this step (a pass-through on CPU).
+        batches = DevicePrefetcher(train_loader, self.info.device)
+        for micro_batches in group_micro_batches(batches, self.plan.accum):
             if progress.step >= self.plan.total_steps:
                 break                              # train_params.max_steps ends inside an epoch
             self.hooks.before_step(progress.step + 1)
