@@ -3,7 +3,6 @@ synthetic world written in the format and read back (round trip)."""
 from __future__ import annotations
 
 import json
-import math
 import shutil
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from opencood.data.synthetic.writer import SPLITS, scan_frames
 from opencood.data.synthetic.writer_dairv2x import WORLD_ORIGIN, adapt_preset, virtual_lidar
 from opencood.data.wild import WildSetting
 from opencood.ops.transforms import pose_to_matrix
+from test_v2v4real import _match_boxes
 
 BIG_RANGE = [-1000.0, -1000.0, -100.0, 1000.0, 1000.0, 100.0]
 SPLIT_FILE = {"train": "train.json", "validate": "val.json", "test": "test.json"}
@@ -177,20 +177,9 @@ def test_round_trip_poses_boxes_and_points(dair_root):
                 seen.update(visible)
             _, expected = vehicles_to_boxes(seen, world.lidar_poses[world.cav_ids[0]][frame],
                                             BIG_RANGE)
-            assert _largest_gap(sample["gt_boxes"], expected) < 1e-4
+            assert _match_boxes(sample["gt_boxes"], expected) < 1e-4
             compared += len(expected)
     assert compared > 30
-
-
-def _largest_gap(got: np.ndarray, expected: np.ndarray) -> float:
-    """Largest difference between each expected box and the read box nearest it (same count)."""
-    assert got.shape == expected.shape
-    worst = 0.0
-    for box in expected:
-        nearest = got[np.argmin(np.linalg.norm(got[:, :2] - box[:2], axis=1))]
-        yaw_gap = abs((nearest[6] - box[6] + math.pi) % (2 * math.pi) - math.pi)
-        worst = max(worst, float(np.abs(nearest[:6] - box[:6]).max()), yaw_gap)
-    return worst
 
 
 def test_fusion_datasets_read_it_with_noise_latency_and_per_agent_gt(dair_root):

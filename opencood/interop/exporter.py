@@ -25,9 +25,6 @@ written, into a hidden folder renamed into place at the end.
 """
 from __future__ import annotations
 
-import os
-import shutil
-import uuid
 from pathlib import Path
 from typing import Optional, Tuple
 
@@ -36,7 +33,7 @@ import yaml
 
 from opencood.config import load_config
 from opencood.interop.opencood_ckpt import LINEAR_AS_CONV, RULES, InteropError, ours_to_opencood
-from opencood.interop.importer import our_state_shapes
+from opencood.interop.importer import our_state_shapes, staged_folder
 from opencood.interop.opencood_config import DATASETS, OPENCOOD_ANCHOR_Z
 from opencood.utils.checkpoint import load_checkpoint
 
@@ -292,18 +289,7 @@ def export_opencood_run(run_dir, out_dir, checkpoint: Optional[str] = None) -> P
     if out_dir.exists():
         raise InteropError(f"{out_dir}: already exists; give a new folder for the export")
     hypes, state, epoch = translate_our_run(run_dir, checkpoint)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = out_dir.with_name(f".{out_dir.name}.export-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    try:
-        staging.mkdir()
+    with staged_folder(out_dir, "export") as staging:
         (staging / "config.yaml").write_text(yaml.safe_dump(hypes, sort_keys=False))
         torch.save(state, staging / f"net_epoch{epoch}.pth")      # bare, as its train.py saves
-        try:
-            os.rename(staging, out_dir)
-        except OSError as error:
-            raise InteropError(f"{out_dir}: cannot create the folder "
-                               f"({error.strerror or error})") from None
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
     return out_dir

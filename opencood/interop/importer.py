@@ -15,12 +15,13 @@ nothing is left behind, and an existing destination is never touched.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
 import uuid
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import Iterator, Optional, Tuple
 
 import torch
 
@@ -85,25 +86,34 @@ def translate_run(peer_dir, checkpoint: Optional[str] = None) -> Tuple[dict, dic
     return cfg, ours, {"epoch": epoch, **provenance}
 
 
+@contextlib.contextmanager
+def staged_folder(out_dir: Path, purpose: str) -> Iterator[Path]:
+    """Yield a hidden staging folder beside ``out_dir``; when the block ends it becomes
+    ``out_dir`` in one rename, and on any error it is removed: a reader never sees a
+    half-written folder, and a failed ``purpose`` (import, export) leaves nothing behind."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = out_dir.with_name(f".{out_dir.name}.{purpose}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        staging.mkdir()
+        yield staging
+        try:
+            os.rename(staging, out_dir)
+        except OSError as error:
+            raise InteropError(f"{out_dir}: cannot create the folder "
+                               f"({error.strerror or error})") from None
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+
+
 def import_opencood_run(peer_dir, out_dir, checkpoint: Optional[str] = None) -> Path:
     """Translate ``peer_dir`` and write our run folder ``out_dir`` (must not exist yet)."""
     out_dir = Path(out_dir)
     if out_dir.exists():
         raise InteropError(f"{out_dir}: already exists; give a new folder for the imported run")
     cfg, state, provenance = translate_run(peer_dir, checkpoint)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = out_dir.with_name(f".{out_dir.name}.import-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    try:
-        staging.mkdir()
+    with staged_folder(out_dir, "import") as staging:
         save_config(cfg, staging / "config.yaml")
         save_checkpoint(staging / "last.pth", {"model": state, "epoch": provenance["epoch"],
                                                "imported_from": provenance})
-        try:
-            os.rename(staging, out_dir)
-        except OSError as error:
-            raise InteropError(f"{out_dir}: cannot create the run folder "
-                               f"({error.strerror or error})") from None
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
     return out_dir
