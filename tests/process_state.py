@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import logging
 
+import pytest
 import torch
 
 
@@ -42,3 +43,12 @@ def preserved_torch_switches():
     finally:
         for owner, name, value in saved:
             setattr(owner, name, value)
+
+
+@pytest.fixture
+def cpu_and_process_state(monkeypatch):
+    """In-process runs stay on CPU, and the logger and torch switches they change come back.
+    A test module uses it with ``pytestmark = pytest.mark.usefixtures(...)`` after importing it."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with preserved_torch_switches(), preserved_opencood_logger():
+        yield

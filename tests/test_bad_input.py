@@ -31,7 +31,8 @@ from opencood.utils import dist as dist_utils
 from opencood.utils.batching import split_global_batch
 from opencood.utils.dist import DistInfo
 from opv2v_factory import box_points, vehicle, write_frame, write_simple_split
-from process_state import preserved_opencood_logger, preserved_torch_switches
+from process_state import (cpu_and_process_state, preserved_opencood_logger,  # noqa: F401
+                           preserved_torch_switches)
 from tool_modules import load_tool
 
 trainer = load_tool("train")   # tools/train.py
@@ -57,12 +58,7 @@ def _private_cache(tmp_path_factory):
         yield
 
 
-@pytest.fixture(autouse=True)
-def _cpu_and_process_state(monkeypatch):
-    """In-process runs stay on CPU, and the logger and torch switches they change come back."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with preserved_torch_switches(), preserved_opencood_logger():
-        yield
+pytestmark = pytest.mark.usefixtures("cpu_and_process_state")
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,8 @@ from opencood.utils import dist as dist_utils
 from opencood.utils.checkpoint import save_checkpoint
 from dist_helpers import free_port, run_on_ranks
 from opv2v_factory import frame_stamps, write_simple_split
-from process_state import preserved_opencood_logger, preserved_torch_switches
+from process_state import (cpu_and_process_state, preserved_opencood_logger,  # noqa: F401
+                           preserved_torch_switches)
 from tool_modules import load_tool
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -37,12 +38,7 @@ SMOKE_YAML = CONFIG_DIR / "smoke.yaml"
 trainer = load_tool("train")
 
 
-@pytest.fixture(autouse=True)
-def _cpu_and_process_state(monkeypatch):
-    """In-process runs stay on CPU, and the logger and torch switches they change come back."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with preserved_torch_switches(), preserved_opencood_logger():
-        yield
+pytestmark = pytest.mark.usefixtures("cpu_and_process_state")
 
 
 @pytest.fixture(scope="module")

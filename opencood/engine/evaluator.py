@@ -37,7 +37,8 @@ from opencood.eval.records import (RECORDS_DIR, build_record, checkpoint_facts, 
 from opencood.models.build import build_model
 from opencood.strategies import get_strategy, strategy_names
 from opencood.utils import dist as dist_utils
-from opencood.utils.checkpoint import CheckpointError, check_state_dict_compatible, load_checkpoint
+from opencood.utils.checkpoint import (CheckpointError, check_state_dict_compatible,
+                                       load_checkpoint, run_checkpoint)
 from opencood.utils.atomic import atomic_write
 from opencood.utils.samplers import InferenceSampler
 
@@ -90,16 +91,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         if negative:
             parser.error(f"{flag} must be >= 0, got {negative[0]:g}")
     return args
-
-
-def pick_checkpoint(run_dir: Path, explicit: str | None) -> Path:
-    if explicit:
-        return Path(explicit)
-    for name in ("best.pth", "last.pth"):
-        if (run_dir / name).exists():
-            return run_dir / name
-    raise CheckpointError(f"{run_dir}: no best.pth or last.pth in the run folder "
-                          f"(give --checkpoint FILE)")
 
 
 def load_eval_model(cfg: Dict, checkpoint_path: Path, use_ema: bool,
@@ -311,7 +302,7 @@ def evaluate(args) -> List[Dict]:
         dist_utils.setup_logging(None, info.rank)
         configure_cuda(cfg)      # the TF32 switches training validated with
         with alike_on_every_rank(info.rank):
-            checkpoint_path = pick_checkpoint(run_dir, args.checkpoint)
+            checkpoint_path = run_checkpoint(run_dir, args.checkpoint)
             model, checkpoint = load_eval_model(cfg, checkpoint_path, args.use_ema, info.device)
             get_strategy(args.fusion_method or cfg["fusion"]["core_method"]).check_model(
                 model, cfg["model"]["core_method"])

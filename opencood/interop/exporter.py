@@ -35,7 +35,7 @@ from opencood.config import load_config
 from opencood.interop.opencood_ckpt import LINEAR_AS_CONV, RULES, InteropError, ours_to_opencood
 from opencood.interop.importer import our_state_shapes, staged_folder
 from opencood.interop.opencood_config import DATASETS, OPENCOOD_ANCHOR_Z
-from opencood.utils.checkpoint import load_checkpoint
+from opencood.utils.checkpoint import load_checkpoint, run_checkpoint
 
 # Our fusion module -> (OpenCOOD model, the stage it fuses at, whether it shrinks to 256
 # channels before its heads: they are on 384 channels otherwise)
@@ -266,7 +266,7 @@ def translate_our_run(run_dir, checkpoint: Optional[str] = None) -> Tuple[dict, 
         raise InteropError(f"{run_dir}: no config.yaml (give one of our run folders)")
     cfg = load_config(config_path)
     core_method, hypes = peer_config(cfg, str(config_path))
-    path = Path(checkpoint) if checkpoint else pick_our_checkpoint(run_dir)
+    path = run_checkpoint(run_dir, checkpoint)
     saved = load_checkpoint(path)
     if "model" not in saved:
         raise InteropError(f"{path}: not a training checkpoint (no 'model' entry)")
@@ -275,21 +275,10 @@ def translate_our_run(run_dir, checkpoint: Optional[str] = None) -> Tuple[dict, 
     return hypes, state, max(int(saved.get("epoch", 0)), 0)
 
 
-def pick_our_checkpoint(run_dir: Path) -> Path:
-    """As ``tools/eval.py`` picks it: best.pth, else last.pth."""
-    for name in ("best.pth", "last.pth"):
-        if (run_dir / name).is_file():
-            return run_dir / name
-    raise InteropError(f"{run_dir}: no best.pth or last.pth (give --checkpoint FILE)")
-
-
 def export_opencood_run(run_dir, out_dir, checkpoint: Optional[str] = None) -> Path:
     """Translate our ``run_dir`` and write OpenCOOD's run folder ``out_dir`` (must not exist)."""
-    out_dir = Path(out_dir)
-    if out_dir.exists():
-        raise InteropError(f"{out_dir}: already exists; give a new folder for the export")
     hypes, state, epoch = translate_our_run(run_dir, checkpoint)
-    with staged_folder(out_dir, "export") as staging:
+    with staged_folder(Path(out_dir), "export") as staging:
         (staging / "config.yaml").write_text(yaml.safe_dump(hypes, sort_keys=False))
         torch.save(state, staging / f"net_epoch{epoch}.pth")      # bare, as its train.py saves
-    return out_dir
+    return Path(out_dir)

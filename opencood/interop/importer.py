@@ -88,9 +88,12 @@ def translate_run(peer_dir, checkpoint: Optional[str] = None) -> Tuple[dict, dic
 
 @contextlib.contextmanager
 def staged_folder(out_dir: Path, purpose: str) -> Iterator[Path]:
-    """Yield a hidden staging folder beside ``out_dir``; when the block ends it becomes
-    ``out_dir`` in one rename, and on any error it is removed: a reader never sees a
-    half-written folder, and a failed ``purpose`` (import, export) leaves nothing behind."""
+    """Yield a hidden staging folder beside ``out_dir`` (which must not exist yet); when the
+    block ends it becomes ``out_dir`` in one rename, and on any error it is removed: a reader
+    never sees a half-written folder, and a failed ``purpose`` (import, export) leaves nothing
+    behind."""
+    if out_dir.exists():
+        raise InteropError(f"{out_dir}: already exists; give a new folder for the {purpose}")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = out_dir.with_name(f".{out_dir.name}.{purpose}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
@@ -108,12 +111,9 @@ def staged_folder(out_dir: Path, purpose: str) -> Iterator[Path]:
 
 def import_opencood_run(peer_dir, out_dir, checkpoint: Optional[str] = None) -> Path:
     """Translate ``peer_dir`` and write our run folder ``out_dir`` (must not exist yet)."""
-    out_dir = Path(out_dir)
-    if out_dir.exists():
-        raise InteropError(f"{out_dir}: already exists; give a new folder for the imported run")
     cfg, state, provenance = translate_run(peer_dir, checkpoint)
-    with staged_folder(out_dir, "import") as staging:
+    with staged_folder(Path(out_dir), "import") as staging:
         save_config(cfg, staging / "config.yaml")
         save_checkpoint(staging / "last.pth", {"model": state, "epoch": provenance["epoch"],
                                                "imported_from": provenance})
-    return out_dir
+    return Path(out_dir)

@@ -113,6 +113,18 @@ def history_files(run_dir) -> list:
     return sorted((Path(run_dir) / HISTORY_DIR).glob("step_*.pth"), reverse=True)
 
 
+def run_checkpoint(run_dir: Path, explicit: str | None = None) -> Path:
+    """The checkpoint a run is evaluated or exported from: ``explicit`` when given, else the
+    run folder's best.pth, else its last.pth."""
+    if explicit:
+        return Path(explicit)
+    for name in ("best.pth", "last.pth"):
+        if (Path(run_dir) / name).is_file():
+            return Path(run_dir) / name
+    raise CheckpointError(f"{run_dir}: no best.pth or last.pth in the run folder "
+                          f"(give --checkpoint FILE)")
+
+
 def newest_readable_checkpoint(run_dir) -> tuple:
     """(path, state, [(unreadable path, reason), ...]) of the newest checkpoint that loads:
     RUN/last.pth, else the history newest first. (None, None, []) for a run never saved; a
