@@ -15,6 +15,11 @@ RSU: a LiDAR 4-5 m up on a pole, looking down), written under
 * ``cooperative/label_world``: world 8-corner boxes (DAIR's corner order) of every vehicle either
   agent's LiDAR hits (CoAlign's complemented labels); ``label_world_backup``: the original kind,
   only those in front of the vehicle (x > 0 in its lidar frame, where DAIR's camera looks);
+* single-side labels, as DAIR ships them (HEAL's reader opens them for every pair):
+  ``vehicle-side/label/lidar`` (what the vehicle's LiDAR hits, in its lidar frame; CoAlign's
+  complemented kind), ``vehicle-side/label/lidar_backup`` (those in front, the original kind)
+  and ``infrastructure-side/label/virtuallidar`` (what the roadside unit hits, in its virtual
+  LiDAR frame): ``3d_location`` the box centre, ``rotation`` its yaw in that frame;
 * clouds: binary PCD ``x y z intensity`` with intensity in 0..255 (the synthetic 0..1 times 256);
 * ids: vehicle frames ``100000 + 1000 * scenario + frame``, roadside frames ``500000 + ...``;
   ``train.json``, ``val.json``, ``test.json`` list the vehicle frame ids of each split.
@@ -103,6 +108,18 @@ def label(entry: dict, kind: str) -> dict:
             "world_8_points": corners.tolist()}
 
 
+def side_label(entry: dict, kind: str, world_to_lidar: np.ndarray) -> dict:
+    """A single-side label (DAIR's ``label/lidar`` kind) of an OPV2V world entry, in the lidar
+    frame ``world_to_lidar`` (4, 4) maps DAIR's world to: centre, sizes and yaw of the box."""
+    corners = dair_corners(entry) @ world_to_lidar[:3, :3].T + world_to_lidar[:3, 3]
+    half_l, half_w, half_h = entry["extent"]
+    forward = corners[0] - corners[3]                   # +l/2 minus -l/2 along the box's x
+    return {"type": KIND_TO_TYPE.get(kind, "Car"), "occluded_state": 0, "truncated_state": 0,
+            "alpha": 0.0, "3d_dimensions": {"h": 2 * half_h, "w": 2 * half_w, "l": 2 * half_l},
+            "3d_location": dict(zip("xyz", corners.mean(axis=0).tolist())),
+            "rotation": float(np.arctan2(forward[1], forward[0]))}
+
+
 def _write_json(path: Path, data) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1))
@@ -136,6 +153,10 @@ def write_pair(root: Path, world, frame: int, scans: dict, ids: tuple, offset: d
     _write_cloud(root / "vehicle-side" / "velodyne" / f"{vehicle_frame}.pcd", scans[vehicle_id][0])
     _write_cloud(root / "infrastructure-side" / "velodyne" / f"{rsu_frame}.pcd", rsu_points)
     _write_labels(root, world, vehicle_frame, scans, lidar_to_world)
+    _write_side_labels(root / "vehicle-side" / "label", vehicle_frame, world,
+                       scans[vehicle_id][1], lidar_to_world, ("lidar", "lidar_backup"))
+    _write_side_labels(root / "infrastructure-side" / "label", rsu_frame, world,
+                       scans[rsu_id][1], rsu_to_world, ("virtuallidar", None))
     return _pair_info(vehicle_frame, rsu_frame, offset)
 
 
@@ -151,6 +172,19 @@ def _write_labels(root: Path, world, vehicle_frame: str, scans: dict, lidar_to_w
     cooperative = root / "cooperative"
     _write_json(cooperative / "label_world" / f"{vehicle_frame}.json", labels)
     _write_json(cooperative / "label_world_backup" / f"{vehicle_frame}.json", in_front)
+
+
+def _write_side_labels(folder: Path, frame_id: str, world, visible: dict, lidar_to_world,
+                       names: tuple) -> None:
+    """One agent's single-side labels: ``names[0]`` every vehicle its LiDAR hit, ``names[1]``
+    (when given) those in front of it (x > 0), both in its lidar frame."""
+    world_to_lidar = np.linalg.inv(lidar_to_world)
+    labels = [side_label(visible[actor], world.track(actor).kind, world_to_lidar)
+              for actor in sorted(visible)]
+    _write_json(folder / names[0] / f"{frame_id}.json", labels)
+    if names[1] is not None:
+        _write_json(folder / names[1] / f"{frame_id}.json",
+                    [item for item in labels if item["3d_location"]["x"] > 0])
 
 
 def _pair_info(vehicle_frame: str, rsu_frame: str, offset: dict) -> dict:
