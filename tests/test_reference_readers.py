@@ -126,3 +126,36 @@ def test_our_reader_reads_what_the_reference_reads(name, folders):
             np.testing.assert_allclose(to_ego, ref_to_ego, atol=TRANSFORM_TOL,
                                        err_msg=f"{where} {agent_id}")
     assert len(samples) == 9 and compared_boxes > 100
+
+
+def test_synthetic_dairv2x_single_side_labels_agree_with_the_cooperative_ones(folders):
+    """HEAL opens each side's own labels for every pair: ours place the same boxes, each side's
+    in its own lidar frame (the roadside unit's through its offset-corrected calib)."""
+    root = folders["dairv2x"] / "cooperative-vehicle-infrastructure"
+    reader = open_split("dairv2x", root / "train.json", use_point_cache=False, index_cache=False)
+    checked = 0
+    for index in range(len(reader)):
+        info = reader.info(index)
+        frame = reader.load_cav_frame(info.scenario, "0", info.timestamp)["params"]
+        for side, cav_id, folder in (("vehicle", "0", "vehicle-side/label/lidar"),
+                                     ("infrastructure", "-1",
+                                      "infrastructure-side/label/virtuallidar")):
+            ids, coop = reader.frame_boxes(info.scenario, cav_id, info.timestamp,
+                                           [-1e4, -1e4, -1e3, 1e4, 1e4, 1e3])
+            labels = json.loads((root / folder / f"{frame[side + '_id']}.json").read_text())
+            assert labels, (side, info.timestamp)
+            for label in labels:
+                centre = np.array([label["3d_location"][k] for k in "xyz"])
+                row = coop[np.argmin(np.linalg.norm(coop[:, :3] - centre, axis=1))]
+                size = label["3d_dimensions"]
+                assert np.abs(row[:3] - centre).max() < 1e-4, (side, info.timestamp)
+                np.testing.assert_allclose(row[3:6], [size["h"], size["w"], size["l"]],
+                                           atol=1e-4)
+                assert _yaw_gap(row[6], label["rotation"]) < 1e-5
+                checked += 1
+        front = json.loads((root / "vehicle-side/label/lidar_backup" /
+                            f"{frame['vehicle_id']}.json").read_text())
+        everything = json.loads((root / "vehicle-side/label/lidar" /
+                                 f"{frame['vehicle_id']}.json").read_text())
+        assert front == [label for label in everything if label["3d_location"]["x"] > 0]
+    assert checked > 20

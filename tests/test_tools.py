@@ -31,7 +31,7 @@ BENCH_FIGURES = {"pillarise", "targets", "profile", "train_step_model_only",
                  "eval_postprocess_per_frame", "eval_inference_per_frame", "dataloader",
                  "dataloader_by_fusion", "train_step_end_to_end", "bev_iou", "ap",
                  "visibility_count", "pcd", "host_syncs_per_step", "pose_graph_solve_ms",
-                 "loader_cpu_ms"}
+                 "loader_cpu_ms", "loader_by_format"}
 DATA_FIGURES = {"dataloader", "dataloader_by_fusion", "train_step_end_to_end", "loader_cpu_ms"}
 # Figures timing ours against a reference on the same input.
 RATIO_FIGURES = {"pillarise", "targets", "bev_iou", "ap", "visibility_count"}
@@ -168,7 +168,7 @@ def check_figure(record: dict) -> None:
     assert "error" not in record, record
     assert record["device"] == "cpu"
     if record["figure"] in ("peak_gpu_memory", "profile", "pcd", "dataloader_by_fusion",
-                            "host_syncs_per_step", "loader_cpu_ms"):
+                            "host_syncs_per_step", "loader_cpu_ms", "loader_by_format"):
         return
     assert record["ms"] > 0, record
     if record["figure"] in RATIO_FIGURES:
@@ -222,6 +222,11 @@ def test_bench_quick_cpu_prints_only_json_lines(tmp_path):
                             "read_pcd_binary", "cache_miss", "cache_hit"}
     assert methods["loadtxt"]["speedup_vs_loadtxt"] == 1.0
     assert by_name["profile"]["parameters"] > 0
+    formats = by_name["loader_by_format"]["formats"]
+    assert set(formats) == {"opv2v", "v2v4real", "dairv2x"}
+    for figures in formats.values():      # tiny: 3 splits x 1 scenario x 3 frames
+        for path in ("reader", "dataset"):
+            assert figures[path]["samples"] == 9 and figures[path]["samples_per_s"] > 0
     assert step["static_pillars"] == 0 and not step["sync_free_step"] and not step["compile"]
     syncs = by_name["host_syncs_per_step"]
     assert syncs["syncs"] == sum(syncs["by_kind"].values()) and syncs["by_kind"]["unique"] >= 1

@@ -98,7 +98,8 @@ PRESETS = {
                     visibility_points=2_000, pcd_points=2_000,
                     cpu_seconds={"setup": 4, "pillarise": 0.2, "train_step_model_only": 0.1,
                                  "host_syncs_per_step": 0.2,
-                                 "train_step_no_pillarise": 0.1, "ap": 0.1, "pcd": 1}),
+                                 "train_step_no_pillarise": 0.1, "ap": 0.1, "pcd": 1,
+                                 "loader_by_format": 3}),
     "lite": Preset("hypes_yaml/synthetic/point_pillar_attfuse.yaml", steps=10, warmup=3,
                    pillars=2_000, gt_boxes=10, loader_batches=20, eval_frames=64, ap_frames=100,
                    iou_pairs=20_000, visibility_points=105_000, pcd_points=120_000,
@@ -107,7 +108,7 @@ PRESETS = {
                                 "eval_inference_per_frame": 1.2, "train_step_model_only": 2.6,
                                 "host_syncs_per_step": 0.6,
                                 "train_step_no_pillarise": 2.5, "bev_iou": 1.3, "ap": 2.0,
-                                "visibility_count": 0.6, "pcd": 4.5}),
+                                "visibility_count": 0.6, "pcd": 4.5, "loader_by_format": 6}),
     "opv2v": Preset("hypes_yaml/opv2v/point_pillar_attfuse.yaml", steps=10, warmup=3,
                     pillars=16_000, gt_boxes=20, loader_batches=30, eval_frames=64,
                     ap_frames=200, iou_pairs=100_000, visibility_points=105_000,
@@ -117,7 +118,7 @@ PRESETS = {
                                  "eval_inference_per_frame": 59, "train_step_model_only": 173,
                                  "host_syncs_per_step": 30,
                                  "train_step_no_pillarise": 158, "bev_iou": 5.1, "ap": 4.2,
-                                 "visibility_count": 0.4, "pcd": 4.5}),
+                                 "visibility_count": 0.4, "pcd": 4.5, "loader_by_format": 6}),
 }
 
 # What --list prints, in the order the figures are measured.
@@ -157,6 +158,11 @@ FIGURES = {
     "pose_graph_solve_ms": "ms per sample of CoAlign's pose correction (opencood.ops.pose_graph."
                            "align_poses: clustering, graph, LM) for 5 agents x 60 boxes, on one "
                            "CPU thread",
+    "loader_by_format": "samples/s per data set format (opv2v, v2v4real, dairv2x) on the tiny "
+                        "synthetic folders written in it: our reader (files -> agents' clouds, "
+                        "transforms and ego-frame GT, no point cache) and our intermediate "
+                        "fusion dataset (warm point cache); tools/reference/"
+                        "bench_reference_readers.py times the reference readers on such files",
     "pcd": "ms per cloud: np.loadtxt, read_pcd (ascii, general ascii, binary), point-cache "
            "miss and hit",
 }
@@ -1075,6 +1081,79 @@ def bench_pcd(suite: Suite) -> List[Dict]:
     return [suite.record("pcd", points=len(points), file_mb=megabytes, methods=timings)]
 
 
+# -- loader_by_format (issue 25) ---------------------------------------------------------------
+
+FORMAT_SPLITS = {"opv2v": ("train", "validate", "test"), "v2v4real": ("train", "validate", "test"),
+                 "dairv2x": ("train.json", "val.json", "test.json")}
+# The range each reader filters its GT with, as the reference readers do (V2V4Real's GT_RANGE,
+# HEAL's DAIR range with z widened by 1 m, OpenCOOD's OPV2V GT range).
+FORMAT_GT_RANGE = {"opv2v": [-140.8, -40.0, -3.0, 140.8, 40.0, 1.0],
+                   "v2v4real": [-100.0, -40.0, -5.0, 100.0, 40.0, 3.0],
+                   "dairv2x": [-102.4, -51.2, -4.5, 102.4, 51.2, 2.5]}
+# Every agent of a sample is read (tiny OPV2V has up to 4 CAVs), as the references' base data do.
+FORMAT_MAX_CAV = 5
+
+
+def format_split_dirs(root: Path, data_format: str) -> List[Path]:
+    """The split folders (DAIR-V2X-C: split files) of a synthetic data set written in a format."""
+    base = root / "cooperative-vehicle-infrastructure" if data_format == "dairv2x" else root
+    return [base / split for split in FORMAT_SPLITS[data_format]]
+
+
+def samples_per_s(suite: Suite, load_all: Callable[[], int]) -> Dict:
+    """Median samples/s over ``steps`` timed passes of ``load_all`` (it returns the samples it
+    loaded), after ``warmup`` untimed ones."""
+    count = load_all()
+    times = suite.time(load_all, torch.device("cpu"))
+    median = statistics.median(times)
+    return {"samples_per_s": round(count / (median / 1e3), 1),
+            "ms_per_sample": round(median / count, 3), "samples": count}
+
+
+def bench_loader_by_format(suite: Suite) -> List[Dict]:
+    """Per format: the tiny synthetic data set written in it (seed 0, a temporary folder), then
+    the samples/s of our reader (``load_sample``: every agent's cloud parsed from its file, its
+    transform to the ego, the ego-frame GT; the index is built beforehand, as the references
+    build theirs) and of IntermediateFusionDataset.__getitem__ (the training path: point cache
+    warm after the first pass, no augmentation), over every sample of the three splits."""
+    from opencood.data.datasets import IntermediateFusionDataset
+    from opencood.data.sources import open_split
+    from opencood.data.synthetic import generate_dataset
+    formats = {}
+    with tempfile.TemporaryDirectory(prefix="loader_by_format_") as folder:
+        for data_format in FORMAT_SPLITS:
+            root = Path(folder) / data_format
+            generate_dataset(root, preset="tiny", seed=0, progress=False, data_format=data_format)
+            gt_range = FORMAT_GT_RANGE[data_format]
+            splits = format_split_dirs(root, data_format)
+            readers = [open_split(data_format, split, com_range=1e6, max_cav=FORMAT_MAX_CAV,
+                                  use_point_cache=False, cache_dir=Path(folder) / "cache")
+                       for split in splits]
+            datasets = [IntermediateFusionDataset(split, gt_range=gt_range,
+                                                  max_cav=FORMAT_MAX_CAV,
+                                                  com_range=1e6, dataset=data_format,
+                                                  cache_dir=Path(folder) / "cache")
+                        for split in splits]
+
+            def read_all(readers=readers, gt_range=gt_range) -> int:
+                for reader in readers:
+                    for index in range(len(reader)):
+                        reader.load_sample(index, gt_range)
+                return sum(len(reader) for reader in readers)
+
+            def dataset_all(datasets=datasets) -> int:
+                for dataset in datasets:
+                    for index in range(len(dataset)):
+                        dataset[index]
+                return sum(len(dataset) for dataset in datasets)
+
+            formats[data_format] = {"reader": samples_per_s(suite, read_all),
+                                    "dataset": samples_per_s(suite, dataset_all)}
+    return [suite.record("loader_by_format", formats=formats, data="tiny synthetic, seed 0",
+                         reference="tools/reference/bench_reference_readers.py (side "
+                                   "environment): the reference readers on the same files")]
+
+
 # -- the suite ---------------------------------------------------------------------------------
 
 class Group(NamedTuple):
@@ -1105,6 +1184,7 @@ GROUPS = (
     Group(("ap",), "", bench_ap),
     Group(("visibility_count",), "", bench_visibility_count),
     Group(("pose_graph_solve_ms",), "", bench_pose_graph),
+    Group(("loader_by_format",), "", bench_loader_by_format),
     Group(("pcd",), "", bench_pcd),
 )
 

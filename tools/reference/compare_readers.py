@@ -123,7 +123,8 @@ def v2v4real_sample(dataset, post_processor, index: int):
     # the intermediate dataset's de-duplication: the first occurrence of an id is kept
     unique = [id_stack.index(x) for x in sorted(set(id_stack))]
     ego = next(iter(base.values()))
-    key = f"{ego['folder_name']}/{dataset.return_timestamp_key(dataset.scenario_database[_scenario_of(dataset, index)], ego['index'])}"
+    scenario = dataset.scenario_database[_scenario_of(dataset, index)]
+    key = f"{ego['folder_name']}/{dataset.return_timestamp_key(scenario, ego['index'])}"
     return key, [id_stack[i] for i in unique], boxes[unique], agents
 
 
@@ -134,19 +135,25 @@ def _scenario_of(dataset, index: int) -> int:
     raise IndexError(index)
 
 
-def run_v2v4real(root: Path, out: Path) -> None:
+def v2v4real_post_processor():
+    """V2V4Real's post-processor base, test mode (GT filtered with its GT_RANGE)."""
     # the cython IoU of the voxel post-processor (built by setup.py): the GT path never calls it
     _stub("opencood.utils.box_overlaps", bbox_overlaps=None)
     from opencood.data_utils.post_processor.base_postprocessor import BasePostprocessor
-    post_processor = BasePostprocessor({"order": ORDER, "max_num": 200,
-                                        "anchor_args": {"cav_lidar_range": V2V4REAL_GT_RANGE}},
-                                       train=False)
-    record = _Record()
+    return BasePostprocessor({"order": ORDER, "max_num": 200,
+                              "anchor_args": {"cav_lidar_range": V2V4REAL_GT_RANGE}}, train=False)
+
+
+def v2v4real_reader(root: Path):
+    """[(split, sample count, sample(index) -> (key, ids, boxes, agents))] of the reference."""
+    post_processor = v2v4real_post_processor()
+    out = []
     for split in SPLITS["v2v4real"]:
         dataset = v2v4real_dataset(root / split)
-        for index in range(len(dataset)):
-            record.add(split, *v2v4real_sample(dataset, post_processor, index))
-    record.save(out / "v2v4real.npz", gt_range=V2V4REAL_GT_RANGE, reader="V2V4Real basedataset")
+        out.append((split, len(dataset),
+                    lambda index, dataset=dataset: v2v4real_sample(dataset, post_processor,
+                                                                    index)))
+    return out
 
 
 # ------------------------------------------------------------------------- HEAL DAIR-V2X-C
@@ -170,8 +177,9 @@ def heal_params(data_dir: Path, split_file: Path) -> dict:
                             "nms_thresh": 0.15}}
 
 
-def run_dairv2x(root: Path, out: Path) -> None:
-    _stub("opencood.utils.box_overlaps", bbox_overlaps=None)    # as in run_v2v4real
+def heal_imports():
+    """HEAL's DAIR base dataset class and x1_to_x2, with the stubs and the pypcd fix."""
+    _stub("opencood.utils.box_overlaps", bbox_overlaps=None)    # as in v2v4real_post_processor
     _stub("lzf")                    # pypcd's compressed-PCD codec: our clouds are binary
     _stub("h5py")                   # imported by the DAIR base dataset, unused for lidar
     # camera_utils builds image transforms at import; the lidar path never runs them
@@ -186,21 +194,46 @@ def run_dairv2x(root: Path, out: Path) -> None:
         f.read(metadata["points"] * dtype.itemsize), dtype=dtype).copy()
     from opencood.data_utils.datasets.basedataset.dairv2x_basedataset import DAIRV2XBaseDataset
     from opencood.utils.transformation_utils import x1_to_x2
+    return DAIRV2XBaseDataset, x1_to_x2
+
+
+def dairv2x_sample(dataset, x1_to_x2, index: int):
+    """(key, ids, boxes, agents) of one pair as HEAL's intermediate dataset reads it."""
+    base = dataset.retrieve_base_data(index)
+    ego_pose = base[0]["params"]["lidar_pose"]
+    boxes, mask, ids = dataset.generate_object_center([base[0]], ego_pose)
+    # agent ids as our reader names them: the vehicle "0", the roadside unit "-1" (HEAL: 1)
+    agents = [(0 if agent == 0 else -1, base[agent]["lidar_np"],
+               x1_to_x2(base[agent]["params"]["lidar_pose"], ego_pose)) for agent in (0, 1)]
+    return dataset.split_info[index], ids, boxes[mask == 1], agents
+
+
+def dairv2x_reader(root: Path):
+    """As v2v4real_reader, for HEAL's DAIR-V2X-C base dataset."""
+    dataset_class, x1_to_x2 = heal_imports()
     data_dir = root / "cooperative-vehicle-infrastructure"
-    record = _Record()
+    out = []
     for split in SPLITS["dairv2x"]:
-        dataset = DAIRV2XBaseDataset(heal_params(data_dir, data_dir / split), visualize=False,
-                                     train=False)
-        for index in range(len(dataset)):
-            base = dataset.retrieve_base_data(index)
-            ego_pose = base[0]["params"]["lidar_pose"]
-            boxes, mask, ids = dataset.generate_object_center([base[0]], ego_pose)
-            # agent ids as our reader names them: the vehicle "0", the roadside unit "-1"
-            agents = [(0 if agent == 0 else -1, base[agent]["lidar_np"],
-                       x1_to_x2(base[agent]["params"]["lidar_pose"], ego_pose))
-                      for agent in (0, 1)]
-            record.add(split, dataset.split_info[index], ids, boxes[mask == 1], agents)
-    record.save(out / "dairv2x.npz", gt_range=HEAL_DAIR_RANGE, reader="HEAL DAIRV2XBaseDataset")
+        dataset = dataset_class(heal_params(data_dir, data_dir / split), visualize=False,
+                                train=False)
+        out.append((split, len(dataset),
+                    lambda index, dataset=dataset: dairv2x_sample(dataset, x1_to_x2, index)))
+    return out
+
+
+READERS = {"v2v4real": (v2v4real_reader, {"gt_range": V2V4REAL_GT_RANGE,
+                                          "reader": "V2V4Real basedataset"}),
+           "dairv2x": (dairv2x_reader, {"gt_range": HEAL_DAIR_RANGE,
+                                        "reader": "HEAL DAIRV2XBaseDataset"})}
+
+
+def run(name: str, root: Path, out: Path) -> None:
+    make_reader, meta = READERS[name]
+    record = _Record()
+    for split, count, sample in make_reader(root):
+        for index in range(count):
+            record.add(split, *sample(index))
+    record.save(out / f"{name}.npz", **meta)
 
 
 def main(argv=None) -> int:
@@ -209,8 +242,7 @@ def main(argv=None) -> int:
         print(__doc__.split("\n\n")[0], file=sys.stderr)
         print("usage: compare_readers.py v2v4real|dairv2x DATA_DIR OUT_DIR", file=sys.stderr)
         return 2
-    run = run_v2v4real if args[0] == "v2v4real" else run_dairv2x
-    run(Path(args[1]), Path(args[2]))
+    run(args[0], Path(args[1]), Path(args[2]))
     print(f"wrote {Path(args[2]) / (args[0] + '.npz')}")
     return 0
 
