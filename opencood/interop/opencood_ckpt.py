@@ -31,7 +31,7 @@ L.0.layers.{b}.0.fn.relation_msg                  ...agent_attention.relation_ms
 L.0.layers.{b}.1.norm.*                           fusion.blocks.{d}.{b}.window_norm.*
 L.0.layers.{b}.1.fn.pwmsa.{s}.{to_qkv,to_out.0}.* ...window_attention.scales.{s}.(same)
 L.0.layers.{b}.1.fn.pwmsa.{s}.pos_embedding       ...window_attention.scales.{s}.position_bias
-L.0.layers.{b}.1.fn.split_attn.{fc1,bn1,fc2}.*    ...window_attention.split.{squeeze.0,squeeze.1,excite}.*
+L.0.layers.{b}.1.fn.split_attn.{fc1,bn1,fc2}.*    ...split.{squeeze.0,squeeze.1,excite}.*
 L.1.norm.*, L.1.fn.net.{j}.*                      fusion.feed_forwards.{d}.0.*, .1.{j}.*
 
 1. OpenCOOD pads with a ``ZeroPad2d(1)`` before each scale's strided conv (padding 0); ours

@@ -160,8 +160,9 @@ class HeteroAgentAttention(nn.Module):
 
     forward: x (B, L, H, W, C), types (B, L) int, senders (B, H or 1, W or 1, L) bool (which
     agents may send at each cell: real and, with STTF, inside their warped map)
-    -> (B, L, H, W, C). score(i <- j) = q_i^T W_att[t_i, t_j] k_j / sqrt(d) per head; message(i <- j) =
-    W_msg[t_i, t_j] v_j; output of agent i through its type's output projection.
+    -> (B, L, H, W, C). score(i <- j) = q_i^T W_att[t_i, t_j] k_j / sqrt(d) per head;
+    message(i <- j) = W_msg[t_i, t_j] v_j; output of agent i through its type's output
+    projection.
     """
 
     def __init__(self, dim: int, heads: int = 8, dim_head: int = 32, dropout: float = 0.0,
@@ -371,7 +372,8 @@ class V2XViTFusion(FusionModule):
             if args.use_delay_encoding else None
         self.cell_size, self.warp, self.roi_mask = args.cell_size, args.warp, args.roi_mask
         if args.prior_feed:
-            self.prior_feed = nn.Linear(in_channels + 3, in_channels)
+            # Frozen: it never sees a gradient (DDP without unused-parameter search would stop)
+            self.prior_feed = nn.Linear(in_channels + 3, in_channels).requires_grad_(False)
         self.blocks = nn.ModuleList()
         self.feed_forwards = nn.ModuleList()
         for _ in range(args.depth):
