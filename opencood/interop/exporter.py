@@ -9,9 +9,11 @@ point_pillar (no / early / late fusion)              point_pillar
 point_pillar_intermediate + attfuse (multiscale)     point_pillar_intermediate
 point_pillar_intermediate + fcooper (backbone)       point_pillar_fcooper
 point_pillar_intermediate + v2vnet (backbone)        point_pillar_v2vnet
+point_pillar_intermediate + v2xvit (backbone)        point_pillar_transformer (v2x-vit's)
 
 Reference options required: ``pillar_vfe.padded_slots: reference``, ``use_dir: false``,
-``postprocess.anchor_args.placement: reference``, V2VNet ``round_update: reference``; and the
+``postprocess.anchor_args.placement: reference``, V2VNet ``round_update: reference``, V2X-ViT
+``warp: reference``, ``delay_table: learned``, ``prior_feed: true``; and the
 widths OpenCOOD hard-codes (64 pillar features; heads on 384 channels, or 256 after the
 shrink header), box order hwl, anchors at z = -1.
 
@@ -41,7 +43,9 @@ from opencood.utils.checkpoint import load_checkpoint, run_checkpoint
 # channels before its heads: they are on 384 channels otherwise)
 INTERMEDIATE = {"attfuse": ("point_pillar_intermediate", "multiscale", False),
                 "fcooper": ("point_pillar_fcooper", "backbone", True),
-                "v2vnet": ("point_pillar_v2vnet", "backbone", True)}
+                "v2vnet": ("point_pillar_v2vnet", "backbone", True),
+                "v2xvit": ("point_pillar_transformer", "backbone", True)}   # v2x-vit's
+V2XVIT_WIDTH = 256                 # v2x-vit's split attention and heads are built for 256
 SINGLE_AGENT_HEAD = 384            # OpenCOOD's PointPillar: cls/reg heads on 128 * 3 channels
 SHRUNK_HEAD = 256                  # its F-Cooper and V2VNet: heads on 128 * 2 channels
 PILLAR_FEATURES = 64               # its backbones are built on 64 scattered channels
@@ -101,6 +105,12 @@ def check_reference_options(ours: _Ours, core_method: str) -> None:
                  "its backbone input is hard-coded")
     if core_method == "point_pillar_v2vnet":
         ours.require("model.args.fusion.args.round_update", "reference", why)
+    if core_method == "point_pillar_transformer":
+        ours.require("model.args.fusion.args.warp", "reference", why)
+        ours.require("model.args.fusion.args.delay_table", "learned",
+                     "its delay table is a trained tensor of its checkpoint")
+        ours.require("model.args.fusion.args.prior_feed", True,
+                     "its checkpoint holds the unused prior_feed layer")
 
 
 def check_head_width(ours: _Ours, core_method: str, fusion: Optional[dict]) -> None:
@@ -208,17 +218,54 @@ def peer_model_args(cfg: dict, lidar_range: list, fusion: Optional[dict]) -> dic
                                 "input_dim": sum(backbone["num_upsample_filter"])}
     if fusion["core_method"] == "v2vnet":
         out["v2vfusion"] = peer_v2vnet(cfg, fusion["args"], int(args["shrink_header"]["dim"]))
+    if fusion["core_method"] == "v2xvit":
+        out["transformer"] = {"encoder": peer_v2xvit(cfg, fusion["args"])}
     return out
 
 
-def peer_v2vnet(cfg: dict, fusion_args: dict, channels: int) -> dict:
-    """OpenCOOD's v2vfusion: its warp grid is voxel x downsample_rate per feature cell."""
+def feature_cell(cfg: dict, fusion_args: dict) -> tuple:
+    """(voxel size, feature stride), refusing a ``cell_size`` that is not their product (the
+    peer derives the cell from them)."""
     voxel_size = [float(v) for v in cfg["preprocess"]["args"]["voxel_size"]]
     stride = int(cfg["postprocess"]["anchor_args"]["feature_stride"])
     cell = voxel_size[0] * stride
     if abs(cell - float(fusion_args["cell_size"])) > 1e-6:
         raise InteropError(f"model.args.fusion.args.cell_size {fusion_args['cell_size']} is "
                            f"not voxel x feature_stride ({cell:g}), which OpenCOOD derives")
+    return voxel_size, stride
+
+
+def peer_v2xvit(cfg: dict, fusion_args: dict) -> dict:
+    """v2x-vit's V2XTEncoder settings (its point_pillar_v2xvit.yaml layout)."""
+    voxel_size, stride = feature_cell(cfg, fusion_args)
+    channels = int(cfg["model"]["args"]["shrink_header"]["dim"])
+    if channels != V2XVIT_WIDTH:
+        raise InteropError(f"model.args.shrink_header.dim {channels}: v2x-vit's transformer "
+                           f"is built for {V2XVIT_WIDTH} channels")
+    dropout = float(fusion_args["dropout"])
+    use_rte = bool(fusion_args["use_delay_encoding"])
+    ratio = int(fusion_args["rte_ratio"])
+    return {"num_blocks": int(fusion_args["num_blocks"]), "depth": int(fusion_args["depth"]),
+            "use_roi_mask": bool(fusion_args["roi_mask"]), "use_RTE": use_rte,
+            "RTE_ratio": ratio,
+            "cav_att_config": {"dim": channels, "use_hetero": True, "use_RTE": use_rte,
+                               "RTE_ratio": ratio, "heads": int(fusion_args["heads"]),
+                               "dim_head": int(fusion_args["dim_head"]), "dropout": dropout},
+            "pwindow_att_config": {
+                "dim": channels, "heads": [int(v) for v in fusion_args["window_heads"]],
+                "dim_head": [int(v) for v in fusion_args["window_dim_heads"]],
+                "dropout": dropout,
+                "window_size": [int(v) for v in fusion_args["window_sizes"]],
+                "relative_pos_embedding": True,
+                "fusion_method": "split_attn" if fusion_args["window_merge"] == "split_attn"
+                else "naive"},
+            "feed_forward": {"mlp_dim": int(fusion_args["mlp_dim"]), "dropout": dropout},
+            "sttf": {"voxel_size": voxel_size, "downsample_rate": stride}}
+
+
+def peer_v2vnet(cfg: dict, fusion_args: dict, channels: int) -> dict:
+    """OpenCOOD's v2vfusion: its warp grid is voxel x downsample_rate per feature cell."""
+    voxel_size, stride = feature_cell(cfg, fusion_args)
     nx = round((cfg["preprocess"]["cav_lidar_range"][3] -
                 cfg["preprocess"]["cav_lidar_range"][0]) / voxel_size[0])
     ny = round((cfg["preprocess"]["cav_lidar_range"][4] -

@@ -20,6 +20,19 @@ fusion_net.msg_cnn.bias                           fusion.message_cnn.bias       
 fusion_net.conv_gru.cell_list.0.conv_gates.*      fusion.gru.gates.*                  copy
 fusion_net.conv_gru.cell_list.0.conv_can.*        fusion.gru.candidate.*              copy
 fusion_net.mlp.{weight,bias} (Linear C x C)       fusion.output.* (1x1 conv)          reshape
+V2X-ViT (v2x-vit's point_pillar_transformer), E = fusion_net.encoder, L = E.layers.{d}:
+E.rte.emb.emb.weight                              fusion.delay_encoding.table         copy (5)
+E.rte.emb.lin.*                                   fusion.delay_encoding.linear.*      copy
+E.prior_feed.*                                    fusion.prior_feed.*                 copy (6)
+L.0.layers.{b}.0.norm.*                           fusion.blocks.{d}.{b}.agent_norm.*  copy
+L.0.layers.{b}.0.fn.{q,k,v,a}_linears.{t}.*       ...agent_attention.to_{q,k,v,out}.{t}.*
+L.0.layers.{b}.0.fn.relation_att                  ...agent_attention.relation_att     copy
+L.0.layers.{b}.0.fn.relation_msg                  ...agent_attention.relation_msg     transpose (7)
+L.0.layers.{b}.1.norm.*                           fusion.blocks.{d}.{b}.window_norm.*
+L.0.layers.{b}.1.fn.pwmsa.{s}.{to_qkv,to_out.0}.* ...window_attention.scales.{s}.(same)
+L.0.layers.{b}.1.fn.pwmsa.{s}.pos_embedding       ...window_attention.scales.{s}.position_bias
+L.0.layers.{b}.1.fn.split_attn.{fc1,bn1,fc2}.*    ...split.{squeeze.0,squeeze.1,excite}.*
+L.1.norm.*, L.1.fn.net.{j}.*                      fusion.feed_forwards.{d}.0.*, .1.{j}.*
 
 1. OpenCOOD pads with a ``ZeroPad2d(1)`` before each scale's strided conv (padding 0); ours
    pads inside the conv (padding 1): the same map, one Sequential index earlier.
@@ -32,6 +45,10 @@ fusion_net.mlp.{weight,bias} (Linear C x C)       fusion.output.* (1x1 conv)    
    map); the other way the centre comes back, refused when the other taps are not zero.
 4. OpenCOOD's message CNN reads [sender warped, receiver]; ours [receiver, sender]: the two
    halves of the input channels trade places (its own inverse).
+5. The authors' delay table is an ``nn.Embedding`` that trains; the translated config sets
+   ``delay_table: learned`` so ours holds it as a parameter.
+6. Never used in their forward; ``prior_feed: true`` keeps a slot for it (round trip).
+7. Their messages are ``W^T v`` (einsum over W's first index), ours ``W v``.
 
 The ConvGRU and the attention have the same parameters in both; whether the FORWARD passes agree
 is what ``tests/test_parity_opencood.py`` checks against the authors' code.
@@ -115,6 +132,8 @@ COPY = Transform("copy", _copy, _copy)
 SWAP_INPUT_HALVES = Transform("swap input halves", _swap_input_halves, _swap_input_halves)
 LINEAR_AS_CONV = Transform("linear as 1x1 conv", _linear_as_conv, _conv_as_linear)
 KERNEL_CENTRE = Transform("1x1 kernel at the centre", _kernel_into_centre, _kernel_from_centre)
+TRANSPOSE = Transform("transpose the last two dims", lambda t, shape: t.transpose(-1, -2),
+                      lambda t, shape: t.transpose(-1, -2))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -183,6 +202,34 @@ V2VNET_RULES = (
     Rule("fusion_net.mlp.weight", "fusion.output.weight", LINEAR_AS_CONV),
     Rule("fusion_net.mlp.bias", "fusion.output.bias"),
 )
+_V2XVIT_ENCODER = "fusion_net.encoder"
+_V2XVIT_BLOCK = _V2XVIT_ENCODER + ".layers.{d}.0.layers.{b}"
+_OUR_BLOCK = "fusion.blocks.{d}.{b}"
+V2XVIT_RULES = (
+    Rule(f"{_V2XVIT_ENCODER}.rte.emb.emb.weight", "fusion.delay_encoding.table"),
+    Rule(f"{_V2XVIT_ENCODER}.rte.emb.lin.{{p}}", "fusion.delay_encoding.linear.{p}"),
+    Rule(f"{_V2XVIT_ENCODER}.prior_feed.{{p}}", "fusion.prior_feed.{p}"),
+    Rule(f"{_V2XVIT_BLOCK}.0.norm.{{p}}", f"{_OUR_BLOCK}.agent_norm.{{p}}"),
+    *(Rule(f"{_V2XVIT_BLOCK}.0.fn.{theirs}_linears.{{t}}.{{p}}",
+           f"{_OUR_BLOCK}.agent_attention.to_{ours}.{{t}}.{{p}}")
+      for theirs, ours in (("q", "q"), ("k", "k"), ("v", "v"), ("a", "out"))),
+    Rule(f"{_V2XVIT_BLOCK}.0.fn.relation_att", f"{_OUR_BLOCK}.agent_attention.relation_att"),
+    Rule(f"{_V2XVIT_BLOCK}.0.fn.relation_msg", f"{_OUR_BLOCK}.agent_attention.relation_msg",
+         TRANSPOSE),
+    Rule(f"{_V2XVIT_BLOCK}.1.norm.{{p}}", f"{_OUR_BLOCK}.window_norm.{{p}}"),
+    Rule(f"{_V2XVIT_BLOCK}.1.fn.pwmsa.{{s}}.to_qkv.{{p}}",
+         f"{_OUR_BLOCK}.window_attention.scales.{{s}}.to_qkv.{{p}}"),
+    Rule(f"{_V2XVIT_BLOCK}.1.fn.pwmsa.{{s}}.to_out.0.{{p}}",
+         f"{_OUR_BLOCK}.window_attention.scales.{{s}}.to_out.0.{{p}}"),
+    Rule(f"{_V2XVIT_BLOCK}.1.fn.pwmsa.{{s}}.pos_embedding",
+         f"{_OUR_BLOCK}.window_attention.scales.{{s}}.position_bias"),
+    *(Rule(f"{_V2XVIT_BLOCK}.1.fn.split_attn.{theirs}.{{p}}",
+           f"{_OUR_BLOCK}.window_attention.split.{ours}.{{p}}")
+      for theirs, ours in (("fc1", "squeeze.0"), ("bn1", "squeeze.1"), ("fc2", "excite"))),
+    Rule(f"{_V2XVIT_ENCODER}.layers.{{d}}.1.norm.{{p}}", "fusion.feed_forwards.{d}.0.{p}"),
+    Rule(f"{_V2XVIT_ENCODER}.layers.{{d}}.1.fn.net.{{j}}.{{p}}",
+         "fusion.feed_forwards.{d}.1.{j}.{p}"),
+)
 
 # OpenCOOD model.core_method -> the rules of its state dict.
 RULES: Dict[str, Tuple[Rule, ...]] = {
@@ -190,6 +237,7 @@ RULES: Dict[str, Tuple[Rule, ...]] = {
     "point_pillar_intermediate": PILLAR_RULES,
     "point_pillar_fcooper": PILLAR_RULES + SHRINK_RULES,
     "point_pillar_v2vnet": PILLAR_RULES + SHRINK_RULES + V2VNET_RULES,
+    "point_pillar_transformer": PILLAR_RULES + SHRINK_RULES + V2XVIT_RULES,   # v2x-vit
 }
 
 

@@ -26,7 +26,9 @@ otherwise. Conventions:
   they computed there: ``pillar_vfe.padded_slots: reference`` (padded point slots take part),
   ``use_dir: false`` (no direction head; yaws decoded as regressed),
   ``anchor_args.placement: reference`` (OpenCOOD's anchor centres) and, for V2VNet,
-  ``round_update: reference`` (its GRU wiring).
+  ``round_update: reference`` (its GRU wiring); for V2X-ViT (the v2x-vit repository's
+  ``point_pillar_transformer``) ``warp: reference`` (its STTF discretisation),
+  ``delay_table: learned`` and ``prior_feed: true`` (its checkpoint's tensors).
 * F-Cooper is applied to the backbone output after the shrink header (OpenCOOD's
   ``point_pillar_fcooper``), not to the scattered canvas (our default).
 * ``wild_setting`` (OpenCOOD's noise settings) is not carried: evaluation noise is chosen at
@@ -55,6 +57,7 @@ MODELS = {
     "point_pillar_intermediate": ("point_pillar_intermediate", "attfuse"),
     "point_pillar_fcooper": ("point_pillar_intermediate", "fcooper"),
     "point_pillar_v2vnet": ("point_pillar_intermediate", "v2vnet"),
+    "point_pillar_transformer": ("point_pillar_intermediate", "v2xvit"),   # v2x-vit's
 }
 AUGMENTATIONS = ("random_world_flip", "random_world_rotation", "random_world_scaling")
 OPTIMIZERS = ("Adam", "AdamW", "SGD")
@@ -283,6 +286,9 @@ def _model_args(peer: _Peer, core_method: str, fusion_module: Optional[str]) -> 
         fusion["stage"] = "multiscale"
     elif fusion_module == "fcooper":
         fusion["stage"] = "backbone"
+    elif fusion_module == "v2xvit":
+        fusion["stage"] = "backbone"
+        fusion["args"] = _v2xvit_args(peer, f"{m}.transformer.encoder")
     else:
         fusion["stage"] = "backbone"
         fusion["args"] = _v2vnet_args(peer, f"{m}.v2vfusion")
@@ -315,6 +321,37 @@ def _v2vnet_args(peer: _Peer, key: str) -> dict:
     cell = float(peer.get(f"{key}.voxel_size")[0]) * float(peer.get(f"{key}.downsample_rate"))
     return {"num_iteration": int(peer.get(f"{key}.num_iteration")),
             "kernel_size": int(kernel), "cell_size": cell, "round_update": "reference"}
+
+
+def _v2xvit_args(peer: _Peer, key: str) -> dict:
+    """v2x-vit's V2XTEncoder settings -> our V2XViTArgs with its reference options."""
+    cav, window = f"{key}.cav_att_config", f"{key}.pwindow_att_config"
+    peer.require(f"{cav}.use_hetero", True, "our HMSA is the heterogeneous one")
+    peer.require(f"{window}.relative_pos_embedding", True,
+                 "our window attention has a relative-position bias")
+    merge = peer.get(f"{window}.fusion_method")
+    if merge not in ("split_attn", "naive"):
+        raise peer.error(f"{window}.fusion_method", f"{merge!r}: split_attn or naive only")
+    dims = {peer.get(f"{cav}.dim"), peer.get(f"{window}.dim")}
+    if dims != {256}:
+        raise peer.error(f"{cav}.dim", f"{sorted(dims)}: its split attention is built for 256")
+    sttf = f"{key}.sttf"
+    return {"depth": int(peer.get(f"{key}.depth")),
+            "num_blocks": int(peer.get(f"{key}.num_blocks")),
+            "heads": int(peer.get(f"{cav}.heads")), "dim_head": int(peer.get(f"{cav}.dim_head")),
+            "window_sizes": [int(v) for v in peer.get(f"{window}.window_size")],
+            "window_heads": [int(v) for v in peer.get(f"{window}.heads")],
+            "window_dim_heads": [int(v) for v in peer.get(f"{window}.dim_head")],
+            "window_merge": "split_attn" if merge == "split_attn" else "mean",
+            "mlp_dim": int(peer.get(f"{key}.feed_forward.mlp_dim")),
+            "dropout": float(peer.get(f"{key}.feed_forward.dropout")),
+            "rte_ratio": int(peer.get(f"{cav}.RTE_ratio")),
+            "use_delay_encoding": bool(peer.get(f"{cav}.use_RTE")),
+            "delay_table": "learned",
+            "cell_size": float(peer.get(f"{sttf}.voxel_size")[0]) *
+            float(peer.get(f"{sttf}.downsample_rate")),
+            "warp": "reference", "roi_mask": bool(peer.get(f"{key}.use_roi_mask")),
+            "prior_feed": True}
 
 
 def _loss_args(peer: _Peer) -> dict:

@@ -5,8 +5,9 @@ Input ``batch`` (tensors on the model's device):
   agents of a sample consecutive and the ego first; record_len (B,) agents per sample;
   optional shared_points (B,) and num_agents_sent (B,) for early fusion's byte count.
   optional agent_types (N_agents,) int64 (0 vehicle, 1 infrastructure) and agent_latency
-  (N_agents,) int64 (frames each agent's data is late), passed to fusion modules that ask for
-  them (``FusionModule.extra_inputs``; V2X-ViT).
+  (N_agents,) int64 (frames each agent's data is late), and spatial_correction_matrix
+  (B, L >= max agents, 4, 4) per sample slot (V2X-ViT's STTF; absent: identity), passed to
+  fusion modules that ask for them (``FusionModule.extra_inputs``; V2X-ViT).
 Output dict: cls_preds (B, A, H, W), reg_preds (B, 7A, H, W), dir_preds (B, 2A, H, W) (not with
   ``use_dir: false``),
   comm_bytes (B,) float, and for where2comm conf_preds (N_agents, A, H, W) with

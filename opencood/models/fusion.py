@@ -101,8 +101,8 @@ def mean_over_non_ego(per_agent: torch.Tensor, record_len: torch.Tensor) -> torc
 
 class FusionModule(nn.Module):
     """Base: ``default_stage`` is where the detector applies it unless the yaml says otherwise.
-    ``extra_inputs``: model-input keys (per-agent tensors) the detector passes to ``forward`` as
-    keyword arguments, None when a batch lacks them."""
+    ``extra_inputs``: model-input keys (per-agent or per-sample tensors) the detector passes to
+    ``forward`` as keyword arguments, None when a batch lacks them."""
 
     default_stage = "backbone"
     supported_stages = STAGES

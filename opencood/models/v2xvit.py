@@ -16,8 +16,17 @@ residuals. The ego's map of the last layer feeds the head.
   (a softmax over the branches driven by the map's mean feature). Maps not divisible by a window
   size are zero-padded and the padding masked as keys.
 
-OpenCOOD also applies STTF (warping non-ego maps by the spatial correction) and an ROI mask; with
-our proj_first data every map is already in the ego frame, so both are the identity and left out.
+* STTF (spatial-temporal transformation), after the delay encoding and before the first layer:
+  every non-ego map is warped by its ``spatial_correction_matrix`` (B, L, 4, 4): the transform
+  from the ego pose at the time the agent's data was taken (its delayed frame, where our
+  proj_first points put its map) to the ego's current pose. The ego's map is never warped. With
+  ``roi_mask`` a sender's cells that the warp brings in from outside its map are masked in
+  HMSA (V2X-ViT's ROI mask). An absent matrix is the identity: no warp, nothing masked.
+  ``warp: centred`` samples with ``bev_affine`` (rotation about the map centre);
+  ``warp: reference`` reproduces the authors' discretisation exactly (``reference_sttf_theta``:
+  rotation about cell index (W/2, H/2), half a cell off the centre, ``align_corners=True``,
+  ROI by a nearest-neighbour warp of ones). Pure translations give the same map either way.
+
 Bytes: a non-ego agent sends its whole (C, H, W) map once.
 """
 from __future__ import annotations
@@ -32,6 +41,7 @@ from torch import nn
 from opencood.config_schema import non_negative, positive, section, spec
 from opencood.models.fusion import (FP32_BYTES, FusionModule, FusionResult, dense_comm_bytes,
                                     pad_by_sample)
+from opencood.models.v2vnet import bev_affine, warp_to_receivers
 from opencood.registry import FUSIONS
 
 NUM_AGENT_TYPES = 2          # 0 vehicle, 1 infrastructure (opencood.data.datasets)
@@ -53,13 +63,78 @@ def sinusoid_table(length: int, dim: int) -> torch.Tensor:
     return table / math.sqrt(dim)
 
 
-class DelayEncoding(nn.Module):
-    """x (B, L, H, W, C) + Linear(sinusoid(delay x ratio)) per agent; delay (B, L) int frames."""
+def reference_sttf_theta(correction: torch.Tensor, grid_hw: Sequence[int],
+                         cell_size: float) -> torch.Tensor:
+    """The authors' STTF sampling matrices (v2x-vit ``get_discretized_transformation_matrix``,
+    ``get_transformation_matrix``, ``warp_affine``), for ``align_corners=True``.
 
-    def __init__(self, dim: int, rte_ratio: int = 2, max_len: int = 100):
+    correction (N, 4, 4) metric; grid_hw (H, W); cell_size metres per cell (their voxel size x
+    downsample rate). Their pixel map is T(p) = R (p - c) + c + t / cell_size, p = (column, row)
+    index, c = (W / 2, H / 2) (half a cell off the map's centre, which is ((W-1)/2, (H-1)/2)),
+    and output(p) = input(T^-1 p). Returns (N, 2, 3): normalised output -> normalised input
+    coordinates, x_norm = 2 p / (size - 1) - 1. Composed in float64 (they invert in fp32: the
+    grids agree to ~1e-6 of a cell).
+    """
+    height, width = grid_hw
+    count = correction.shape[0]
+    pixel = torch.eye(3, dtype=torch.float64, device=correction.device).repeat(count, 1, 1)
+    rotation = correction[:, :2, :2].double()
+    centre = torch.tensor([width / 2, height / 2], dtype=torch.float64, device=correction.device)
+    pixel[:, :2, :2] = rotation
+    pixel[:, :2, 2] = centre - rotation @ centre + correction[:, :2, 3].double() / cell_size
+    normalise = torch.eye(3, dtype=torch.float64, device=correction.device)
+    normalise[0, 0], normalise[1, 1] = 2.0 / max(width - 1, 1e-14), 2.0 / max(height - 1, 1e-14)
+    normalise[:2, 2] = -1.0
+    theta = normalise @ torch.linalg.inv(pixel) @ torch.linalg.inv(normalise)
+    return theta[:, :2].to(torch.float32)
+
+
+def reference_sttf(x: torch.Tensor, correction: torch.Tensor, cell_size: float):
+    """Warp x (N, C, H, W) by correction (N, 4, 4) as the authors' STTF does -> (warped,
+    roi (N, H, W) bool: cells whose nearest source cell lies inside the map)."""
+    count, channels, height, width = x.shape
+    theta = reference_sttf_theta(correction, (height, width), cell_size).to(x.dtype)
+    grid = F.affine_grid(theta, [count, channels, height, width], align_corners=True)
+    warped = F.grid_sample(x, grid, mode="bilinear", padding_mode="zeros", align_corners=True)
+    ones = torch.ones(count, 1, height, width, dtype=x.dtype, device=x.device)
+    roi = F.grid_sample(ones, grid, mode="nearest", padding_mode="zeros", align_corners=True)
+    return warped, roi[:, 0] > 0.5
+
+
+def apply_sttf(x: torch.Tensor, correction: torch.Tensor, cell_size: float, warp: str):
+    """STTF on x (B, L, H, W, C): warp every non-ego map by its correction (B, L, 4, 4) ->
+    (x, roi (B, H, W, L) bool; the ego's all True)."""
+    batch, agents, height, width, channels = x.shape
+    others = x[:, 1:].permute(0, 1, 4, 2, 3).reshape(-1, channels, height, width)
+    matrices = correction[:, 1:agents].reshape(-1, 4, 4)
+    if warp == "reference":
+        warped, roi = reference_sttf(others, matrices, cell_size)
+    else:
+        theta = bev_affine(matrices.double(), (height, width), cell_size).to(x.dtype)
+        warped, covered = warp_to_receivers(others[None], theta[None, None])
+        warped, roi = warped[0, 0], covered[0, 0, :, 0]
+    warped = warped.view(batch, agents - 1, channels, height, width).permute(0, 1, 3, 4, 2)
+    roi = roi.view(batch, agents - 1, height, width)
+    ego_roi = torch.ones_like(roi[:, :1])
+    return (torch.cat([x[:, :1], warped], dim=1),
+            torch.cat([ego_roi, roi], dim=1).permute(0, 2, 3, 1))
+
+
+class DelayEncoding(nn.Module):
+    """x (B, L, H, W, C) + Linear(table[delay x ratio]) per agent; delay (B, L) int frames.
+
+    ``learned_table``: the sinusoid table is a trained parameter (saved in checkpoints), as
+    the authors' ``nn.Embedding`` is (their ``requires_grad = False`` lands on the module, not
+    on its weight); otherwise a fixed buffer."""
+
+    def __init__(self, dim: int, rte_ratio: int = 2, max_len: int = 100,
+                 learned_table: bool = False):
         super().__init__()
         self.rte_ratio = int(rte_ratio)
-        self.register_buffer("table", sinusoid_table(max_len, dim), persistent=False)
+        if learned_table:
+            self.table = nn.Parameter(sinusoid_table(max_len, dim))
+        else:
+            self.register_buffer("table", sinusoid_table(max_len, dim), persistent=False)
         self.linear = nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor, delay: torch.Tensor) -> torch.Tensor:
@@ -83,9 +158,11 @@ def typed_linear(x: torch.Tensor, layers: nn.ModuleList, types: torch.Tensor) ->
 class HeteroAgentAttention(nn.Module):
     """HMSA: per-cell attention across agents with type-specific projections and relations.
 
-    forward: x (B, L, H, W, C), types (B, L) int, is_real (B, L) bool -> (B, L, H, W, C).
-    score(i <- j) = q_i^T W_att[t_i, t_j] k_j / sqrt(d) per head; message(i <- j) =
-    W_msg[t_i, t_j] v_j; output of agent i through its type's output projection.
+    forward: x (B, L, H, W, C), types (B, L) int, senders (B, H or 1, W or 1, L) bool (which
+    agents may send at each cell: real and, with STTF, inside their warped map)
+    -> (B, L, H, W, C). score(i <- j) = q_i^T W_att[t_i, t_j] k_j / sqrt(d) per head;
+    message(i <- j) = W_msg[t_i, t_j] v_j; output of agent i through its type's output
+    projection.
     """
 
     def __init__(self, dim: int, heads: int = 8, dim_head: int = 32, dropout: float = 0.0,
@@ -115,7 +192,7 @@ class HeteroAgentAttention(nn.Module):
         matrices = matrices[:, types]                                    # (T, B, L, M, d, d)
         return torch.einsum("tblmpq,blhwmq->tblhwmp", matrices, senders)
 
-    def forward(self, x: torch.Tensor, types: torch.Tensor, is_real: torch.Tensor):
+    def forward(self, x: torch.Tensor, types: torch.Tensor, senders: torch.Tensor):
         q = self.split_heads(typed_linear(x, self.to_q, types))
         k = self.split_heads(typed_linear(x, self.to_k, types))
         v = self.split_heads(typed_linear(x, self.to_v, types))
@@ -124,7 +201,7 @@ class HeteroAgentAttention(nn.Module):
         keys = self.relate(self.relation_att, k, types)
         scores = torch.einsum("bihwmp,tbjhwmp->tbhwmij", q, keys) / math.sqrt(self.dim_head)
         scores = torch.einsum("bit,tbhwmij->bhwmij", receiver_type, scores)
-        attention = masked_softmax(scores, is_real[:, None, None, None, None, :])
+        attention = masked_softmax(scores, senders[:, :, :, None, None, :])
         messages = self.relate(self.relation_msg, v, types)
         out = torch.einsum("bhwmij,tbjhwmd->tbihwmd", attention, messages)
         out = torch.einsum("bit,tbihwmd->bihwmd", receiver_type, out).flatten(-2)
@@ -246,8 +323,8 @@ class V2XFusionBlock(nn.Module):
         self.agent_norm, self.agent_attention = nn.LayerNorm(dim), agent_attention
         self.window_norm, self.window_attention = nn.LayerNorm(dim), window_attention
 
-    def forward(self, x, types, is_real):
-        x = x + self.agent_attention(self.agent_norm(x), types, is_real)
+    def forward(self, x, types, senders):
+        x = x + self.agent_attention(self.agent_norm(x), types, senders)
         return x + self.window_attention(self.window_norm(x))
 
 
@@ -266,6 +343,17 @@ class V2XViTArgs:
     dropout: float = spec(0.0, check=non_negative)  # everywhere
     rte_ratio: int = spec(2, check=positive)        # delay-encoding steps per latency frame
     use_delay_encoding: bool = True                 # off for ablation
+    # delay table: fixed sinusoids (ours) or a trained parameter initialised to them (the
+    # authors': their nn.Embedding trains and is saved)
+    delay_table: Literal["fixed", "learned"] = "fixed"
+    # STTF: metres per fused-map cell (voxel x stride), the warp's discretisation (module doc)
+    # and whether warped-in empty cells are masked as senders
+    cell_size: float = spec(1.6, check=positive)
+    warp: Literal["centred", "reference"] = "centred"
+    roi_mask: bool = True
+    # the authors' Linear(C + 3, C) "prior_feed", never called in their forward: kept only so
+    # their checkpoints import and export strictly
+    prior_feed: bool = False
     bytes_per_value: int = spec(FP32_BYTES, check=positive)
 
 
@@ -275,12 +363,17 @@ class V2XViTFusion(FusionModule):
     (N, in_channels, H, W) maps (in_channels: the transformer width)."""
 
     supported_stages = ("backbone",)
-    extra_inputs = ("agent_types", "agent_latency")
+    extra_inputs = ("agent_types", "agent_latency", "spatial_correction_matrix")
 
     def __init__(self, args: V2XViTArgs, in_channels: int, num_anchors: int):
         super().__init__(args.bytes_per_value)
-        self.delay_encoding = DelayEncoding(in_channels, args.rte_ratio) \
+        self.delay_encoding = DelayEncoding(
+            in_channels, args.rte_ratio, learned_table=args.delay_table == "learned") \
             if args.use_delay_encoding else None
+        self.cell_size, self.warp, self.roi_mask = args.cell_size, args.warp, args.roi_mask
+        if args.prior_feed:
+            # Frozen: it never sees a gradient (DDP without unused-parameter search would stop)
+            self.prior_feed = nn.Linear(in_channels + 3, in_channels).requires_grad_(False)
         self.blocks = nn.ModuleList()
         self.feed_forwards = nn.ModuleList()
         for _ in range(args.depth):
@@ -298,9 +391,12 @@ class V2XViTFusion(FusionModule):
 
     def forward(self, features: torch.Tensor, record_len: torch.Tensor,
                 agent_types: Optional[torch.Tensor] = None,
-                agent_latency: Optional[torch.Tensor] = None) -> FusionResult:
+                agent_latency: Optional[torch.Tensor] = None,
+                spatial_correction_matrix: Optional[torch.Tensor] = None) -> FusionResult:
         """features (N, C, H, W), record_len (B,), agent_types / agent_latency (N,) int or None
-        (all vehicles / no delay) -> FusionResult with the ego's map (B, C, H, W)."""
+        (all vehicles / no delay), spatial_correction_matrix (B, L' >= L, 4, 4) per sample
+        slot, padded with anything, or None (identity) -> FusionResult with the ego's map
+        (B, C, H, W)."""
         padded, is_real = pad_by_sample(features, record_len)
         x = padded.permute(0, 1, 3, 4, 2)                                  # (B, L, H, W, C)
         no_values = torch.zeros(features.shape[0], dtype=torch.long, device=features.device)
@@ -309,9 +405,18 @@ class V2XViTFusion(FusionModule):
         if self.delay_encoding is not None:
             delay = agent_latency if agent_latency is not None else no_values
             x = self.delay_encoding(x, pad_by_sample(delay, record_len)[0])
+        senders = is_real[:, None, None, :]                                # (B, 1, 1, L)
+        if spatial_correction_matrix is not None and x.shape[1] > 1:
+            if spatial_correction_matrix.shape[1] < x.shape[1]:
+                raise ValueError(f"v2xvit: spatial_correction_matrix has "
+                                 f"{spatial_correction_matrix.shape[1]} agent slots, the batch "
+                                 f"{x.shape[1]}")
+            x, roi = apply_sttf(x, spatial_correction_matrix, self.cell_size, self.warp)
+            if self.roi_mask:
+                senders = senders & roi
         for blocks, feed_forward in zip(self.blocks, self.feed_forwards):
             for block in blocks:
-                x = block(x, types, is_real)
+                x = block(x, types, senders)
             x = x + feed_forward(x)
         fused = x[:, 0].permute(0, 3, 1, 2).contiguous()
         return FusionResult(fused, dense_comm_bytes(features, record_len, self.bytes_per_value),
