@@ -5,13 +5,15 @@ import math
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from opencood.data.collate import collate_samples
 from opencood.data.datasets import IntermediateFusionDataset, build_dataset
 from opencood.data.wild import WildSetting
 from opencood.errors import ConfigError
 from opencood.models import build_model
-from opencood.models.detectors import pairwise_transforms
+from opencood.data.synthetic.writer import generate_dataset
+from opencood.models.detectors import PointPillarIntermediate, is_own_frame, pairwise_transforms
 from opencood.models.warp import BevGrid, warp_to_ego
 from opencood.ops.voxelize import PillarizeConfig
 from opencood.ops.transforms import apply_transform, points_in_range_mask
@@ -20,6 +22,8 @@ from tests.opv2v_factory import write_simple_split
 from test_datasets import AUGMENT, RANGE, make
 from test_baselines import BASELINES
 from test_models import MODEL_CFGS, make_batch
+from test_train import fusion_yaml, trainer
+from process_state import preserved_opencood_logger, preserved_torch_switches
 
 SQUARE = (-12.8, -12.8, -3.0, 12.8, 12.8, 1.0)        # 32 x 32 cells of 0.8 m
 GRID = BevGrid(SQUARE, (0.8, 0.8), 32, 32)
@@ -190,3 +194,38 @@ def test_every_fusion_runs_own_frame_and_identity_transforms_change_nothing(name
     # A zero budget sends nothing: the ego's own map, wherever the others are.
     changed = (plain["fused_features"] - moved["fused_features"]).abs().max() > 1e-4
     assert changed == (name != "where2comm_budget0")
+
+
+@pytest.fixture(scope="module")
+def tiny_root(tmp_path_factory):
+    out = tmp_path_factory.mktemp("own_tiny")
+    generate_dataset(out, preset="tiny", seed=0, progress=False)
+    return out
+
+
+@pytest.mark.slow
+def test_coalign_trains_two_steps_on_the_tiny_preset(tiny_root, tmp_path, monkeypatch):
+    """hypes_yaml/synthetic/point_pillar_coalign.yaml at the smoke geometry: own-frame batches
+    with pose noise, the model warping every scale, two optimiser steps on CPU."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("OPENCOOD_CACHE", str(tmp_path / "cache"))
+    seen = []
+    real_forward = PointPillarIntermediate.forward
+
+    def recording_forward(model, batch):
+        seen.append((is_own_frame(batch), batch["transforms_to_ego"].shape[0]))
+        return real_forward(model, batch)
+
+    monkeypatch.setattr(PointPillarIntermediate, "forward", recording_forward)
+    with preserved_torch_switches(), preserved_opencood_logger():
+        result = trainer.main([
+            "--hypes_yaml", str(fusion_yaml(tmp_path, "point_pillar_coalign")),
+            "--model_dir", str(tmp_path / "run"), "--set", f"root_dir={tiny_root / 'train'}",
+            "--set", "validate_dir=null", "--set", "test_dir=null",
+            "--set", "train_params.epoches=1", "--set", "train_params.max_steps=2"])
+    assert result["step"] == 2
+    # Two steps (and the model summary's forward): every batch own-frame, 2-3 agents a sample.
+    assert len(seen) >= 2 and all(own and n >= 4 for own, n in seen)
+    saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert saved["fusion"]["args"]["proj_first"] is False
+    assert saved["model"]["args"]["base_bev_backbone"]["resnet"] is True
