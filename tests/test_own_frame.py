@@ -229,3 +229,18 @@ def test_coalign_trains_two_steps_on_the_tiny_preset(tiny_root, tmp_path, monkey
     saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
     assert saved["fusion"]["args"]["proj_first"] is False
     assert saved["model"]["args"]["base_bev_backbone"]["resnet"] is True
+
+
+def test_the_warp_samples_in_float32_under_bf16_autocast():
+    """A 704-cell map shifted by 3 cells: with a bf16 grid the samples would land up to a third
+    of a cell off; the warp keeps its grid in float32 and returns the map's dtype."""
+    grid = BevGrid((-140.8, -40.0, -3.0, 140.8, 40.0, 1.0), (0.4, 0.4), 704, 200)
+    features = torch.randn(1, 2, 200, 704).bfloat16()
+    to_ego = rigid(0.0, 1.2, 0.0)[None]
+    expected = warp_to_ego(features.float(), to_ego, grid)
+    assert torch.allclose(expected[..., 3:], features[..., :-3].float(), atol=2e-3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        warped = warp_to_ego(features, to_ego, grid)
+    assert warped.dtype == torch.bfloat16
+    # bf16 rounding of the values only (|x| < 6: < 0.025), not of the positions.
+    assert (warped.float() - expected).abs().max() < 0.025

@@ -51,11 +51,16 @@ def bev_affine(sender_to_receiver: torch.Tensor, grid_hw: Sequence[int],
 def sample_maps(features: torch.Tensor, theta: torch.Tensor):
     """features (N, C, H, W), theta (N, 2, 3) -> (warped (N, C, H, W), zero outside the source
     map; covered (N, 1, H, W) bool: cells whose centre falls inside it)."""
-    grid = F.affine_grid(theta.to(features.dtype), list(features.shape), align_corners=False)
-    warped = F.grid_sample(features, grid, mode="bilinear", padding_mode="zeros",
-                           align_corners=False)
+    # The sampling grid in float32 at least: in bf16 (AMP) its 8-bit mantissa would misplace a
+    # 704-cell map's samples by a third of a cell.
+    # Autocast off: it would otherwise run them in its own lower precision.
+    dtype = torch.promote_types(features.dtype, torch.float32)
+    with torch.autocast(features.device.type, enabled=False):
+        grid = F.affine_grid(theta.to(dtype), list(features.shape), align_corners=False)
+        warped = F.grid_sample(features.to(dtype), grid, mode="bilinear", padding_mode="zeros",
+                               align_corners=False)
     covered = (grid.abs() <= 1.0).all(dim=-1).unsqueeze(1)
-    return warped, covered
+    return warped.to(features.dtype), covered
 
 
 def warp_to_receivers(features: torch.Tensor, theta: torch.Tensor):
