@@ -101,8 +101,19 @@ def box_range(value) -> Optional[str]:
 # -- sections ----------------------------------------------------------------------------------
 
 @section
+class FusionArgs:
+    """``fusion.args`` (OpenCOOD's keys)."""
+
+    # Intermediate fusion: True projects every agent's cloud into the ego frame before
+    # pillarisation; False keeps it in its own frame and the model warps its BEV features into
+    # the ego frame with ``transforms_to_ego`` (CoAlign, and pose correction before fusion).
+    proj_first: bool = True
+
+
+@section
 class FusionSection:
     core_method: str = spec(registered="fusion method")     # no, early, late, intermediate
+    args: FusionArgs
     # The format of the data folders (HEAL's key): opencood.data.sources reads each.
     dataset: Literal["opv2v", "v2xset", "v2v4real", "dairv2x"] = "opv2v"
 

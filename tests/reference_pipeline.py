@@ -254,7 +254,8 @@ def _load_agents(dataset, index: int) -> Dict:
 
 
 def _finish(dataset, index, key, agent_ids, points_list, transforms, gt_boxes, gt_ids,
-            shared_points: int, gt_ego_points, agent_latency=None) -> Dict:
+            shared_points: int, gt_ego_points, agent_latency=None, clean=None) -> Dict:
+    clean = transforms if clean is None else clean
     if agent_latency is None:
         agent_latency = [0] * len(agent_ids)
     points_list, gt_boxes = augment_sample(points_list, np.asarray(gt_boxes, np.float64),
@@ -271,6 +272,7 @@ def _finish(dataset, index, key, agent_ids, points_list, transforms, gt_boxes, g
         "agent_latency": np.asarray(agent_latency, dtype=np.int64),
         "agent_points": points_list,
         "transforms_to_ego": np.asarray(transforms, dtype=np.float32).reshape(-1, 4, 4),
+        "transforms_to_ego_clean": np.asarray(clean, dtype=np.float32).reshape(-1, 4, 4),
         "gt_boxes": gt_boxes[keep].astype(np.float32).reshape(-1, 7),
         "gt_ids": np.asarray(gt_ids, dtype=np.int64)[keep],
         "gt_ego_points": np.asarray(gt_ego_points, dtype=np.int64)[keep],
@@ -299,7 +301,8 @@ def _build_intermediate(dataset, index, key, loaded):
     sample = _finish(dataset, index, key, [a["cav_id"] for a in agents],
                      [apply_transform(a["points"], a["T_to_ego"]) for a in agents],
                      [a["T_to_ego"] for a in agents], loaded["gt_boxes"], loaded["gt_ids"], 0,
-                     loaded["gt_ego_points"], [a["latency"] for a in agents])
+                     loaded["gt_ego_points"], [a["latency"] for a in agents],
+                     [a["T_to_ego_clean"] for a in agents])
     if dataset.with_early_fusion:
         merged = np.concatenate([apply_transform(a["points"], a["T_to_ego_clean"])
                                  for a in agents], axis=0)
@@ -315,7 +318,7 @@ def _build_late(dataset, index, key, loaded):
     return _finish(dataset, index, key, [a["cav_id"] for a in agents],
                    [a["points"] for a in agents], [a["T_to_ego"] for a in agents],
                    loaded["gt_boxes"], loaded["gt_ids"], 0, loaded["gt_ego_points"],
-                   [a["latency"] for a in agents])
+                   [a["latency"] for a in agents], [a["T_to_ego_clean"] for a in agents])
 
 
 def _late_per_cav(dataset, index: int) -> Dict:

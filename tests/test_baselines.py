@@ -16,7 +16,8 @@ import torch
 from opencood.config import resolve_section
 from opencood.losses import DetectionLoss
 from opencood.models import build_model
-from opencood.models.v2vnet import V2VNetArgs, V2VNetFusion, bev_affine, warp_to_receivers
+from opencood.models.v2vnet import V2VNetArgs, V2VNetFusion
+from opencood.models.warp import bev_affine, warp_to_receivers
 from opencood.registry import FUSIONS
 from dist_helpers import run_on_ranks
 from tool_modules import load_tool

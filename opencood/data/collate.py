@@ -8,18 +8,22 @@ Batch layout (CPU tensors; ``opencood.data.pipeline`` moves them and pillarises 
     record_len        (B,) int64       agents per sample (ego first within each sample)
     agent_types       (A,) int64       per agent: 0 vehicle, 1 infrastructure (A = sum(record_len))
     agent_latency     (A,) int64       per agent: frames its data lags the ego's (0 for the ego)
-    transforms_to_ego (A, 4, 4) float32, A = sum(record_len)
+    transforms_to_ego (A, 4, 4) float32, A = sum(record_len): agent -> ego as reported (noisy
+                      for non-ego); own-frame batches: what the model warps features with
+    transforms_to_ego_clean (A, 4, 4) float32: the same from the true poses
     gt_boxes          (B, M_max, 7) float32, zero padded
     gt_mask           (B, M_max) bool
     shared_points     (B,) int64   points each non-ego agent sent (early fusion)
     sample_keys       list of B keys (scenario, timestamp[, cav])
     gt_ids            list of B int64 arrays
     gt_ego_points     list of B int64 arrays: ego points in each GT box (-1: not computed)
-    points_in_agent_frame  bool: clouds in their agent's own frame (late fusion) or the ego's
+    points_in_agent_frame  bool: clouds in their agent's own frame (late fusion, own-frame
+                      intermediate fusion) or the ego's
     early_fusion      only when samples carry ``early_fusion_points`` (DiscoNet's teacher
                       input): a batch of one merged cloud per sample with the keys above that
                       ``BatchPreparer.model_inputs`` reads (points, agent_index = the sample,
-                      record_len of ones, agent_types, shared_points, transforms_to_ego)
+                      record_len of ones, agent_types, shared_points, transforms_to_ego and
+                      transforms_to_ego_clean)
 """
 from __future__ import annotations
 
@@ -34,11 +38,12 @@ import torch
 
 def collate_samples(samples: List[Dict]) -> Dict:
     """List of dataset samples -> batch dict (see module docstring)."""
-    clouds, record_len, transforms = [], [], []
+    clouds, record_len, transforms, clean = [], [], [], []
     for sample in samples:
         record_len.append(len(sample["agent_points"]))
         clouds.extend(points[:, :4] for points in sample["agent_points"])
         transforms.append(torch.from_numpy(sample["transforms_to_ego"]))
+        clean.append(torch.from_numpy(sample["transforms_to_ego_clean"]))
     max_gt = max([len(s["gt_boxes"]) for s in samples] + [1])
     gt_boxes = torch.zeros((len(samples), max_gt, 7), dtype=torch.float32)
     gt_mask = torch.zeros((len(samples), max_gt), dtype=torch.bool)
@@ -56,6 +61,7 @@ def collate_samples(samples: List[Dict]) -> Dict:
             [np.asarray(s.get("agent_latency", np.zeros(len(s["agent_points"]))),
                         dtype=np.int64) for s in samples])),
         "transforms_to_ego": torch.cat(transforms).reshape(-1, 4, 4),
+        "transforms_to_ego_clean": torch.cat(clean).reshape(-1, 4, 4),
         "gt_boxes": gt_boxes,
         "gt_mask": gt_mask,
         "shared_points": torch.tensor([s["shared_points"] for s in samples], dtype=torch.int64),
@@ -118,6 +124,7 @@ def collate_early_fusion(clouds: List[np.ndarray]) -> Dict:
         "agent_types": torch.zeros(count, dtype=torch.int64),
         "shared_points": torch.zeros(count, dtype=torch.int64),
         "transforms_to_ego": torch.eye(4).expand(count, 4, 4).clone(),
+        "transforms_to_ego_clean": torch.eye(4).expand(count, 4, 4).clone(),
     }
 
 

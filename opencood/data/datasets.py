@@ -19,6 +19,8 @@ A sample is a dict::
                                                      a scenario's start; 0 for the ego)
     agent_points      [(N_i, 4) float32, ...]        one entry per agent of the model input
     transforms_to_ego (n, 4, 4) float32              agent -> ego as used (noisy for non-ego)
+    transforms_to_ego_clean (n, 4, 4) float32        the same from the true poses (pose-error
+                                                     metrics; equal to the above without noise)
     gt_boxes          (M, 7) float32 [x, y, z, h, w, l, yaw]
     gt_ids            (M,) int64
     gt_ego_points     (M,) int64                     ego LiDAR points inside each GT box (the
@@ -27,13 +29,16 @@ A sample is a dict::
     shared_points     int                            points each non-ego agent sent, averaged
                                                      over them (early fusion; else 0)
     points_in_agent_frame bool                       True when clouds are in their own agent's
-                                                     frame (late fusion), else the ego frame
+                                                     frame (late fusion, intermediate with
+                                                     ``proj_first: false``), else the ego frame
 
 Strategies (``fusion.core_method``):
 * ``no``: the ego's points only.
 * ``early``: all agents' points projected to the ego frame and concatenated into one cloud.
 * ``intermediate``: per-agent clouds projected to the ego frame ("proj_first"), kept apart so the
-  model computes per-agent BEV features and fuses them.
+  model computes per-agent BEV features and fuses them. With ``fusion.args.proj_first: false``
+  each cloud stays in its own (augmented) LiDAR frame and ``transforms_to_ego`` is what the model
+  warps its features with (the "own-frame" path, docs/DESIGN.md).
 * ``late``: training: each (sample, CAV) pair is its own example in the CAV's frame, with the GT
   that CAV itself sees (its ``vehicles``); testing: every agent's cloud in its own frame plus its
   transform to the ego, for per-agent detection, projection and NMS.
@@ -52,7 +57,7 @@ from opencood.data.augment import (augment_boxes, augmentation_matrix, check_aug
 from opencood.data.opv2v import DEFAULT_GT_RANGE, is_infrastructure
 from opencood.data.sources import open_split
 from opencood.data.wild import WildSetting, delayed_timestamp, noisy_pose
-from opencood.errors import alike_on_every_rank
+from opencood.errors import ConfigError, alike_on_every_rank
 from opencood.ops.transforms import count_points_in_boxes, project_and_crop, relative_transform
 from opencood.registry import DATASETS
 from opencood.strategies import get_strategy
@@ -229,15 +234,18 @@ class BaseFusionDataset(torch.utils.data.Dataset):
 
     def _finish(self, index: int, key, agent_ids, clouds, to_output, transforms, gt_boxes,
                 gt_ids, shared_points: int, gt_ego_points: np.ndarray, agent_latency=None,
-                merge: bool = False) -> Dict:
+                merge: bool = False, clean_transforms=None) -> Dict:
         """Move, augment and crop every cloud in one pass, augment and crop the boxes, cast.
 
         clouds: per agent (N_i, 4) float32 in its own frame (only read); to_output: per cloud
         the (4, 4) to the sample's frame before augmentation (to the ego, or the identity); each
         cloud moves once through augmentation @ to_output. ``merge``: one cloud of them all
-        (early fusion). transforms: what ``transforms_to_ego`` reports, one per output cloud.
+        (early fusion). transforms: what ``transforms_to_ego`` reports, one per output cloud;
+        clean_transforms: ``transforms_to_ego_clean``, the true ones (default: ``transforms``).
         ``agent_latency``: frames of delay per agent, default 0 (one merged or own cloud).
         """
+        if clean_transforms is None:
+            clean_transforms = transforms
         if agent_latency is None:
             agent_latency = [0] * len(agent_ids)
         augment, steps = self._augmentation_matrix(index)
@@ -254,12 +262,33 @@ class BaseFusionDataset(torch.utils.data.Dataset):
             "agent_latency": np.asarray(agent_latency, dtype=np.int64),
             "agent_points": agent_points,
             "transforms_to_ego": np.asarray(transforms, dtype=np.float32).reshape(-1, 4, 4),
+            "transforms_to_ego_clean": np.asarray(clean_transforms,
+                                                  dtype=np.float32).reshape(-1, 4, 4),
             "gt_boxes": gt_boxes[keep].astype(np.float32).reshape(-1, 7),
             "gt_ids": np.asarray(gt_ids, dtype=np.int64)[keep],
             "gt_ego_points": np.asarray(gt_ego_points, dtype=np.int64)[keep],
             "shared_points": int(shared_points),
             "points_in_agent_frame": self.points_in_agent_frame,
         }
+
+    def _transforms(self, index: int, agents: List[Dict], own_frame: bool):
+        """-> (to_output, transforms_to_ego, transforms_to_ego_clean), one (4, 4) per agent.
+
+        proj_first (``own_frame`` False): every cloud goes to the ego frame through its reported
+        transform; the transforms are reported as they are. Own frame: every cloud stays in its
+        frame and gets the sample's augmentation A there, so the transforms reported are
+        A @ T @ A^-1, which map an agent's augmented frame into the augmented ego frame:
+        A T A^-1 (A p) = A (T p), the proj_first point. A is a rotation, flips and one scale,
+        so the conjugate is rigid (the scale cancels in its rotation, and scales its translation).
+        """
+        reported = [a["T_to_ego"] for a in agents]
+        clean = [a["T_to_ego_clean"] for a in agents]
+        if not own_frame:
+            return reported, reported, clean
+        augment, _ = self._augmentation_matrix(index)
+        inverse = np.linalg.inv(augment)
+        return ([np.eye(4)] * len(agents), [augment @ t @ inverse for t in reported],
+                [augment @ t @ inverse for t in clean])
 
     def __getitem__(self, index: int) -> Dict:
         loaded = self._load_agents(index)
@@ -315,18 +344,30 @@ class IntermediateFusionDataset(BaseFusionDataset):
 
     fusion_method = "intermediate"
 
-    def __init__(self, *args, with_early_fusion: bool = False, **kwargs):
+    def __init__(self, *args, with_early_fusion: bool = False, proj_first: bool = True,
+                 **kwargs):
+        """``proj_first`` False: the own-frame path (clouds in their agents' frames)."""
         super().__init__(*args, **kwargs)
         self.with_early_fusion = bool(with_early_fusion)
+        self.proj_first = bool(proj_first)
+        # The instance's, read by _finish: what vis and the model see in the batch.
+        self.points_in_agent_frame = not self.proj_first
+
+    @classmethod
+    def from_config(cls, cfg: dict, split_dir, train: bool, cache_dir=None, **extra):
+        extra.setdefault("proj_first", cfg["fusion"]["args"]["proj_first"])
+        return super().from_config(cfg, split_dir, train, cache_dir=cache_dir, **extra)
 
     def _build(self, index, key, loaded):
         agents = loaded["agents"]
+        to_output, transforms, clean = self._transforms(index, agents,
+                                                        own_frame=not self.proj_first)
         sample = self._finish(index, key, [a["cav_id"] for a in agents],
-                              [a["points"] for a in agents], [a["T_to_ego"] for a in agents],
-                              [a["T_to_ego"] for a in agents], loaded["gt_boxes"],
-                              loaded["gt_ids"], shared_points=0,
+                              [a["points"] for a in agents], to_output, transforms,
+                              loaded["gt_boxes"], loaded["gt_ids"], shared_points=0,
                               gt_ego_points=loaded["gt_ego_points"],
-                              agent_latency=[a["latency"] for a in agents])
+                              agent_latency=[a["latency"] for a in agents],
+                              clean_transforms=clean)
         if self.with_early_fusion:
             sample["early_fusion_points"] = self._early_fusion_points(index, agents)
         return sample
@@ -386,7 +427,8 @@ class LateFusionDataset(BaseFusionDataset):
                             [a["T_to_ego"] for a in agents], loaded["gt_boxes"],
                             loaded["gt_ids"], shared_points=0,
                             gt_ego_points=loaded["gt_ego_points"],
-                            agent_latency=[a["latency"] for a in agents])
+                            agent_latency=[a["latency"] for a in agents],
+                            clean_transforms=[a["T_to_ego_clean"] for a in agents])
 
 
 # The config key naming each split's folder.
@@ -407,6 +449,13 @@ def build_dataset(cfg: dict, split: str, train: bool, fusion_method: str | None 
         raise ValueError(f"config key {SPLIT_KEYS[split]!r} (the {split} folder) is not set")
     strategy = get_strategy(fusion_method or cfg["fusion"]["core_method"])
     dataset_cls = DATASETS.get(strategy.dataset_name)
+    # The config's own strategy only: another one (eval's --fusion_method late) of an
+    # own-frame model reads its samples as they always are.
+    if (not cfg["fusion"]["args"]["proj_first"] and fusion_method in (None, cfg["fusion"]["core_method"])
+            and not issubclass(dataset_cls, IntermediateFusionDataset)):
+        raise ConfigError(f"fusion.args.proj_first: false is for intermediate fusion (features "
+                          f"warped to the ego before fusing); fusion.core_method "
+                          f"{strategy.name!r} reads {strategy.dataset_name!r} samples")
     # Every rank indexes the same split: a layout or yaml error is printed by rank 0 alone.
     with alike_on_every_rank(get_rank()):
         return dataset_cls.from_config(cfg, split_dir, train=train, cache_dir=cache_dir, **extra)

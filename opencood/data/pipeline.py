@@ -43,7 +43,9 @@ class BatchPreparer:
     def model_inputs(self, batch: Dict) -> Dict:
         """Pillarise on the device. Returns the model's input dict (see opencood.models), with
         ``agent_types`` (sum(record_len),) int64 (0 vehicle, 1 infrastructure) for models that
-        treat roadside units apart (V2X-ViT); the others ignore it."""
+        treat roadside units apart (V2X-ViT); the others ignore it; ``points_in_agent_frame``
+        (bool) for own-frame data, whose features the intermediate detector warps with
+        ``transforms_to_ego``."""
         points = self.to_device(batch["points"])
         agent_index = self.to_device(batch["agent_index"])
         # The agent count as a shape (no host sync): one transform per agent.
@@ -53,6 +55,8 @@ class BatchPreparer:
                     "agent_latency"):           # agent_latency: V2X-ViT's delay encoding
             if key in batch:
                 inputs[key] = self.to_device(batch[key])
+        # The own-frame flag (fusion.args.proj_first: false): the detector warps with it.
+        inputs["points_in_agent_frame"] = bool(batch.get("points_in_agent_frame", False))
         return inputs
 
     def to_device(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -103,6 +103,9 @@ def check_reference_options(ours: _Ours, core_method: str) -> None:
     ours.require("postprocess.anchor_args.z", OPENCOOD_ANCHOR_Z, "its anchors sit at z = -1")
     ours.require("model.args.point_pillar_scatter.num_features", PILLAR_FEATURES,
                  "its backbone input is hard-coded")
+    ours.require("model.args.base_bev_backbone.resnet", False,
+                 "its PointPillars backbones have plain conv blocks")
+    ours.require("fusion.args.proj_first", True, "the exported configs read proj_first data")
     if core_method == "point_pillar_v2vnet":
         ours.require("model.args.fusion.args.round_update", "reference", why)
     if core_method == "point_pillar_transformer":

@@ -1,4 +1,6 @@
-"""Multi-scale 2-D BEV backbone (PointPillars / OpenCOOD ``BaseBEVBackbone``)."""
+"""Multi-scale 2-D BEV backbone (PointPillars / OpenCOOD ``BaseBEVBackbone``), with plain conv
+down blocks or, with ``resnet: true``, residual stages of basic blocks (HEAL / CoAlign's
+``ResNetBEVBackbone``)."""
 from __future__ import annotations
 
 from typing import Callable, Optional, Tuple
@@ -26,6 +28,36 @@ def make_down_block(in_channels: int, out_channels: int, stride: int, num_convs:
     return nn.Sequential(*layers)
 
 
+class BasicBlock(nn.Module):
+    """ResNet basic block: two 3x3 conv + BN, the first strided, a ReLU between them and after
+    the sum with the shortcut (a 1x1 strided conv + BN when the shape changes):
+    (N, C_in, H, W) -> (N, C_out, ceil(H / stride), ceil(W / stride))."""
+
+    def __init__(self, in_channels: int, out_channels: int, stride: int = 1):
+        super().__init__()
+        # torchvision's BatchNorm defaults, as the authors' ResNetBEVBackbone.
+        self.residual = nn.Sequential(
+            nn.Conv2d(in_channels, out_channels, 3, stride=stride, padding=1, bias=False),
+            nn.BatchNorm2d(out_channels), nn.ReLU(),
+            nn.Conv2d(out_channels, out_channels, 3, padding=1, bias=False),
+            nn.BatchNorm2d(out_channels))
+        self.shortcut = nn.Identity()
+        if stride != 1 or in_channels != out_channels:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(in_channels, out_channels, 1, stride=stride, bias=False),
+                nn.BatchNorm2d(out_channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.residual(x) + self.shortcut(x))
+
+
+def make_residual_stage(in_channels: int, out_channels: int, stride: int, num_blocks: int):
+    """``num_blocks`` basic blocks, the first strided (output size ceil(in / stride))."""
+    blocks = [BasicBlock(in_channels, out_channels, stride)]
+    blocks += [BasicBlock(out_channels, out_channels) for _ in range(num_blocks - 1)]
+    return nn.Sequential(*blocks)
+
+
 def make_up_block(in_channels: int, out_channels: int, stride: float) -> nn.Sequential:
     """Brings one scale to the common output stride: transposed conv up, or strided conv down."""
     if stride >= 1:
@@ -42,16 +74,21 @@ class BackboneArgs:
     """``model.args.base_bev_backbone``: one entry per scale in every list."""
 
     ALIASES = {"num_upsample_filters": "num_upsample_filter"}    # OpenPCDet's spelling
-    layer_nums: Tuple[int, ...]             # stride-1 convs after each down block's first
+    # stride-1 convs after each down block's first; with ``resnet``: basic blocks per stage
+    layer_nums: Tuple[int, ...]
     layer_strides: Tuple[int, ...]
     num_filters: Tuple[int, ...]
     upsample_strides: Tuple[int, ...]
     num_upsample_filter: Tuple[int, ...]    # OpenCOOD's singular spelling
+    # True: residual down stages (HEAL's ``resnet`` key; its multiscale models default to it)
+    resnet: bool = False
 
     def problems(self) -> Problems:
         for name in ("layer_strides", "num_filters", "upsample_strides", "num_upsample_filter"):
             if len(getattr(self, name)) != len(self.layer_nums):
                 yield name, f"needs one entry per layer_nums entry ({len(self.layer_nums)})"
+        if self.resnet and min(self.layer_nums, default=1) < 1:
+            yield "layer_nums", "must be >= 1 with resnet: true (basic blocks per stage)"
 
 
 class BaseBEVBackbone(nn.Module):
@@ -65,8 +102,9 @@ class BaseBEVBackbone(nn.Module):
     def __init__(self, args: BackboneArgs, in_channels: int):
         super().__init__()
         channels_in = [in_channels, *args.num_filters[:-1]]
+        make_block = make_residual_stage if args.resnet else make_down_block
         self.blocks = nn.ModuleList(
-            make_down_block(c_in, c_out, stride, n)
+            make_block(c_in, c_out, stride, n)
             for c_in, c_out, stride, n in zip(channels_in, args.num_filters, args.layer_strides,
                                               args.layer_nums))
         self.deblocks = nn.ModuleList(

@@ -8,6 +8,10 @@ Input ``batch`` (tensors on the model's device):
   (N_agents,) int64 (frames each agent's data is late), and spatial_correction_matrix
   (B, L >= max agents, 4, 4) per sample slot (V2X-ViT's STTF; absent: identity), passed to
   fusion modules that ask for them (``FusionModule.extra_inputs``; V2X-ViT).
+  Own-frame data (``points_in_agent_frame`` True, from ``fusion.args.proj_first: false``): each
+  agent's pillars are in its own frame and ``transforms_to_ego`` (N_agents, 4, 4) maps it into
+  the ego frame; the intermediate detector warps every agent's map with exactly that key (pose
+  correction replaces it before the model runs) before fusing.
 Output dict: cls_preds (B, A, H, W), reg_preds (B, 7A, H, W), dir_preds (B, 2A, H, W) (not with
   ``use_dir: false``),
   comm_bytes (B,) float, and for where2comm conf_preds (N_agents, A, H, W) with
@@ -27,10 +31,11 @@ from torch import nn
 
 from opencood.config_schema import Problems, all_positive, box_range, positive, section, spec
 from opencood.models.backbone import BackboneArgs, BaseBEVBackbone
-from opencood.models.fusion import FusionModule, agent_slots
+from opencood.models.fusion import FusionModule, agent_slots, pad_by_sample
 from opencood.models.heads import AnchorHead
 from opencood.models.pillar_vfe import PillarVFE, PillarVFEArgs
 from opencood.models.scatter import PointPillarScatter, ScatterArgs
+from opencood.models.warp import BevGrid, warp_to_ego
 from opencood.registry import FUSIONS, MODELS
 
 POINT_BYTES = 16  # x, y, z, intensity as fp32: what early fusion sends per point
@@ -136,6 +141,29 @@ def encode_agents(vfe: PillarVFE, scatter: PointPillarScatter, batch: dict) -> t
                    batch["voxel_valid"] if static else None)
 
 
+def bev_grid(args: PillarArgs) -> BevGrid:
+    """The model's BEV geometry (range, pillar size and grid), for warping maps of any stage."""
+    from opencood.ops.voxelize import grid_size
+
+    nx, ny, _ = grid_size(args.lidar_range, args.voxel_size)
+    return BevGrid(tuple(args.lidar_range), tuple(args.voxel_size[:2]), int(nx), int(ny))
+
+
+def is_own_frame(batch: dict) -> bool:
+    """The agents' pillars are in their own frames (``fusion.args.proj_first: false``): the
+    batch says so, so a model cannot disagree with the data it is given."""
+    return bool(batch.get("points_in_agent_frame", False))
+
+
+def pairwise_transforms(to_ego: torch.Tensor, record_len: torch.Tensor) -> torch.Tensor:
+    """(N_agents, 4, 4) agent -> ego, (B,) -> (B, L, L, 4, 4), entry [b, i, j] agent j -> agent i
+    (inv(T_i) @ T_j); padded slots get the identity."""
+    padded, is_real = pad_by_sample(to_ego, record_len)
+    eye = torch.eye(4, dtype=to_ego.dtype, device=to_ego.device)
+    padded = torch.where(is_real[:, :, None, None], padded, eye)
+    return torch.linalg.inv(padded).unsqueeze(2) @ padded.unsqueeze(1)
+
+
 def early_fusion_bytes(batch: dict, batch_size: int, device) -> torch.Tensor:
     """(B,) bytes per sending agent: shared points x 16 B, split over the senders if known."""
     shared_points = batch.get("shared_points")
@@ -220,6 +248,11 @@ class PointPillarIntermediate(nn.Module):
     output, before the head); the bytes reported are those of the maps fused there, summed over
     scales for "multiscale". An optional ``shrink`` (``ShrinkHeader``) narrows the backbone
     output: per agent before fusion at the "backbone" stage, on the fused map otherwise.
+
+    Own-frame batches (:func:`is_own_frame`): every agent's map is warped into the ego frame with
+    ``transforms_to_ego`` right before the fusion module, at the stage it runs (the canvas,
+    each scale with its own cell size, or the backbone output), so each agent's backbone still
+    runs in its own frame; a module that warps itself (V2VNet) gets pairwise transforms.
     """
 
     def __init__(self, args: PointPillarIntermediateArgs):
@@ -238,17 +271,23 @@ class PointPillarIntermediate(nn.Module):
         self.fusion = fusion
         self.stage = fusion_stage(fusion, args.fusion.stage)
         self.shrink = shrink if shrink is not None else nn.Identity()
+        self.grid = bev_grid(args)
         set_bn_momentum(self, args.bn_momentum)
 
     def fuse_features(self, canvas: torch.Tensor, record_len: torch.Tensor,
-                      extra: Optional[dict] = None):
+                      extra: Optional[dict] = None, to_ego: Optional[torch.Tensor] = None):
         """(N_agents, C, ny, nx) -> (B, C_out, H, W), list of FusionResult (one per fusion).
 
-        ``extra``: the per-agent inputs the fusion module asked for (``extra_inputs``)."""
+        ``extra``: the per-agent inputs the fusion module asked for (``extra_inputs``).
+        ``to_ego``: (N_agents, 4, 4) for maps in their agents' own frames (None: ego frame)."""
         results = []
-        extra = extra or {}
+        extra = dict(extra or {})
+        if to_ego is not None and self.fusion.warps_itself:
+            extra.update(pairwise=pairwise_transforms(to_ego, record_len), grid=self.grid)
 
         def fuse(features, lengths):
+            if to_ego is not None and not self.fusion.warps_itself:
+                features = warp_to_ego(features, to_ego, self.grid)
             results.append(self.fusion(features, lengths, **extra))
             return results[-1].features
 
@@ -268,7 +307,8 @@ class PointPillarIntermediate(nn.Module):
             # The most agents a sample can have, from shapes alone: every other sample has at
             # least one. Padding to it instead of record_len.max() (a host sync) fuses the same.
             extra["max_agents"] = canvas.shape[0] - record_len.shape[0] + 1
-        fused, results = self.fuse_features(canvas, record_len, extra)
+        to_ego = batch["transforms_to_ego"] if is_own_frame(batch) else None
+        fused, results = self.fuse_features(canvas, record_len, extra, to_ego)
         outputs = self.head(fused)
         # The map the head reads, for feature distillation (DiscoNet's teacher matches it).
         outputs["fused_features"] = fused

@@ -4,8 +4,9 @@ Every module takes ``features`` (N_agents, C, H, W), where the agents of a sampl
 with the ego first, and ``record_len`` (B,) agents per sample, and returns a ``FusionResult``:
 the fused (B, C, H, W) map, ``comm_bytes`` (B,) — bytes one non-ego agent transmits for this map,
 averaged over the sample's non-ego agents, 0 for a sample with the ego alone — and auxiliary
-outputs for the loss. The non-ego maps are already in the ego frame (points were projected before
-pillarisation, OpenCOOD's ``proj_first``), so fusion is per BEV location with no warping.
+outputs for the loss. The non-ego maps arrive in the ego frame: either the points were projected
+before pillarisation (OpenCOOD's ``proj_first``) or the detector warped each agent's map into the
+ego frame (own-frame data, ``opencood.models.warp``), so fusion is per BEV location.
 
 Agents are padded to (B, L, C, H, W) with a validity mask (L = most agents in any sample) so a
 whole batch is fused at once, with no Python loop over samples.
@@ -107,6 +108,10 @@ class FusionModule(nn.Module):
     default_stage = "backbone"
     supported_stages = STAGES
     extra_inputs: tuple = ()
+    # Own-frame data (``fusion.args.proj_first: false``): False, the detector warps every
+    # agent's map into the ego frame before calling the module; True, the module warps
+    # itself and ``forward`` takes ``pairwise`` (B, L, L, 4, 4) and ``grid`` (V2VNet).
+    warps_itself = False
     # forward takes ``max_agents`` (an int >= the most agents of a sample), given by the
     # static-shape step, and pads to it instead of reading record_len.max() (a host sync).
     pads_to_max_agents = False

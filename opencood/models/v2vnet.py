@@ -9,10 +9,11 @@ the messages are averaged over senders and a ConvGRU updates the receiver's stat
 head. ``round_update: reference`` reproduces OpenCOOD's wiring instead (``V2VNetArgs``).
 
 Warping uses the pairwise transforms between the agents' feature frames (``affine_grid`` /
-``grid_sample``). Our intermediate dataset projects every cloud into the ego frame before
-pillarisation (OpenCOOD's ``proj_first``, which its V2VNet config also uses), so all feature
-frames coincide and the detector passes no transform: warping is then the identity and skipped.
-``forward(..., pairwise=...)`` takes explicit transforms for data in per-agent frames.
+``grid_sample``, ``opencood.models.warp``). With ``proj_first`` data (OpenCOOD's, which its
+V2VNet config also uses) every cloud is projected into the ego frame before pillarisation, so
+all feature frames coincide and the detector passes no transform: warping is then the identity
+and skipped. With own-frame data (``fusion.args.proj_first: false``) the detector passes
+``pairwise`` (agent j -> agent i) and its BEV grid, and every message is warped.
 
 Two exact savings over evaluating the rounds literally: in one shared frame the message CNN
 (one linear convolution) is split into a receiver and a sender half, and the last round updates
@@ -24,7 +25,7 @@ K x C x H x W values (nothing when K = 0 or when the ego is alone).
 """
 from __future__ import annotations
 
-from typing import Literal, Optional, Sequence, Tuple
+from typing import Literal, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -32,52 +33,8 @@ from torch import nn
 
 from opencood.config_schema import non_negative, positive, section, spec
 from opencood.models.fusion import FP32_BYTES, FusionModule, FusionResult, pad_by_sample
+from opencood.models.warp import BevGrid, bev_affine, warp_to_receivers
 from opencood.registry import FUSIONS
-
-
-def bev_affine(sender_to_receiver: torch.Tensor, grid_hw: Sequence[int],
-               cell_size: float, grid_center: Sequence[float] = (0.0, 0.0)) -> torch.Tensor:
-    """Metric 4x4 transforms -> ``affine_grid`` matrices that sample a sender's BEV map at the
-    receiver's cells.
-
-    sender_to_receiver (..., 4, 4): maps points of the sender's frame into the receiver's.
-    grid_hw (H, W): feature map size; cell_size: metres per feature cell (voxel x stride);
-    grid_center: (x, y) metres of the map centre in its own frame (0, 0 for a symmetric range).
-    Returns (..., 2, 3): normalised receiver coordinates -> normalised sender coordinates
-    (``align_corners=False``: -1 and 1 are the outer edges of the border cells).
-    """
-    receiver_to_sender = torch.linalg.inv(sender_to_receiver.double())
-    rotation = receiver_to_sender[..., :2, :2]
-    translation = receiver_to_sender[..., :2, 3]
-    height, width = grid_hw
-    half_extent = torch.tensor([width * cell_size / 2, height * cell_size / 2],
-                               dtype=torch.float64, device=rotation.device)
-    center = torch.tensor(list(grid_center), dtype=torch.float64, device=rotation.device)
-    # x_metric = c + S u  ->  u_sender = S^-1 (R (c + S u) + t - c)
-    linear = rotation * half_extent[None, :] / half_extent[:, None]
-    offset = (rotation @ center + translation - center) / half_extent
-    return torch.cat([linear, offset.unsqueeze(-1)], dim=-1).to(sender_to_receiver.dtype)
-
-
-def warp_to_receivers(features: torch.Tensor, theta: torch.Tensor):
-    """Sample every sender's map at every receiver's cells.
-
-    features (B, L, C, H, W) sender maps; theta (B, R, L, 2, 3) from ``bev_affine``, the
-    first R agents (R <= L) as receivers.
-    -> warped (B, R, L, C, H, W), zero outside the sender's map, and
-       covered (B, R, L, 1, H, W) bool: receiver cells whose centre falls inside it.
-    """
-    batch, agents, channels, height, width = features.shape
-    receivers = theta.shape[1]
-    flat_theta = theta.reshape(-1, 2, 3)
-    grid = F.affine_grid(flat_theta, [flat_theta.shape[0], channels, height, width],
-                         align_corners=False)
-    senders = features.unsqueeze(1).expand(-1, receivers, -1, -1, -1, -1)
-    warped = F.grid_sample(senders.reshape(-1, channels, height, width), grid,
-                           mode="bilinear", padding_mode="zeros", align_corners=False)
-    covered = (grid.abs() <= 1.0).all(dim=-1)
-    shape = (batch, receivers, agents)
-    return warped.view(*shape, channels, height, width), covered.view(*shape, 1, height, width)
 
 
 class ConvGRUCell(nn.Module):
@@ -102,7 +59,7 @@ class V2VNetArgs:
     num_iteration: int = spec(2, check=non_negative)
     kernel_size: int = spec(3, check=positive)           # of the ConvGRU convolutions
     # metres per feature cell and the map's centre in the ego frame (metres), for warping with
-    # explicit pairwise transforms
+    # explicit pairwise transforms when the caller gives no grid (the detector gives its own)
     cell_size: float = spec(0.8, check=positive)
     grid_center: Tuple[float, float] = (0.0, 0.0)
     bytes_per_value: int = spec(FP32_BYTES, check=positive)
@@ -120,6 +77,7 @@ class V2VNetFusion(FusionModule):
     (N, in_channels, H, W) maps. With ``num_iteration`` 0 no message CNN or GRU is built."""
 
     supported_stages = ("backbone",)
+    warps_itself = True         # own-frame data: the detector passes pairwise transforms
 
     def __init__(self, args: V2VNetArgs, in_channels: int, num_anchors: int):
         num_iteration, kernel_size = args.num_iteration, args.kernel_size
@@ -201,13 +159,17 @@ class V2VNetFusion(FusionModule):
         return self.gru(gru_input, hidden).view(batch, receivers, channels, height, width)
 
     def forward(self, features: torch.Tensor, record_len: torch.Tensor,
-                pairwise: Optional[torch.Tensor] = None) -> FusionResult:
+                pairwise: Optional[torch.Tensor] = None,
+                grid: Optional[BevGrid] = None) -> FusionResult:
         """features (N, C, H, W), record_len (B,); pairwise (B, L, L, 4, 4) optional, entry
-        [b, i, j] maps agent j's feature frame into agent i's (None: frames coincide).
+        [b, i, j] maps agent j's feature frame into agent i's (None: frames coincide); grid:
+        the detector's BEV geometry (None: this module's ``cell_size`` and ``grid_center``).
         -> FusionResult with the ego's final state through the output layer (B, C, H, W)."""
         padded, is_real = pad_by_sample(features, record_len)
         theta = None
-        if pairwise is not None:
+        if pairwise is not None and grid is not None:
+            theta = grid.affine(pairwise, *features.shape[2:])
+        elif pairwise is not None:
             theta = bev_affine(pairwise, features.shape[2:], self.cell_size, self.grid_center)
         states = padded
         for round_index in range(self.num_iteration):

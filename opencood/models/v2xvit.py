@@ -41,7 +41,7 @@ from torch import nn
 from opencood.config_schema import non_negative, positive, section, spec
 from opencood.models.fusion import (FP32_BYTES, FusionModule, FusionResult, dense_comm_bytes,
                                     pad_by_sample)
-from opencood.models.v2vnet import bev_affine, warp_to_receivers
+from opencood.models.warp import bev_affine, warp_to_receivers
 from opencood.registry import FUSIONS
 
 NUM_AGENT_TYPES = 2          # 0 vehicle, 1 infrastructure (opencood.data.datasets)

@@ -60,6 +60,7 @@ def fake_collated_batch(cfg: Dict, batch_size: int = 2, agents_per_sample: int =
         "record_len": torch.full((batch_size,), agents, dtype=torch.int64),
         "agent_types": torch.zeros(total_agents, dtype=torch.int64),      # all vehicles
         "transforms_to_ego": torch.eye(4).repeat(total_agents, 1, 1),
+        "transforms_to_ego_clean": torch.eye(4).repeat(total_agents, 1, 1),
         "gt_boxes": gt_boxes, "gt_mask": torch.ones(batch_size, max_gt, dtype=torch.bool),
         "shared_points": torch.zeros(batch_size, dtype=torch.int64),
         "sample_keys": [(f"fake_{i}", "000000") for i in range(batch_size)],
