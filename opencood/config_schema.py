@@ -330,6 +330,34 @@ class WildSetting:
 
 
 @section
+class BoxAlignArgs:
+    """``box_align.args``: CoAlign's pose-graph settings, with the authors' names and values
+    (``opencood.ops.pose_graph`` uses them)."""
+    cluster_radius: float = spec(1.5, check=positive)        # m, the authors' ``thres``
+    yaw_var_thres: float = spec(0.2, check=positive)         # rad^2: a cluster's yaws disagree
+    max_iterations: int = spec(1000, check=positive)         # LM iterations (g2o's optimize(n))
+    use_uncertainty: bool = True                            # information from the log variances
+    abandon_hard_cases: bool = True                         # keep input poses for hard samples
+    drop_hard_boxes: bool = True                            # no edges for yaw-disagreeing clusters
+    min_landmarks: int = spec(3, check=non_negative)        # "3 or fewer landmarks" is hard
+    relative_tolerance: float = spec(1e-12, check=non_negative)  # see opencood.ops.pose_graph
+
+
+@section
+class BoxAlignSection:
+    """CoAlign's pose correction at evaluation (the authors' ``box_align`` key): stage-1
+    detections of every agent in its own frame -> pose graph -> corrected agent -> ego
+    transforms (``opencood.eval.pose_correction``).
+
+    ``stage1_model_dir``: the run folder of a single-agent model (``point_pillar``, ideally with
+    the uncertainty head) that detects in each agent's own frame, as the authors' stage-1
+    result; needed by intermediate-fusion runs (own-frame data, ``fusion.args.proj_first:
+    false``). None: the run's own model is stage 1 (late fusion: ``late_box_align``)."""
+    stage1_model_dir: Optional[str] = None
+    args: BoxAlignArgs
+
+
+@section
 class KdSection:
     """Knowledge distillation from a frozen early-fusion teacher (DiscoNet)."""
 
@@ -361,6 +389,7 @@ class Config:
     performance: PerformanceSection
     wild_setting: WildSetting
     kd: Optional[KdSection] = None                   # None: no distillation
+    box_align: Optional[BoxAlignSection] = None      # None: no pose correction at evaluation
 
     def problems(self) -> Problems:
         if self.kd is not None and self.fusion.core_method != "intermediate":

@@ -29,6 +29,7 @@ from opencood.engine import evaluator
 from opencood.eval import inference
 from opencood.strategies import get_strategy
 from opencood.eval.ap import APAccumulator
+from opencood.eval.pose_error import PoseErrorTally
 from opencood.models.build import build_model
 from opencood.ops.transforms import relative_transform
 from opencood.postprocess import VoxelPostprocessor
@@ -211,7 +212,7 @@ def _accumulator_with(keys, gt_per_frame=1) -> APAccumulator:
 
 def _local(accumulator) -> dict:
     return {"accumulator": accumulator, "frames": len(accumulator), "seconds": 1.0,
-            "bytes_sum": 0.0}
+            "bytes_sum": 0.0, "pose_errors": PoseErrorTally()}
 
 
 def test_gather_results_refuses_a_duplicated_sample(monkeypatch):
@@ -222,7 +223,7 @@ def test_gather_results_refuses_a_duplicated_sample(monkeypatch):
     def fake_gather(payload):
         payloads.append(payload)
         return [payload, {"state": rank1["accumulator"].state_dict(), "frames": 2,
-                          "seconds": 1.0, "bytes_sum": 0.0}]
+                          "seconds": 1.0, "bytes_sum": 0.0, "pose_errors": {}}]
 
     monkeypatch.setattr(dist_utils, "gather_object_to_main", fake_gather)
     with pytest.raises(RuntimeError, match="two ranks"):
@@ -233,7 +234,8 @@ def test_gather_results_refuses_a_duplicated_sample(monkeypatch):
 def test_gather_results_refuses_a_lost_sample(monkeypatch):
     rank1 = _accumulator_with([("s", "c")])
     monkeypatch.setattr(dist_utils, "gather_object_to_main", lambda payload: [
-        payload, {"state": rank1.state_dict(), "frames": 1, "seconds": 1.0, "bytes_sum": 0.0}])
+        payload, {"state": rank1.state_dict(), "frames": 1, "seconds": 1.0, "bytes_sum": 0.0,
+                  "pose_errors": {}}])
     with pytest.raises(RuntimeError, match="lost or duplicated"):
         inference.gather_results(_local(_accumulator_with([("s", "a")])), expected_frames=3)
     # The same shards with the right count pass.

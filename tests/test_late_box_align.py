@@ -4,7 +4,7 @@ from pathlib import Path
 
 import torch
 
-import opencood.strategies.late_box_align as late_box_align
+import opencood.eval.pose_correction as pose_correction
 from opencood.config import load_config
 from opencood.postprocess import build_postprocessor
 from opencood.strategies import get_strategy
@@ -34,7 +34,7 @@ def test_merges_with_the_corrected_transforms(monkeypatch):
         seen.update(boxes=[len(b) for b in boxes], log_vars=log_vars, record_len=record_len)
         return shifted
 
-    monkeypatch.setattr(late_box_align, "box_align_transforms_to_ego", fake_correction)
+    monkeypatch.setattr(pose_correction, "box_align_transforms_to_ego", fake_correction)
     inputs = {"record_len": torch.tensor([2, 1]), "transforms_to_ego": transforms}
     outputs = head_outputs(3, uncertainty=True)
     aligned = get_strategy("late_box_align").detections(postprocessor, outputs, inputs)

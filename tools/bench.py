@@ -707,7 +707,7 @@ def bench_eval_inference(suite: Suite) -> List[Dict]:
 
     @torch.no_grad()
     def inference():
-        results = detect(model, bench.batch, preparer, strategy)
+        results, _ = detect(model, bench.batch, preparer, strategy)
         counts.append(sum(int(scores.shape[0]) for _, scores, _ in results))
 
     model.eval()

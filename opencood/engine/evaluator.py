@@ -31,6 +31,7 @@ from opencood.engine.recipe import check_registered_names, configure_cuda
 from opencood.errors import alike_on_every_rank, run_cli
 from opencood.eval.detections import DetectionCollector, detections_name, write_detections
 from opencood.eval.inference import evaluate_loader
+from opencood.eval.pose_correction import load_pose_corrector
 from opencood.eval.protocols import DEFAULT_PROTOCOL, PROTOCOLS
 from opencood.eval.records import (RECORDS_DIR, build_record, checkpoint_facts, format_record_line,
                                    list_records, machine_facts, record_name, write_record)
@@ -141,8 +142,24 @@ def spread_by_group(settings: List[Dict], results: List[Dict]) -> Dict[str, Dict
         row = {"runs": len(members)}
         for key in ("ap_30", "ap_50", "ap_70"):
             row[key] = mean_std([m[key] for m in members])
+        pose = pose_error_spread([m.get("pose_error", {}) for m in members])
+        if pose:
+            row["pose_error"] = pose
         spread[group] = row
     return spread
+
+
+POSE_ERROR_STATS = ("median_translation_m", "median_yaw_deg", "mean_translation_m",
+                    "mean_yaw_deg")
+
+
+def pose_error_spread(summaries: List[Dict]) -> Dict[str, Dict]:
+    """Per-run pose-error summaries ({"before": {...}, "after": {...}}) -> {stage: {stat:
+    {"mean", "std"}}} for the stages every run has ({} when runs have no agent pairs)."""
+    stages = [stage for stage in ("before", "after")
+              if summaries and all(stage in s and s[stage]["pairs"] for s in summaries)]
+    return {stage: {stat: mean_std([s[stage][stat] for s in summaries])
+                    for stat in POSE_ERROR_STATS} for stage in stages}
 
 
 def mean_std(values: List[float]) -> Dict[str, float]:
@@ -153,13 +170,26 @@ def mean_std(values: List[float]) -> Dict[str, float]:
 
 
 def format_spread(title: str, spread: Dict[str, Dict]) -> str:
-    lines = [title, f"{'':>12} {'runs':>4} " + " ".join(f"{name:>16}" for name in
-                                                          ("AP@0.3", "AP@0.5", "AP@0.7"))]
+    lines = [title, f"{'':>20} {'runs':>4} " + " ".join(f"{name:>16}" for name in
+                                                          ("AP@0.3", "AP@0.5", "AP@0.7"))
+             + f" {'median pose error':>34}"]
     for group, row in spread.items():
         cells = " ".join(f"{row[k]['mean']:7.4f} ± {row[k]['std']:6.4f}"
                          for k in ("ap_30", "ap_50", "ap_70"))
-        lines.append(f"{group:>12} {row['runs']:4d} {cells}")
+        lines.append(f"{group:>20} {row['runs']:4d} {cells} {format_pose_spread(row)}")
     return "\n".join(lines)
+
+
+def format_pose_spread(row: Dict) -> str:
+    """The median relative pose error of a spread row, of the stage the row's runs used (after
+    correction where they corrected): "0.512 ± 0.010 m  0.49 ± 0.02 deg", or "" without."""
+    pose = row.get("pose_error", {})
+    stage = pose.get("after") or pose.get("before")
+    if stage is None:
+        return ""
+    return (f"{stage['median_translation_m']['mean']:.3f} ± "
+            f"{stage['median_translation_m']['std']:.3f} m  "
+            f"{stage['median_yaw_deg']['mean']:.2f} ± {stage['median_yaw_deg']['std']:.2f} deg")
 
 
 def format_ap(value) -> str:
@@ -180,7 +210,22 @@ def format_table(name: str, metrics: Dict) -> str:
         lines.append(f"{row_name:>12} {aps} {row['num_gt']:6d}")
     lines.append(f"bytes per agent per frame {metrics['bytes_per_agent']:.0f}, "
                  f"{metrics['frames_per_s']:.2f} frames/s, {metrics['num_frames']} frames")
+    lines += format_pose_errors(metrics.get("pose_error", {}))
     return "\n".join(lines)
+
+
+def format_pose_errors(pose_error: Dict) -> List[str]:
+    """Table lines of the relative pose error (median / mean, metres and degrees), before and
+    after correction; none where no sample has two agents."""
+    lines = []
+    for stage, label in (("before", "reported poses"), ("after", "corrected poses")):
+        stats = pose_error.get(stage)
+        if stats and stats["pairs"]:
+            lines.append(f"pose error, {label}: median {stats['median_translation_m']:.3f} m "
+                         f"{stats['median_yaw_deg']:.2f} deg, mean "
+                         f"{stats['mean_translation_m']:.3f} m {stats['mean_yaw_deg']:.2f} deg "
+                         f"({stats['pairs']} agent pairs)")
+    return lines
 
 
 def vis_callback(run_dir: Path, tag: str, count: int, bev_range):
@@ -201,30 +246,52 @@ def vis_callback(run_dir: Path, tag: str, count: int, bev_range):
     return on_sample
 
 
-def evaluate_setting(cfg, args, run_dir, model, info, setting, checkpoint: Dict) -> Dict | None:
-    """Evaluate one setting (clean, a noise level or a latency) -> its record on rank 0 (see
+def correction_modes(cfg: Dict, fusion: str) -> List[Dict]:
+    """How each setting is evaluated: [{"suffix", "fusion", "correct"}], once as is and, when
+    the run has pose correction (a ``box_align`` section, or fusion ``late_box_align``), once
+    more with it (suffix ``_aligned``), so the table shows AP with and without correction.
+    Late fusion's correction is the ``late_box_align`` strategy; intermediate fusion's a stage-1
+    ``PoseCorrector`` (``opencood.eval.pose_correction``)."""
+    if fusion in ("late", "late_box_align") and (cfg["box_align"] is not None
+                                                   or fusion == "late_box_align"):
+        return [{"suffix": "", "fusion": "late", "correct": False},
+                {"suffix": "_aligned", "fusion": "late_box_align", "correct": False}]
+    if cfg["box_align"] is None:
+        return [{"suffix": "", "fusion": fusion, "correct": False}]
+    return [{"suffix": "", "fusion": fusion, "correct": False},
+            {"suffix": "_aligned", "fusion": fusion, "correct": True}]
+
+
+def evaluate_setting(cfg, args, run_dir, model, info, setting, checkpoint: Dict,
+                     mode: Dict | None = None, corrector=None) -> Dict | None:
+    """Evaluate one setting (clean, a noise level or a latency) in one correction ``mode``
+    (:func:`correction_modes`; None: as configured) -> its record on rank 0 (see
     ``opencood/eval/records.py``), None on the other ranks."""
     protocol = PROTOCOLS[args.protocol]
     cfg_run = resolve(apply_overrides(cfg, setting["overrides"] + protocol.config_overrides(),
                                       source="eval sweep"), "eval sweep")
     fusion = args.fusion_method or cfg_run["fusion"]["core_method"]
+    tag = setting["tag"]
+    if mode is not None:
+        fusion, tag = mode["fusion"], tag + mode["suffix"]
+        corrector = corrector if mode["correct"] else None
     dataset = build_dataset(cfg_run, args.split, train=False, fusion_method=fusion)
     loader = build_loader(dataset, info.device, args.num_workers, batch_size=args.batch_size,
                           sampler=InferenceSampler(len(dataset)))
     preparer = BatchPreparer.from_config(cfg_run, info.device, training=False)
     on_sample = None
     if args.save_vis:
-        on_sample = vis_callback(run_dir, setting["tag"], args.vis_count,
+        on_sample = vis_callback(run_dir, tag, args.vis_count,
                                  cfg_run["preprocess"]["cav_lidar_range"])
     collector = DetectionCollector(then=on_sample) if args.save_detections else None
     metrics = evaluate_loader(model, loader, preparer, cfg_run, info.device, fusion,
-                              collector or on_sample, protocol)
+                              collector or on_sample, protocol, corrector)
     if collector is not None:
-        save_detections(collector, run_dir, args, fusion, setting["tag"], cfg_run)
+        save_detections(collector, run_dir, args, fusion, tag, cfg_run)
     if metrics is None:
         return None
     metrics["protocol"] = {"name": protocol.name, "description": protocol.description}
-    return setting_record(cfg_run, args, setting["tag"], fusion, checkpoint, info, metrics)
+    return setting_record(cfg_run, args, tag, fusion, checkpoint, info, metrics)
 
 
 def save_detections(collector: DetectionCollector, run_dir: Path, args, fusion: str, tag: str,
@@ -312,21 +379,30 @@ def evaluate(args) -> List[Dict]:
         if dist_utils.is_main_process():
             from torch.utils.tensorboard import SummaryWriter
             writer = SummaryWriter(log_dir=str(run_dir))
+        fusion = args.fusion_method or cfg["fusion"]["core_method"]
+        modes = correction_modes(cfg, fusion)
+        with alike_on_every_rank(info.rank):
+            corrector = load_pose_corrector(
+                cfg, fusion, info.device,
+                lambda stage1_cfg, path: load_eval_model(stage1_cfg, path, True, info.device)[0])
         settings = settings_to_run(args.pose_noise, args.latency, args.seeds,
                                    cfg["wild_setting"]["seed"])
+        evaluated = []
         for setting in settings:
-            record = evaluate_setting(cfg, args, run_dir, model, info, setting, checkpoint)
-            # Rank 0 writes alone: should that fail, the other ranks stop too, not wait.
-            written = dist_utils.run_together(
-                lambda: None if record is None else report_results(record, run_dir, writer),
-                "writing results")
-            if record is not None:
-                results.append({**record["results"], "record": str(written)})
+            for mode in modes:
+                record = evaluate_setting(cfg, args, run_dir, model, info, setting, checkpoint,
+                                          mode, corrector)
+                # Rank 0 writes alone: should that fail, the other ranks stop too, not wait.
+                written = dist_utils.run_together(
+                    lambda: None if record is None else report_results(record, run_dir, writer),
+                    "writing results")
+                evaluated.append({**setting, "group": setting["group"] + mode["suffix"]})
+                if record is not None:
+                    results.append({**record["results"], "record": str(written)})
         if writer is not None:
             writer.close()
-        fusion = args.fusion_method or cfg["fusion"]["core_method"]
         dist_utils.run_together(
-            lambda: write_spread(run_dir, args, fusion, settings, results)
+            lambda: write_spread(run_dir, args, fusion, evaluated, results)
             if results and args.seeds > 1 else None, "writing the spread")
         # Rank 0 computes AP after the gather while the others are done: let every rank leave
         # together so no rank tears the group down under another's feet.

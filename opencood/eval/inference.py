@@ -9,45 +9,69 @@ gathered to rank 0, checked to hold every sample exactly once, and AP is compute
 from __future__ import annotations
 
 import time
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import torch
 
 from opencood.eval.ap import APAccumulator
+from opencood.eval.pose_correction import correction_pairs
+from opencood.eval.pose_error import PoseErrorTally
 from opencood.eval.protocols import DEFAULT_PROTOCOL, PROTOCOLS, APProtocol
 from opencood.strategies import get_strategy
 from opencood.utils import dist as dist_utils
 
 
-def detect(model, batch: Dict, preparer, strategy) -> List:
-    """The timed part of inference on one collated batch: pillarise + forward + decode + NMS
-    (and the late-fusion merge) -> per sample (boxes, scores, bytes sent). Under the caller's
-    ``torch.no_grad`` (tools/bench.py times it alone)."""
+def detect(model, batch: Dict, preparer, strategy, corrector=None) -> Tuple[List, Dict]:
+    """The timed part of inference on one collated batch: pillarise (+ the pose correction's
+    stage 1 and pose graph) + forward + decode + NMS (and the late-fusion merge) -> (per sample
+    (boxes, scores, bytes sent), the prepared inputs as used). Under the caller's
+    ``torch.no_grad`` (tools/bench.py times it alone).
+
+    ``corrector``: a ``PoseCorrector`` (``opencood.eval.pose_correction``) or None; with one,
+    the inputs' ``transforms_to_ego`` are the corrected ones and ``transforms_to_ego_reported``
+    the noisy ones they replaced."""
     inputs, _ = preparer(batch, with_targets=False)
+    if corrector is not None:
+        inputs = corrector(inputs)
     outputs = model(strategy.model_inputs(inputs))
-    return strategy.detections(preparer.postprocessor, outputs, inputs)
+    return strategy.detections(preparer.postprocessor, outputs, inputs), inputs
+
+
+def tally_pose_errors(tally: PoseErrorTally, batch: Dict, inputs: Dict) -> None:
+    """Add a batch's relative pose errors (reported, and corrected if a correction ran) against
+    the true transforms (``transforms_to_ego_clean``; batches without it are skipped)."""
+    if "transforms_to_ego_clean" not in batch:
+        return
+    record_len = batch["record_len"].tolist()
+    pairs = correction_pairs(inputs)
+    tally.add(record_len, batch["transforms_to_ego_clean"], *[t.cpu() for t in pairs])
 
 
 @torch.no_grad()
 def run_inference(model, loader, preparer, cfg: Dict, device, fusion_method: str | None = None,
-                  on_sample=None, protocol: APProtocol = PROTOCOLS[DEFAULT_PROTOCOL]) -> Dict:
-    """This rank's shard -> {"accumulator": APAccumulator, "frames", "seconds", "bytes_sum"}.
+                  on_sample=None, protocol: APProtocol = PROTOCOLS[DEFAULT_PROTOCOL],
+                  corrector=None) -> Dict:
+    """This rank's shard -> {"accumulator": APAccumulator, "frames", "seconds", "bytes_sum",
+    "pose_errors": PoseErrorTally}.
 
     ``on_sample(key, batch_row, boxes, scores)`` is called per sample (e.g. to draw pictures).
     ``protocol`` sets the detection sort and range of the AP (opencood.eval.protocols).
+    ``corrector``: the pose correction of intermediate runs (``detect``).
     """
     postprocessor = preparer.postprocessor
-    strategy = get_strategy(fusion_method or cfg["fusion"]["core_method"])
+    strategy = get_strategy(fusion_method or cfg["fusion"]["core_method"]).configure(cfg)
     accumulator = APAccumulator(order=postprocessor.order, **protocol.accumulator_args())
+    pose_errors = PoseErrorTally()
     was_training = model.training
     model.eval()
     frames, bytes_sum, seconds = 0, 0.0, 0.0
     for batch in loader:
         start = time.perf_counter()
-        results = detect(model, batch, preparer, strategy)
+        results, inputs = detect(model, batch, preparer, strategy, corrector)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         seconds += time.perf_counter() - start
+        tally_pose_errors(pose_errors, batch, inputs)
         for row, (boxes, scores, sent) in enumerate(results):
             gt = batch["gt_boxes"][row][batch["gt_mask"][row]]
             key = tuple(batch["sample_keys"][row])
@@ -60,7 +84,7 @@ def run_inference(model, loader, preparer, cfg: Dict, device, fusion_method: str
                 on_sample(key, batch, row, boxes.cpu(), scores.cpu())
     model.train(was_training)
     return {"accumulator": accumulator, "frames": frames, "seconds": seconds,
-            "bytes_sum": bytes_sum}
+            "bytes_sum": bytes_sum, "pose_errors": pose_errors}
 
 
 def gather_results(local: Dict, expected_frames: int) -> Dict | None:
@@ -70,7 +94,8 @@ def gather_results(local: Dict, expected_frames: int) -> Dict | None:
     ``dist_utils.run_together``) instead of the others waiting for it.
     """
     payload = {"state": local["accumulator"].state_dict(), "frames": local["frames"],
-               "seconds": local["seconds"], "bytes_sum": local["bytes_sum"]}
+               "seconds": local["seconds"], "bytes_sum": local["bytes_sum"],
+               "pose_errors": local["pose_errors"].state_dict()}
     gathered = dist_utils.gather_object_to_main(payload)
     return dist_utils.run_together(
         lambda: None if gathered is None else merge_gathered(gathered, expected_frames),
@@ -94,18 +119,22 @@ def merge_gathered(gathered: List[Dict], expected_frames: int) -> Dict:
     slowest = max(g["seconds"] for g in gathered)
     metrics["frames_per_s"] = frames / slowest if slowest > 0 else float("nan")
     metrics["bytes_per_agent"] = sum(g["bytes_sum"] for g in gathered) / max(frames, 1)
+    pose_errors = PoseErrorTally()
+    for payload in gathered:
+        pose_errors.merge(payload["pose_errors"])
+    metrics["pose_error"] = pose_errors.summary()
     return metrics
 
 
 def evaluate_loader(model, loader, preparer, cfg: Dict, device, fusion_method=None,
-                    on_sample=None, protocol: APProtocol = PROTOCOLS[DEFAULT_PROTOCOL]
-                    ) -> Dict | None:
+                    on_sample=None, protocol: APProtocol = PROTOCOLS[DEFAULT_PROTOCOL],
+                    corrector=None) -> Dict | None:
     """Run, gather, compute. All ranks must call it; rank 0 gets the metrics, others None.
 
     A failure on any rank (inference on its shard, rank 0's AP) raises on every rank.
     """
     local = dist_utils.run_together(
         lambda: run_inference(model, loader, preparer, cfg, device, fusion_method, on_sample,
-                              protocol),
+                              protocol, corrector),
         "inference")
     return gather_results(local, expected_frames=len(loader.dataset))

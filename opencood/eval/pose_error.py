@@ -8,7 +8,7 @@ Poses are planar ``(x, y, yaw)`` in metres and radians (``opencood.ops.pose_grap
 from __future__ import annotations
 
 import math
-from typing import Dict, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 
@@ -49,3 +49,59 @@ def summarise_pose_errors(translation_m: torch.Tensor, yaw_deg: torch.Tensor) ->
             "median_yaw_deg": stat(yaw_deg, torch.median),
             "mean_yaw_deg": stat(yaw_deg, torch.mean),
             "pairs": len(translation_m)}
+
+
+def planar_of_transforms(transforms: torch.Tensor) -> torch.Tensor:
+    """(N, 4, 4) agent -> ego transforms -> (N, 3) each agent's planar pose in its ego's frame
+    (x, y in metres, yaw in radians)."""
+    matrices = transforms.double()
+    return torch.stack([matrices[:, 0, 3], matrices[:, 1, 3],
+                        torch.atan2(matrices[:, 1, 0], matrices[:, 0, 0])], dim=1)
+
+
+def transform_pose_errors(estimated: torch.Tensor, true: torch.Tensor,
+                          record_len: Sequence[int]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(N, 4, 4) estimated and true agent -> ego transforms, agents per sample (the ego first)
+    -> per non-ego agent the translation error (K,) in metres and the absolute yaw error (K,)
+    in degrees of its pose relative to the ego (the ego's own rows, identities, are skipped)."""
+    non_ego = torch.ones(len(estimated), dtype=torch.bool)
+    non_ego[torch.cumsum(torch.tensor([0] + [int(n) for n in record_len][:-1]), 0)] = False
+    estimated = planar_of_transforms(estimated.cpu())[non_ego]
+    true = planar_of_transforms(true.cpu())[non_ego]
+    translation = (estimated[:, :2] - true[:, :2]).norm(dim=1)
+    yaw = torch.remainder(estimated[:, 2] - true[:, 2] + math.pi, 2 * math.pi) - math.pi
+    return translation, torch.rad2deg(yaw.abs())
+
+
+class PoseErrorTally:
+    """Relative pose errors of a split, before and (when a correction ran) after correction.
+
+    ``add(record_len, true, reported, corrected=None)`` per batch; ``summary()`` ->
+    ``{"before": summarise_pose_errors(...), "after": ...}``; ``state_dict`` /
+    ``merge`` carry a rank's tally to rank 0.
+    """
+
+    def __init__(self):
+        self.errors: Dict[str, List[torch.Tensor]] = {"before": [], "after": []}
+
+    def add(self, record_len: Sequence[int], true: torch.Tensor, reported: torch.Tensor,
+            corrected: torch.Tensor | None = None) -> None:
+        for stage, transforms in (("before", reported), ("after", corrected)):
+            if transforms is not None:
+                self.errors[stage].append(torch.stack(
+                    transform_pose_errors(transforms, true, record_len), dim=1).float())
+
+    def state_dict(self) -> Dict[str, torch.Tensor]:
+        return {stage: torch.cat(rows) if rows else torch.zeros(0, 2)
+                for stage, rows in self.errors.items()}
+
+    def merge(self, state: Dict[str, torch.Tensor]) -> None:
+        for stage, rows in state.items():
+            if len(rows):
+                self.errors[stage].append(rows)
+
+    def summary(self) -> Dict[str, Dict[str, float]]:
+        """{stage: summarise_pose_errors(...)} for the stages with at least one agent pair ({}
+        when no sample had a second agent, or the batches carried no true transforms)."""
+        return {stage: summarise_pose_errors(rows[:, 0], rows[:, 1])
+                for stage, rows in self.state_dict().items() if len(rows)}

@@ -34,7 +34,8 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from opencood.config_schema import non_negative, positive, section, spec
+# The settings live in the config schema (the ``box_align.args`` section); re-exported here.
+from opencood.config_schema import BoxAlignArgs  # noqa: F401
 
 # The authors' anchor (w 1.6 m, l 3.9 m): regression targets are offsets / anchor diagonal, so a
 # predicted log variance of x or y is in units of that diagonal squared.
@@ -45,19 +46,6 @@ SOLVED = "solved"
 SINGLE_AGENT = "single_agent"            # nothing to align
 FEW_LANDMARKS = "few_landmarks"          # <= min_landmarks landmarks: input poses kept
 YAW_DISAGREEMENT = "yaw_disagreement"    # >= half the clusters disagree in yaw: input kept
-
-
-@section
-class BoxAlignArgs:
-    """The ``box_align.args`` of a config, with the authors' names and values."""
-    cluster_radius: float = spec(1.5, check=positive)        # m, the authors' ``thres``
-    yaw_var_thres: float = spec(0.2, check=positive)         # rad^2: a cluster's yaws disagree
-    max_iterations: int = spec(1000, check=positive)         # LM iterations (g2o's optimize(n))
-    use_uncertainty: bool = True                            # information from the log variances
-    abandon_hard_cases: bool = True                         # keep input poses for hard samples
-    drop_hard_boxes: bool = True                            # no edges for yaw-disagreeing clusters
-    min_landmarks: int = spec(3, check=non_negative)        # "3 or fewer landmarks" is hard
-    relative_tolerance: float = spec(1e-12, check=non_negative)  # see the module docstring
 
 
 # -- SE(2) helpers ------------------------------------------------------------------------------

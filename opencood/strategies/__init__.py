@@ -36,6 +36,10 @@ class FusionStrategy:
     # True: needs a model with a fusion module; False: needs a single-agent one; None: either.
     needs_fusing_model: bool | None = None
 
+    def configure(self, cfg: Dict) -> "FusionStrategy":
+        """Read what the strategy takes from the resolved config (nothing by default)."""
+        return self
+
     def loss_dataset_args(self) -> Dict:
         """Extra options of the dataset the validation loss reads."""
         return {}

@@ -1,0 +1,145 @@
+"""CoAlign's pose correction at evaluation (the ``box_align`` config section).
+
+Stage 1 detects in every agent's own frame; the pose graph (``opencood.ops.pose_graph``) turns
+those boxes into corrected agent -> ego transforms, which then replace the reported (noisy)
+ones for the rest of the sample's inference:
+
+* late fusion (``late_box_align``): stage 1 is the run's own model, whose per-agent outputs the
+  strategy already has (:func:`aligned_transforms`);
+* intermediate fusion on own-frame data (``fusion.args.proj_first: false``): stage 1 is a
+  separate single-agent run (``box_align.stage1_model_dir``), run on the same per-agent pillars
+  before the fusion model warps the agents' features with the corrected transforms
+  (:class:`PoseCorrector`), as the authors feed their stage-1 result to the fusion dataset.
+
+After a correction the prepared inputs hold ``transforms_to_ego`` (the corrected transforms,
+what the model and the merge use) and ``transforms_to_ego_reported`` (the noisy ones they
+replaced), so the evaluation can measure the pose error before and after.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from opencood.config import load_config
+from opencood.errors import ConfigError
+from opencood.ops.pose_graph import BoxAlignArgs, box_align_transforms_to_ego
+from opencood.postprocess import build_postprocessor
+from opencood.postprocess.uncertain_detections import detections_with_uncertainty
+from opencood.utils.checkpoint import run_checkpoint
+
+# What stage 1 and the fusion run must share: the same pillars serve both models.
+SHARED_PREPROCESS_KEYS = ("cav_lidar_range", "args")
+
+
+def stage1_boxes(postprocessor, outputs: Dict[str, torch.Tensor]):
+    """Per-agent own-frame head outputs -> (per agent (K, 7) boxes after NMS, per agent (K, dim)
+    log variances, or None without the uncertainty head)."""
+    if "unc_preds" in outputs:
+        stage1 = detections_with_uncertainty(postprocessor, outputs)
+        return [d[0] for d in stage1], [d[2] for d in stage1]
+    return [postprocessor.nms(*d)[0] for d in postprocessor.decode(outputs)], None
+
+
+def aligned_transforms(postprocessor, outputs: Dict[str, torch.Tensor],
+                       transforms_to_ego: torch.Tensor, record_len: Sequence[int],
+                       args: BoxAlignArgs) -> torch.Tensor:
+    """Stage-1 outputs of N agents (each in its own frame), their reported (N, 4, 4) agent ->
+    ego transforms and agents per sample -> the (N, 4, 4) corrected transforms."""
+    boxes, log_vars = stage1_boxes(postprocessor, outputs)
+    return box_align_transforms_to_ego(transforms_to_ego, boxes, log_vars,
+                                       [int(n) for n in record_len], args)
+
+
+def mark_corrected(inputs: Dict, corrected: torch.Tensor) -> Dict:
+    """``inputs`` with ``transforms_to_ego`` replaced by ``corrected`` and the replaced ones kept
+    as ``transforms_to_ego_reported`` (the pose error before correction is measured on them)."""
+    return {**inputs, "transforms_to_ego_reported": inputs["transforms_to_ego"],
+            "transforms_to_ego": corrected}
+
+
+def box_align_args(cfg: Dict) -> BoxAlignArgs:
+    """``box_align.args`` of a resolved config as :class:`BoxAlignArgs` (defaults without the
+    section)."""
+    section = cfg["box_align"]
+    return BoxAlignArgs(**section["args"]) if section is not None else BoxAlignArgs()
+
+
+class PoseCorrector:
+    """Stage 1 (a single-agent model on every agent's own-frame pillars) + the pose graph.
+
+    ``__call__(inputs)``: prepared own-frame inputs (voxel_features, voxel_num_points,
+    voxel_coords, record_len (B,), transforms_to_ego (N, 4, 4)) -> the same with corrected
+    transforms (:func:`mark_corrected`).
+    """
+
+    def __init__(self, stage1_model: torch.nn.Module, postprocessor, args: BoxAlignArgs):
+        self.stage1_model = stage1_model.eval()
+        self.postprocessor = postprocessor
+        self.args = args
+
+    @torch.no_grad()
+    def __call__(self, inputs: Dict) -> Dict:
+        record_len = inputs["record_len"]
+        num_agents = inputs["transforms_to_ego"].shape[0]
+        own_frame = {key: value for key, value in inputs.items() if key != "shared_points"}
+        own_frame["record_len"] = record_len.new_ones(num_agents)   # every agent alone
+        outputs = self.stage1_model(own_frame)
+        corrected = aligned_transforms(self.postprocessor, outputs, inputs["transforms_to_ego"],
+                                       record_len.tolist(), self.args)
+        return mark_corrected(inputs, corrected)
+
+
+def check_stage1_config(stage1_cfg: Dict, cfg: Dict, stage1_dir: Path) -> None:
+    """ConfigError (one line) when the stage-1 run cannot read the fusion run's pillars: it must
+    be single-agent and pillarise the same range with the same voxels."""
+    if stage1_cfg["model"]["core_method"] != "point_pillar":
+        raise ConfigError(f"{stage1_dir}: box_align.stage1_model_dir must be a single-agent run "
+                          f"(model point_pillar, trained for late fusion); its model is "
+                          f"{stage1_cfg['model']['core_method']!r}")
+    for key in SHARED_PREPROCESS_KEYS:
+        if stage1_cfg["preprocess"][key] != cfg["preprocess"][key]:
+            raise ConfigError(f"{stage1_dir}: preprocess.{key} differs from the evaluated run's "
+                              f"({stage1_cfg['preprocess'][key]!r} vs {cfg['preprocess'][key]!r});"
+                              f" stage 1 reads the same pillars, so it must match")
+
+
+def load_pose_corrector(cfg: Dict, fusion: str, device,
+                        load_model: Callable[[Dict, Path], torch.nn.Module]
+                        ) -> Optional[PoseCorrector]:
+    """The stage-1 corrector of an intermediate run with a ``box_align`` section (None where
+    there is nothing to load: no section, or late fusion, whose own model is stage 1).
+    ``load_model(config, checkpoint_path)``: the evaluator's model loader.
+
+    Refuses (ConfigError) what cannot be corrected: projected-first data (the points are
+    already in the ego frame through the noisy poses) or a run without ``stage1_model_dir``.
+    """
+    section = cfg["box_align"]
+    if section is None or fusion in ("late", "late_box_align"):
+        return None
+    if fusion != "intermediate" or cfg["fusion"]["args"]["proj_first"]:
+        raise ConfigError(f"box_align corrects own-frame data: fusion {fusion!r} with "
+                          f"fusion.args.proj_first true has its points in the ego frame already "
+                          f"(set fusion.args.proj_first: false, or use late_box_align)")
+    if section["stage1_model_dir"] is None:
+        raise ConfigError("box_align.stage1_model_dir: an intermediate run needs a stage-1 "
+                          "run (a point_pillar trained for late fusion, ideally with "
+                          "model.args.uncertainty_dim) to detect in every agent's own frame")
+    stage1_dir = Path(section["stage1_model_dir"])
+    config_path = stage1_dir / "config.yaml"
+    if not config_path.exists():
+        raise ConfigError(f"box_align.stage1_model_dir: {config_path} not found (a run folder "
+                          f"written by tools/train.py)")
+    stage1_cfg = load_config(config_path)
+    check_stage1_config(stage1_cfg, cfg, stage1_dir)
+    model = load_model(stage1_cfg, run_checkpoint(stage1_dir, None))
+    return PoseCorrector(model, build_postprocessor(stage1_cfg, device), box_align_args(cfg))
+
+
+def correction_pairs(inputs: Dict) -> List[torch.Tensor]:
+    """The transforms whose pose error a sample reports: [reported] or, after a correction,
+    [reported, corrected] (each (N, 4, 4))."""
+    if "transforms_to_ego_reported" in inputs:
+        return [inputs["transforms_to_ego_reported"], inputs["transforms_to_ego"]]
+    return [inputs["transforms_to_ego"]]

@@ -1,0 +1,158 @@
+"""Pose correction at evaluation (``opencood.eval.pose_correction``) and the relative pose error
+it is judged by (``opencood.eval.pose_error``): hand-computed errors, the stage-1 corrector's
+inputs and outputs, the correction modes of the evaluator, and the refusals."""
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import opencood.eval.pose_correction as pose_correction
+from opencood.config import load_config, save_config
+from opencood.engine.evaluator import correction_modes
+from opencood.errors import ConfigError
+from opencood.eval.pose_error import PoseErrorTally, transform_pose_errors
+from opencood.postprocess import build_postprocessor
+
+CONFIGS = Path(__file__).resolve().parents[1] / "hypes_yaml" / "synthetic"
+
+
+def planar_transform(x: float, y: float, yaw_deg: float) -> torch.Tensor:
+    """(4, 4) agent -> ego transform of a planar pose."""
+    yaw = math.radians(yaw_deg)
+    matrix = torch.eye(4, dtype=torch.float64)
+    matrix[:2, :2] = torch.tensor([[math.cos(yaw), -math.sin(yaw)],
+                                   [math.sin(yaw), math.cos(yaw)]])
+    matrix[0, 3], matrix[1, 3] = x, y
+    return matrix
+
+
+def test_transform_pose_errors_by_hand():
+    # Sample 0: ego + one agent 0.3 / 0.4 m off (0.5 m) and 2 deg; sample 1: ego + two agents,
+    # one exact, one 1 m off with a yaw error across the +-180 deg seam (179 vs -179: 2 deg).
+    true = torch.stack([torch.eye(4, dtype=torch.float64), planar_transform(10, 0, 0),
+                        torch.eye(4, dtype=torch.float64), planar_transform(-5, 3, 30),
+                        planar_transform(0, 20, 179)])
+    estimated = torch.stack([torch.eye(4, dtype=torch.float64), planar_transform(10.3, 0.4, 2),
+                             torch.eye(4, dtype=torch.float64), planar_transform(-5, 3, 30),
+                             planar_transform(1, 20, -179)])
+    translation, yaw = transform_pose_errors(estimated, true, [2, 3])
+    torch.testing.assert_close(translation, torch.tensor([0.5, 0.0, 1.0], dtype=torch.float64))
+    torch.testing.assert_close(yaw, torch.tensor([2.0, 0.0, 2.0], dtype=torch.float64))
+
+
+def test_tally_pools_ranks_and_reports_stages_it_saw():
+    true = torch.stack([torch.eye(4), planar_transform(10, 0, 0).float()])
+    reported = torch.stack([torch.eye(4), planar_transform(10.6, 0, 0).float()])
+    corrected = torch.stack([torch.eye(4), planar_transform(10.1, 0, 0).float()])
+    rank0, rank1 = PoseErrorTally(), PoseErrorTally()
+    rank0.add([2], true, reported, corrected)
+    rank1.add([2], true, reported.clone(), true.clone())
+    rank1.add([1], true[:1], true[:1])                       # a lone ego: no pair
+    rank0.merge(rank1.state_dict())
+    summary = rank0.summary()
+    assert summary["before"]["pairs"] == 2 and summary["after"]["pairs"] == 2
+    assert summary["before"]["median_translation_m"] == pytest.approx(0.6, abs=1e-5)
+    assert summary["after"]["mean_translation_m"] == pytest.approx(0.05, abs=1e-5)
+    uncorrected = PoseErrorTally()
+    uncorrected.add([2], true, reported)
+    assert set(uncorrected.summary()) == {"before"}
+    assert PoseErrorTally().summary() == {}
+
+
+class Stage1Stub(torch.nn.Module):
+    """A single-agent model whose head outputs are fixed; records what it was given."""
+
+    def __init__(self, outputs):
+        super().__init__()
+        self.outputs, self.seen = outputs, {}
+
+    def forward(self, batch):
+        self.seen = batch
+        return self.outputs
+
+
+def test_corrector_runs_stage1_per_agent_and_keeps_the_reported_transforms(monkeypatch):
+    postprocessor = build_postprocessor(load_config(CONFIGS / "smoke.yaml"), torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    outputs = {"cls_preds": torch.randn(3, 2, 16, 32, generator=gen) - 2.5,
+               "reg_preds": torch.randn(3, 14, 16, 32, generator=gen) * 0.3,
+               "dir_preds": torch.randn(3, 4, 16, 32, generator=gen),
+               "unc_preds": torch.zeros(3, 6, 16, 32)}
+    reported = torch.eye(4).repeat(3, 1, 1)
+    reported[1, 0, 3] = 7.0
+    corrected = reported.clone()
+    corrected[1, 0, 3] = 6.5
+    seen = {}
+
+    def fake_graph(transforms, boxes, log_vars, record_len, args):
+        seen.update(boxes=len(boxes), log_vars=[v.shape[1] for v in log_vars],
+                    record_len=record_len, radius=args.cluster_radius)
+        return corrected
+
+    monkeypatch.setattr(pose_correction, "box_align_transforms_to_ego", fake_graph)
+    stage1 = Stage1Stub(outputs)
+    args = pose_correction.BoxAlignArgs(cluster_radius=2.5)
+    inputs = {"record_len": torch.tensor([2, 1]), "transforms_to_ego": reported,
+              "shared_points": torch.zeros(2)}
+    out = pose_correction.PoseCorrector(stage1, postprocessor, args)(inputs)
+    assert stage1.seen["record_len"].tolist() == [1, 1, 1]      # every agent on its own
+    assert "shared_points" not in stage1.seen
+    assert seen == {"boxes": 3, "log_vars": [3, 3, 3], "record_len": [2, 1], "radius": 2.5}
+    assert out["transforms_to_ego"] is corrected
+    assert out["transforms_to_ego_reported"] is reported
+    assert out["record_len"].tolist() == [2, 1]                 # the fusion model's grouping
+    assert inputs["transforms_to_ego"] is reported              # the caller's dict untouched
+
+
+def test_correction_modes():
+    late = load_config(CONFIGS / "point_pillar_late_fusion.yaml")
+    inter = load_config(CONFIGS / "point_pillar_attfuse.yaml")
+    with_section = ["box_align={stage1_model_dir: runs/stage1}"]
+    assert correction_modes(inter, "intermediate") == [
+        {"suffix": "", "fusion": "intermediate", "correct": False}]
+    assert correction_modes(late, "late_box_align") == [
+        {"suffix": "", "fusion": "late", "correct": False},
+        {"suffix": "_aligned", "fusion": "late_box_align", "correct": False}]
+    late_aligned = load_config(CONFIGS / "point_pillar_late_fusion.yaml", with_section)
+    assert [m["fusion"] for m in correction_modes(late_aligned, "late")] == ["late",
+                                                                             "late_box_align"]
+    inter_aligned = load_config(CONFIGS / "point_pillar_attfuse.yaml", with_section)
+    assert [m["correct"] for m in correction_modes(inter_aligned, "intermediate")] == [False,
+                                                                                      True]
+
+
+def never_loaded(cfg, path):
+    raise AssertionError("the stage-1 model must not be loaded")
+
+
+def test_load_pose_corrector_refusals(tmp_path):
+    proj_first = load_config(CONFIGS / "point_pillar_attfuse.yaml",
+                             ["box_align={stage1_model_dir: runs/stage1}"])
+    assert pose_correction.load_pose_corrector(
+        load_config(CONFIGS / "point_pillar_attfuse.yaml"), "intermediate", "cpu",
+        never_loaded) is None
+    assert pose_correction.load_pose_corrector(proj_first, "late", "cpu", never_loaded) is None
+    with pytest.raises(ConfigError, match="proj_first"):
+        pose_correction.load_pose_corrector(proj_first, "intermediate", "cpu", never_loaded)
+    own_frame = ["fusion.args.proj_first=false"]
+    no_dir = load_config(CONFIGS / "point_pillar_attfuse.yaml",
+                         own_frame + ["box_align={stage1_model_dir: null}"])
+    with pytest.raises(ConfigError, match="box_align.stage1_model_dir: an intermediate run"):
+        pose_correction.load_pose_corrector(no_dir, "intermediate", "cpu", never_loaded)
+    missing = load_config(CONFIGS / "point_pillar_attfuse.yaml",
+                          own_frame + [f"box_align={{stage1_model_dir: {tmp_path / 'none'}}}"])
+    with pytest.raises(ConfigError, match="config.yaml not found"):
+        pose_correction.load_pose_corrector(missing, "intermediate", "cpu", never_loaded)
+    stage1_dir = tmp_path / "stage1"
+    stage1_dir.mkdir()
+    cfg = load_config(CONFIGS / "point_pillar_attfuse.yaml",
+                      own_frame + [f"box_align={{stage1_model_dir: {stage1_dir}}}"])
+    save_config(load_config(CONFIGS / "point_pillar_attfuse.yaml"), stage1_dir / "config.yaml")
+    with pytest.raises(ConfigError, match="must be a single-agent run"):
+        pose_correction.load_pose_corrector(cfg, "intermediate", "cpu", never_loaded)
+    save_config(load_config(CONFIGS / "point_pillar_late_fusion.yaml",
+                            ["preprocess.args.voxel_size=[0.4, 0.4, 4]"]),
+                stage1_dir / "config.yaml")
+    with pytest.raises(ConfigError, match="preprocess.args differs"):
+        pose_correction.load_pose_corrector(cfg, "intermediate", "cpu", never_loaded)
