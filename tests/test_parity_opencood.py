@@ -25,6 +25,9 @@ missing):
   statistics drawn at random make relu(BN(0)) large; trained weights gave ~2e-3).
 * V2VNet ``round_update: reference``: OpenCOOD feeds [current state, mean message] as the GRU
   input with a zero hidden state (a fresh ConvGRU per call). 0.61 / 0.88.
+* Where2comm (OpenCOOD's GitHub sources, ``confidence: head``): the fixture also holds its
+  per-agent confidence logits and communication masks, compared too; sending every cell
+  (threshold 0) instead of the mask breaks parity.
 * ``use_dir: false`` and ``anchor_args.placement: reference`` change no head map; they decide
   the decoding: ``test_decoding_matches_opencood`` compares our decoded boxes of the fixture's
   head maps with OpenCOOD's own anchors and ``delta_to_boxes3d`` (``<model>.decoded.pt``, made
@@ -55,7 +58,9 @@ from tool_modules import load_tool
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "parity"
 MODELS = ("point_pillar", "point_pillar_intermediate", "point_pillar_fcooper",
-          "point_pillar_v2vnet")
+          "point_pillar_v2vnet", "point_pillar_where2comm")
+# Made from OpenCOOD's GitHub sources (the script's --source), not from opencoodx 0.1.19.
+GITHUB_MODELS = {"point_pillar_where2comm": "OpenCOOD github 31ba160"}
 TOLERANCE = 1e-5
 HEADS = (("cls_preds", "psm"), ("reg_preds", "rm"))
 
@@ -91,6 +96,8 @@ def our_model(name: str, fixture: dict, **defaults_back) -> torch.nn.Module:
         args["pillar_vfe"]["padded_slots"] = defaults_back["padded_slots"]
     if "round_update" in defaults_back:
         args["fusion"]["args"]["round_update"] = defaults_back["round_update"]
+    if "fusion_args" in defaults_back:
+        args["fusion"]["args"].update(defaults_back["fusion_args"])
     model = build_model(cfg["model"])
     state = opencood_to_ours(peer_state(fixture), name, state_shapes(model.state_dict()))
     model.load_state_dict(state)
@@ -126,7 +133,8 @@ def assert_parity(outputs: dict, fixture: dict) -> None:
 @pytest.mark.parametrize("name", MODELS)
 def test_fixture_exercises_what_matters(name):
     fixture = load_fixture(name)
-    assert fixture["core_method"] == name and fixture["reference"] == "opencoodx 0.1.19"
+    assert fixture["core_method"] == name
+    assert fixture["reference"] == GITHUB_MODELS.get(name, "opencoodx 0.1.19")
     inputs = fixture["inputs"]
     counts = inputs["voxel_num_points"]
     slots = inputs["voxel_features"].shape[1]
@@ -263,6 +271,36 @@ def test_padded_slots_option_matters(name):
 def test_v2vnet_round_update_option_matters():
     fixture = load_fixture("point_pillar_v2vnet")
     model = our_model("point_pillar_v2vnet", fixture, round_update="gru_on_state")
+    diffs = relative_differences(run_ours(model, fixture), fixture)
+    assert min(diffs.values()) > 100 * TOLERANCE
+
+
+def test_where2comm_confidence_and_masks_match():
+    """OpenCOOD's Where2comm: each agent's confidence (its cls head on the agent's own shrunk
+    map) within the tolerance, the communication masks (smoothed, thresholded, ego all 1)
+    equal; the fixture's non-ego agents send some cells and not others, not all the same."""
+    name = "point_pillar_where2comm"
+    fixture = load_fixture(name)
+    outputs = run_ours(our_model(name, fixture), fixture)
+    theirs = fixture["outputs"]["conf_logits"]
+    assert float((outputs["single_cls_preds"] - theirs).abs().max()
+                 / theirs.abs().max()) <= TOLERANCE
+    mask = fixture["outputs"]["comm_mask"]
+    assert torch.equal(outputs["comm_mask"], mask)
+    sent = mask.flatten(1).mean(dim=1)
+    ego = torch.tensor([1, 0, 1, 1, 0, 0, 0], dtype=torch.bool)        # record_len [2, 1, 4]
+    assert (sent[ego] == 1).all() and (sent[~ego] > 0.1).all() and (sent[~ego] < 0.5).all()
+    assert len(set(sent[~ego].tolist())) > 1
+    # Our bytes: the cells each scale's mask keeps x that scale's channels, mean over senders.
+    assert outputs["comm_bytes"][1] == 0 and outputs["comm_bytes"][0] > 0
+
+
+def test_where2comm_mask_matters():
+    """Sending every cell (threshold 0, OpenCOOD's ``fully``) changes the heads far beyond the
+    tolerance: the fixture checks the mask, its smoothing and where it is applied."""
+    name = "point_pillar_where2comm"
+    fixture = load_fixture(name)
+    model = our_model(name, fixture, fusion_args={"threshold": 0.0})
     diffs = relative_differences(run_ours(model, fixture), fixture)
     assert min(diffs.values()) > 100 * TOLERANCE
 

@@ -156,7 +156,8 @@ REFERENCE_CONFIGS = sorted((Path(__file__).resolve().parents[1] / "hypes_yaml" /
 def test_reference_configs_cover_opencoods_models():
     assert [p.stem for p in REFERENCE_CONFIGS] == [
         "point_pillar_attfuse", "point_pillar_early_fusion", "point_pillar_fcooper",
-        "point_pillar_late_fusion", "point_pillar_no_fusion", "point_pillar_v2vnet"]
+        "point_pillar_late_fusion", "point_pillar_no_fusion", "point_pillar_v2vnet",
+        "point_pillar_where2comm"]
 
 
 @pytest.mark.parametrize("path", REFERENCE_CONFIGS, ids=lambda p: p.stem)

@@ -9,6 +9,8 @@ point_pillar (no / early / late fusion)              point_pillar
 point_pillar_intermediate + attfuse (multiscale)     point_pillar_intermediate
 point_pillar_intermediate + fcooper (backbone)       point_pillar_fcooper
 point_pillar_intermediate + v2vnet (backbone)        point_pillar_v2vnet
+point_pillar_intermediate + where2comm               point_pillar_where2comm (GitHub sources:
+  (confidence "head"; multiscale or backbone)        not in opencoodx 0.1.19)
 
 Reference options required: ``pillar_vfe.padded_slots: reference``, ``use_dir: false``,
 ``postprocess.anchor_args.placement: reference``, V2VNet ``round_update: reference``; and the
@@ -37,11 +39,13 @@ from opencood.interop.importer import our_state_shapes, staged_folder
 from opencood.interop.opencood_config import DATASETS, OPENCOOD_ANCHOR_Z
 from opencood.utils.checkpoint import load_checkpoint, run_checkpoint
 
-# Our fusion module -> (OpenCOOD model, the stage it fuses at, whether it shrinks to 256
-# channels before its heads: they are on 384 channels otherwise)
-INTERMEDIATE = {"attfuse": ("point_pillar_intermediate", "multiscale", False),
-                "fcooper": ("point_pillar_fcooper", "backbone", True),
-                "v2vnet": ("point_pillar_v2vnet", "backbone", True)}
+# Our fusion module -> (OpenCOOD model, the stages it fuses at, whether it shrinks to 256
+# channels before its heads: they are on 384 channels otherwise; None: its yaml's head_dim
+# says the width)
+INTERMEDIATE = {"attfuse": ("point_pillar_intermediate", ("multiscale",), False),
+                "fcooper": ("point_pillar_fcooper", ("backbone",), True),
+                "v2vnet": ("point_pillar_v2vnet", ("backbone",), True),
+                "where2comm": ("point_pillar_where2comm", ("multiscale", "backbone"), None)}
 SINGLE_AGENT_HEAD = 384            # OpenCOOD's PointPillar: cls/reg heads on 128 * 3 channels
 SHRUNK_HEAD = 256                  # its F-Cooper and V2VNet: heads on 128 * 2 channels
 PILLAR_FEATURES = 64               # its backbones are built on 64 scattered channels
@@ -84,8 +88,9 @@ def opencood_model(ours: _Ours) -> Tuple[str, Optional[dict]]:
     if name not in INTERMEDIATE:
         raise InteropError(f"{ours.source}: model.args.fusion.core_method {name!r} has no "
                            f"OpenCOOD 0.1.19 counterpart (exported: {', '.join(INTERMEDIATE)})")
-    core_method, stage, _ = INTERMEDIATE[name]
-    ours.require("model.args.fusion.stage", stage, f"where its {core_method} fuses")
+    core_method, stages, _ = INTERMEDIATE[name]
+    if ours.get("model.args.fusion.stage") not in stages:
+        ours.require("model.args.fusion.stage", stages[0], f"where its {core_method} fuses")
     return core_method, fusion
 
 
@@ -101,9 +106,14 @@ def check_reference_options(ours: _Ours, core_method: str) -> None:
                  "its backbone input is hard-coded")
     if core_method == "point_pillar_v2vnet":
         ours.require("model.args.fusion.args.round_update", "reference", why)
+    if core_method == "point_pillar_where2comm":
+        ours.require("model.args.fusion.args.confidence", "head", why)
+        ours.require("model.args.fusion.args.max_bytes_per_agent", None, "it has no budget")
 
 
 def check_head_width(ours: _Ours, core_method: str, fusion: Optional[dict]) -> None:
+    if fusion is not None and INTERMEDIATE[fusion["core_method"]][2] is None:
+        return
     if fusion is None or not INTERMEDIATE[fusion["core_method"]][2]:
         upsample = ours.get("model.args.base_bev_backbone.num_upsample_filter")
         if sum(upsample) != SINGLE_AGENT_HEAD or ours.get("model.args.shrink_header"):
@@ -208,7 +218,27 @@ def peer_model_args(cfg: dict, lidar_range: list, fusion: Optional[dict]) -> dic
                                 "input_dim": sum(backbone["num_upsample_filter"])}
     if fusion["core_method"] == "v2vnet":
         out["v2vfusion"] = peer_v2vnet(cfg, fusion["args"], int(args["shrink_header"]["dim"]))
+    if fusion["core_method"] == "where2comm":
+        out["head_dim"] = int(shrink["dim"]) if shrink else sum(backbone["num_upsample_filter"])
+        out["where2comm_fusion"] = peer_where2comm(cfg, fusion, backbone, out["head_dim"])
     return out
+
+
+def peer_where2comm(cfg: dict, fusion: dict, backbone: dict, head_dim: int) -> dict:
+    """OpenCOOD's where2comm_fusion (its GitHub sources): threshold 0 sends every cell there
+    too (``elif self.threshold``), so ``fully`` stays false."""
+    fusion_args = fusion["args"]
+    communication = {"round": 1, "threshold": float(fusion_args["threshold"])}
+    smoothing = fusion_args.get("smoothing")
+    if smoothing:
+        communication["gaussian_smooth"] = {"k_size": int(smoothing["kernel_size"]),
+                                            "c_sigma": float(smoothing["sigma"])}
+    return {"fully": False,
+            "voxel_size": [float(v) for v in cfg["preprocess"]["args"]["voxel_size"]],
+            "downsample_rate": int(cfg["postprocess"]["anchor_args"]["feature_stride"]),
+            "in_channels": head_dim, "multi_scale": fusion["stage"] == "multiscale",
+            "layer_nums": backbone["layer_nums"], "num_filters": backbone["num_filters"],
+            "communication": communication}
 
 
 def peer_v2vnet(cfg: dict, fusion_args: dict, channels: int) -> dict:

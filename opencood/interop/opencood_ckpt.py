@@ -20,6 +20,7 @@ fusion_net.msg_cnn.bias                           fusion.message_cnn.bias       
 fusion_net.conv_gru.cell_list.0.conv_gates.*      fusion.gru.gates.*                  copy
 fusion_net.conv_gru.cell_list.0.conv_can.*        fusion.gru.candidate.*              copy
 fusion_net.mlp.{weight,bias} (Linear C x C)       fusion.output.* (1x1 conv)          reshape
+fusion_net.naive_communication.gaussian_filter.*  fusion.smooth.*                     copy (5)
 
 1. OpenCOOD pads with a ``ZeroPad2d(1)`` before each scale's strided conv (padding 0); ours
    pads inside the conv (padding 1): the same map, one Sequential index earlier.
@@ -32,6 +33,9 @@ fusion_net.mlp.{weight,bias} (Linear C x C)       fusion.output.* (1x1 conv)    
    map); the other way the centre comes back, refused when the other taps are not zero.
 4. OpenCOOD's message CNN reads [sender warped, receiver]; ours [receiver, sender]: the two
    halves of the input channels trade places (its own inverse).
+
+5. Where2comm (OpenCOOD's GitHub sources): its only fusion parameters are the Gaussian
+   smoothing conv's; the confidence is its cls head on each agent's own map.
 
 The ConvGRU and the attention have the same parameters in both; whether the FORWARD passes agree
 is what ``tests/test_parity_opencood.py`` checks against the authors' code.
@@ -183,6 +187,9 @@ V2VNET_RULES = (
     Rule("fusion_net.mlp.weight", "fusion.output.weight", LINEAR_AS_CONV),
     Rule("fusion_net.mlp.bias", "fusion.output.bias"),
 )
+WHERE2COMM_RULES = (
+    Rule("fusion_net.naive_communication.gaussian_filter.{p}", "fusion.smooth.{p}"),
+)
 
 # OpenCOOD model.core_method -> the rules of its state dict.
 RULES: Dict[str, Tuple[Rule, ...]] = {
@@ -190,6 +197,7 @@ RULES: Dict[str, Tuple[Rule, ...]] = {
     "point_pillar_intermediate": PILLAR_RULES,
     "point_pillar_fcooper": PILLAR_RULES + SHRINK_RULES,
     "point_pillar_v2vnet": PILLAR_RULES + SHRINK_RULES + V2VNET_RULES,
+    "point_pillar_where2comm": PILLAR_RULES + SHRINK_RULES + WHERE2COMM_RULES,
 }
 
 

@@ -55,6 +55,8 @@ MODELS = {
     "point_pillar_intermediate": ("point_pillar_intermediate", "attfuse"),
     "point_pillar_fcooper": ("point_pillar_intermediate", "fcooper"),
     "point_pillar_v2vnet": ("point_pillar_intermediate", "v2vnet"),
+    # OpenCOOD's GitHub sources (not in opencoodx 0.1.19)
+    "point_pillar_where2comm": ("point_pillar_intermediate", "where2comm"),
 }
 AUGMENTATIONS = ("random_world_flip", "random_world_rotation", "random_world_scaling")
 OPTIMIZERS = ("Adam", "AdamW", "SGD")
@@ -283,6 +285,8 @@ def _model_args(peer: _Peer, core_method: str, fusion_module: Optional[str]) -> 
         fusion["stage"] = "multiscale"
     elif fusion_module == "fcooper":
         fusion["stage"] = "backbone"
+    elif fusion_module == "where2comm":
+        fusion["stage"], fusion["args"] = _where2comm(peer, m, args)
     else:
         fusion["stage"] = "backbone"
         fusion["args"] = _v2vnet_args(peer, f"{m}.v2vfusion")
@@ -301,6 +305,28 @@ def _shrink_header(peer: _Peer, key: str) -> dict:
         raise peer.error(key, f"kernel {kernel}, padding {padding}: our shrink header's first "
                               "conv is 3x3 with padding 1 or 1x1 without")
     return {"dim": dim, "stride": stride, "kernel_size": kernel}
+
+
+def _where2comm(peer: _Peer, m: str, args: dict) -> tuple:
+    """OpenCOOD's where2comm_fusion -> (stage, our where2comm args with confidence "head")."""
+    key = f"{m}.where2comm_fusion"
+    head_in = args["shrink_header"]["dim"] if "shrink_header" in args else \
+        sum(args["base_bev_backbone"]["num_upsample_filter"])
+    peer.require(f"{m}.head_dim", head_in, "the width its heads read")
+    multi_scale = bool(peer.get(f"{key}.multi_scale"))
+    if multi_scale:
+        for name in ("layer_nums", "num_filters"):
+            peer.require(f"{key}.{name}", args["base_bev_backbone"][name],
+                         "its per-scale fusion follows the backbone")
+    threshold = 0.0 if peer.get(f"{key}.fully") else \
+        float(peer.get(f"{key}.communication.threshold"))
+    smoothing = None
+    if "gaussian_smooth" in peer.get(f"{key}.communication"):
+        smoothing = {"kernel_size": int(peer.get(f"{key}.communication.gaussian_smooth.k_size")),
+                     "sigma": float(peer.get(f"{key}.communication.gaussian_smooth.c_sigma"))}
+    return ("multiscale" if multi_scale else "backbone",
+            {"confidence": "head", "threshold": threshold, "smoothing": smoothing,
+             "max_bytes_per_agent": None, "fusion_mode": "attention"})
 
 
 def _v2vnet_args(peer: _Peer, key: str) -> dict:
