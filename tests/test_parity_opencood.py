@@ -61,6 +61,7 @@ MODELS = ("point_pillar", "point_pillar_intermediate", "point_pillar_fcooper",
           "point_pillar_v2vnet", "point_pillar_where2comm")
 # Made from OpenCOOD's GitHub sources (the script's --source), not from opencoodx 0.1.19.
 GITHUB_MODELS = {"point_pillar_where2comm": "OpenCOOD github 31ba160"}
+# CoAlign's DiscoNet has a fixture too (its own section below: key rules, no yaml translation).
 TOLERANCE = 1e-5
 HEADS = (("cls_preds", "psm"), ("reg_preds", "rm"))
 
@@ -303,6 +304,67 @@ def test_where2comm_mask_matters():
     model = our_model(name, fixture, fusion_args={"threshold": 0.0})
     diffs = relative_differences(run_ours(model, fixture), fixture)
     assert min(diffs.values()) > 100 * TOLERANCE
+
+
+# ----------------------------------------------------------------------------------------------
+# DiscoNet: CoAlign's (yifanlu0227/CoAlign 64d1987), key rules only (its yaml is not OpenCOOD's)
+# ----------------------------------------------------------------------------------------------
+
+DISCONET = "point_pillar_disconet"
+REFERENCE_CONFIGS = Path(__file__).resolve().parents[1] / "hypes_yaml" / "opv2v" / "reference"
+# The fixture's shrunk geometry on top of the reference config (the script's SMALL_*).
+SMALL = ("preprocess.cav_lidar_range=[-12.8,-6.4,-3.0,12.8,6.4,1.0]",
+         "preprocess.args.max_points_per_voxel=8",
+         "model.args.base_bev_backbone.layer_nums=[1,1,1]",
+         "model.args.base_bev_backbone.num_filters=[8,8,16]")
+
+
+def disconet_model(state=None, score_relu: bool = True) -> torch.nn.Module:
+    from opencood.config import load_config
+    cfg = load_config(REFERENCE_CONFIGS / f"{DISCONET}.yaml",
+                      SMALL + (f"model.args.fusion.args.score_relu={str(score_relu).lower()}",))
+    model = build_model(cfg["model"])
+    if state is not None:
+        model.load_state_dict(opencood_to_ours(state, DISCONET,
+                                               state_shapes(model.state_dict())))
+    return model.eval()
+
+
+def disconet_differences(model, fixture) -> dict:
+    outputs = run_ours(model, fixture)
+    return {ours: float((outputs[ours] - fixture["outputs"][theirs]).abs().max()
+                        / fixture["outputs"][theirs].abs().max())
+            for ours, theirs in HEADS + (("dir_preds", "dm"),)}
+
+
+def test_disconet_parity_with_coalign():
+    """CoAlign's DiscoNet (its PixelWeightLayer on [sender, ego], a ReLU on the scores, heads
+    with a direction classifier): the same weights and pillars give the same three heads."""
+    fixture = load_fixture(DISCONET)
+    assert fixture["reference"] == "CoAlign github 64d1987"
+    assert fixture["inputs"]["record_len"].tolist() == [2, 1, 4]
+    state = peer_state(fixture)
+    diffs = disconet_differences(disconet_model(state), fixture)
+    assert max(diffs.values()) <= TOLERANCE, diffs
+    # The key rules are strict both ways and lose nothing.
+    ours = opencood_to_ours(state, DISCONET, state_shapes(disconet_model().state_dict()))
+    back = ours_to_opencood(ours, DISCONET, state_shapes(state))
+    assert set(back) == set(state) and all(torch.equal(back[k], state[k]) for k in state)
+
+
+def test_disconet_options_matter():
+    """Without the ReLU on the scores (our default), or with the edge network's input halves
+    left in CoAlign's order, the heads differ far beyond the tolerance: the fixture's scores
+    take both signs and its edge weights differ over agents."""
+    fixture = load_fixture(DISCONET)
+    state = peer_state(fixture)
+    assert min(disconet_differences(disconet_model(state, score_relu=False),
+                                    fixture).values()) > 100 * TOLERANCE
+    model = disconet_model(state)
+    key = "fusion.edge_net.layers.0.weight"
+    with torch.no_grad():
+        model.state_dict()[key].copy_(state["fusion_net.pixel_weight_layer.conv1_1.weight"])
+    assert min(disconet_differences(model, fixture).values()) > 100 * TOLERANCE
 
 
 # ----------------------------------------------------------------------------------------------

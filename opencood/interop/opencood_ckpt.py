@@ -21,6 +21,9 @@ fusion_net.conv_gru.cell_list.0.conv_gates.*      fusion.gru.gates.*            
 fusion_net.conv_gru.cell_list.0.conv_can.*        fusion.gru.candidate.*              copy
 fusion_net.mlp.{weight,bias} (Linear C x C)       fusion.output.* (1x1 conv)          reshape
 fusion_net.naive_communication.gaussian_filter.*  fusion.smooth.*                     copy (5)
+fusion_net.pixel_weight_layer.conv1_1.weight      fusion.edge_net.layers.0.weight     swap (6)
+fusion_net.pixel_weight_layer.{conv,bn}1_{k}.*    fusion.edge_net.layers.{3k-3,3k-2}.* copy (6)
+dir_head.*                                        head.dir_conv.*                     copy (6)
 
 1. OpenCOOD pads with a ``ZeroPad2d(1)`` before each scale's strided conv (padding 0); ours
    pads inside the conv (padding 1): the same map, one Sequential index earlier.
@@ -36,6 +39,9 @@ fusion_net.naive_communication.gaussian_filter.*  fusion.smooth.*               
 
 5. Where2comm (OpenCOOD's GitHub sources): its only fusion parameters are the Gaussian
    smoothing conv's; the confidence is its cls head on each agent's own map.
+6. DiscoNet (CoAlign's ``point_pillar_disconet``): its edge network scores [sender warped,
+   ego]; ours [ego, sender]: the halves of the first conv's input channels trade places.
+   CoAlign's heads have a direction classifier (``dir_args``), as ours.
 
 The ConvGRU and the attention have the same parameters in both; whether the FORWARD passes agree
 is what ``tests/test_parity_opencood.py`` checks against the authors' code.
@@ -190,6 +196,18 @@ V2VNET_RULES = (
 WHERE2COMM_RULES = (
     Rule("fusion_net.naive_communication.gaussian_filter.{p}", "fusion.smooth.{p}"),
 )
+DISCONET_RULES = (
+    Rule("fusion_net.pixel_weight_layer.conv1_1.weight", "fusion.edge_net.layers.0.weight",
+         SWAP_INPUT_HALVES),
+    Rule("fusion_net.pixel_weight_layer.conv1_1.bias", "fusion.edge_net.layers.0.bias"),
+    Rule("fusion_net.pixel_weight_layer.bn1_1.{p}", "fusion.edge_net.layers.1.{p}"),
+    Rule("fusion_net.pixel_weight_layer.conv1_2.{p}", "fusion.edge_net.layers.3.{p}"),
+    Rule("fusion_net.pixel_weight_layer.bn1_2.{p}", "fusion.edge_net.layers.4.{p}"),
+    Rule("fusion_net.pixel_weight_layer.conv1_3.{p}", "fusion.edge_net.layers.6.{p}"),
+    Rule("fusion_net.pixel_weight_layer.bn1_3.{p}", "fusion.edge_net.layers.7.{p}"),
+    Rule("fusion_net.pixel_weight_layer.conv1_4.{p}", "fusion.edge_net.layers.9.{p}"),
+    Rule("dir_head.{p}", "head.dir_conv.{p}"),
+)
 
 # OpenCOOD model.core_method -> the rules of its state dict.
 RULES: Dict[str, Tuple[Rule, ...]] = {
@@ -198,6 +216,8 @@ RULES: Dict[str, Tuple[Rule, ...]] = {
     "point_pillar_fcooper": PILLAR_RULES + SHRINK_RULES,
     "point_pillar_v2vnet": PILLAR_RULES + SHRINK_RULES + V2VNET_RULES,
     "point_pillar_where2comm": PILLAR_RULES + SHRINK_RULES + WHERE2COMM_RULES,
+    # CoAlign's (yifanlu0227/CoAlign): key rules only, its yaml is not translated
+    "point_pillar_disconet": PILLAR_RULES + SHRINK_RULES + DISCONET_RULES,
 }
 
 

@@ -106,16 +106,24 @@ MODELS = {
     "point_pillar_fcooper": ("point_pillar_fcooper.yaml", [2, 1, 4]),
     "point_pillar_v2vnet": ("point_pillar_v2vnet.yaml", [2, 1, 4]),
     "point_pillar_where2comm": ("point_pillar_where2comm.yaml", [2, 1, 4]),
+    "point_pillar_disconet": ("opv2v/lidar_only_with_noise/pointpillar_disconet.yaml",
+                              [2, 1, 4]),
 }
-# Models that exist in OpenCOOD's GitHub sources only (not in opencoodx 0.1.19): made with
-# ``--source CHECKOUT`` (DerrickXuNu/OpenCOOD at GITHUB_COMMIT), put first on sys.path.
-GITHUB_MODELS = ("point_pillar_where2comm",)
-GITHUB_COMMIT = "31ba160"
+# Models of other sources than opencoodx 0.1.19: made with ``--source CHECKOUT`` (a checkout of
+# the repository at the commit named), put first on sys.path. -> the fixture's reference label.
+GITHUB_MODELS = {"point_pillar_where2comm": "OpenCOOD github 31ba160",   # DerrickXuNu/OpenCOOD
+                 "point_pillar_disconet": "CoAlign github 64d1987"}      # yifanlu0227/CoAlign
 # Where2comm: the confidence head's weights are widened and its bias shifted so that its
 # smoothed confidence straddles the 0.01 threshold where the agents' maps differ (some cells
 # sent, some not, not the same for every agent) with these generated weights.
 RECIPE_EDITS = {"point_pillar_where2comm": {"cls_head.bias": {"offset": -4.75},
-                                            "cls_head.weight": {"scale": 0.5}}}
+                                            "cls_head.weight": {"scale": 0.5}},
+                # DiscoNet: edge scores spread over both signs, so the weights over agents
+                # differ and the ReLU on the scores matters.
+                "point_pillar_disconet": {
+                    "fusion_net.pixel_weight_layer.conv1_4.weight": {"scale": 32.0},
+                    "fusion_net.pixel_weight_layer.conv1_4.bias": {"scale": 0.5,
+                                                                    "offset": -4.375}}}
 # Tensors kept as the reference initialises them (stored as they are): Where2comm's Gaussian
 # smoothing kernel, which its training never changes (no gradient reaches it).
 KEEP_INITIAL = {"point_pillar_where2comm": ("fusion_net.naive_communication.gaussian_filter.",)}
@@ -139,17 +147,25 @@ ABOUT = ("Made by tools/reference/make_model_parity_fixtures.py from OpenCOOD ("
 def stub_unused_imports() -> None:
     """Imports of the GitHub sources that the fixtures never use: ``train_utils`` imports
     ``timm`` for its cosine learning-rate scheduler, the datasets' post-processor the Cython
-    extension ``box_overlaps`` (for training targets; not built in a source checkout). Empty
+    extension ``box_overlaps`` (for training targets; not built in a source checkout); CoAlign's
+    transformation utilities import ``icecream`` (debug printing), its pcd reader ``pypcd``. Empty
     stand-ins (calling one fails) keep the models' and the collation's code as it is."""
     import types
 
     def unavailable(*args, **kwargs):
         raise RuntimeError("stubbed by make_model_parity_fixtures.py")
 
-    try:
-        import timm  # noqa: F401
+    for name in ("timm", "icecream"):          # CoAlign's transformation utils: icecream's ic
+        try:
+            __import__(name)
+        except ImportError:
+            sys.modules[name] = types.ModuleType(name)
+            sys.modules[name].ic = unavailable
+    try:                                      # CoAlign's pcd_utils: ``from pypcd import pypcd``
+        import pypcd  # noqa: F401
     except ImportError:
-        sys.modules["timm"] = types.ModuleType("timm")
+        sys.modules["pypcd"] = types.ModuleType("pypcd")
+        sys.modules["pypcd"].pypcd = types.ModuleType("pypcd.pypcd")
     overlaps = types.ModuleType("opencood.utils.box_overlaps")
     overlaps.bbox_overlaps = unavailable
     sys.modules["opencood.utils.box_overlaps"] = overlaps
@@ -175,7 +191,7 @@ def import_reference(source: Path | None = None):
     if source is not None:
         if source.resolve() not in location.parents:
             raise SystemExit(f"error: 'opencood' resolves to {location.parent}, not {source}")
-        return location.parent, f"OpenCOOD github {GITHUB_COMMIT}"
+        return location.parent, "github"
     version = metadata.version(REFERENCE_PACKAGE[0])
     if version != REFERENCE_PACKAGE[1]:
         print(f"warning: {REFERENCE_PACKAGE[0]} {version} installed; the fixtures were made "
@@ -297,8 +313,6 @@ def agent_points(rng, lidar_range) -> np.ndarray:
 def make_inputs(hypes: dict, record_len: list, seed: int) -> dict:
     """The model's input dict as OpenCOOD's datasets collate it."""
     import torch
-    from opencood.data_utils.datasets.intermediate_fusion_dataset import \
-        IntermediateFusionDataset
     from opencood.data_utils.pre_processor.sp_voxel_preprocessor import SpVoxelPreprocessor
 
     rng = np.random.default_rng(seed)
@@ -314,14 +328,33 @@ def make_inputs(hypes: dict, record_len: list, seed: int) -> dict:
     if hypes["model"]["core_method"] == "point_pillar":
         processed = pre_processor.collate_batch(per_agent)          # early / late: a list
     else:
-        merged = IntermediateFusionDataset.merge_features_to_dict(per_agent)
-        processed = pre_processor.collate_batch(merged)
+        processed = pre_processor.collate_batch(merge_features_to_dict(per_agent))
     max_cav = hypes["train_params"].get("max_cav", 5)
     pairwise = np.zeros((len(record_len), max_cav, max_cav, 4, 4))
     pairwise[:, :] = np.identity(4)                                 # proj_first
-    return {"processed_lidar": processed,
+    data = {"processed_lidar": processed,
             "record_len": torch.from_numpy(np.array(record_len, dtype=int)),
             "pairwise_t_matrix": torch.from_numpy(pairwise)}
+    if hypes["model"]["core_method"] == "point_pillar_disconet":
+        # CoAlign's forward reads these too: the early-fusion teacher's pillars (used by its
+        # loss only) and the poses (its noise; identity transforms here).
+        data["teacher_processed_lidar"] = processed
+        data["lidar_pose"] = torch.zeros(sum(record_len), 6, dtype=torch.float64)
+        data["pairwise_t_matrix"] = data["pairwise_t_matrix"].float()
+    return data
+
+
+def merge_features_to_dict(per_agent: list) -> dict:
+    """OpenCOOD's ``IntermediateFusionDataset.merge_features_to_dict``: the agents' pillar dicts
+    -> one dict of per-agent lists, in agent order (CoAlign's datasets do the same, in a
+    function its dataset factory closes over, so it is restated here)."""
+    from collections import OrderedDict
+    merged = OrderedDict()
+    for features in per_agent:
+        for name, value in features.items():
+            merged.setdefault(name, [])
+            merged[name] += value if isinstance(value, list) else [value]
+    return merged
 
 
 # ---------------------------------------------------------------------------------------------
@@ -380,13 +413,13 @@ def make_fixture(reference_root: Path, reference: str, core_method: str, out: Pa
                    "voxel_num_points": lidar["voxel_num_points"].contiguous(),
                    "record_len": data["record_len"],
                    "pairwise_t_matrix": data["pairwise_t_matrix"]},
-        "outputs": {"psm": outputs["psm"].contiguous(), "rm": outputs["rm"].contiguous(),
-                    **captured},
+        "outputs": {**head_outputs(outputs), **captured},
     }
     out.mkdir(parents=True, exist_ok=True)
     (out / config_name).write_text(config_text)
     torch.save(fixture, out / f"{core_method}.pt")
     torch.load(out / f"{core_method}.pt", weights_only=True)        # loads as the tests will
+    outputs = head_outputs(outputs)
     full = lidar["voxel_num_points"] == SMALL_POINTS_PER_PILLAR
     sparse = lidar["voxel_num_points"] <= 2
     print(f"{core_method}: {len(recipes)} tensors, {lidar['voxel_features'].shape[0]} pillars "
@@ -395,6 +428,13 @@ def make_fixture(reference_root: Path, reference: str, core_method: str, out: Pa
           + (f"sent {float(captured['comm_mask'].mean()):.2f} of cells, " if captured else "")
           +
           f"{(out / f'{core_method}.pt').stat().st_size / 1024:.0f} KiB")
+
+
+def head_outputs(outputs: dict) -> dict:
+    """OpenCOOD's psm / rm (CoAlign names them cls_preds / reg_preds, and adds dir_preds, saved
+    as dm)."""
+    names = {"psm": "psm", "rm": "rm", "cls_preds": "psm", "reg_preds": "rm", "dir_preds": "dm"}
+    return {names[key]: value.contiguous() for key, value in outputs.items() if key in names}
 
 
 def make_fullsize_run(reference_root: Path, out: Path, epoch: int) -> None:
@@ -511,8 +551,8 @@ def main(argv=None) -> None:
     check.add_argument("--fixtures", type=Path, help="also run the fixtures' inputs")
     for step in (fixtures, decoded, check):
         step.add_argument("--source", type=Path,
-                          help=f"a checkout of DerrickXuNu/OpenCOOD ({GITHUB_COMMIT}): needed "
-                               f"for {', '.join(GITHUB_MODELS)}")
+                          help="a checkout of the sources of the models named in "
+                               f"GITHUB_MODELS: {GITHUB_MODELS}")
     args = parser.parse_args(argv)
     source = getattr(args, "source", None)
     github_models = [m for m in getattr(args, "models", ()) if m in GITHUB_MODELS]
@@ -530,7 +570,8 @@ def main(argv=None) -> None:
         return
     if args.step == "fixtures":
         for core_method in args.models:
-            make_fixture(reference_root, version, core_method, args.out)
+            reference = GITHUB_MODELS[core_method] if source else version
+            make_fixture(reference_root, reference, core_method, args.out)
     else:
         make_fullsize_run(reference_root, args.out, args.epoch)
 
