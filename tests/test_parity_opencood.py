@@ -58,9 +58,10 @@ from tool_modules import load_tool
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "parity"
 MODELS = ("point_pillar", "point_pillar_intermediate", "point_pillar_fcooper",
-          "point_pillar_v2vnet", "point_pillar_where2comm")
+          "point_pillar_v2vnet", "point_pillar_where2comm", "point_pillar_cobevt")
 # Made from OpenCOOD's GitHub sources (the script's --source), not from opencoodx 0.1.19.
-GITHUB_MODELS = {"point_pillar_where2comm": "OpenCOOD github 31ba160"}
+GITHUB_MODELS = {"point_pillar_where2comm": "OpenCOOD github 31ba160",
+                 "point_pillar_cobevt": "OpenCOOD github 31ba160"}
 # CoAlign's DiscoNet has a fixture too (its own section below: key rules, no yaml translation).
 TOLERANCE = 1e-5
 HEADS = (("cls_preds", "psm"), ("reg_preds", "rm"))
@@ -304,6 +305,27 @@ def test_where2comm_mask_matters():
     model = our_model(name, fixture, fusion_args={"threshold": 0.0})
     diffs = relative_differences(run_ours(model, fixture), fixture)
     assert min(diffs.values()) > 100 * TOLERANCE
+
+
+def test_cobevt_options_matter():
+    """OpenCOOD's CoBEVT: its mean over every agent slot (padded ones included) and its bias
+    indexed by slot offset. With our mean over real agents, or with every other agent sharing
+    one bias (the slot offset +1's, as our same/other bias would), the heads differ far beyond
+    the tolerance (every fixture sample has padded slots: record_len [2, 1, 4], 5 slots)."""
+    name = "point_pillar_cobevt"
+    fixture = load_fixture(name)
+    model = our_model(name, fixture, fusion_args={"mean_over": "real_agents"})
+    assert min(relative_differences(run_ours(model, fixture), fixture).values()) > \
+        100 * TOLERANCE
+    model = our_model(name, fixture)
+    for attention in (m for m in model.modules() if hasattr(m, "slot_index")):
+        index, slots = attention.slot_index, attention.slots
+        cells = attention.bias_table.num_embeddings // (2 * slots - 1)
+        offset = index // cells                      # slot offset + slots - 1
+        attention.slot_index = torch.where(offset == slots - 1, index,
+                                           index % cells + slots * cells)
+    assert min(relative_differences(run_ours(model, fixture), fixture).values()) > \
+        100 * TOLERANCE
 
 
 # ----------------------------------------------------------------------------------------------

@@ -158,7 +158,8 @@ NOT_OPENCOOD = ("point_pillar_disconet",)
 
 def test_reference_configs_cover_opencoods_models():
     assert [p.stem for p in REFERENCE_CONFIGS] == [
-        "point_pillar_attfuse", "point_pillar_disconet", "point_pillar_early_fusion",
+        "point_pillar_attfuse", "point_pillar_cobevt", "point_pillar_disconet",
+        "point_pillar_early_fusion",
         "point_pillar_fcooper",
         "point_pillar_late_fusion", "point_pillar_no_fusion", "point_pillar_v2vnet",
         "point_pillar_where2comm"]

@@ -11,6 +11,8 @@ point_pillar_intermediate + fcooper (backbone)       point_pillar_fcooper
 point_pillar_intermediate + v2vnet (backbone)        point_pillar_v2vnet
 point_pillar_intermediate + where2comm               point_pillar_where2comm (GitHub sources:
   (confidence "head"; multiscale or backbone)        not in opencoodx 0.1.19)
+point_pillar_intermediate + cobevt (backbone;        point_pillar_cobevt (GitHub sources)
+  slot_offset bias, mean over all slots)
 
 Reference options required: ``pillar_vfe.padded_slots: reference``, ``use_dir: false``,
 ``postprocess.anchor_args.placement: reference``, V2VNet ``round_update: reference``; and the
@@ -45,7 +47,8 @@ from opencood.utils.checkpoint import load_checkpoint, run_checkpoint
 INTERMEDIATE = {"attfuse": ("point_pillar_intermediate", ("multiscale",), False),
                 "fcooper": ("point_pillar_fcooper", ("backbone",), True),
                 "v2vnet": ("point_pillar_v2vnet", ("backbone",), True),
-                "where2comm": ("point_pillar_where2comm", ("multiscale", "backbone"), None)}
+                "where2comm": ("point_pillar_where2comm", ("multiscale", "backbone"), None),
+                "cobevt": ("point_pillar_cobevt", ("backbone",), True)}
 SINGLE_AGENT_HEAD = 384            # OpenCOOD's PointPillar: cls/reg heads on 128 * 3 channels
 SHRUNK_HEAD = 256                  # its F-Cooper and V2VNet: heads on 128 * 2 channels
 PILLAR_FEATURES = 64               # its backbones are built on 64 scattered channels
@@ -109,6 +112,11 @@ def check_reference_options(ours: _Ours, core_method: str) -> None:
     if core_method == "point_pillar_where2comm":
         ours.require("model.args.fusion.args.confidence", "head", why)
         ours.require("model.args.fusion.args.max_bytes_per_agent", None, "it has no budget")
+    if core_method == "point_pillar_cobevt":
+        ours.require("model.args.fusion.args.agent_bias", "slot_offset", why)
+        ours.require("model.args.fusion.args.mean_over", "all_slots", why)
+        ours.require("model.args.fusion.args.max_agents", ours.get("train_params.max_cav"),
+                     "its agents are padded to max_cav slots")
 
 
 def check_head_width(ours: _Ours, core_method: str, fusion: Optional[dict]) -> None:
@@ -218,6 +226,14 @@ def peer_model_args(cfg: dict, lidar_range: list, fusion: Optional[dict]) -> dic
                                 "input_dim": sum(backbone["num_upsample_filter"])}
     if fusion["core_method"] == "v2vnet":
         out["v2vfusion"] = peer_v2vnet(cfg, fusion["args"], int(args["shrink_header"]["dim"]))
+    if fusion["core_method"] == "cobevt":
+        fusion_args = fusion["args"]
+        out["fax_fusion"] = {"input_dim": int(shrink["dim"]), "mlp_dim": int(fusion_args["mlp_dim"]),
+                             "agent_size": int(fusion_args["max_agents"]),
+                             "window_size": int(fusion_args["window"]),
+                             "dim_head": int(fusion_args["dim_head"]),
+                             "drop_out": float(fusion_args["dropout"]),
+                             "depth": int(fusion_args["depth"]), "mask": True}
     if fusion["core_method"] == "where2comm":
         out["head_dim"] = int(shrink["dim"]) if shrink else sum(backbone["num_upsample_filter"])
         out["where2comm_fusion"] = peer_where2comm(cfg, fusion, backbone, out["head_dim"])

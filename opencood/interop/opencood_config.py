@@ -57,6 +57,7 @@ MODELS = {
     "point_pillar_v2vnet": ("point_pillar_intermediate", "v2vnet"),
     # OpenCOOD's GitHub sources (not in opencoodx 0.1.19)
     "point_pillar_where2comm": ("point_pillar_intermediate", "where2comm"),
+    "point_pillar_cobevt": ("point_pillar_intermediate", "cobevt"),
 }
 AUGMENTATIONS = ("random_world_flip", "random_world_rotation", "random_world_scaling")
 OPTIMIZERS = ("Adam", "AdamW", "SGD")
@@ -287,6 +288,8 @@ def _model_args(peer: _Peer, core_method: str, fusion_module: Optional[str]) -> 
         fusion["stage"] = "backbone"
     elif fusion_module == "where2comm":
         fusion["stage"], fusion["args"] = _where2comm(peer, m, args)
+    elif fusion_module == "cobevt":
+        fusion["stage"], fusion["args"] = "backbone", _cobevt(peer, m, args)
     else:
         fusion["stage"] = "backbone"
         fusion["args"] = _v2vnet_args(peer, f"{m}.v2vfusion")
@@ -327,6 +330,25 @@ def _where2comm(peer: _Peer, m: str, args: dict) -> tuple:
     return ("multiscale" if multi_scale else "backbone",
             {"confidence": "head", "threshold": threshold, "smoothing": smoothing,
              "max_bytes_per_agent": None, "fusion_mode": "attention"})
+
+
+def _cobevt(peer: _Peer, m: str, args: dict) -> dict:
+    """OpenCOOD's fax_fusion (SwapFusionEncoder with its key mask) -> our cobevt with the
+    reference options (slot-indexed agent bias, mean over every slot)."""
+    key = f"{m}.fax_fusion"
+    peer.require(f"{key}.mask", True, "our CoBEVT masks padded agents as keys")
+    width = args["shrink_header"]["dim"] if "shrink_header" in args else \
+        sum(args["base_bev_backbone"]["num_upsample_filter"])
+    peer.require(f"{key}.input_dim", width, "the width of the map it fuses")
+    peer.require(f"{m}.max_cav", int(peer.get(f"{key}.agent_size")),
+                 "its agents are padded to max_cav slots, its bias table has agent_size")
+    return {"depth": int(peer.get(f"{key}.depth")),
+            "window": int(peer.get(f"{key}.window_size")),
+            "dim_head": int(peer.get(f"{key}.dim_head")),
+            "mlp_dim": int(peer.get(f"{key}.mlp_dim")),
+            "dropout": float(peer.get(f"{key}.drop_out")),
+            "agent_bias": "slot_offset", "mean_over": "all_slots",
+            "max_agents": int(peer.get(f"{key}.agent_size"))}
 
 
 def _v2vnet_args(peer: _Peer, key: str) -> dict:

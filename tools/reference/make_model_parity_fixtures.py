@@ -108,10 +108,12 @@ MODELS = {
     "point_pillar_where2comm": ("point_pillar_where2comm.yaml", [2, 1, 4]),
     "point_pillar_disconet": ("opv2v/lidar_only_with_noise/pointpillar_disconet.yaml",
                               [2, 1, 4]),
+    "point_pillar_cobevt": ("point_pillar_cobevt.yaml", [2, 1, 4]),
 }
 # Models of other sources than opencoodx 0.1.19: made with ``--source CHECKOUT`` (a checkout of
 # the repository at the commit named), put first on sys.path. -> the fixture's reference label.
 GITHUB_MODELS = {"point_pillar_where2comm": "OpenCOOD github 31ba160",   # DerrickXuNu/OpenCOOD
+                 "point_pillar_cobevt": "OpenCOOD github 31ba160",
                  "point_pillar_disconet": "CoAlign github 64d1987"}      # yifanlu0227/CoAlign
 # Where2comm: the confidence head's weights are widened and its bias shifted so that its
 # smoothed confidence straddles the 0.01 threshold where the agents' maps differ (some cells
@@ -124,9 +126,11 @@ RECIPE_EDITS = {"point_pillar_where2comm": {"cls_head.bias": {"offset": -4.75},
                     "fusion_net.pixel_weight_layer.conv1_4.weight": {"scale": 32.0},
                     "fusion_net.pixel_weight_layer.conv1_4.bias": {"scale": 0.5,
                                                                     "offset": -4.375}}}
-# Tensors kept as the reference initialises them (stored as they are): Where2comm's Gaussian
-# smoothing kernel, which its training never changes (no gradient reaches it).
-KEEP_INITIAL = {"point_pillar_where2comm": ("fusion_net.naive_communication.gaussian_filter.",)}
+# Tensors kept as the reference initialises them (stored as they are; a key containing one of
+# the strings): Where2comm's Gaussian smoothing kernel, which its training never changes (no
+# gradient reaches it); CoBEVT's relative-position index buffers (integers, constant).
+KEEP_INITIAL = {"point_pillar_where2comm": ("fusion_net.naive_communication.gaussian_filter.",),
+                "point_pillar_cobevt": (".relative_position_index",)}
 SMALL_RANGE = [-12.8, -6.4, -3.0, 12.8, 6.4, 1.0]
 SMALL_POINTS_PER_PILLAR = 8
 SMALL_BACKBONE = {"layer_nums": [1, 1, 1], "layer_strides": [2, 2, 2], "num_filters": [8, 8, 16],
@@ -242,6 +246,8 @@ def shrink_hypes(raw: dict) -> dict:
     if "where2comm_fusion" in args:         # its own copies of the backbone lists
         args["where2comm_fusion"].update(layer_nums=SMALL_BACKBONE["layer_nums"],
                                          num_filters=SMALL_BACKBONE["num_filters"])
+    if "fax_fusion" in args:                # CoBEVT: two blocks (still chained), a narrower FFN
+        args["fax_fusion"].update(depth=2, mlp_dim=64)
     if "v2vfusion" in args:
         nx = round((SMALL_RANGE[3] - SMALL_RANGE[0]) / raw["preprocess"]["args"]["voxel_size"][0])
         ny = round((SMALL_RANGE[4] - SMALL_RANGE[1]) / raw["preprocess"]["args"]["voxel_size"][1])
@@ -341,6 +347,10 @@ def make_inputs(hypes: dict, record_len: list, seed: int) -> dict:
         data["teacher_processed_lidar"] = processed
         data["lidar_pose"] = torch.zeros(sum(record_len), 6, dtype=torch.float64)
         data["pairwise_t_matrix"] = data["pairwise_t_matrix"].float()
+    if hypes["model"]["core_method"] == "point_pillar_cobevt":
+        # Read by its forward, not used by the model: identities (proj_first).
+        data["spatial_correction_matrix"] = torch.eye(4, dtype=torch.float64).repeat(
+            len(record_len), max_cav, 1, 1)
     return data
 
 
@@ -390,7 +400,7 @@ def make_fixture(reference_root: Path, reference: str, core_method: str, out: Pa
     for key, edit in RECIPE_EDITS.get(core_method, {}).items():
         recipes[key].update(edit)
     for key, tensor in model.state_dict().items():
-        if key.startswith(KEEP_INITIAL.get(core_method, ())):
+        if any(part in key for part in KEEP_INITIAL.get(core_method, ())):
             recipes[key] = tensor.detach().clone()
     model.load_state_dict(weights.materialize(recipes), strict=True)
     model.eval()
@@ -514,6 +524,9 @@ def export_check_one(folder: Path, fixtures: Path | None) -> str:
                                     ("voxel_features", "voxel_coords", "voxel_num_points")},
                 "record_len": inputs["record_len"],
                 "pairwise_t_matrix": inputs["pairwise_t_matrix"]}
+        if core_method == "point_pillar_cobevt":        # read by its forward, unused
+            data["spatial_correction_matrix"] = torch.eye(4, dtype=torch.float64).repeat(
+                *inputs["pairwise_t_matrix"].shape[:2], 1, 1)
         with torch.no_grad():
             outputs = model.eval()(data)
         diffs = {name: float((outputs[name] - fixture["outputs"][name]).abs().max())
