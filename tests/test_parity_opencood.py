@@ -28,6 +28,10 @@ missing):
 * Where2comm (OpenCOOD's GitHub sources, ``confidence: head``): the fixture also holds its
   per-agent confidence logits and communication masks, compared too; sending every cell
   (threshold 0) instead of the mask breaks parity.
+* CoBEVT (OpenCOOD's GitHub sources): ``mean_over: all_slots`` (0.28 / 0.13 without) and
+  ``agent_bias: slot_offset``.
+* DiscoNet (CoAlign's; its own section: key rules only): ``score_relu`` (1e-2 without) and the
+  edge network's input halves swapped (3e-2 without).
 * ``use_dir: false`` and ``anchor_args.placement: reference`` change no head map; they decide
   the decoding: ``test_decoding_matches_opencood`` compares our decoded boxes of the fixture's
   head maps with OpenCOOD's own anchors and ``delta_to_boxes3d`` (``<model>.decoded.pt``, made

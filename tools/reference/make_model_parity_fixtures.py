@@ -39,15 +39,22 @@ network), ``point_pillar_intermediate`` (AttFuse), ``point_pillar_fcooper`` (F-C
    with ``torch.save`` (plain tensors, dicts, strings: ``torch.load(weights_only=True)`` reads
    it).
 
-Models of OpenCOOD's GitHub sources only (``GITHUB_MODELS``: ``point_pillar_where2comm``, its
-``point_pillar_where2comm.yaml``, multi-scale, Gaussian smoothing) need ``--source CHECKOUT``, a
-checkout of DerrickXuNu/OpenCOOD (made at ``GITHUB_COMMIT``), which is put first on ``sys.path``
-(``timm`` and the Cython ``box_overlaps``, imported but never called here, are stubbed)::
+Models of other sources (``GITHUB_MODELS``, with the commit each fixture was made at) need
+``--source CHECKOUT``, put first on ``sys.path`` (``timm``, ``icecream``, ``pypcd`` and the
+Cython ``box_overlaps``, imported but never called here, are stubbed): DerrickXuNu/OpenCOOD for
+``point_pillar_where2comm`` (its yaml: multi-scale, Gaussian smoothing) and
+``point_pillar_cobevt`` (its yaml, shrunk to 2 blocks and a 64-wide FFN), yifanlu0227/CoAlign
+for ``point_pillar_disconet`` (its ``opv2v/lidar_only_with_noise/pointpillar_disconet.yaml``;
+its forward also reads the teacher's pillars and the poses, given as the same pillars and zeros;
+no ``decoded`` step: its post-processor has a direction classifier)::
 
-    git --git-dir=/work/.mirror/DerrickXuNu+OpenCOOD/repo archive HEAD opencood | tar -x -C /tmp/OpenCOOD
+    mkdir -p /tmp/OpenCOOD && git --git-dir=/work/.mirror/DerrickXuNu+OpenCOOD/repo archive \
+        HEAD opencood | tar -x -C /tmp/OpenCOOD       # the same for CoAlign
     cd /tmp && env -u PYTHONPATH /work/refenv/bin/python \
         /path/to/checkout/tools/reference/make_model_parity_fixtures.py fixtures \
-        --source /tmp/OpenCOOD --models point_pillar_where2comm   # then: decoded, same flags
+        --source /tmp/OpenCOOD --models point_pillar_where2comm point_pillar_cobevt
+    # then ``decoded`` with the same flags; ``--source /tmp/CoAlign --models
+    # point_pillar_disconet`` (fixtures only); ``export-check ... --source /tmp/OpenCOOD``
 
 Where2comm's fixture also holds ``conf_logits`` (its cls head on each agent's own map) and
 ``comm_mask`` (N, 1, H, W); its cls head's generated weights are widened and its bias shifted
