@@ -344,8 +344,8 @@ class Where2comm(FusionModule):
 
 def gaussian_smoothing(args: GaussianSmoothingArgs) -> nn.Conv2d:
     """A 1 -> 1 channel conv (zero padding, same size) initialised to OpenCOOD's Gaussian:
-    exp(-(x^2 + y^2) / (2 sigma^2)) / (2 pi sigma), bias 0. A parameter, so checkpoints carry
-    it (OpenCOOD's training never changes it: no gradient reaches it)."""
+    exp(-(x^2 + y^2) / (2 sigma^2)) / (2 pi sigma), bias 0. Parameters (frozen), so checkpoints
+    carry them as OpenCOOD's do."""
     if args.kernel_size % 2 == 0:
         raise ValueError("where2comm smoothing.kernel_size must be odd")
     conv = nn.Conv2d(1, 1, args.kernel_size, padding=(args.kernel_size - 1) // 2)
@@ -356,4 +356,6 @@ def gaussian_smoothing(args: GaussianSmoothingArgs) -> nn.Conv2d:
     with torch.no_grad():
         conv.weight.copy_(kernel[None, None].float())
         conv.bias.zero_()
-    return conv
+    # Frozen (OpenCOOD means it to be): nothing differentiable flows through the threshold, and
+    # a parameter without a gradient would trip DDP's unused-parameter check.
+    return conv.requires_grad_(False)
