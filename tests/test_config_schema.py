@@ -128,7 +128,7 @@ def test_minimal_yaml_resolves_to_every_default(tmp_path):
     assert args["use_dir"] is True
     assert args["fusion"] == {"core_method": "where2comm", "stage": None, "args": {
         "threshold": 0.01, "max_bytes_per_agent": None, "fusion_mode": "attention",
-        "bytes_per_value": 4}}
+        "bytes_per_value": 4, "confidence": "own_conv", "smoothing": None}}
     # The resolved config is complete: it resolves to itself and lists every schema key.
     assert resolve(cfg, "resolved") == cfg
     assert list(cfg) == [item.name for item in fields(schema.Config)]

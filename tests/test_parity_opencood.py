@@ -25,6 +25,13 @@ missing):
   statistics drawn at random make relu(BN(0)) large; trained weights gave ~2e-3).
 * V2VNet ``round_update: reference``: OpenCOOD feeds [current state, mean message] as the GRU
   input with a zero hidden state (a fresh ConvGRU per call). 0.61 / 0.88.
+* Where2comm (OpenCOOD's GitHub sources, ``confidence: head``): the fixture also holds its
+  per-agent confidence logits and communication masks, compared too; sending every cell
+  (threshold 0) instead of the mask breaks parity.
+* CoBEVT (OpenCOOD's GitHub sources): ``mean_over: all_slots`` (0.28 / 0.13 without) and
+  ``agent_bias: slot_offset``.
+* DiscoNet (CoAlign's; its own section: key rules only): ``score_relu`` (1e-2 without) and the
+  edge network's input halves swapped (3e-2 without).
 * ``use_dir: false`` and ``anchor_args.placement: reference`` change no head map; they decide
   the decoding: ``test_decoding_matches_opencood`` compares our decoded boxes of the fixture's
   head maps with OpenCOOD's own anchors and ``delta_to_boxes3d`` (``<model>.decoded.pt``, made
@@ -55,7 +62,11 @@ from tool_modules import load_tool
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "parity"
 MODELS = ("point_pillar", "point_pillar_intermediate", "point_pillar_fcooper",
-          "point_pillar_v2vnet")
+          "point_pillar_v2vnet", "point_pillar_where2comm", "point_pillar_cobevt")
+# Made from OpenCOOD's GitHub sources (the script's --source), not from opencoodx 0.1.19.
+GITHUB_MODELS = {"point_pillar_where2comm": "OpenCOOD github 31ba160",
+                 "point_pillar_cobevt": "OpenCOOD github 31ba160"}
+# CoAlign's DiscoNet has a fixture too (its own section below: key rules, no yaml translation).
 TOLERANCE = 1e-5
 HEADS = (("cls_preds", "psm"), ("reg_preds", "rm"))
 
@@ -91,6 +102,8 @@ def our_model(name: str, fixture: dict, **defaults_back) -> torch.nn.Module:
         args["pillar_vfe"]["padded_slots"] = defaults_back["padded_slots"]
     if "round_update" in defaults_back:
         args["fusion"]["args"]["round_update"] = defaults_back["round_update"]
+    if "fusion_args" in defaults_back:
+        args["fusion"]["args"].update(defaults_back["fusion_args"])
     model = build_model(cfg["model"])
     state = opencood_to_ours(peer_state(fixture), name, state_shapes(model.state_dict()))
     model.load_state_dict(state)
@@ -126,7 +139,8 @@ def assert_parity(outputs: dict, fixture: dict) -> None:
 @pytest.mark.parametrize("name", MODELS)
 def test_fixture_exercises_what_matters(name):
     fixture = load_fixture(name)
-    assert fixture["core_method"] == name and fixture["reference"] == "opencoodx 0.1.19"
+    assert fixture["core_method"] == name
+    assert fixture["reference"] == GITHUB_MODELS.get(name, "opencoodx 0.1.19")
     inputs = fixture["inputs"]
     counts = inputs["voxel_num_points"]
     slots = inputs["voxel_features"].shape[1]
@@ -265,6 +279,118 @@ def test_v2vnet_round_update_option_matters():
     model = our_model("point_pillar_v2vnet", fixture, round_update="gru_on_state")
     diffs = relative_differences(run_ours(model, fixture), fixture)
     assert min(diffs.values()) > 100 * TOLERANCE
+
+
+def test_where2comm_confidence_and_masks_match():
+    """OpenCOOD's Where2comm: each agent's confidence (its cls head on the agent's own shrunk
+    map) within the tolerance, the communication masks (smoothed, thresholded, ego all 1)
+    equal; the fixture's non-ego agents send some cells and not others, not all the same."""
+    name = "point_pillar_where2comm"
+    fixture = load_fixture(name)
+    outputs = run_ours(our_model(name, fixture), fixture)
+    theirs = fixture["outputs"]["conf_logits"]
+    assert float((outputs["single_cls_preds"] - theirs).abs().max()
+                 / theirs.abs().max()) <= TOLERANCE
+    mask = fixture["outputs"]["comm_mask"]
+    assert torch.equal(outputs["comm_mask"], mask)
+    sent = mask.flatten(1).mean(dim=1)
+    ego = torch.tensor([1, 0, 1, 1, 0, 0, 0], dtype=torch.bool)        # record_len [2, 1, 4]
+    assert (sent[ego] == 1).all() and (sent[~ego] > 0.1).all() and (sent[~ego] < 0.5).all()
+    assert len(set(sent[~ego].tolist())) > 1
+    # Our bytes: the cells each scale's mask keeps x that scale's channels, mean over senders.
+    assert outputs["comm_bytes"][1] == 0 and outputs["comm_bytes"][0] > 0
+
+
+def test_where2comm_mask_matters():
+    """Sending every cell (threshold 0, OpenCOOD's ``fully``) changes the heads far beyond the
+    tolerance: the fixture checks the mask, its smoothing and where it is applied."""
+    name = "point_pillar_where2comm"
+    fixture = load_fixture(name)
+    model = our_model(name, fixture, fusion_args={"threshold": 0.0})
+    diffs = relative_differences(run_ours(model, fixture), fixture)
+    assert min(diffs.values()) > 100 * TOLERANCE
+
+
+def test_cobevt_options_matter():
+    """OpenCOOD's CoBEVT: its mean over every agent slot (padded ones included) and its bias
+    indexed by slot offset. With our mean over real agents, or with every other agent sharing
+    one bias (the slot offset +1's, as our same/other bias would), the heads differ far beyond
+    the tolerance (every fixture sample has padded slots: record_len [2, 1, 4], 5 slots)."""
+    name = "point_pillar_cobevt"
+    fixture = load_fixture(name)
+    model = our_model(name, fixture, fusion_args={"mean_over": "real_agents"})
+    assert min(relative_differences(run_ours(model, fixture), fixture).values()) > \
+        100 * TOLERANCE
+    model = our_model(name, fixture)
+    for attention in (m for m in model.modules() if hasattr(m, "slot_index")):
+        index, slots = attention.slot_index, attention.slots
+        cells = attention.bias_table.num_embeddings // (2 * slots - 1)
+        offset = index // cells                      # slot offset + slots - 1
+        attention.slot_index = torch.where(offset == slots - 1, index,
+                                           index % cells + slots * cells)
+    assert min(relative_differences(run_ours(model, fixture), fixture).values()) > \
+        100 * TOLERANCE
+
+
+# ----------------------------------------------------------------------------------------------
+# DiscoNet: CoAlign's (yifanlu0227/CoAlign 64d1987), key rules only (its yaml is not OpenCOOD's)
+# ----------------------------------------------------------------------------------------------
+
+DISCONET = "point_pillar_disconet"
+REFERENCE_CONFIGS = Path(__file__).resolve().parents[1] / "hypes_yaml" / "opv2v" / "reference"
+# The fixture's shrunk geometry on top of the reference config (the script's SMALL_*).
+SMALL = ("preprocess.cav_lidar_range=[-12.8,-6.4,-3.0,12.8,6.4,1.0]",
+         "preprocess.args.max_points_per_voxel=8",
+         "model.args.base_bev_backbone.layer_nums=[1,1,1]",
+         "model.args.base_bev_backbone.num_filters=[8,8,16]")
+
+
+def disconet_model(state=None, score_relu: bool = True) -> torch.nn.Module:
+    from opencood.config import load_config
+    cfg = load_config(REFERENCE_CONFIGS / f"{DISCONET}.yaml",
+                      SMALL + (f"model.args.fusion.args.score_relu={str(score_relu).lower()}",))
+    model = build_model(cfg["model"])
+    if state is not None:
+        model.load_state_dict(opencood_to_ours(state, DISCONET,
+                                               state_shapes(model.state_dict())))
+    return model.eval()
+
+
+def disconet_differences(model, fixture) -> dict:
+    outputs = run_ours(model, fixture)
+    return {ours: float((outputs[ours] - fixture["outputs"][theirs]).abs().max()
+                        / fixture["outputs"][theirs].abs().max())
+            for ours, theirs in HEADS + (("dir_preds", "dm"),)}
+
+
+def test_disconet_parity_with_coalign():
+    """CoAlign's DiscoNet (its PixelWeightLayer on [sender, ego], a ReLU on the scores, heads
+    with a direction classifier): the same weights and pillars give the same three heads."""
+    fixture = load_fixture(DISCONET)
+    assert fixture["reference"] == "CoAlign github 64d1987"
+    assert fixture["inputs"]["record_len"].tolist() == [2, 1, 4]
+    state = peer_state(fixture)
+    diffs = disconet_differences(disconet_model(state), fixture)
+    assert max(diffs.values()) <= TOLERANCE, diffs
+    # The key rules are strict both ways and lose nothing.
+    ours = opencood_to_ours(state, DISCONET, state_shapes(disconet_model().state_dict()))
+    back = ours_to_opencood(ours, DISCONET, state_shapes(state))
+    assert set(back) == set(state) and all(torch.equal(back[k], state[k]) for k in state)
+
+
+def test_disconet_options_matter():
+    """Without the ReLU on the scores (our default), or with the edge network's input halves
+    left in CoAlign's order, the heads differ far beyond the tolerance: the fixture's scores
+    take both signs and its edge weights differ over agents."""
+    fixture = load_fixture(DISCONET)
+    state = peer_state(fixture)
+    assert min(disconet_differences(disconet_model(state, score_relu=False),
+                                    fixture).values()) > 100 * TOLERANCE
+    model = disconet_model(state)
+    key = "fusion.edge_net.layers.0.weight"
+    with torch.no_grad():
+        model.state_dict()[key].copy_(state["fusion_net.pixel_weight_layer.conv1_1.weight"])
+    assert min(disconet_differences(model, fixture).values()) > 100 * TOLERANCE
 
 
 # ----------------------------------------------------------------------------------------------

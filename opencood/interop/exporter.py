@@ -10,6 +10,10 @@ point_pillar_intermediate + attfuse (multiscale)     point_pillar_intermediate
 point_pillar_intermediate + fcooper (backbone)       point_pillar_fcooper
 point_pillar_intermediate + v2vnet (backbone)        point_pillar_v2vnet
 point_pillar_intermediate + v2xvit (backbone)        point_pillar_transformer (v2x-vit's)
+point_pillar_intermediate + where2comm               point_pillar_where2comm (GitHub sources:
+  (confidence "head"; multiscale or backbone)        not in opencoodx 0.1.19)
+point_pillar_intermediate + cobevt (backbone;        point_pillar_cobevt (GitHub sources)
+  slot_offset bias, mean over all slots)
 
 Reference options required: ``pillar_vfe.padded_slots: reference``, ``use_dir: false``,
 ``postprocess.anchor_args.placement: reference``, V2VNet ``round_update: reference``, V2X-ViT
@@ -39,12 +43,15 @@ from opencood.interop.importer import our_state_shapes, staged_folder
 from opencood.interop.opencood_config import DATASETS, OPENCOOD_ANCHOR_Z
 from opencood.utils.checkpoint import load_checkpoint, run_checkpoint
 
-# Our fusion module -> (OpenCOOD model, the stage it fuses at, whether it shrinks to 256
-# channels before its heads: they are on 384 channels otherwise)
-INTERMEDIATE = {"attfuse": ("point_pillar_intermediate", "multiscale", False),
-                "fcooper": ("point_pillar_fcooper", "backbone", True),
-                "v2vnet": ("point_pillar_v2vnet", "backbone", True),
-                "v2xvit": ("point_pillar_transformer", "backbone", True)}   # v2x-vit's
+# Our fusion module -> (OpenCOOD model, the stages it fuses at, whether it shrinks to 256
+# channels before its heads: they are on 384 channels otherwise; None: its yaml's head_dim
+# says the width)
+INTERMEDIATE = {"attfuse": ("point_pillar_intermediate", ("multiscale",), False),
+                "fcooper": ("point_pillar_fcooper", ("backbone",), True),
+                "v2vnet": ("point_pillar_v2vnet", ("backbone",), True),
+                "v2xvit": ("point_pillar_transformer", ("backbone",), True),   # v2x-vit's
+                "where2comm": ("point_pillar_where2comm", ("multiscale", "backbone"), None),
+                "cobevt": ("point_pillar_cobevt", ("backbone",), True)}
 V2XVIT_WIDTH = 256                 # v2x-vit's split attention and heads are built for 256
 SINGLE_AGENT_HEAD = 384            # OpenCOOD's PointPillar: cls/reg heads on 128 * 3 channels
 SHRUNK_HEAD = 256                  # its F-Cooper and V2VNet: heads on 128 * 2 channels
@@ -88,8 +95,9 @@ def opencood_model(ours: _Ours) -> Tuple[str, Optional[dict]]:
     if name not in INTERMEDIATE:
         raise InteropError(f"{ours.source}: model.args.fusion.core_method {name!r} has no "
                            f"OpenCOOD 0.1.19 counterpart (exported: {', '.join(INTERMEDIATE)})")
-    core_method, stage, _ = INTERMEDIATE[name]
-    ours.require("model.args.fusion.stage", stage, f"where its {core_method} fuses")
+    core_method, stages, _ = INTERMEDIATE[name]
+    if ours.get("model.args.fusion.stage") not in stages:
+        ours.require("model.args.fusion.stage", stages[0], f"where its {core_method} fuses")
     return core_method, fusion
 
 
@@ -114,9 +122,19 @@ def check_reference_options(ours: _Ours, core_method: str) -> None:
                      "its delay table is a trained tensor of its checkpoint")
         ours.require("model.args.fusion.args.prior_feed", True,
                      "its checkpoint holds the unused prior_feed layer")
+    if core_method == "point_pillar_where2comm":
+        ours.require("model.args.fusion.args.confidence", "head", why)
+        ours.require("model.args.fusion.args.max_bytes_per_agent", None, "it has no budget")
+    if core_method == "point_pillar_cobevt":
+        ours.require("model.args.fusion.args.agent_bias", "slot_offset", why)
+        ours.require("model.args.fusion.args.mean_over", "all_slots", why)
+        ours.require("model.args.fusion.args.max_agents", ours.get("train_params.max_cav"),
+                     "its agents are padded to max_cav slots")
 
 
 def check_head_width(ours: _Ours, core_method: str, fusion: Optional[dict]) -> None:
+    if fusion is not None and INTERMEDIATE[fusion["core_method"]][2] is None:
+        return
     if fusion is None or not INTERMEDIATE[fusion["core_method"]][2]:
         upsample = ours.get("model.args.base_bev_backbone.num_upsample_filter")
         if sum(upsample) != SINGLE_AGENT_HEAD or ours.get("model.args.shrink_header"):
@@ -223,7 +241,35 @@ def peer_model_args(cfg: dict, lidar_range: list, fusion: Optional[dict]) -> dic
         out["v2vfusion"] = peer_v2vnet(cfg, fusion["args"], int(args["shrink_header"]["dim"]))
     if fusion["core_method"] == "v2xvit":
         out["transformer"] = {"encoder": peer_v2xvit(cfg, fusion["args"])}
+    if fusion["core_method"] == "cobevt":
+        fusion_args = fusion["args"]
+        out["fax_fusion"] = {"input_dim": int(shrink["dim"]), "mlp_dim": int(fusion_args["mlp_dim"]),
+                             "agent_size": int(fusion_args["max_agents"]),
+                             "window_size": int(fusion_args["window"]),
+                             "dim_head": int(fusion_args["dim_head"]),
+                             "drop_out": float(fusion_args["dropout"]),
+                             "depth": int(fusion_args["depth"]), "mask": True}
+    if fusion["core_method"] == "where2comm":
+        out["head_dim"] = int(shrink["dim"]) if shrink else sum(backbone["num_upsample_filter"])
+        out["where2comm_fusion"] = peer_where2comm(cfg, fusion, backbone, out["head_dim"])
     return out
+
+
+def peer_where2comm(cfg: dict, fusion: dict, backbone: dict, head_dim: int) -> dict:
+    """OpenCOOD's where2comm_fusion (its GitHub sources): threshold 0 sends every cell there
+    too (``elif self.threshold``), so ``fully`` stays false."""
+    fusion_args = fusion["args"]
+    communication = {"round": 1, "threshold": float(fusion_args["threshold"])}
+    smoothing = fusion_args.get("smoothing")
+    if smoothing:
+        communication["gaussian_smooth"] = {"k_size": int(smoothing["kernel_size"]),
+                                            "c_sigma": float(smoothing["sigma"])}
+    return {"fully": False,
+            "voxel_size": [float(v) for v in cfg["preprocess"]["args"]["voxel_size"]],
+            "downsample_rate": int(cfg["postprocess"]["anchor_args"]["feature_stride"]),
+            "in_channels": head_dim, "multi_scale": fusion["stage"] == "multiscale",
+            "layer_nums": backbone["layer_nums"], "num_filters": backbone["num_filters"],
+            "communication": communication}
 
 
 def feature_cell(cfg: dict, fusion_args: dict) -> tuple:

@@ -33,6 +33,17 @@ L.0.layers.{b}.1.fn.pwmsa.{s}.{to_qkv,to_out.0}.* ...window_attention.scales.{s}
 L.0.layers.{b}.1.fn.pwmsa.{s}.pos_embedding       ...window_attention.scales.{s}.position_bias
 L.0.layers.{b}.1.fn.split_attn.{fc1,bn1,fc2}.*    ...split.{squeeze.0,squeeze.1,excite}.*
 L.1.norm.*, L.1.fn.net.{j}.*                      fusion.feed_forwards.{d}.0.*, .1.{j}.*
+fusion_net.naive_communication.gaussian_filter.*  fusion.smooth.*                     copy (5)
+fusion_net.pixel_weight_layer.conv1_1.weight      fusion.edge_net.layers.0.weight     swap (6)
+fusion_net.pixel_weight_layer.{conv,bn}1_{k}.*    fusion.edge_net.layers.{3k-3,3k-2}.* copy (6)
+dir_head.*                                        head.dir_conv.*                     copy (6)
+fusion_net.layers.{i}.{window,grid}_attention.    fusion.blocks.{i}.{window,grid}_    copy (7)
+  norm.* / fn.to_qkv.* / fn.to_out.0.* /            norm.* / attention.to_qkv.* /
+  fn.relative_position_bias_table.* /               attention.to_out.0.* /
+  fn.relative_position_index                        attention.bias_table.* / .slot_index
+fusion_net.layers.{i}.{window,grid}_ffd.          fusion.blocks.{i}.{window,grid}_    copy
+  norm.* / fn.net.{j}.*                             ffn.0.* / ffn.1.{j}.*
+fusion_net.mlp_head.{2,3}.*                       fusion.head_norm.*, fusion.head.*   copy
 
 1. OpenCOOD pads with a ``ZeroPad2d(1)`` before each scale's strided conv (padding 0); ours
    pads inside the conv (padding 1): the same map, one Sequential index earlier.
@@ -49,6 +60,15 @@ L.1.norm.*, L.1.fn.net.{j}.*                      fusion.feed_forwards.{d}.0.*, 
    ``delay_table: learned`` so ours holds it as a parameter.
 6. Never used in their forward; ``prior_feed: true`` keeps a slot for it (round trip).
 7. Their messages are ``W^T v`` (einsum over W's first index), ours ``W v``.
+
+5. Where2comm (OpenCOOD's GitHub sources): its only fusion parameters are the Gaussian
+   smoothing conv's; the confidence is its cls head on each agent's own map.
+6. DiscoNet (CoAlign's ``point_pillar_disconet``): its edge network scores [sender warped,
+   ego]; ours [ego, sender]: the halves of the first conv's input channels trade places.
+   CoAlign's heads have a direction classifier (``dir_args``), as ours.
+7. CoBEVT (OpenCOOD's GitHub ``point_pillar_cobevt``, ``fax_fusion.mask: true``): the same
+   layers; its 3-D bias table and its index buffer need ours with ``agent_bias: slot_offset``
+   (the same table size and index; ours keeps the index persistent too).
 
 The ConvGRU and the attention have the same parameters in both; whether the FORWARD passes agree
 is what ``tests/test_parity_opencood.py`` checks against the authors' code.
@@ -230,6 +250,43 @@ V2XVIT_RULES = (
     Rule(f"{_V2XVIT_ENCODER}.layers.{{d}}.1.fn.net.{{j}}.{{p}}",
          "fusion.feed_forwards.{d}.1.{j}.{p}"),
 )
+WHERE2COMM_RULES = (
+    Rule("fusion_net.naive_communication.gaussian_filter.{p}", "fusion.smooth.{p}"),
+)
+DISCONET_RULES = (
+    Rule("fusion_net.pixel_weight_layer.conv1_1.weight", "fusion.edge_net.layers.0.weight",
+         SWAP_INPUT_HALVES),
+    Rule("fusion_net.pixel_weight_layer.conv1_1.bias", "fusion.edge_net.layers.0.bias"),
+    Rule("fusion_net.pixel_weight_layer.bn1_1.{p}", "fusion.edge_net.layers.1.{p}"),
+    Rule("fusion_net.pixel_weight_layer.conv1_2.{p}", "fusion.edge_net.layers.3.{p}"),
+    Rule("fusion_net.pixel_weight_layer.bn1_2.{p}", "fusion.edge_net.layers.4.{p}"),
+    Rule("fusion_net.pixel_weight_layer.conv1_3.{p}", "fusion.edge_net.layers.6.{p}"),
+    Rule("fusion_net.pixel_weight_layer.bn1_3.{p}", "fusion.edge_net.layers.7.{p}"),
+    Rule("fusion_net.pixel_weight_layer.conv1_4.{p}", "fusion.edge_net.layers.9.{p}"),
+    Rule("dir_head.{p}", "head.dir_conv.{p}"),
+)
+
+
+def _cobevt_rules() -> Tuple[Rule, ...]:
+    rules = []
+    for kind in ("window", "grid"):
+        peer, ours = f"fusion_net.layers.{{i}}.{kind}_", f"fusion.blocks.{{i}}.{kind}_"
+        rules += [
+            Rule(peer + "attention.norm.{p}", ours + "norm.{p}"),
+            Rule(peer + "attention.fn.to_qkv.{p}", ours + "attention.to_qkv.{p}"),
+            Rule(peer + "attention.fn.to_out.0.{p}", ours + "attention.to_out.0.{p}"),
+            Rule(peer + "attention.fn.relative_position_bias_table.{p}",
+                 ours + "attention.bias_table.{p}"),
+            Rule(peer + "attention.fn.relative_position_index", ours + "attention.slot_index"),
+            Rule(peer + "ffd.norm.{p}", ours + "ffn.0.{p}"),
+            Rule(peer + "ffd.fn.net.{j}.{p}", ours + "ffn.1.{j}.{p}"),
+        ]
+    rules += [Rule("fusion_net.mlp_head.2.{p}", "fusion.head_norm.{p}"),
+              Rule("fusion_net.mlp_head.3.{p}", "fusion.head.{p}")]
+    return tuple(rules)
+
+
+COBEVT_RULES = _cobevt_rules()
 
 # OpenCOOD model.core_method -> the rules of its state dict.
 RULES: Dict[str, Tuple[Rule, ...]] = {
@@ -238,6 +295,10 @@ RULES: Dict[str, Tuple[Rule, ...]] = {
     "point_pillar_fcooper": PILLAR_RULES + SHRINK_RULES,
     "point_pillar_v2vnet": PILLAR_RULES + SHRINK_RULES + V2VNET_RULES,
     "point_pillar_transformer": PILLAR_RULES + SHRINK_RULES + V2XVIT_RULES,   # v2x-vit
+    "point_pillar_where2comm": PILLAR_RULES + SHRINK_RULES + WHERE2COMM_RULES,
+    "point_pillar_cobevt": PILLAR_RULES + SHRINK_RULES + COBEVT_RULES,
+    # CoAlign's (yifanlu0227/CoAlign): key rules only, its yaml is not translated
+    "point_pillar_disconet": PILLAR_RULES + SHRINK_RULES + DISCONET_RULES,
 }
 
 

@@ -58,6 +58,9 @@ MODELS = {
     "point_pillar_fcooper": ("point_pillar_intermediate", "fcooper"),
     "point_pillar_v2vnet": ("point_pillar_intermediate", "v2vnet"),
     "point_pillar_transformer": ("point_pillar_intermediate", "v2xvit"),   # v2x-vit's
+    # OpenCOOD's GitHub sources (not in opencoodx 0.1.19)
+    "point_pillar_where2comm": ("point_pillar_intermediate", "where2comm"),
+    "point_pillar_cobevt": ("point_pillar_intermediate", "cobevt"),
 }
 AUGMENTATIONS = ("random_world_flip", "random_world_rotation", "random_world_scaling")
 OPTIMIZERS = ("Adam", "AdamW", "SGD")
@@ -289,6 +292,10 @@ def _model_args(peer: _Peer, core_method: str, fusion_module: Optional[str]) -> 
     elif fusion_module == "v2xvit":
         fusion["stage"] = "backbone"
         fusion["args"] = _v2xvit_args(peer, f"{m}.transformer.encoder")
+    elif fusion_module == "where2comm":
+        fusion["stage"], fusion["args"] = _where2comm(peer, m, args)
+    elif fusion_module == "cobevt":
+        fusion["stage"], fusion["args"] = "backbone", _cobevt(peer, m, args)
     else:
         fusion["stage"] = "backbone"
         fusion["args"] = _v2vnet_args(peer, f"{m}.v2vfusion")
@@ -307,6 +314,47 @@ def _shrink_header(peer: _Peer, key: str) -> dict:
         raise peer.error(key, f"kernel {kernel}, padding {padding}: our shrink header's first "
                               "conv is 3x3 with padding 1 or 1x1 without")
     return {"dim": dim, "stride": stride, "kernel_size": kernel}
+
+
+def _where2comm(peer: _Peer, m: str, args: dict) -> tuple:
+    """OpenCOOD's where2comm_fusion -> (stage, our where2comm args with confidence "head")."""
+    key = f"{m}.where2comm_fusion"
+    head_in = args["shrink_header"]["dim"] if "shrink_header" in args else \
+        sum(args["base_bev_backbone"]["num_upsample_filter"])
+    peer.require(f"{m}.head_dim", head_in, "the width its heads read")
+    multi_scale = bool(peer.get(f"{key}.multi_scale"))
+    if multi_scale:
+        for name in ("layer_nums", "num_filters"):
+            peer.require(f"{key}.{name}", args["base_bev_backbone"][name],
+                         "its per-scale fusion follows the backbone")
+    threshold = 0.0 if peer.get(f"{key}.fully") else \
+        float(peer.get(f"{key}.communication.threshold"))
+    smoothing = None
+    if "gaussian_smooth" in peer.get(f"{key}.communication"):
+        smoothing = {"kernel_size": int(peer.get(f"{key}.communication.gaussian_smooth.k_size")),
+                     "sigma": float(peer.get(f"{key}.communication.gaussian_smooth.c_sigma"))}
+    return ("multiscale" if multi_scale else "backbone",
+            {"confidence": "head", "threshold": threshold, "smoothing": smoothing,
+             "max_bytes_per_agent": None, "fusion_mode": "attention"})
+
+
+def _cobevt(peer: _Peer, m: str, args: dict) -> dict:
+    """OpenCOOD's fax_fusion (SwapFusionEncoder with its key mask) -> our cobevt with the
+    reference options (slot-indexed agent bias, mean over every slot)."""
+    key = f"{m}.fax_fusion"
+    peer.require(f"{key}.mask", True, "our CoBEVT masks padded agents as keys")
+    width = args["shrink_header"]["dim"] if "shrink_header" in args else \
+        sum(args["base_bev_backbone"]["num_upsample_filter"])
+    peer.require(f"{key}.input_dim", width, "the width of the map it fuses")
+    peer.require(f"{m}.max_cav", int(peer.get(f"{key}.agent_size")),
+                 "its agents are padded to max_cav slots, its bias table has agent_size")
+    return {"depth": int(peer.get(f"{key}.depth")),
+            "window": int(peer.get(f"{key}.window_size")),
+            "dim_head": int(peer.get(f"{key}.dim_head")),
+            "mlp_dim": int(peer.get(f"{key}.mlp_dim")),
+            "dropout": float(peer.get(f"{key}.drop_out")),
+            "agent_bias": "slot_offset", "mean_over": "all_slots",
+            "max_agents": int(peer.get(f"{key}.agent_size"))}
 
 
 def _v2vnet_args(peer: _Peer, key: str) -> dict:

@@ -12,6 +12,8 @@ from opencood.config_schema import Problems, section
 
 # fuse_fn(features (N_agents, C, H, W), record_len (B,)) -> (B, C, H, W)
 FuseFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# scale_fn(features (N_agents, C, H, W), scale index) -> (N_agents, C, H, W)
+ScaleFn = Callable[[torch.Tensor, int], torch.Tensor]
 
 
 def conv_bn_relu(in_channels: int, out_channels: int, stride: int = 1) -> list:
@@ -115,17 +117,21 @@ class BaseBEVBackbone(nn.Module):
         self.out_channels = int(sum(args.num_upsample_filter))
 
     def forward(self, spatial_features: torch.Tensor, fuse_fn: Optional[FuseFn] = None,
-                record_len: Optional[torch.Tensor] = None) -> torch.Tensor:
+                record_len: Optional[torch.Tensor] = None,
+                scale_fn: Optional[ScaleFn] = None) -> torch.Tensor:
         """(N_agents, C_in, ny, nx) -> (N_agents, C_out, H, W), or (B, C_out, H, W) with fuse_fn.
 
         ``fuse_fn`` (multi-scale fusion, as OpenCOOD's AttFuse) merges each scale's per-agent
         features into one map per sample before its up block; the unfused per-agent features
         continue to the next down block, so every agent's backbone stays independent.
+        ``scale_fn`` edits each scale's per-agent maps before both (Where2comm's mask).
         """
         x = spatial_features
         upsampled = []
-        for block, deblock in zip(self.blocks, self.deblocks):
+        for index, (block, deblock) in enumerate(zip(self.blocks, self.deblocks)):
             x = block(x)
+            if scale_fn is not None:
+                x = scale_fn(x, index)
             scale_features = fuse_fn(x, record_len) if fuse_fn is not None else x
             upsampled.append(deblock(scale_features))
         return torch.cat(upsampled, dim=1)

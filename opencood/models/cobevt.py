@@ -14,7 +14,10 @@ Two deliberate departures from OpenCOOD, both for the ego's output to be indepen
 order of the non-ego agents: the bias's agent term distinguishes only "same agent" from "other
 agent" (OpenCOOD indexes the agent offset, which depends on the arbitrary order), and the final
 mean is over real agents only (OpenCOOD also averages the padded slots). Padded agent slots and
-the zero padding that makes H, W multiples of w are masked as keys.
+the zero padding that makes H, W multiples of w are masked as keys. The reference options
+``agent_bias: slot_offset`` (with ``max_agents``, OpenCOOD's ``agent_size``) and
+``mean_over: all_slots`` restore OpenCOOD's: agents padded to ``max_agents`` slots, its 3-D
+bias table indexed by (slot, dy, dx) of query minus key, the mean over every slot.
 Bytes: a non-ego agent sends its whole (C, H, W) map once.
 """
 from __future__ import annotations
@@ -25,7 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from opencood.config_schema import non_negative, positive, section, spec
+from typing import Literal, Optional
+
+from opencood.config_schema import Problems, non_negative, positive, section, spec
 from opencood.models.fusion import (FP32_BYTES, FusionModule, FusionResult, dense_comm_bytes,
                                     pad_by_sample)
 from opencood.registry import FUSIONS
@@ -70,24 +75,51 @@ def relative_index(window: int) -> torch.Tensor:
     return torch.stack([flat, flat + per_agent])
 
 
+def slot_offset_index(slots: int, window: int) -> torch.Tensor:
+    """OpenCOOD's ``relative_position_index``: (S*w*w, S*w*w) bias-table index of a (query,
+    key) token pair, tokens ordered (slot, row, col), from the offset query minus key in each
+    of the three, shifted to start at 0: table size (2S - 1) (2w - 1)^2."""
+    slot, row, col = torch.meshgrid(torch.arange(slots), torch.arange(window),
+                                    torch.arange(window), indexing="ij")
+    tokens = torch.stack([slot.flatten(), row.flatten(), col.flatten()])         # (3, S*w*w)
+    offset = tokens[:, :, None] - tokens[:, None, :]
+    offset[0] += slots - 1
+    offset[1:] += window - 1
+    span = 2 * window - 1
+    return offset[0] * span * span + offset[1] * span + offset[2]
+
+
 class AgentWindowAttention(nn.Module):
     """Multi-head attention among the L x w x w tokens of each window (or grid) group.
 
     forward: groups (B, nH, nW, L, w*w, C), keep (B, nH, nW, L, w*w) bool keys -> same shape.
+    ``slots``: OpenCOOD's agent-slot bias (``slot_offset_index``), for at most ``slots``
+    agents; None: same/other agent (``relative_index``).
     """
 
-    def __init__(self, dim: int, dim_head: int, window: int, dropout: float = 0.0):
+    def __init__(self, dim: int, dim_head: int, window: int, dropout: float = 0.0,
+                 slots: Optional[int] = None):
         super().__init__()
         if dim % dim_head:
             raise ValueError(f"cobevt dim ({dim}) must be divisible by dim_head ({dim_head})")
         self.heads, self.dim_head = dim // dim_head, dim_head
         self.to_qkv = nn.Linear(dim, 3 * dim, bias=False)
         self.to_out = nn.Sequential(nn.Linear(dim, dim, bias=False), nn.Dropout(dropout))
-        self.bias_table = nn.Embedding(2 * (2 * window - 1) ** 2, self.heads)
-        self.register_buffer("index", relative_index(window), persistent=False)
+        self.slots = slots
+        if slots is None:
+            self.bias_table = nn.Embedding(2 * (2 * window - 1) ** 2, self.heads)
+            self.register_buffer("index", relative_index(window), persistent=False)
+        else:
+            self.bias_table = nn.Embedding((2 * slots - 1) * (2 * window - 1) ** 2, self.heads)
+            # Persistent, as OpenCOOD's (its checkpoints carry it): imported, never learnt.
+            self.register_buffer("slot_index", slot_offset_index(slots, window))
 
     def position_bias(self, agents: int) -> torch.Tensor:
-        """(heads, L*w*w, L*w*w) learned bias: same/other agent and cell offset."""
+        """(heads, L*w*w, L*w*w) learned bias: same/other agent (or slot offset) and cell
+        offset."""
+        if self.slots is not None:
+            tokens = agents * self.slot_index.shape[0] // self.slots   # the first L slots
+            return self.bias_table(self.slot_index[:tokens, :tokens]).permute(2, 0, 1)
         same = torch.eye(agents, dtype=torch.bool, device=self.index.device)
         index = torch.where(same[:, None, :, None], self.index[0][None, :, None, :],
                             self.index[1][None, :, None, :])          # (L, w*w, L, w*w)
@@ -118,14 +150,15 @@ class FusedAxialBlock(nn.Module):
     """Window attention + FFN, then grid attention + FFN, each pre-norm residual.
     forward: x (B, L, Hp, Wp, C), keep (B, L, Hp, Wp) bool -> same shape as x."""
 
-    def __init__(self, dim: int, mlp_dim: int, dim_head: int, window: int, dropout: float = 0.0):
+    def __init__(self, dim: int, mlp_dim: int, dim_head: int, window: int, dropout: float = 0.0,
+                 slots: Optional[int] = None):
         super().__init__()
         self.window = window
         self.window_norm = nn.LayerNorm(dim)
-        self.window_attention = AgentWindowAttention(dim, dim_head, window, dropout)
+        self.window_attention = AgentWindowAttention(dim, dim_head, window, dropout, slots)
         self.window_ffn = nn.Sequential(nn.LayerNorm(dim), FeedForward(dim, mlp_dim, dropout))
         self.grid_norm = nn.LayerNorm(dim)
-        self.grid_attention = AgentWindowAttention(dim, dim_head, window, dropout)
+        self.grid_attention = AgentWindowAttention(dim, dim_head, window, dropout, slots)
         self.grid_ffn = nn.Sequential(nn.LayerNorm(dim), FeedForward(dim, mlp_dim, dropout))
 
     def attend(self, x, keep, norm, attention, grid: bool):
@@ -149,6 +182,16 @@ class CoBEVTArgs:
     mlp_dim: int = spec(256, check=positive)        # feed-forward width
     dropout: float = spec(0.0, check=non_negative)  # everywhere
     bytes_per_value: int = spec(FP32_BYTES, check=positive)
+    # Reference options (module docstring): "slot_offset" needs max_agents (OpenCOOD's
+    # agent_size, its max_cav), the slots agents are padded to.
+    agent_bias: Literal["same_other", "slot_offset"] = "same_other"
+    mean_over: Literal["real_agents", "all_slots"] = "real_agents"
+    max_agents: Optional[int] = spec(None, check=positive)
+
+    def problems(self) -> Problems:
+        if (self.agent_bias == "slot_offset" or self.mean_over == "all_slots") and \
+                self.max_agents is None:
+            yield "max_agents", "is required by agent_bias slot_offset / mean_over all_slots"
 
 
 @FUSIONS.register("cobevt", args=CoBEVTArgs)
@@ -161,8 +204,12 @@ class FuseBEVT(FusionModule):
     def __init__(self, args: CoBEVTArgs, in_channels: int, num_anchors: int):
         super().__init__(args.bytes_per_value)
         self.window = args.window
+        self.max_agents = args.max_agents
+        self.mean_over = args.mean_over
+        slots = args.max_agents if args.agent_bias == "slot_offset" else None
         self.blocks = nn.ModuleList(
-            FusedAxialBlock(in_channels, args.mlp_dim, args.dim_head, args.window, args.dropout)
+            FusedAxialBlock(in_channels, args.mlp_dim, args.dim_head, args.window, args.dropout,
+                            slots)
             for _ in range(args.depth))
         self.head_norm = nn.LayerNorm(in_channels)
         self.head = nn.Linear(in_channels, in_channels)
@@ -170,7 +217,10 @@ class FuseBEVT(FusionModule):
     def forward(self, features: torch.Tensor, record_len: torch.Tensor) -> FusionResult:
         """features (N, C, H, W), record_len (B,) -> FusionResult, fused map (B, C, H, W)."""
         height, width = features.shape[2:]
-        padded, is_real = pad_by_sample(features, record_len)
+        if self.max_agents is not None and int(record_len.max()) > self.max_agents:
+            raise ValueError(f"cobevt: a sample has {int(record_len.max())} agents, more than "
+                             f"max_agents ({self.max_agents})")
+        padded, is_real = pad_by_sample(features, record_len, self.max_agents)
         pad_h, pad_w = (-height) % self.window, (-width) % self.window
         x = F.pad(padded.permute(0, 1, 3, 4, 2), (0, 0, 0, pad_w, 0, pad_h))  # (B, L, Hp, Wp, C)
         in_map = torch.zeros(x.shape[2:4], dtype=torch.bool, device=x.device)
@@ -179,7 +229,9 @@ class FuseBEVT(FusionModule):
         for block in self.blocks:
             x = block(x, keep)
         x = x[:, :, :height, :width]
-        weight = is_real.to(x.dtype)[:, :, None, None, None]
+        # OpenCOOD's mean takes every slot, padded ones (their outputs are not zero) included.
+        weight = (is_real if self.mean_over == "real_agents" else torch.ones_like(is_real)
+                  ).to(x.dtype)[:, :, None, None, None]
         mean = (x * weight).sum(1) / weight.sum(1)                           # (B, H, W, C)
         fused = self.head(self.head_norm(mean)).permute(0, 3, 1, 2).contiguous()
         return FusionResult(fused, dense_comm_bytes(features, record_len, self.bytes_per_value),

@@ -270,6 +270,7 @@ class PointPillarIntermediate(nn.Module):
         self.vfe, self.scatter, self.backbone, self.head = vfe, scatter, backbone, head
         self.fusion = fusion
         self.stage = fusion_stage(fusion, args.fusion.stage)
+        fusion.stage = self.stage
         self.shrink = shrink if shrink is not None else nn.Identity()
         self.grid = bev_grid(args)
         set_bn_momentum(self, args.bn_momentum)
@@ -294,7 +295,11 @@ class PointPillarIntermediate(nn.Module):
         if self.stage == "scatter":
             return self.shrink(self.backbone(fuse(canvas, record_len))), results
         if self.stage == "multiscale":
-            fused = self.backbone(canvas, fuse_fn=fuse, record_len=record_len)
+            def before_scale(features, index):
+                return self.fusion.before_scale(features, index, record_len, **extra)
+
+            fused = self.backbone(canvas, fuse_fn=fuse, record_len=record_len,
+                                  scale_fn=before_scale)
             return self.shrink(fused), results
         return fuse(self.shrink(self.backbone(canvas)), record_len), results
 
@@ -307,6 +312,10 @@ class PointPillarIntermediate(nn.Module):
             # The most agents a sample can have, from shapes alone: every other sample has at
             # least one. Padding to it instead of record_len.max() (a host sync) fuses the same.
             extra["max_agents"] = canvas.shape[0] - record_len.shape[0] + 1
+        if self.fusion.confidence_from_head:
+            # Each agent's own detection confidence decides what it sends (OpenCOOD's
+            # Where2comm): its full single-agent pass, the backbone run once more to fuse.
+            extra["conf_logits"] = self.head.cls_conv(self.shrink(self.backbone(canvas)))
         to_ego = batch["transforms_to_ego"] if is_own_frame(batch) else None
         fused, results = self.fuse_features(canvas, record_len, extra, to_ego)
         outputs = self.head(fused)

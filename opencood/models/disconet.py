@@ -33,16 +33,20 @@ class EdgeWeightNet(nn.Module):
     """Per-cell score of an edge: (M, 2C, H, W) [ego, sender] pairs -> (M, 1, H, W) logits.
 
     1x1 convolutions with BatchNorm and ReLU between them, no activation on the last: the
-    softmax over agents normalises the scores.
+    softmax over agents normalises the scores. ``score_relu``: a ReLU on the last too, as the
+    authors' code has it (``PixelWeightLayer``): negative scores all become 0, so where every
+    agent scores below 0 the weights are uniform.
     """
 
-    def __init__(self, in_channels: int, hidden: Sequence[int]):
+    def __init__(self, in_channels: int, hidden: Sequence[int], score_relu: bool = False):
         super().__init__()
         layers, width = [], 2 * in_channels
         for out in hidden:
             layers += [nn.Conv2d(width, out, 1), nn.BatchNorm2d(out), nn.ReLU()]
             width = out
         layers.append(nn.Conv2d(width, 1, 1))
+        if score_relu:
+            layers.append(nn.ReLU())              # no parameters: state dict keys unchanged
         self.layers = nn.Sequential(*layers)
 
     def forward(self, pairs: torch.Tensor) -> torch.Tensor:
@@ -55,6 +59,9 @@ class DiscoNetArgs:
     # 2C -> 128 -> 32 -> 8 -> 1.
     hidden: Tuple[int, ...] = (128, 32, 8)
     bytes_per_value: int = spec(FP32_BYTES, check=positive)   # what one sent value costs
+    # True: a ReLU on the edge scores before the softmax, as in the authors' code (DiscoNet's
+    # and CoAlign's PixelWeightLayer); ours leaves them signed (reference option).
+    score_relu: bool = False
 
 
 @FUSIONS.register("disconet", args=DiscoNetArgs)
@@ -66,7 +73,7 @@ class DiscoFusion(FusionModule):
 
     def __init__(self, args: DiscoNetArgs, in_channels: int, num_anchors: int):
         super().__init__(args.bytes_per_value)
-        self.edge_net = EdgeWeightNet(in_channels, args.hidden)
+        self.edge_net = EdgeWeightNet(in_channels, args.hidden, args.score_relu)
 
     def edge_logits(self, features: torch.Tensor, record_len: torch.Tensor) -> torch.Tensor:
         """(N, C, H, W) agents, ego first per sample -> (N, 1, H, W) score of each agent's edge

@@ -25,6 +25,7 @@ import math
 from typing import Literal, NamedTuple, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from opencood.config_schema import non_negative, positive, section, spec
@@ -116,9 +117,20 @@ class FusionModule(nn.Module):
     # static-shape step, and pads to it instead of reading record_len.max() (a host sync).
     pads_to_max_agents = False
 
+    # The detector computes each agent's single-agent classification logits (its head's cls
+    # conv on the agent's own map) and passes them as ``conf_logits`` (Where2comm, OpenCOOD's).
+    confidence_from_head = False
+
     def __init__(self, bytes_per_value: int = FP32_BYTES):
         super().__init__()
         self.bytes_per_value = bytes_per_value
+        self.stage = self.default_stage         # set by the detector to where it applies it
+
+    def before_scale(self, features: torch.Tensor, index: int, record_len: torch.Tensor,
+                     **extra) -> torch.Tensor:
+        """Multi-scale stage: each agent's map of backbone scale ``index`` before it is fused
+        AND before it continues to the next down block (N, C, H, W) -> same. Identity here."""
+        return features
 
 
 @section
@@ -170,11 +182,23 @@ class SpatialMaxFusion(DenseFusion):
 
 
 @section
+class GaussianSmoothingArgs:
+    kernel_size: int = spec(5, check=positive)
+    sigma: float = spec(1.0, check=positive)
+
+
+@section
 class Where2commArgs:
     threshold: float = 0.01                 # confidence above which a cell is sent
     max_bytes_per_agent: Optional[int] = spec(None, check=non_negative)   # None: no budget
     fusion_mode: Literal["attention", "max"] = "attention"
     bytes_per_value: int = spec(FP32_BYTES, check=positive)
+    # "own_conv": a 1x1 conv of this module scores the cells (ours). "head": the detection
+    # head's cls conv on each agent's own map, as OpenCOOD's Where2comm (reference option).
+    confidence: Literal["own_conv", "head"] = "own_conv"
+    # A Gaussian-initialised 5x5 conv over the confidence before the threshold (OpenCOOD's
+    # ``gaussian_smooth``); only with confidence "head".
+    smoothing: Optional[GaussianSmoothingArgs] = None
 
 
 @FUSIONS.register("where2comm", args=Where2commArgs)
@@ -204,13 +228,25 @@ class Where2comm(FusionModule):
         self.threshold = args.threshold
         self.max_bytes_per_agent = args.max_bytes_per_agent
         self.fusion_mode = args.fusion_mode
-        self.conf_conv = nn.Conv2d(in_channels, num_anchors, 1)
-        self.reset_cls_prior(cls_prior)
+        self.confidence_from_head = args.confidence == "head"
+        if self.confidence_from_head:
+            # OpenCOOD's: multi-scale as well, the mask applied at the first scale.
+            self.supported_stages = ("backbone", "multiscale")
+            self.smooth = gaussian_smoothing(args.smoothing) if args.smoothing else None
+            if args.max_bytes_per_agent is not None or args.fusion_mode != "attention":
+                raise ValueError("where2comm confidence 'head' (OpenCOOD's) takes no "
+                                 "max_bytes_per_agent and fusion_mode 'attention' only")
+        else:
+            if args.smoothing is not None:
+                raise ValueError("where2comm smoothing goes with confidence 'head' only")
+            self.conf_conv = nn.Conv2d(in_channels, num_anchors, 1)
+            self.reset_cls_prior(cls_prior)
 
     @torch.no_grad()
     def reset_cls_prior(self, prior: float) -> None:
         """The confidence is a classification score: same prior as the head (``init_weights``)."""
-        self.conf_conv.bias.fill_(prior_bias(prior))
+        if not self.confidence_from_head:
+            self.conf_conv.bias.fill_(prior_bias(prior))
 
     @property
     def max_cells_per_agent(self) -> Optional[int]:
@@ -233,7 +269,10 @@ class Where2comm(FusionModule):
             chosen = chosen & in_top_k
         return (chosen | is_ego.unsqueeze(1)).view_as(confidence)
 
-    def forward(self, features: torch.Tensor, record_len: torch.Tensor) -> FusionResult:
+    def forward(self, features: torch.Tensor, record_len: torch.Tensor,
+                conf_logits: Optional[torch.Tensor] = None) -> FusionResult:
+        if self.confidence_from_head:
+            return self.forward_reference(features, record_len, conf_logits)
         conf_logits = self.conf_conv(features)                      # (N, A, H, W)
         confidence = torch.sigmoid(conf_logits.amax(dim=1))        # (N, H, W)
         _, slot = agent_slots(record_len, features.shape[0])
@@ -251,3 +290,77 @@ class Where2comm(FusionModule):
         bytes_per_agent = cells_sent * (self.in_channels * self.bytes_per_value)
         comm_bytes = mean_over_non_ego(bytes_per_agent, record_len)
         return FusionResult(fused, comm_bytes, {"conf_preds": conf_logits})
+
+    # ---- OpenCOOD's Where2comm (confidence "head") --------------------------------------
+
+    def communication_mask(self, conf_logits: torch.Tensor,
+                           record_len: torch.Tensor) -> torch.Tensor:
+        """OpenCOOD's ``Communication`` in eval mode: conf_logits (N, A, h, w), the head's
+        single-agent logits -> (N, 1, h, w) mask, 1 where the (smoothed) max-over-anchors
+        sigmoid exceeds the threshold (everywhere for threshold 0), and on every ego cell.
+        (Its training mode sends a random number of top cells instead; here training keeps
+        the threshold.)"""
+        confidence = torch.sigmoid(conf_logits).amax(dim=1, keepdim=True)
+        if self.smooth is not None:
+            confidence = self.smooth(confidence)
+        if self.threshold:
+            mask = (confidence > self.threshold).to(confidence.dtype)
+        else:
+            mask = torch.ones_like(confidence)
+        _, slot = agent_slots(record_len, conf_logits.shape[0])
+        return torch.where((slot == 0)[:, None, None, None], torch.ones_like(mask), mask)
+
+    @staticmethod
+    def mask_at(mask: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """The mask at the features' resolution: resized bilinearly (fractional at the edges
+        of sent regions) when it differs, as OpenCOOD does for its first backbone scale."""
+        if mask.shape[-2:] != features.shape[-2:]:
+            mask = F.interpolate(mask, size=features.shape[-2:], mode="bilinear",
+                                 align_corners=False)
+        return mask
+
+    def before_scale(self, features, index, record_len, conf_logits=None, **extra):
+        """Multi-scale: the first scale's maps are masked, and continue masked to the next
+        down blocks (OpenCOOD's order)."""
+        if not self.confidence_from_head or index != 0:
+            return features
+        mask = self.communication_mask(conf_logits, record_len)
+        return features * self.mask_at(mask, features)
+
+    def forward_reference(self, features, record_len, conf_logits) -> FusionResult:
+        """Attention over every agent at every cell (unsent cells hold zeros and still take
+        part, as in OpenCOOD); at the backbone stage the mask is applied here, at the
+        multi-scale stage ``before_scale`` applied it already. Bytes: cells the mask keeps at
+        this map's resolution x C."""
+        if conf_logits is None:
+            raise ValueError("where2comm confidence 'head' needs the detector's conf_logits")
+        sent = self.communication_mask(conf_logits, record_len)       # (N, 1, h, w)
+        mask = self.mask_at(sent, features)
+        if self.stage != "multiscale":
+            features = features * mask
+        padded, is_real = pad_by_sample(features, record_len)
+        attend = is_real[:, :, None, None].expand(-1, -1, *features.shape[2:])
+        cells_sent = (mask > 0).flatten(1).sum(dim=1)
+        comm_bytes = mean_over_non_ego(cells_sent * (features.shape[1] * self.bytes_per_value),
+                                       record_len)
+        return FusionResult(ego_attention(padded, attend), comm_bytes,
+                            {"single_cls_preds": conf_logits, "comm_mask": sent})
+
+
+def gaussian_smoothing(args: GaussianSmoothingArgs) -> nn.Conv2d:
+    """A 1 -> 1 channel conv (zero padding, same size) initialised to OpenCOOD's Gaussian:
+    exp(-(x^2 + y^2) / (2 sigma^2)) / (2 pi sigma), bias 0. Parameters (frozen), so checkpoints
+    carry them as OpenCOOD's do."""
+    if args.kernel_size % 2 == 0:
+        raise ValueError("where2comm smoothing.kernel_size must be odd")
+    conv = nn.Conv2d(1, 1, args.kernel_size, padding=(args.kernel_size - 1) // 2)
+    centre = args.kernel_size // 2
+    offsets = torch.arange(args.kernel_size, dtype=torch.float64) - centre
+    squared = offsets[:, None] ** 2 + offsets[None, :] ** 2
+    kernel = torch.exp(-squared / (2 * args.sigma ** 2)) / (2 * math.pi * args.sigma)
+    with torch.no_grad():
+        conv.weight.copy_(kernel[None, None].float())
+        conv.bias.zero_()
+    # Frozen (OpenCOOD means it to be): nothing differentiable flows through the threshold, and
+    # a parameter without a gradient would trip DDP's unused-parameter check.
+    return conv.requires_grad_(False)
