@@ -18,8 +18,15 @@ PYTHONPATH, one codebase at a time::
     (likewise v2v4real with /tmp/v2v4real_src from ucla-mobility+V2V4Real)
 
 Optional imports the LiDAR models never use (timm, torchvision, icecream) are stubbed.
+
+For HEAL it also writes ``heal_<model>.parity.pt``: the model loaded with generated weights
+(``tests/parity_weights.py``, recipes as ``make_model_parity_fixtures.weight_recipes``), run in
+eval mode by HEAL's own ``forward`` on one batch of 3 samples with 1, 2 and 3 agents (pillars
+from its ``SpVoxelPreprocessor``, identity pairwise transforms: the agents' maps share the ego
+frame, so its ``proj_first: false`` warp is the identity), and its cls / reg / dir maps.
 """
 import importlib
+import importlib.util
 import json
 import sys
 import tempfile
@@ -134,6 +141,63 @@ def build(codebase: str, hypes: dict):
     return cls(hypes["model"]["args"])
 
 
+def load_by_path(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def heal_inputs(hypes: dict, record_len: list, seed: int, parity) -> dict:
+    """HEAL's heter_model_baseline input dict for ``record_len`` samples (all agents m1)."""
+    import numpy as np
+    import torch
+    SpVoxelPreprocessor = import_with_stubs(
+        "opencood.data_utils.pre_processor.sp_voxel_preprocessor").SpVoxelPreprocessor
+
+    preprocess = hypes["heter"]["modality_setting"]["m1"]["preprocess"]
+    pre = SpVoxelPreprocessor(preprocess, train=False)
+    rng = np.random.default_rng(seed)
+    features, coords, counts = [], [], []
+    for agent in range(sum(record_len)):
+        voxels = pre.preprocess(parity.agent_points(rng, preprocess["cav_lidar_range"]))
+        features.append(voxels["voxel_features"])
+        coords.append(np.pad(voxels["voxel_coords"], ((0, 0), (1, 0)), constant_values=agent))
+        counts.append(voxels["voxel_num_points"])
+    max_cav = hypes["train_params"]["max_cav"]
+    pairwise = np.zeros((len(record_len), max_cav, max_cav, 4, 4), np.float32)
+    pairwise[:, :] = np.identity(4)
+    return {"inputs_m1": {"voxel_features": torch.from_numpy(np.concatenate(features)),
+                          "voxel_coords": torch.from_numpy(np.concatenate(coords)),
+                          "voxel_num_points": torch.from_numpy(np.concatenate(counts))},
+            "agent_modality_list": ["m1"] * sum(record_len),
+            "record_len": torch.tensor(record_len),
+            "pairwise_t_matrix": torch.from_numpy(pairwise)}
+
+
+def heal_parity(model, hypes: dict, out: Path, name: str) -> None:
+    import torch
+    repo = Path(__file__).resolve().parents[2]
+    weights = load_by_path("parity_weights", repo / "tests" / "parity_weights.py")
+    parity = load_by_path("make_model_parity_fixtures",
+                          repo / "tools" / "reference" / "make_model_parity_fixtures.py")
+    recipes = parity.weight_recipes(model, weights)
+    model.load_state_dict(weights.materialize(recipes), strict=True)
+    model.eval()
+    data = heal_inputs(hypes, [1, 2, 3], parity.SEED, parity)
+    with torch.no_grad():
+        outputs = model(data)
+    torch.save({"about": "HEAL heter_model_baseline, tools/reference/make_peer_run_fixtures.py",
+                "state_dict": recipes,
+                "inputs": {**{k: v.contiguous() for k, v in data["inputs_m1"].items()},
+                           "record_len": data["record_len"]},
+                "outputs": {k: outputs[k].contiguous()
+                            for k in ("cls_preds", "reg_preds", "dir_preds")}},
+               out / f"heal_{name}.parity.pt")
+    print("parity", name, {k: tuple(v.shape) for k, v in outputs.items()},
+          f"{(out / f'heal_{name}.parity.pt').stat().st_size / 1024:.0f} KiB")
+
+
 def main(codebase: str, source_root: str, out_dir: str) -> None:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -155,6 +219,8 @@ def main(codebase: str, source_root: str, out_dir: str) -> None:
         shapes[f"{codebase}_{name}"] = [[k, list(v.shape)]
                                         for k, v in model.state_dict().items()]
         print(codebase, name, len(shapes[f"{codebase}_{name}"]), "tensors")
+        if codebase == "heal":
+            heal_parity(model, hypes, out, name)
     shapes_path.write_text(json.dumps(shapes, indent=0) + "\n")
 
 
