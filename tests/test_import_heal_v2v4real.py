@@ -277,3 +277,4 @@ def test_heal_attfuse_fuses_after_the_shrinker(tmp_path):
     AttFuse default) has the same tensors but other heads."""
     model, fixture = heal_model_with_fixture_weights("attfuse", tmp_path, stage="multiscale")
     assert max(heal_differences(model, fixture).values()) > 1e-3
+
