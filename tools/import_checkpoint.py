@@ -1,13 +1,20 @@
 #!/usr/bin/env python
 """Import another codebase's trained run as one of ours (issue 24)::
 
-    python tools/import_checkpoint.py --from opencood PEER_RUN_DIR --out RUN_DIR [--checkpoint FILE]
+    python tools/import_checkpoint.py --from {opencood,heal,v2v4real} PEER_RUN_DIR --out RUN_DIR
+        [--checkpoint FILE]
     python tools/eval.py --model_dir RUN_DIR [--set test_dir=PATH] [--protocol opencood]
 
 ``PEER_RUN_DIR`` is a folder as OpenCOOD's ``train.py`` writes it: ``config.yaml`` and
 ``net_epoch<N>.pth`` (bare state dicts; ``latest.pth`` preferred when present, as OpenCOOD's own
 loader does). Supported models: ``point_pillar`` (no / early / late fusion),
 ``point_pillar_intermediate`` (AttFuse), ``point_pillar_fcooper``, ``point_pillar_v2vnet``.
+
+``--from v2v4real``: the same layout (its ``point_pillar`` may shrink before the heads; the
+highest ``net_epoch<N>.pth`` is taken; its V2VNet is refused). ``--from heal``: HEAL's
+``heter_model_baseline`` with one LiDAR PointPillar modality and ``fusion_method`` max / att /
+v2vnet (``net_epoch_bestval_at<N>.pth`` preferred, as HEAL's loader does); see
+``opencood/interop/heal.py`` and ``v2v4real.py`` for what is refused and why.
 
 The import is strict (every tensor placed, every one of ours filled, shapes equal) and writes
 nothing unless it succeeds; the imported config switches on the reference options of our modules
@@ -20,14 +27,12 @@ import argparse
 import time
 
 from opencood.errors import run_cli
-from opencood.interop.importer import import_opencood_run
-
-CODEBASES = ("opencood",)
+from opencood.interop.importer import CODEBASES, import_run
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="Import a trained run of another codebase.")
-    parser.add_argument("--from", dest="codebase", required=True, choices=CODEBASES,
+    parser.add_argument("--from", dest="codebase", required=True, choices=tuple(CODEBASES),
                         help="the codebase that wrote PEER_RUN_DIR")
     parser.add_argument("peer_run_dir", metavar="PEER_RUN_DIR",
                         help="its run folder (config.yaml + checkpoints)")
@@ -39,7 +44,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def run(args: argparse.Namespace):
     start = time.perf_counter()
-    out = import_opencood_run(args.peer_run_dir, args.out, args.checkpoint)
+    out, notes = import_run(args.peer_run_dir, args.out, args.checkpoint, args.codebase)
+    for note in notes:
+        print(f"note: {note}")
     print(f"imported {args.peer_run_dir} ({args.codebase}) -> {out} in "
           f"{time.perf_counter() - start:.2f} s; evaluate with: python tools/eval.py "
           f"--model_dir {out}")

@@ -1,4 +1,7 @@
-"""An OpenCOOD run folder -> one of ours that ``tools/eval.py --model_dir`` evaluates (issue 24).
+"""A run folder of OpenCOOD, HEAL or V2V4Real -> one of ours that ``tools/eval.py --model_dir``
+evaluates (issue 24). Each codebase is a :class:`Codebase`: its config translation
+(``opencood_config``, ``heal``, ``v2v4real``), its checkpoint choice (as its own
+``load_saved_model`` picks) and its key rules (``opencood_ckpt``, ``heal``).
 
 OpenCOOD's ``train.py`` leaves ``config.yaml`` (``yaml.dump`` of its parsed hypes) and
 ``net_epoch<N>.pth`` files, each a bare state dict; ``latest.pth`` when something wrote one. The
@@ -20,14 +23,18 @@ import os
 import re
 import shutil
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
 from opencood.config import ConfigError, resolve, save_config
-from opencood.interop.opencood_ckpt import InteropError, opencood_to_ours, state_shapes
+from opencood.interop.heal import heal_notes, heal_rules, pick_heal_checkpoint, translate_heal_config
+from opencood.interop.opencood_ckpt import (InteropError, peer_state_to_ours, rules_for,
+                                            state_shapes)
 from opencood.interop.opencood_config import read_opencood_yaml, translate_config
+from opencood.interop.v2v4real import translate_v2v4real_config
 from opencood.utils.checkpoint import load_checkpoint, save_checkpoint
 
 EPOCH_FILE = re.compile(r"net_epoch(\d+)\.pth")
@@ -59,30 +66,82 @@ def our_state_shapes(model_cfg: dict) -> dict:
     return state_shapes(model.state_dict())
 
 
-def translate_run(peer_dir, checkpoint: Optional[str] = None) -> Tuple[dict, dict, dict]:
-    """(our resolved config, our state dict, provenance) for an OpenCOOD run folder; writes
-    nothing. Raises an OpencoodError (one line) on anything it cannot translate.
+def pick_v2v4real_checkpoint(peer_dir: Path, explicit: Optional[str]) -> Tuple[Path, int]:
+    """(checkpoint, epoch) as V2V4Real's load_saved_model picks: the highest net_epoch<N>
+    (it never reads latest.pth)."""
+    if explicit:
+        return pick_opencood_checkpoint(peer_dir, explicit)
+    epochs = sorted((int(m.group(1)), p) for p in peer_dir.iterdir()
+                    if (m := EPOCH_FILE.fullmatch(p.name)))
+    if not epochs:
+        raise InteropError(f"{peer_dir}: no net_epoch<N>.pth (give --checkpoint FILE)")
+    return epochs[-1][1], epochs[-1][0]
+
+
+@dataclass(frozen=True)
+class Codebase:
+    """How one codebase's run folder is read: its config translation, its checkpoint choice,
+    its key rules and its model name (for messages and provenance)."""
+
+    name: str
+    display: str
+    translate_config: Callable[[dict, str], dict]
+    pick_checkpoint: Callable[[Path, Optional[str]], Tuple[Path, int]]
+    rules: Callable[[dict, str], tuple]
+    model_name: Callable[[dict], str]
+    notes: Callable[[dict], List[str]] = lambda data: []
+
+
+def _opencood_rules(data: dict, source: str) -> tuple:
+    return rules_for(str(data["model"]["core_method"]), source)
+
+
+def _heal_model_name(data: dict) -> str:
+    return f"heter_model_baseline/{data['model']['args']['fusion_method']}"
+
+
+CODEBASES: Dict[str, Codebase] = {
+    "opencood": Codebase("opencood", "OpenCOOD", translate_config, pick_opencood_checkpoint,
+                         _opencood_rules, lambda data: str(data["model"]["core_method"])),
+    "v2v4real": Codebase("v2v4real", "V2V4Real", translate_v2v4real_config, pick_v2v4real_checkpoint,
+                         _opencood_rules, lambda data: str(data["model"]["core_method"])),
+    "heal": Codebase("heal", "HEAL", translate_heal_config, pick_heal_checkpoint, heal_rules,
+                     _heal_model_name, heal_notes),
+}
+
+
+def translate_run(peer_dir, checkpoint: Optional[str] = None,
+                  codebase: str = "opencood") -> Tuple[dict, dict, dict]:
+    """(our resolved config, our state dict, provenance) for a run folder of ``codebase``
+    (opencood, heal, v2v4real); writes nothing. Raises an OpencoodError (one line) on anything
+    it cannot translate. ``provenance["notes"]``: differences the import cannot remove.
 
     (The translation only writes registered model, fusion, loss and post-processor names, so
     ``engine.recipe.check_registered_names``, whose import pulls in torchvision, is not needed.)
     """
+    if codebase not in CODEBASES:
+        raise InteropError(f"codebase {codebase!r} unknown ({', '.join(CODEBASES)})")
+    peer_format = CODEBASES[codebase]
     peer_dir = Path(peer_dir)
     if not peer_dir.is_dir():
-        raise InteropError(f"{peer_dir}: not a folder (give an OpenCOOD run folder)")
+        raise InteropError(f"{peer_dir}: not a folder (give a {peer_format.display} run "
+                           "folder)")
     config_path = peer_dir / "config.yaml"
     peer = read_opencood_yaml(config_path)
     source = str(config_path)
     try:
-        cfg = resolve(translate_config(peer, source), f"{source} (translated)")
+        cfg = resolve(peer_format.translate_config(peer, source), f"{source} (translated)")
     except ConfigError as error:
         raise InteropError(str(error)) from None
-    path, epoch = pick_opencood_checkpoint(peer_dir, checkpoint)
+    rules = peer_format.rules(peer, source)
+    model_name = peer_format.model_name(peer)
+    path, epoch = peer_format.pick_checkpoint(peer_dir, checkpoint)
     state = load_checkpoint(path)
-    ours = opencood_to_ours(state, peer["model"]["core_method"], our_state_shapes(cfg["model"]),
-                            source=str(path))
-    provenance = {"codebase": "opencood", "run_dir": str(peer_dir.resolve()),
-                  "checkpoint": str(Path(path).resolve()),
-                  "model": str(peer["model"]["core_method"])}
+    ours = peer_state_to_ours(state, rules, our_state_shapes(cfg["model"]), str(path),
+                              f"our model (for {peer_format.display}'s {model_name})")
+    provenance = {"codebase": codebase, "run_dir": str(peer_dir.resolve()),
+                  "checkpoint": str(Path(path).resolve()), "model": model_name,
+                  "notes": peer_format.notes(peer)}
     return cfg, ours, {"epoch": epoch, **provenance}
 
 
@@ -109,11 +168,18 @@ def staged_folder(out_dir: Path, purpose: str) -> Iterator[Path]:
             shutil.rmtree(staging, ignore_errors=True)
 
 
-def import_opencood_run(peer_dir, out_dir, checkpoint: Optional[str] = None) -> Path:
-    """Translate ``peer_dir`` and write our run folder ``out_dir`` (must not exist yet)."""
-    cfg, state, provenance = translate_run(peer_dir, checkpoint)
+def import_run(peer_dir, out_dir, checkpoint: Optional[str] = None,
+               codebase: str = "opencood") -> Tuple[Path, List[str]]:
+    """Translate ``peer_dir`` (a run folder of ``codebase``) and write our run folder
+    ``out_dir`` (must not exist yet). Returns (out_dir, notes)."""
+    cfg, state, provenance = translate_run(peer_dir, checkpoint, codebase)
     with staged_folder(Path(out_dir), "import") as staging:
         save_config(cfg, staging / "config.yaml")
         save_checkpoint(staging / "last.pth", {"model": state, "epoch": provenance["epoch"],
                                                "imported_from": provenance})
-    return Path(out_dir)
+    return Path(out_dir), provenance["notes"]
+
+
+def import_opencood_run(peer_dir, out_dir, checkpoint: Optional[str] = None) -> Path:
+    """:func:`import_run` of an OpenCOOD run folder; returns ``out_dir``."""
+    return import_run(peer_dir, out_dir, checkpoint, "opencood")[0]

@@ -289,8 +289,10 @@ def _cobevt_rules() -> Tuple[Rule, ...]:
 COBEVT_RULES = _cobevt_rules()
 
 # OpenCOOD model.core_method -> the rules of its state dict.
+# (point_pillar's shrink rules serve V2V4Real's single-agent model, which has a shrink_conv;
+# OpenCOOD's has none, and a rule only applies to keys that exist on both sides.)
 RULES: Dict[str, Tuple[Rule, ...]] = {
-    "point_pillar": PILLAR_RULES,
+    "point_pillar": PILLAR_RULES + SHRINK_RULES,
     "point_pillar_intermediate": PILLAR_RULES,
     "point_pillar_fcooper": PILLAR_RULES + SHRINK_RULES,
     "point_pillar_v2vnet": PILLAR_RULES + SHRINK_RULES + V2VNET_RULES,
@@ -316,7 +318,7 @@ def _listing(keys: Iterable[str]) -> str:
     return shown + (f" (+{len(keys) - SHOWN_KEYS} more)" if len(keys) > SHOWN_KEYS else "")
 
 
-def _rules_for(core_method: str, source: str) -> Tuple[Rule, ...]:
+def rules_for(core_method: str, source: str) -> Tuple[Rule, ...]:
     if core_method not in RULES:
         raise InteropError(f"{source}: OpenCOOD model {core_method!r} has no counterpart here "
                            f"(supported: {', '.join(RULES)})")
@@ -377,12 +379,20 @@ def _translate(state: Mapping[str, torch.Tensor], rules, forward: bool,
     return {key: result[key] for key in target_shapes}
 
 
+def peer_state_to_ours(state: Mapping[str, torch.Tensor], rules: Tuple[Rule, ...],
+                       our_shapes: Mapping[str, Tuple[int, ...]], source: str,
+                       what: str) -> Dict[str, torch.Tensor]:
+    """Any peer codebase's state dict -> ours by ``rules`` (HEAL's, V2V4Real's), strictly;
+    ``what`` names our model in the errors."""
+    return _translate(strip_ddp_prefix(state), rules, True, our_shapes, source, what)
+
+
 def opencood_to_ours(state: Mapping[str, torch.Tensor], core_method: str,
                      our_shapes: Mapping[str, Tuple[int, ...]],
                      source: str = "checkpoint") -> Dict[str, torch.Tensor]:
     """OpenCOOD state dict of ``core_method`` -> ours, keyed and shaped as ``our_shapes`` (the
     state-dict shapes of the model built from the translated config). Strict (module doc)."""
-    rules = _rules_for(core_method, source)
+    rules = rules_for(core_method, source)
     return _translate(strip_ddp_prefix(state), rules, True, our_shapes, source,
                       f"our model (for OpenCOOD's {core_method})")
 
@@ -392,7 +402,7 @@ def ours_to_opencood(state: Mapping[str, torch.Tensor], core_method: str,
                      source: str = "checkpoint") -> Dict[str, torch.Tensor]:
     """Our state dict -> OpenCOOD's ``core_method`` state dict with the keys and shapes of
     ``peer_shapes``. Strict."""
-    rules = _rules_for(core_method, source)
+    rules = rules_for(core_method, source)
     return _translate(strip_ddp_prefix(state), rules, False, peer_shapes, source,
                       f"OpenCOOD's {core_method}")
 

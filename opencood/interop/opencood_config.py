@@ -280,10 +280,11 @@ def _model_args(peer: _Peer, core_method: str, fusion_module: Optional[str]) -> 
                                           "upsample_strides", "num_upsample_filter")},
         "fusion": None,
     }
-    if fusion_module is None:
-        return args
+    # OpenCOOD's point_pillar has no shrink header; V2V4Real's (same name) may have one.
     if "shrink_header" in peer.get(m):
         args["shrink_header"] = _shrink_header(peer, f"{m}.shrink_header")
+    if fusion_module is None:
+        return args
     fusion: dict = {"core_method": fusion_module, "args": {}}
     if fusion_module == "attfuse":
         fusion["stage"] = "multiscale"

@@ -73,7 +73,9 @@ class PillarArgs:
     point_pillar_scatter: ScatterArgs
     base_bev_backbone: BackboneArgs
     fusion: Optional[ModelFusion] = None
-    shrink_header: Optional[ShrinkHeaderArgs] = None   # intermediate fusion only
+    # intermediate fusion: before (stage "backbone") or after fusion; point_pillar: before the
+    # head (V2V4Real's single-agent PointPillars narrow 384 -> 256 at stride 2 there)
+    shrink_header: Optional[ShrinkHeaderArgs] = None
     # False: no direction classifier in the head (OpenCOOD's models; AnchorHead)
     use_dir: bool = True
     uncertainty_dim: Literal[0, 2, 3] = 0   # CoAlign's head: log variances of x, y (, yaw)
@@ -82,8 +84,6 @@ class PillarArgs:
 @section
 class PointPillarArgs(PillarArgs):
     def problems(self) -> Problems:
-        if self.shrink_header is not None:
-            yield "shrink_header", "must be null: point_pillar has no fusion to shrink for"
         if self.fusion is not None:
             yield "fusion", ("must be null: point_pillar is single-agent (point_pillar_intermediate "
                              "fuses features)")
@@ -182,11 +182,18 @@ class PointPillar(nn.Module):
     points merged at the ego) and late fusion (each CAV run as its own sample): every
     ``record_len`` entry must be 1. comm_bytes: early fusion's shared points x 16 B when the
     batch has ``shared_points``, else 0 (late fusion's boxes are counted by the post-processor).
+    An optional ``shrink_header`` narrows the backbone output before the head (V2V4Real's
+    early and late fusion models).
     """
 
     def __init__(self, args: PointPillarArgs):
         super().__init__()
         self.vfe, self.scatter, self.backbone, self.head = build_pillar_parts(args)
+        self.shrink = nn.Identity()
+        if args.shrink_header is not None:
+            self.shrink = ShrinkHeader(args.shrink_header, self.backbone.out_channels)
+            self.head = AnchorHead(self.shrink.out_channels, num_anchors=args.anchor_number,
+                                   use_dir=args.use_dir, uncertainty_dim=args.uncertainty_dim)
         set_bn_momentum(self, args.bn_momentum)
 
     def bev_features(self, batch: dict) -> torch.Tensor:
@@ -196,7 +203,7 @@ class PointPillar(nn.Module):
         if canvas.shape[0] != batch["record_len"].shape[0]:
             raise ValueError("point_pillar is single-agent: every record_len entry must be 1 "
                              "(merge points for early fusion, one sample per CAV for late)")
-        return self.backbone(canvas)
+        return self.shrink(self.backbone(canvas))
 
     def forward(self, batch: dict) -> dict:
         features = self.bev_features(batch)
