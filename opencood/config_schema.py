@@ -341,6 +341,9 @@ class BoxAlignArgs:
     drop_hard_boxes: bool = True                            # no edges for yaw-disagreeing clusters
     min_landmarks: int = spec(3, check=non_negative)        # "3 or fewer landmarks" is hard
     relative_tolerance: float = spec(1e-12, check=non_negative)  # see opencood.ops.pose_graph
+    # A box is the same box turned by pi: a clustered box whose heading is opposite its seed's
+    # is turned before the yaw check and its edge (False: the authors', headings as detected)
+    half_turn_symmetric: bool = True
 
 
 @section

@@ -72,6 +72,18 @@ class Stage1Stub(torch.nn.Module):
         return self.outputs
 
 
+class PreparerStub:
+    """Stage 1's own pillarisation: records the batch, returns fixed inputs."""
+
+    def __init__(self, postprocessor):
+        self.postprocessor, self.seen = postprocessor, None
+
+    def model_inputs(self, batch):
+        self.seen = batch
+        return {"voxel_features": torch.zeros(1), "shared_points": torch.zeros(2),
+                "record_len": batch["record_len"]}
+
+
 def test_corrector_runs_stage1_per_agent_and_keeps_the_reported_transforms(monkeypatch):
     postprocessor = build_postprocessor(load_config(CONFIGS / "smoke.yaml"), torch.device("cpu"))
     gen = torch.Generator().manual_seed(0)
@@ -91,11 +103,13 @@ def test_corrector_runs_stage1_per_agent_and_keeps_the_reported_transforms(monke
         return corrected
 
     monkeypatch.setattr(pose_correction, "box_align_transforms_to_ego", fake_graph)
-    stage1 = Stage1Stub(outputs)
+    stage1, preparer = Stage1Stub(outputs), PreparerStub(postprocessor)
     args = pose_correction.BoxAlignArgs(cluster_radius=2.5)
-    inputs = {"record_len": torch.tensor([2, 1]), "transforms_to_ego": reported,
-              "shared_points": torch.zeros(2)}
-    out = pose_correction.PoseCorrector(stage1, postprocessor, args)(inputs)
+    batch = {"record_len": torch.tensor([2, 1]), "transforms_to_ego": reported,
+             "points_in_agent_frame": True}
+    inputs = {"record_len": torch.tensor([2, 1]), "transforms_to_ego": reported}
+    out = pose_correction.PoseCorrector(stage1, preparer, args)(batch, inputs)
+    assert preparer.seen is batch                       # stage 1 pillarises the raw batch
     assert stage1.seen["record_len"].tolist() == [1, 1, 1]      # every agent on its own
     assert "shared_points" not in stage1.seen
     assert seen == {"boxes": 3, "log_vars": [3, 3, 3], "record_len": [2, 1], "radius": 2.5}
@@ -103,6 +117,9 @@ def test_corrector_runs_stage1_per_agent_and_keeps_the_reported_transforms(monke
     assert out["transforms_to_ego_reported"] is reported
     assert out["record_len"].tolist() == [2, 1]                 # the fusion model's grouping
     assert inputs["transforms_to_ego"] is reported              # the caller's dict untouched
+    with pytest.raises(ConfigError, match="own-frame data"):
+        pose_correction.PoseCorrector(stage1, preparer, args)(
+            {**batch, "points_in_agent_frame": False}, inputs)
 
 
 def test_correction_modes():
@@ -150,9 +167,4 @@ def test_load_pose_corrector_refusals(tmp_path):
                       own_frame + [f"box_align={{stage1_model_dir: {stage1_dir}}}"])
     save_config(load_config(CONFIGS / "point_pillar_attfuse.yaml"), stage1_dir / "config.yaml")
     with pytest.raises(ConfigError, match="must be a single-agent run"):
-        pose_correction.load_pose_corrector(cfg, "intermediate", "cpu", never_loaded)
-    save_config(load_config(CONFIGS / "point_pillar_late_fusion.yaml",
-                            ["preprocess.args.voxel_size=[0.4, 0.4, 4]"]),
-                stage1_dir / "config.yaml")
-    with pytest.raises(ConfigError, match="preprocess.args differs"):
         pose_correction.load_pose_corrector(cfg, "intermediate", "cpu", never_loaded)

@@ -142,11 +142,23 @@ def test_few_landmarks_keep_the_input_poses():
     assert allowed.status == [pg.SOLVED] and not torch.equal(allowed.poses, noisy)
 
 
-def flip_yaws(boxes, objects):
-    """Turn agent 1's boxes of ``objects`` around (a wrong direction): their clusters disagree."""
+def flip_yaws(boxes, objects, turn=math.pi / 2):
+    """Turn agent 1's boxes of ``objects`` by ``turn`` (a wrong heading): their clusters
+    disagree (a right angle: a half turn is the same box, see the half-turn test)."""
     boxes = [b.clone() for b in boxes]
-    boxes[1][objects, 2] = pg.wrap_angle(boxes[1][objects, 2] + math.pi)
+    boxes[1][objects, 2] = pg.wrap_angle(boxes[1][objects, 2] + turn)
     return boxes
+
+
+def test_a_half_turned_heading_is_the_same_box():
+    true, noisy, boxes = make_scene(num_agents=3, num_objects=8, pose_noise=0.5)
+    turned = flip_yaws(boxes, [0, 1, 2, 3, 4], turn=math.pi)
+    result = align_poses(turned, None, noisy, [3])
+    assert result.status == [pg.SOLVED]
+    torch.testing.assert_close(result.poses, true, atol=1e-6, rtol=0)
+    # The authors' rule: headings as detected, so most clusters disagree and the input is kept.
+    authors = align_poses(turned, None, noisy, [3], BoxAlignArgs(half_turn_symmetric=False))
+    assert authors.status == [pg.YAW_DISAGREEMENT] and torch.equal(authors.poses, noisy)
 
 
 def test_half_the_clusters_disagreeing_in_yaw_keeps_the_input_poses():

@@ -32,7 +32,7 @@ def detect(model, batch: Dict, preparer, strategy, corrector=None) -> Tuple[List
     the noisy ones they replaced."""
     inputs, _ = preparer(batch, with_targets=False)
     if corrector is not None:
-        inputs = corrector(inputs)
+        inputs = corrector(batch, inputs)
     outputs = model(strategy.model_inputs(inputs))
     return strategy.detections(preparer.postprocessor, outputs, inputs), inputs
 

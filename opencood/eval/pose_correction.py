@@ -7,9 +7,10 @@ ones for the rest of the sample's inference:
 * late fusion (``late_box_align``): stage 1 is the run's own model, whose per-agent outputs the
   strategy already has (:func:`aligned_transforms`);
 * intermediate fusion on own-frame data (``fusion.args.proj_first: false``): stage 1 is a
-  separate single-agent run (``box_align.stage1_model_dir``), run on the same per-agent pillars
-  before the fusion model warps the agents' features with the corrected transforms
-  (:class:`PoseCorrector`), as the authors feed their stage-1 result to the fusion dataset.
+  separate single-agent run (``box_align.stage1_model_dir``), run on the same batch's own-frame
+  points (pillarised with its own voxels) before the fusion model warps the agents' features
+  with the corrected transforms (:class:`PoseCorrector`), as the authors feed their stage-1
+  result to the fusion dataset.
 
 After a correction the prepared inputs hold ``transforms_to_ego`` (the corrected transforms,
 what the model and the merge use) and ``transforms_to_ego_reported`` (the noisy ones they
@@ -25,13 +26,9 @@ import torch
 from opencood.config import load_config
 from opencood.errors import ConfigError
 from opencood.ops.pose_graph import BoxAlignArgs, box_align_transforms_to_ego
-from opencood.postprocess import build_postprocessor
+from opencood.data.pipeline import BatchPreparer
 from opencood.postprocess.uncertain_detections import detections_with_uncertainty
 from opencood.utils.checkpoint import run_checkpoint
-
-# What stage 1 and the fusion run must share: the same pillars serve both models.
-SHARED_PREPROCESS_KEYS = ("cav_lidar_range", "args")
-
 
 def stage1_boxes(postprocessor, outputs: Dict[str, torch.Tensor]):
     """Per-agent own-frame head outputs -> (per agent (K, 7) boxes after NMS, per agent (K, dim)
@@ -67,42 +64,43 @@ def box_align_args(cfg: Dict) -> BoxAlignArgs:
 
 
 class PoseCorrector:
-    """Stage 1 (a single-agent model on every agent's own-frame pillars) + the pose graph.
+    """Stage 1 (a single-agent model on every agent's own-frame points, pillarised by its own
+    ``preparer``: it need not share the fusion run's pillars) + the pose graph.
 
-    ``__call__(inputs)``: prepared own-frame inputs (voxel_features, voxel_num_points,
-    voxel_coords, record_len (B,), transforms_to_ego (N, 4, 4)) -> the same with corrected
-    transforms (:func:`mark_corrected`).
+    ``__call__(batch, inputs)``: a collated own-frame batch (``points_in_agent_frame``) and the
+    fusion run's prepared inputs (record_len (B,), transforms_to_ego (N, 4, 4), ...) -> the
+    inputs with corrected transforms (:func:`mark_corrected`).
     """
 
-    def __init__(self, stage1_model: torch.nn.Module, postprocessor, args: BoxAlignArgs):
+    def __init__(self, stage1_model: torch.nn.Module, preparer, args: BoxAlignArgs):
         self.stage1_model = stage1_model.eval()
-        self.postprocessor = postprocessor
+        self.preparer = preparer
         self.args = args
 
     @torch.no_grad()
-    def __call__(self, inputs: Dict) -> Dict:
-        record_len = inputs["record_len"]
-        num_agents = inputs["transforms_to_ego"].shape[0]
-        own_frame = {key: value for key, value in inputs.items() if key != "shared_points"}
-        own_frame["record_len"] = record_len.new_ones(num_agents)   # every agent alone
-        outputs = self.stage1_model(own_frame)
-        corrected = aligned_transforms(self.postprocessor, outputs, inputs["transforms_to_ego"],
-                                       record_len.tolist(), self.args)
+    def __call__(self, batch: Dict, inputs: Dict) -> Dict:
+        if not batch["points_in_agent_frame"]:
+            raise ConfigError("box_align: the batch's points are in the ego frame already (through "
+                              "the noisy poses); pose correction needs own-frame data "
+                              "(fusion.args.proj_first: false, or late fusion)")
+        stage1_inputs = self.preparer.model_inputs(batch)
+        stage1_inputs.pop("shared_points", None)
+        num_agents = batch["transforms_to_ego"].shape[0]
+        stage1_inputs["record_len"] = inputs["record_len"].new_ones(num_agents)  # each alone
+        outputs = self.stage1_model(stage1_inputs)
+        corrected = aligned_transforms(self.preparer.postprocessor, outputs,
+                                       inputs["transforms_to_ego"],
+                                       inputs["record_len"].tolist(), self.args)
         return mark_corrected(inputs, corrected)
 
 
-def check_stage1_config(stage1_cfg: Dict, cfg: Dict, stage1_dir: Path) -> None:
-    """ConfigError (one line) when the stage-1 run cannot read the fusion run's pillars: it must
-    be single-agent and pillarise the same range with the same voxels."""
+def check_stage1_config(stage1_cfg: Dict, stage1_dir: Path) -> None:
+    """ConfigError (one line) when the stage-1 run is not single-agent (it detects in every
+    agent's own frame, each agent on its own)."""
     if stage1_cfg["model"]["core_method"] != "point_pillar":
         raise ConfigError(f"{stage1_dir}: box_align.stage1_model_dir must be a single-agent run "
                           f"(model point_pillar, trained for late fusion); its model is "
                           f"{stage1_cfg['model']['core_method']!r}")
-    for key in SHARED_PREPROCESS_KEYS:
-        if stage1_cfg["preprocess"][key] != cfg["preprocess"][key]:
-            raise ConfigError(f"{stage1_dir}: preprocess.{key} differs from the evaluated run's "
-                              f"({stage1_cfg['preprocess'][key]!r} vs {cfg['preprocess'][key]!r});"
-                              f" stage 1 reads the same pillars, so it must match")
 
 
 def load_pose_corrector(cfg: Dict, fusion: str, device,
@@ -132,9 +130,10 @@ def load_pose_corrector(cfg: Dict, fusion: str, device,
         raise ConfigError(f"box_align.stage1_model_dir: {config_path} not found (a run folder "
                           f"written by tools/train.py)")
     stage1_cfg = load_config(config_path)
-    check_stage1_config(stage1_cfg, cfg, stage1_dir)
+    check_stage1_config(stage1_cfg, stage1_dir)
     model = load_model(stage1_cfg, run_checkpoint(stage1_dir, None))
-    return PoseCorrector(model, build_postprocessor(stage1_cfg, device), box_align_args(cfg))
+    preparer = BatchPreparer.from_config(stage1_cfg, device, training=False)
+    return PoseCorrector(model, preparer, box_align_args(cfg))
 
 
 def correction_pairs(inputs: Dict) -> List[torch.Tensor]:
