@@ -168,3 +168,18 @@ def test_load_pose_corrector_refusals(tmp_path):
     save_config(load_config(CONFIGS / "point_pillar_attfuse.yaml"), stage1_dir / "config.yaml")
     with pytest.raises(ConfigError, match="must be a single-agent run"):
         pose_correction.load_pose_corrector(cfg, "intermediate", "cpu", never_loaded)
+
+
+def test_clean_and_latency_settings_switch_training_noise_off():
+    # CoAlign trains with 0.2 m / 0.2 deg pose noise in its wild_setting: "clean" must not
+    # evaluate with it, the noise levels must use their own spread.
+    from opencood.config import apply_overrides, resolve
+    from opencood.engine.evaluator import settings_to_run
+    cfg = load_config(CONFIGS / "point_pillar_coalign.yaml")
+    assert cfg["wild_setting"]["loc_err"] and cfg["wild_setting"]["xyz_std"] == 0.2
+    wild = {s["tag"]: resolve(apply_overrides(cfg, s["overrides"]), "test")["wild_setting"]
+            for s in settings_to_run([0.6], [2], seeds=2)}
+    assert not wild[""]["loc_err"] and not wild["latency2"]["loc_err"]
+    assert wild["latency2"]["latency_frames"] == 2
+    assert wild["noise0.6_seed1"]["loc_err"] and wild["noise0.6_seed1"]["xyz_std"] == 0.6
+    assert wild["noise0.6_seed0"]["seed"] != wild["noise0.6_seed1"]["seed"]

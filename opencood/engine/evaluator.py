@@ -115,9 +115,11 @@ def settings_to_run(pose_noise: List[float], latency: List[int], seeds: int = 1,
 
     Pose noise is random: with ``seeds`` > 1 each noise level runs once per noise seed
     (``base_seed + k``), tagged ``noise0.2_seed1`` and grouped under ``noise0.2`` for the
-    mean and std. Clean and latency settings draw nothing and run once.
+    mean and std. Clean and latency settings draw nothing and run once: they switch pose noise
+    off, which a run trained with noise (CoAlign's recipe) has on in its ``wild_setting``.
     """
-    runs = [{"tag": "", "group": "clean", "overrides": []}]
+    no_noise = ["wild_setting.loc_err=false"]
+    runs = [{"tag": "", "group": "clean", "overrides": list(no_noise)}]
     for std in pose_noise:
         noise = ["wild_setting.loc_err=true", f"wild_setting.xyz_std={std}",
                  f"wild_setting.yaw_std={std}"]
@@ -127,7 +129,7 @@ def settings_to_run(pose_noise: List[float], latency: List[int], seeds: int = 1,
                          "overrides": noise + [f"wild_setting.seed={base_seed + k}"]})
     for frames in latency:
         runs.append({"tag": f"latency{frames}", "group": f"latency{frames}", "overrides": [
-            f"wild_setting.latency_frames={frames}"]})
+            *no_noise, f"wild_setting.latency_frames={frames}"]})
     return runs
 
 
