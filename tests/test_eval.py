@@ -684,3 +684,53 @@ def test_a_record_of_an_older_version_still_loads_and_lists(runs, tmp_path, caps
     (line,) = capsys.readouterr().out.splitlines()
     assert line.startswith("eval_test_intermediate.yaml: AP@0.5 0.2500")
     assert "unknown of unknown" in line and "step unknown" in line
+
+
+def test_pose_correction_sweep_records_ap_and_pose_error_with_and_without(runs, tmp_path,
+                                                                            capsys):
+    """Late fusion with a ``box_align`` section: every setting is evaluated as is and
+    corrected (``late_box_align``); records and the spread carry the relative pose error."""
+    run_dir = _copy_run(runs.late, tmp_path / "late")
+    results = evaluator.main(_argv(run_dir, "--pose_noise", "0.5", "--seeds", "2", "--set",
+                                   "box_align={args: {min_landmarks: 0}}"))
+    assert [_setting_words(m["name"]) for m in results] == [
+        "test_late", "test_late_box_align_aligned",
+        "test_late_noise0.5_seed0", "test_late_box_align_noise0.5_seed0_aligned",
+        "test_late_noise0.5_seed1", "test_late_box_align_noise0.5_seed1_aligned"]
+    clean, clean_aligned, noisy, noisy_aligned = results[:4]
+    assert clean["pose_error"]["before"]["median_translation_m"] == pytest.approx(0, abs=1e-6)
+    assert noisy["pose_error"]["before"]["pairs"] == len(TIMESTAMPS) * (NUM_CAVS - 1)
+    assert noisy["pose_error"]["before"]["median_translation_m"] > 0.1
+    assert "after" not in noisy["pose_error"]                 # not corrected
+    assert noisy_aligned["pose_error"]["before"] == noisy["pose_error"]["before"]
+    assert set(noisy_aligned["pose_error"]["after"]) == set(noisy["pose_error"]["before"])
+    assert "pose_correction" not in _record_of(noisy)["settings"]
+    correction = _record_of(noisy_aligned)["settings"]["pose_correction"]
+    assert correction["stage1"] == "own" and correction["box_align"]["args"]["min_landmarks"] == 0
+    (spread_path,) = (run_dir / "evals" / "spreads").glob("test_late_*.yaml")
+    groups = yaml.safe_load(spread_path.read_text())["groups"]
+    assert list(groups) == ["clean", "clean_aligned", "noise0.5", "noise0.5_aligned"]
+    assert set(groups["noise0.5_aligned"]["pose_error"]) == {"before", "after"}
+    assert groups["noise0.5"]["pose_error"]["before"]["median_translation_m"]["mean"] == \
+        pytest.approx(noisy["pose_error"]["before"]["median_translation_m"] / 2 + results[4][
+            "pose_error"]["before"]["median_translation_m"] / 2)
+    printed = capsys.readouterr().out
+    assert "pose error, reported poses: median" in printed
+    assert "pose error, corrected poses: median" in printed
+
+
+def test_own_frame_intermediate_run_corrects_with_a_stage1_run(runs, tmp_path):
+    run_dir = _copy_run(runs.inter, tmp_path / "inter")
+    results = evaluator.main(_argv(
+        run_dir, "--pose_noise", "0.5", "--set", "fusion.args.proj_first=false", "--set",
+        f"box_align={{stage1_model_dir: {runs.late}, args: {{min_landmarks: 0}}}}"))
+    assert [_setting_words(m["name"]) for m in results] == [
+        "test_intermediate", "test_intermediate_aligned", "test_intermediate_noise0.5",
+        "test_intermediate_noise0.5_aligned"]
+    noisy, noisy_aligned = results[2:]
+    assert noisy_aligned["pose_error"]["before"] == noisy["pose_error"]["before"]
+    assert noisy_aligned["pose_error"]["after"]["pairs"] == noisy["pose_error"]["before"]["pairs"]
+    assert _record_of(noisy_aligned)["settings"]["pose_correction"]["stage1"] == \
+        "stage1_model_dir"
+    with pytest.raises(SystemExit, match="proj_first"):
+        evaluator.main(_argv(run_dir, "--set", f"box_align={{stage1_model_dir: {runs.late}}}"))

@@ -24,6 +24,7 @@ import torch
 import yaml
 
 from opencood.config import ConfigError, apply_overrides, load_config, resolve
+from opencood.config_schema import BoxAlignArgs, to_plain
 from opencood.data.collate import build_loader
 from opencood.data.datasets import SPLIT_KEYS, build_dataset
 from opencood.data.pipeline import BatchPreparer
@@ -273,10 +274,13 @@ def evaluate_setting(cfg, args, run_dir, model, info, setting, checkpoint: Dict,
     cfg_run = resolve(apply_overrides(cfg, setting["overrides"] + protocol.config_overrides(),
                                       source="eval sweep"), "eval sweep")
     fusion = args.fusion_method or cfg_run["fusion"]["core_method"]
-    tag = setting["tag"]
+    tag, correction = setting["tag"], None
     if mode is not None:
-        fusion, tag = mode["fusion"], tag + mode["suffix"]
+        fusion, tag = mode["fusion"], "_".join(filter(None, [tag, mode["suffix"].strip("_")]))
         corrector = corrector if mode["correct"] else None
+        if mode["suffix"]:      # what corrected the poses, in the record (and its hash)
+            correction = {"box_align": cfg_run["box_align"] or {"args": to_plain(
+                BoxAlignArgs())}, "stage1": "stage1_model_dir" if mode["correct"] else "own"}
     dataset = build_dataset(cfg_run, args.split, train=False, fusion_method=fusion)
     loader = build_loader(dataset, info.device, args.num_workers, batch_size=args.batch_size,
                           sampler=InferenceSampler(len(dataset)))
@@ -293,7 +297,7 @@ def evaluate_setting(cfg, args, run_dir, model, info, setting, checkpoint: Dict,
     if metrics is None:
         return None
     metrics["protocol"] = {"name": protocol.name, "description": protocol.description}
-    return setting_record(cfg_run, args, tag, fusion, checkpoint, info, metrics)
+    return setting_record(cfg_run, args, tag, fusion, checkpoint, info, metrics, correction)
 
 
 def save_detections(collector: DetectionCollector, run_dir: Path, args, fusion: str, tag: str,
@@ -311,11 +315,14 @@ def save_detections(collector: DetectionCollector, run_dir: Path, args, fusion: 
 
 
 def setting_record(cfg_run: Dict, args, tag: str, fusion: str, checkpoint: Dict, info,
-                   metrics: Dict) -> Dict:
-    """The record of one evaluated setting; names it (``metrics["name"]`` too)."""
+                   metrics: Dict, correction: Dict | None = None) -> Dict:
+    """The record of one evaluated setting; names it (``metrics["name"]`` too).
+    ``correction``: how the poses were corrected (``settings.pose_correction``), None: not."""
     folder = str(Path(cfg_run[SPLIT_KEYS[args.split]]).resolve())
     settings = {"fusion": fusion, "protocol": args.protocol,
                 "wild_setting": dict(cfg_run["wild_setting"]), "overrides": list(args.overrides)}
+    if correction is not None:
+        settings["pose_correction"] = correction
     name = record_name(args.split, fusion, tag, args.protocol, DEFAULT_PROTOCOL,
                        {**settings, "split": args.split, "folder": folder}, checkpoint)
     metrics["name"] = name
