@@ -32,7 +32,7 @@ Saved (``torch.save``, read with ``weights_only=True``)::
 Run (the side environment; from a folder outside the checkout, PYTHONPATH unset)::
 
     python tools/generate_synthetic.py --out /tmp/e2e_data --preset small --seed 0 \\
-        --frames 2 --scenarios 1 1 2 --splits test
+        --frames 2 --scenarios 1 1 1 --splits test
     cd /tmp && env -u PYTHONPATH /work/refenv/bin/python \\
         /path/to/checkout/tools/reference/run_opencood_inference.py \\
         --export /path/to/checkout/tests/fixtures/e2e_parity/attfuse_export \\
@@ -50,7 +50,7 @@ from pathlib import Path
 import numpy as np
 
 DATA_COMMAND = ("python tools/generate_synthetic.py --out DIR --preset small --seed 0 "
-                "--frames 2 --scenarios 1 1 2 --splits test")
+                "--frames 2 --scenarios 1 1 1 --splits test")
 IOUS = (0.3, 0.5, 0.7)
 
 
