@@ -223,6 +223,11 @@ class PostprocessSection:
     max_num: int = spec(100, check=positive)
     nms_thresh: float = 0.15
     pre_nms_max: int = spec(500, check=positive)    # candidates kept before the rotated NMS
+    # "ours": the pre_nms_max best enter NMS, at most max_num are kept. "reference": OpenCOOD's
+    # post_process: boxes wider than 6 m along x or y or with a corner's z outside [-3, 1] are
+    # dropped first, the 1000 best enter NMS, every box NMS keeps is kept (its max_num only
+    # pads the GT), as weights trained there were evaluated (opencood.postprocess).
+    filters: Literal["ours", "reference"] = "ours"
 
 
 @section

@@ -521,8 +521,10 @@ def test_protocol_option_names_its_file_yaml_and_table(runs, reference, tmp_path
     assert saved["protocol"]["name"] == "opencood" == record["settings"]["protocol"]
     assert reference.inter["protocol"]["name"] == "ours"
     assert f"{metrics['name']} (AP protocol: opencood)" in capsys.readouterr().out
-    # The tiny split lies well inside +-40 m: the protocol's range keeps every GT.
-    assert saved["num_gt"] == reference.inter["num_gt"]
+    # The protocol's +-140 x +-40 m GT range is wider than this run's LiDAR crop: as in
+    # OpenCOOD's test set, the boxes beyond the crop count too (misses the model cannot see;
+    # tests/test_e2e_parity.py matches OpenCOOD's GT count), so there are more than under ours.
+    assert saved["num_gt"] > reference.inter["num_gt"]
 
 
 def test_spread_by_group_by_hand():

@@ -182,3 +182,23 @@ def test_reference_config_exports_and_imports_back(path):
     assert back["preprocess"] == cfg["preprocess"]
     assert back["fusion"]["core_method"] == ("late" if cfg["fusion"]["core_method"] == "no"
                                              else cfg["fusion"]["core_method"])
+
+
+def test_reference_filters_drop_implausible_boxes_and_keep_every_nms_survivor():
+    """``postprocess.filters: reference`` is OpenCOOD's post_process: a box spreading over 6 m
+    along x or y, or with a corner's z outside [-3, 1], never reaches NMS, and NMS keeps every
+    box it keeps (OpenCOOD's max_num only pads its GT); ours caps at max_num."""
+    anchors = generate_anchors(RANGE, VOXEL, feature_stride=2)
+    #                         x     y     z     h    w    l    yaw       (hwl)
+    boxes = torch.tensor([[0.0, 0.0, -1.0, 1.5, 1.8, 4.0, 0.0],     # plausible
+                          [10.0, 0.0, -1.0, 1.5, 1.8, 6.5, 0.0],    # 6.5 m along x
+                          [20.0, 0.0, -1.0, 1.5, 1.8, 6.5, 1.5708], # 6.5 m along y
+                          [-10.0, 0.0, 0.5, 1.5, 1.8, 4.0, 0.0],    # top corners at z 1.25
+                          [0.0, 10.0, -1.0, 1.5, 1.8, 4.0, 0.0],    # plausible
+                          [0.0, -10.0, -1.0, 1.5, 1.8, 4.0, 0.7]])  # plausible (5.3 m diagonal)
+    scores = torch.tensor([0.9, 0.8, 0.7, 0.6, 0.5, 0.4])
+    args = (anchors, ResidualBoxCoder(), 0.6, 0.45, 0.2, 0.15, 2, 500)
+    kept, kept_scores = VoxelPostprocessor(*args, filters="reference").nms(boxes, scores)
+    torch.testing.assert_close(kept_scores, torch.tensor([0.9, 0.5, 0.4]))
+    _, ours_scores = VoxelPostprocessor(*args).nms(boxes, scores)
+    torch.testing.assert_close(ours_scores, torch.tensor([0.9, 0.8]))

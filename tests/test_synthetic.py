@@ -208,6 +208,18 @@ def test_same_seed_same_bytes_any_workers_other_seed_differs(tiny_data, tmp_path
     assert set(ours.values()).isdisjoint(theirs.values())
 
 
+def test_one_split_alone_is_that_split_of_the_whole_data_set(tiny_data, tmp_path):
+    """``splits=("test",)`` (tests/test_e2e_parity.py regenerates its frames so) writes the
+    test split byte for byte as the whole data set has it, and nothing else."""
+    out, _ = tiny_data
+    alone = tmp_path / "alone"
+    generate_dataset(alone, preset="tiny", seed=0, progress=False, splits=("test",))
+    whole = {k: v for k, v in _all_files(out).items() if k.startswith("test")}
+    assert {k: v for k, v in _all_files(alone).items() if k != "generation.yaml"} == whole
+    with pytest.raises(ValueError, match="splits"):
+        generate_dataset(tmp_path / "bad", preset="tiny", progress=False, splits=("tests",))
+
+
 def test_vehicle_lists_match_the_clouds(tiny_data):
     out, _ = tiny_data
     assert _check_vehicle_lists(out, get_preset("tiny")) > 20

@@ -5,19 +5,21 @@
                                        [--format opv2v|v2v4real|dairv2x]
                                        [--seed N] [--workers N] [--overwrite]
                                        [--frames N] [--scenarios TRAIN VALIDATE TEST]
+                                       [--splits train validate test]
 
 Writes DIR/{train,validate,test}/<scenario>/<cav_id>/<ts>.pcd|.yaml (opv2v; v2v4real: two CAVs,
 folders 0 and 1, numpy-tagged yaml; dairv2x: DIR/cooperative-vehicle-infrastructure/ with
 train.json, val.json, test.json) and DIR/generation.yaml, then prints a summary. Same seed -> identical files, whatever --workers. ``--frames`` and
 ``--scenarios`` resize a preset (e.g. a lighter ``opv2v`` for a short GPU session); the sizes
-used are recorded in generation.yaml.
+used are recorded in generation.yaml. ``--splits test`` writes only the test split, byte-identical
+to the test split of the whole data set (tests/test_e2e_parity.py regenerates its frames so).
 """
 import argparse
 import dataclasses
 import sys
 
 from opencood.data.synthetic import PRESETS, format_summary, generate_dataset, get_preset
-from opencood.data.synthetic.writer import FORMATS, OutputDirError
+from opencood.data.synthetic.writer import FORMATS, SPLITS, OutputDirError
 
 
 def parse_args(argv=None):
@@ -36,6 +38,8 @@ def parse_args(argv=None):
     parser.add_argument("--frames", type=int, help="frames per scenario (default: the preset's)")
     parser.add_argument("--scenarios", type=int, nargs=3, metavar=("TRAIN", "VALIDATE", "TEST"),
                         help="scenarios per split (default: the preset's)")
+    parser.add_argument("--splits", nargs="+", choices=SPLITS, default=list(SPLITS),
+                        help="write only these splits (default: all three)")
     return parser.parse_args(argv)
 
 
@@ -60,7 +64,8 @@ def main(argv=None) -> int:
         preset = sized_preset(args.preset, args.frames, args.scenarios)
         summary = generate_dataset(args.out, preset=preset, seed=args.seed,
                                    workers=args.workers, progress=not args.quiet,
-                                   overwrite=args.overwrite, data_format=args.data_format)
+                                   overwrite=args.overwrite, data_format=args.data_format,
+                                   splits=tuple(args.splits))
     except (ValueError, OutputDirError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -98,7 +98,8 @@ class BaseFusionDataset(torch.utils.data.Dataset):
     Args:
         split_dir: ``<root>/<split>`` folder in the OPV2V layout (a split json for DAIR-V2X).
         lidar_range: crop range [xmin, ymin, zmin, xmax, ymax, zmax] of the model input.
-        gt_range: range GT boxes must lie in (all 8 corners before augmentation).
+        gt_range: range GT boxes must lie in (all 8 corners before augmentation); in training
+            their centre must also lie in ``lidar_range`` (after augmentation).
         train: enables augmentation; noise draws then also depend on the epoch.
         augment_cfg: the ``data_augment`` list.
         wild: pose-noise / latency setting.
@@ -254,7 +255,12 @@ class BaseFusionDataset(torch.utils.data.Dataset):
         # Views into the one buffer: the collate copies each once into the batch.
         agent_points = [points] if merge else np.split(points, np.cumsum(counts)[:-1])
         gt_boxes = augment_boxes(gt_boxes, steps)
-        keep = boxes_center_in_range(gt_boxes, self.lidar_range)
+        # Training targets need the box centre on the anchor grid. At test time the GT is the
+        # gt_range's alone, as OpenCOOD's test set (its GT_RANGE whatever cav_lidar_range is):
+        # a protocol's range wider than the LiDAR crop (--protocol opencood on a small grid)
+        # then counts the boxes the model cannot see as misses instead of dropping them.
+        keep = (boxes_center_in_range(gt_boxes, self.lidar_range) if self.train
+                else np.ones(gt_boxes.shape[0], dtype=bool))
         return {
             "sample_key": key,
             "agent_ids": list(agent_ids),

@@ -250,7 +250,7 @@ def _postprocess(peer: _Peer, lidar_range: list) -> dict:
     return {"core_method": "VoxelPostprocessor", "gt_range": _gt_range(lidar_range),
             "anchor_args": anchors, "target_args": targets, "order": "hwl",
             "max_num": int(peer.get("postprocess.max_num", 100)),
-            "nms_thresh": float(peer.get("postprocess.nms_thresh"))}
+            "nms_thresh": float(peer.get("postprocess.nms_thresh")), "filters": "reference"}
 
 
 def _model_args(peer: _Peer, core_method: str, fusion_module: Optional[str]) -> dict:

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from opencood.ops.nms import nms_rotated
+from opencood.ops.transforms import boxes_to_corners_3d
 from opencood.postprocess.anchors import generate_anchors
 from opencood.postprocess.box_coder import ResidualBoxCoder
 from opencood.postprocess.layout import BOX_CODE_SIZE, flatten_anchor_maps
@@ -35,6 +36,23 @@ def boxes_to_ego(boxes: torch.Tensor, transform: torch.Tensor) -> torch.Tensor:
     centers = boxes[:, :3] @ transform[:3, :3].T + transform[:3, 3]
     heading = torch.atan2(transform[1, 0], transform[0, 0])
     return torch.cat([centers, boxes[:, 3:6], boxes[:, 6:7] + heading], dim=1)
+
+
+# OpenCOOD's post_process (box_utils.remove_large_pred_bbx, remove_bbx_abnormal_z, nms_rotated).
+REFERENCE_MAX_EXTENT = 6.0          # metres along x and along y (corner spread, ego frame)
+REFERENCE_Z_RANGE = (-3.0, 1.0)     # every corner's z
+REFERENCE_PRE_NMS = 1000
+
+
+def reference_plausible(boxes: torch.Tensor, order: str) -> torch.Tensor:
+    """(K, 7) boxes -> (K,) bool: OpenCOOD's test-time filter, the corners' spread along x and
+    along y at most 6 m and every corner's z within [-3, 1] m (its z-length test reads the y
+    coordinates and only drops a box of zero width, so it is left out)."""
+    corners = boxes_to_corners_3d(boxes, order)                        # (K, 8, 3)
+    spread = corners[..., :2].amax(dim=1) - corners[..., :2].amin(dim=1)
+    low, high = REFERENCE_Z_RANGE
+    return ((spread <= REFERENCE_MAX_EXTENT).all(dim=1)
+            & (corners[..., 2] >= low).all(dim=1) & (corners[..., 2] <= high).all(dim=1))
 
 
 def select_top(boxes: torch.Tensor, scores: torch.Tensor, limit: int) -> Detections:
@@ -72,17 +90,22 @@ class VoxelPostprocessor:
         nms_thresh: rotated BEV IoU above which NMS drops the lower-scored box.
         max_num: detections kept per frame after NMS.
         pre_nms_max: best-scored candidates that enter NMS (rotated NMS is quadratic in them).
+        filters: "ours" or "reference" (OpenCOOD's: implausible boxes dropped before NMS, its
+            1000 candidates, no max_num cap; ``postprocess.filters`` in the config schema).
     """
 
     def __init__(self, anchors: torch.Tensor, box_coder: ResidualBoxCoder, pos_iou: float,
                  neg_iou: float, score_threshold: float, nms_thresh: float, max_num: int,
-                 pre_nms_max: int):
+                 pre_nms_max: int, filters: str = "ours"):
         self.anchors = anchors
         self.box_coder = box_coder
         self.pos_iou, self.neg_iou = float(pos_iou), float(neg_iou)
         self.score_threshold = float(score_threshold)
         self.nms_thresh, self.max_num = float(nms_thresh), int(max_num)
         self.pre_nms_max = int(pre_nms_max)
+        if filters not in ("ours", "reference"):
+            raise ValueError(f"filters must be 'ours' or 'reference', got {filters!r}")
+        self.filters = filters
 
     @classmethod
     def from_config(cls, cfg: dict, device) -> "VoxelPostprocessor":
@@ -102,7 +125,7 @@ class VoxelPostprocessor:
             nms_thresh=post["nms_thresh"], max_num=post["max_num"],
             # An untrained model firing everywhere would otherwise spend seconds per frame in
             # rotated NMS on CPU.
-            pre_nms_max=post["pre_nms_max"])
+            pre_nms_max=post["pre_nms_max"], filters=post["filters"])
 
     @property
     def order(self) -> str:
@@ -141,7 +164,13 @@ class VoxelPostprocessor:
 
     def nms(self, boxes: torch.Tensor, scores: torch.Tensor) -> Detections:
         """(K, 7) boxes, (K,) scores -> the at most ``max_num`` kept by rotated NMS over the
-        ``pre_nms_max`` best, by descending score."""
+        ``pre_nms_max`` best, by descending score (``filters: reference``: OpenCOOD's, see the
+        class docstring)."""
+        if self.filters == "reference":
+            plausible = reference_plausible(boxes, self.order)
+            boxes, scores = select_top(boxes[plausible], scores[plausible], REFERENCE_PRE_NMS)
+            keep = nms_rotated(boxes, scores, self.nms_thresh, order=self.order)
+            return boxes[keep], scores[keep]
         boxes, scores = select_top(boxes, scores, self.pre_nms_max)
         keep = nms_rotated(boxes, scores, self.nms_thresh, order=self.order)[:self.max_num]
         return boxes[keep], scores[keep]

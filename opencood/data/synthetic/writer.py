@@ -349,19 +349,24 @@ def _rsu_summary_lines(summary: dict) -> list:
 
 def generate_dataset(out_dir, preset="small", seed: int = 0, workers: int = 1,
                      progress: bool = True, overwrite: bool = False,
-                     data_format: str = "opv2v") -> dict:
+                     data_format: str = "opv2v", splits=SPLITS) -> dict:
     """Generate a whole synthetic data set and return its summary.
 
     out_dir gets ``train/``, ``validate/``, ``test/`` (OPV2V and V2V4Real; DAIR-V2X-C: its
     ``cooperative-vehicle-infrastructure/`` folder) and ``generation.yaml``. ``preset`` is a
     name (see presets.PRESETS) or a Preset; ``data_format`` one of FORMATS, which may change
     the preset's agents (V2V4Real: two CAVs; DAIR-V2X-C: one vehicle and one roadside unit).
-    Same seed -> byte-identical files, for any ``workers``. The returned summary also holds
-    ``seconds`` (not written to disk).
+    Same seed -> byte-identical files, for any ``workers``. ``splits`` writes only those
+    splits (e.g. ``("test",)`` for a test that needs a few frames), each byte-identical to the
+    same split of the whole data set. The returned summary also holds ``seconds`` (not written
+    to disk).
     """
     preset = get_preset(preset) if isinstance(preset, str) else preset
     if int(seed) < 0:
         raise ValueError(f"seed must be >= 0, got {seed}")
+    unknown = sorted(set(splits) - set(SPLITS))
+    if unknown or not splits:
+        raise ValueError(f"splits must be some of {', '.join(SPLITS)}, got {list(splits)}")
     writer = format_writer(data_format)
     preset = getattr(writer, "adapt_preset", lambda p: p)(preset)
     out_dir = Path(out_dir)
@@ -369,8 +374,10 @@ def generate_dataset(out_dir, preset="small", seed: int = 0, workers: int = 1,
     jobs, global_index = [], 0
     for split in SPLITS:
         for index in range(preset.scenarios.get(split, 0)):
-            jobs.append((str(out_dir), preset, int(seed), split, index, global_index,
-                         data_format))
+            # global_index counts every split's scenarios, so a split alone is unchanged.
+            if split in splits:
+                jobs.append((str(out_dir), preset, int(seed), split, index, global_index,
+                             data_format))
             global_index += 1
     started = time.perf_counter()
     results = _run_jobs(jobs, workers, progress)
