@@ -474,6 +474,49 @@ def test_coalign_parity_needs_the_warp_and_the_reference_options():
         opencood_to_ours(state, COALIGN, state_shapes(plain.state_dict()))
 
 
+def write_coalign_run(folder: Path, edit=None) -> Path:
+    """A run folder as CoAlign's train.py leaves it, from the fixture: its config.yaml (the
+    parsed hypes, yaml.dump'ed), a periodic and a best-validation checkpoint (its loader takes
+    the latter); ``edit(config text) -> text``."""
+    folder.mkdir()
+    text = (FIXTURES / f"{COALIGN}.config.yaml").read_text()
+    (folder / "config.yaml").write_text(edit(text) if edit else text)
+    state = peer_state(load_fixture(COALIGN))
+    torch.save({k: torch.zeros_like(v) for k, v in state.items()}, folder / "net_epoch21.pth")
+    torch.save(state, folder / "net_epoch_bestval_at17.pth")
+    return folder
+
+
+def test_coalign_run_imports_and_matches(tmp_path):
+    """``--from coalign``: the run folder's yaml becomes our own-frame CoAlign config and its
+    best-validation checkpoint our weights, strictly; the heads equal CoAlign's."""
+    cfg, state, provenance = translate_run(write_coalign_run(tmp_path / "peer"),
+                                           codebase="coalign")
+    assert provenance["epoch"] == 17 and provenance["model"] == COALIGN
+    assert any("box_align" in note for note in provenance["notes"])
+    assert cfg["fusion"]["args"]["proj_first"] is False
+    args = cfg["model"]["args"]
+    assert args["base_bev_backbone"]["resnet"] and args["use_dir"]
+    assert args["fusion"]["core_method"] == "attfuse" and args["fusion"]["stage"] == "multiscale"
+    assert args["pillar_vfe"]["padded_slots"] == "reference"
+    model = build_model(cfg["model"])
+    model.load_state_dict(state)
+    diffs = coalign_differences(model.eval(), load_fixture(COALIGN))
+    assert max(diffs.values()) <= TOLERANCE, diffs
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda text: text.replace("fusion_method: att", "fusion_method: max"),
+     "fusion_method 'max'"),
+    (lambda text: text.replace("core_method: point_pillar_baseline_multiscale",
+                               "core_method: point_pillar_coalign"), "no counterpart"),
+])
+def test_coalign_import_refusals(edit, message, tmp_path):
+    with pytest.raises(InteropError, match=message) as error:
+        translate_run(write_coalign_run(tmp_path / "peer", edit), codebase="coalign")
+    assert "\n" not in str(error.value)
+
+
 # ----------------------------------------------------------------------------------------------
 # importing a run folder as OpenCOOD's training writes it, then tools/eval.py
 # ----------------------------------------------------------------------------------------------
