@@ -46,7 +46,13 @@ Cython ``box_overlaps``, imported but never called here, are stubbed): DerrickXu
 ``point_pillar_cobevt`` (its yaml, shrunk to 2 blocks and a 64-wide FFN), yifanlu0227/CoAlign
 for ``point_pillar_disconet`` (its ``opv2v/lidar_only_with_noise/pointpillar_disconet.yaml``;
 its forward also reads the teacher's pillars and the poses, given as the same pillars and zeros;
-no ``decoded`` step: its post-processor has a direction classifier)::
+no ``decoded`` step: its post-processor has a direction classifier), and its
+``point_pillar_baseline_multiscale`` (CoAlign's fusion network: its
+``coalign/pointpillar_coalign.yaml``, ``point_pillar_coalign.py`` subclasses the model
+unchanged; the middle backbone stage given 2 blocks, ``att.feat_dim`` the small widths), fed
+OWN-FRAME pillars with non-identity ``pairwise_t_matrix`` (float64, [b, i, j] agent i -> agent j,
+agents 0.5-2.5 m and 1-5 degrees from the ego: ``own_frame_pairwise``), which its forward
+normalises and warps with at every scale (fixtures only)::
 
     mkdir -p /tmp/OpenCOOD && git --git-dir=/work/.mirror/DerrickXuNu+OpenCOOD/repo archive \
         HEAD opencood | tar -x -C /tmp/OpenCOOD       # the same for CoAlign
@@ -54,7 +60,7 @@ no ``decoded`` step: its post-processor has a direction classifier)::
         /path/to/checkout/tools/reference/make_model_parity_fixtures.py fixtures \
         --source /tmp/OpenCOOD --models point_pillar_where2comm point_pillar_cobevt
     # then ``decoded`` with the same flags; ``--source /tmp/CoAlign --models
-    # point_pillar_disconet`` (fixtures only); ``export-check ... --source /tmp/OpenCOOD``
+    # point_pillar_disconet point_pillar_baseline_multiscale`` (fixtures only); ``export-check ... --source /tmp/OpenCOOD``
 
 Where2comm's fixture also holds ``conf_logits`` (its cls head on each agent's own map) and
 ``comm_mask`` (N, 1, H, W); its cls head's generated weights are widened and its bias shifted
