@@ -32,6 +32,9 @@ missing):
   ``agent_bias: slot_offset``.
 * DiscoNet (CoAlign's; its own section: key rules only): ``score_relu`` (1e-2 without) and the
   edge network's input halves swapped (3e-2 without).
+* CoAlign's fusion network (its own section: key rules only): own-frame pillars and agents a few
+  cells and degrees apart, so its warp (``normalize_pairwise_tfm`` + ``affine_grid``) is
+  compared with ours; no option of ours was needed beyond the reference base's.
 * ``use_dir: false`` and ``anchor_args.placement: reference`` change no head map; they decide
   the decoding: ``test_decoding_matches_opencood`` compares our decoded boxes of the fixture's
   head maps with OpenCOOD's own anchors and ``delta_to_boxes3d`` (``<model>.decoded.pt``, made
@@ -391,6 +394,127 @@ def test_disconet_options_matter():
     with torch.no_grad():
         model.state_dict()[key].copy_(state["fusion_net.pixel_weight_layer.conv1_1.weight"])
     assert min(disconet_differences(model, fixture).values()) > 100 * TOLERANCE
+
+
+COALIGN = "point_pillar_baseline_multiscale"      # the core_method of CoAlign's coalign yamls
+
+
+def coalign_model(state=None, device="cpu", **overrides) -> torch.nn.Module:
+    """Our CoAlign reference config at the fixture's small geometry (a 2-block middle stage, as
+    the script's BACKBONE_EDITS); ``overrides``: dotted config keys; ``device`` "meta" for
+    shapes only."""
+    from opencood.config import load_config
+    cfg = load_config(REFERENCE_CONFIGS / "point_pillar_coalign.yaml",
+                      SMALL + ("model.args.base_bev_backbone.layer_nums=[1,2,1]",)
+                      + tuple(f"{key}={value}" for key, value in overrides.items()))
+    with torch.device(device):
+        model = build_model(cfg["model"])
+    if state is not None:
+        model.load_state_dict(opencood_to_ours(state, COALIGN, state_shapes(model.state_dict())))
+    return model.eval()
+
+
+def coalign_to_ego(fixture: dict) -> torch.Tensor:
+    """CoAlign's pairwise_t_matrix (B, L, L, 4, 4), entry [b, i, j] agent i -> agent j, as our
+    transforms_to_ego (N_agents, 4, 4): agent j of sample b -> its ego is entry [b, j, 0]."""
+    pairwise, record_len = fixture["inputs"]["pairwise_t_matrix"], fixture["inputs"]["record_len"]
+    return torch.cat([pairwise[b, :count, 0] for b, count in enumerate(record_len.tolist())])
+
+
+def coalign_differences(model, fixture, to_ego=None) -> dict:
+    inputs = fixture["inputs"]
+    batch = {key: inputs[key] for key in ("voxel_features", "voxel_num_points", "voxel_coords",
+                                          "record_len")}
+    batch.update(points_in_agent_frame=True,
+                 transforms_to_ego=coalign_to_ego(fixture) if to_ego is None else to_ego)
+    with torch.no_grad():
+        outputs = model(batch)
+    return {ours: float((outputs[ours] - fixture["outputs"][theirs]).abs().max()
+                        / fixture["outputs"][theirs].abs().max())
+            for ours, theirs in HEADS + (("dir_preds", "dm"),)}
+
+
+def test_coalign_parity():
+    """CoAlign's fusion network (its ResNet backbone, AttFusion at every scale after its own
+    warp of each agent's map into the ego frame, shrink header, heads with a direction
+    classifier) on own-frame pillars with agents a few cells and degrees apart: the same
+    weights give the same three heads through our reference config and our warp."""
+    fixture = load_fixture(COALIGN)
+    assert fixture["reference"] == "CoAlign github 64d1987"
+    assert fixture["inputs"]["record_len"].tolist() == [2, 1, 4]
+    to_ego = coalign_to_ego(fixture)
+    shifts = to_ego[:, :2, 3].norm(dim=1)
+    non_ego = shifts > 0
+    assert int(non_ego.sum()) == 4 and float(shifts[non_ego].min()) > 0.4     # > 1 cell
+    assert float(torch.atan2(to_ego[non_ego, 1, 0], to_ego[non_ego, 0, 0]).abs().min()) > 0.01
+    state = peer_state(fixture)
+    diffs = coalign_differences(coalign_model(state), fixture)
+    assert max(diffs.values()) <= TOLERANCE, diffs
+    ours = opencood_to_ours(state, COALIGN, state_shapes(coalign_model(device="meta").state_dict()))
+    back = ours_to_opencood(ours, COALIGN, state_shapes(state))
+    assert set(back) == set(state) and all(torch.equal(back[k], state[k]) for k in state)
+
+
+def test_coalign_parity_needs_the_warp_and_the_reference_options():
+    """Each of these breaks parity far beyond the tolerance: the transforms read the other way
+    round (CoAlign's entry [b, 0, j], ego -> agent j, is what its affine_grid samples with; ours
+    take agent -> ego and invert it), our pillar encoder's default; and the 3x3 conv backbone
+    instead of the ResNet does not even take the keys."""
+    fixture = load_fixture(COALIGN)
+    state = peer_state(fixture)
+    model = coalign_model(state)
+    to_ego = coalign_to_ego(fixture)
+    assert min(coalign_differences(model, fixture, torch.linalg.inv(to_ego)).values()) \
+        > 100 * TOLERANCE
+    for layer in model.vfe.layers:                  # our default (pillar_vfe.padded_slots)
+        layer.padded_slots = "ignore"
+    assert min(coalign_differences(model, fixture).values()) > 100 * TOLERANCE
+    plain = coalign_model(device="meta", **{"model.args.base_bev_backbone.resnet": "false"})
+    with pytest.raises(InteropError, match="not a strict match"):
+        opencood_to_ours(state, COALIGN, state_shapes(plain.state_dict()))
+
+
+def write_coalign_run(folder: Path, edit=None) -> Path:
+    """A run folder as CoAlign's train.py leaves it, from the fixture: its config.yaml (the
+    parsed hypes, yaml.dump'ed), a periodic and a best-validation checkpoint (its loader takes
+    the latter); ``edit(config text) -> text``."""
+    folder.mkdir()
+    text = (FIXTURES / f"{COALIGN}.config.yaml").read_text()
+    (folder / "config.yaml").write_text(edit(text) if edit else text)
+    state = peer_state(load_fixture(COALIGN))
+    torch.save({k: torch.zeros_like(v) for k, v in state.items()}, folder / "net_epoch21.pth")
+    torch.save(state, folder / "net_epoch_bestval_at17.pth")
+    return folder
+
+
+def test_coalign_run_imports_and_matches(tmp_path):
+    """``--from coalign``: the run folder's yaml becomes our own-frame CoAlign config and its
+    best-validation checkpoint our weights, strictly; the heads equal CoAlign's."""
+    cfg, state, provenance = translate_run(write_coalign_run(tmp_path / "peer"),
+                                           codebase="coalign")
+    assert provenance["epoch"] == 17 and provenance["model"] == COALIGN
+    assert any("box_align" in note for note in provenance["notes"])
+    assert cfg["fusion"]["args"]["proj_first"] is False
+    args = cfg["model"]["args"]
+    assert args["base_bev_backbone"]["resnet"] and args["use_dir"]
+    assert args["fusion"]["core_method"] == "attfuse" and args["fusion"]["stage"] == "multiscale"
+    assert args["pillar_vfe"]["padded_slots"] == "reference"
+    model = build_model(cfg["model"])
+    model.load_state_dict(state)
+    diffs = coalign_differences(model.eval(), load_fixture(COALIGN))
+    assert max(diffs.values()) <= TOLERANCE, diffs
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda text: text.replace("fusion_method: att", "fusion_method: max"),
+     "fusion_method 'max'"),
+    (lambda text: text.replace("core_method: point_pillar_baseline_multiscale",
+                               "core_method: point_pillar_coalign"), "no counterpart"),
+])
+def test_coalign_import_refusals(edit, message, tmp_path):
+    with pytest.raises(InteropError, match=message) as error:
+        translate_run(write_coalign_run(tmp_path / "peer", edit), codebase="coalign")
+    assert "\n" not in str(error.value)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Import another codebase's trained run as one of ours (issue 24)::
 
-    python tools/import_checkpoint.py --from {opencood,heal,v2v4real} PEER_RUN_DIR --out RUN_DIR
+    python tools/import_checkpoint.py --from {opencood,heal,coalign,v2v4real} PEER_RUN_DIR --out RUN_DIR
         [--checkpoint FILE]
     python tools/eval.py --model_dir RUN_DIR [--set test_dir=PATH] [--protocol opencood]
 
@@ -14,7 +14,10 @@ loader does). Supported models: ``point_pillar`` (no / early / late fusion),
 highest ``net_epoch<N>.pth`` is taken; its V2VNet is refused). ``--from heal``: HEAL's
 ``heter_model_baseline`` with one LiDAR PointPillar modality and ``fusion_method`` max / att /
 v2vnet (``net_epoch_bestval_at<N>.pth`` preferred, as HEAL's loader does); see
-``opencood/interop/heal.py`` and ``v2v4real.py`` for what is refused and why.
+``opencood/interop/heal.py`` and ``v2v4real.py`` for what is refused and why. ``--from
+coalign``: CoAlign's fusion network (``point_pillar_baseline_multiscale``, ``fusion_method:
+att``; checkpoints picked as HEAL's), imported own-frame with the ResNet backbone
+(``opencood/interop/coalign.py``).
 
 The import is strict (every tensor placed, every one of ours filled, shapes equal) and writes
 nothing unless it succeeds; the imported config switches on the reference options of our modules

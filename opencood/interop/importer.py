@@ -1,6 +1,6 @@
-"""A run folder of OpenCOOD, HEAL or V2V4Real -> one of ours that ``tools/eval.py --model_dir``
+"""A run folder of OpenCOOD, HEAL, CoAlign or V2V4Real -> one of ours that ``tools/eval.py --model_dir``
 evaluates (issue 24). Each codebase is a :class:`Codebase`: its config translation
-(``opencood_config``, ``heal``, ``v2v4real``), its checkpoint choice (as its own
+(``opencood_config``, ``heal``, ``coalign``, ``v2v4real``), its checkpoint choice (as its own
 ``load_saved_model`` picks) and its key rules (``opencood_ckpt``, ``heal``).
 
 OpenCOOD's ``train.py`` leaves ``config.yaml`` (``yaml.dump`` of its parsed hypes) and
@@ -30,6 +30,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from opencood.config import ConfigError, resolve, save_config
+from opencood.interop.coalign import coalign_notes, coalign_rules, translate_coalign_config
 from opencood.interop.heal import heal_notes, heal_rules, pick_heal_checkpoint, translate_heal_config
 from opencood.interop.opencood_ckpt import (InteropError, peer_state_to_ours, rules_for,
                                             state_shapes)
@@ -107,13 +108,17 @@ CODEBASES: Dict[str, Codebase] = {
                          _opencood_rules, lambda data: str(data["model"]["core_method"])),
     "heal": Codebase("heal", "HEAL", translate_heal_config, pick_heal_checkpoint, heal_rules,
                      _heal_model_name, heal_notes),
+    # CoAlign's train.py saves and its load_saved_model picks as HEAL's
+    "coalign": Codebase("coalign", "CoAlign", translate_coalign_config, pick_heal_checkpoint,
+                        coalign_rules, lambda data: str(data["model"]["core_method"]),
+                        coalign_notes),
 }
 
 
 def translate_run(peer_dir, checkpoint: Optional[str] = None,
                   codebase: str = "opencood") -> Tuple[dict, dict, dict]:
     """(our resolved config, our state dict, provenance) for a run folder of ``codebase``
-    (opencood, heal, v2v4real); writes nothing. Raises an OpencoodError (one line) on anything
+    (opencood, heal, coalign, v2v4real); writes nothing. Raises an OpencoodError (one line) on anything
     it cannot translate. ``provenance["notes"]``: differences the import cannot remove.
 
     (The translation only writes registered model, fusion, loss and post-processor names, so

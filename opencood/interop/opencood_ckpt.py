@@ -44,6 +44,8 @@ fusion_net.layers.{i}.{window,grid}_attention.    fusion.blocks.{i}.{window,grid
 fusion_net.layers.{i}.{window,grid}_ffd.          fusion.blocks.{i}.{window,grid}_    copy
   norm.* / fn.net.{j}.*                             ffn.0.* / ffn.1.{j}.*
 fusion_net.mlp_head.{2,3}.*                       fusion.head_norm.*, fusion.head.*   copy
+backbone.resnet.layer{i}.{k}.                     backbone.blocks.{i}.{k}.            copy (8)
+  conv1 / bn1 / conv2 / bn2 / downsample.{0,1}      residual.{0,1,3,4} / shortcut.{0,1}
 
 1. OpenCOOD pads with a ``ZeroPad2d(1)`` before each scale's strided conv (padding 0); ours
    pads inside the conv (padding 1): the same map, one Sequential index earlier.
@@ -69,6 +71,11 @@ fusion_net.mlp_head.{2,3}.*                       fusion.head_norm.*, fusion.hea
 7. CoBEVT (OpenCOOD's GitHub ``point_pillar_cobevt``, ``fax_fusion.mask: true``): the same
    layers; its 3-D bias table and its index buffer need ours with ``agent_bias: slot_offset``
    (the same table size and index; ours keeps the index persistent too).
+8. CoAlign's fusion network (its yamls' ``point_pillar_baseline_multiscale``; its
+   ``point_pillar_coalign.py`` subclasses it unchanged): the ResNet backbone of HEAL / CoAlign,
+   our ``base_bev_backbone.resnet: true`` (torchvision BatchNorm defaults inside the blocks,
+   a 1x1 strided conv + BN shortcut where the shape changes), its parameter-free AttFusion per
+   scale, the 3x3 shrink header and the direction head.
 
 The ConvGRU and the attention have the same parameters in both; whether the FORWARD passes agree
 is what ``tests/test_parity_opencood.py`` checks against the authors' code.
@@ -266,6 +273,15 @@ DISCONET_RULES = (
     Rule("dir_head.{p}", "head.dir_conv.{p}"),
 )
 
+_RESNET_BLOCK = "backbone.resnet.layer{i}.{k}"
+_OUR_RESNET_BLOCK = "backbone.blocks.{i}.{k}"
+# HEAL's / CoAlign's ResNetBEVBackbone (torchvision-style BasicBlocks) -> ours (backbone.py)
+RESNET_BACKBONE_RULES = tuple(
+    Rule(f"{_RESNET_BLOCK}.{theirs}.{{p}}", f"{_OUR_RESNET_BLOCK}.{ours}.{{p}}")
+    for theirs, ours in (("conv1", "residual.0"), ("bn1", "residual.1"), ("conv2", "residual.3"),
+                         ("bn2", "residual.4"), ("downsample.0", "shortcut.0"),
+                         ("downsample.1", "shortcut.1")))
+
 
 def _cobevt_rules() -> Tuple[Rule, ...]:
     rules = []
@@ -301,6 +317,9 @@ RULES: Dict[str, Tuple[Rule, ...]] = {
     "point_pillar_cobevt": PILLAR_RULES + SHRINK_RULES + COBEVT_RULES,
     # CoAlign's (yifanlu0227/CoAlign): key rules only, its yaml is not translated
     "point_pillar_disconet": PILLAR_RULES + SHRINK_RULES + DISCONET_RULES,
+    # CoAlign's fusion network (its AttFusion per scale has no parameters)
+    "point_pillar_baseline_multiscale": PILLAR_RULES + RESNET_BACKBONE_RULES + SHRINK_RULES
+    + (Rule("dir_head.{p}", "head.dir_conv.{p}"),),
 }
 
 

@@ -46,7 +46,13 @@ Cython ``box_overlaps``, imported but never called here, are stubbed): DerrickXu
 ``point_pillar_cobevt`` (its yaml, shrunk to 2 blocks and a 64-wide FFN), yifanlu0227/CoAlign
 for ``point_pillar_disconet`` (its ``opv2v/lidar_only_with_noise/pointpillar_disconet.yaml``;
 its forward also reads the teacher's pillars and the poses, given as the same pillars and zeros;
-no ``decoded`` step: its post-processor has a direction classifier)::
+no ``decoded`` step: its post-processor has a direction classifier), and its
+``point_pillar_baseline_multiscale`` (CoAlign's fusion network: its
+``coalign/pointpillar_coalign.yaml``, ``point_pillar_coalign.py`` subclasses the model
+unchanged; the middle backbone stage given 2 blocks, ``att.feat_dim`` the small widths), fed
+OWN-FRAME pillars with non-identity ``pairwise_t_matrix`` (float64, [b, i, j] agent i -> agent j,
+agents 0.5-2.5 m and 1-5 degrees from the ego: ``own_frame_pairwise``), which its forward
+normalises and warps with at every scale (fixtures only)::
 
     mkdir -p /tmp/OpenCOOD && git --git-dir=/work/.mirror/DerrickXuNu+OpenCOOD/repo archive \
         HEAD opencood | tar -x -C /tmp/OpenCOOD       # the same for CoAlign
@@ -54,7 +60,7 @@ no ``decoded`` step: its post-processor has a direction classifier)::
         /path/to/checkout/tools/reference/make_model_parity_fixtures.py fixtures \
         --source /tmp/OpenCOOD --models point_pillar_where2comm point_pillar_cobevt
     # then ``decoded`` with the same flags; ``--source /tmp/CoAlign --models
-    # point_pillar_disconet`` (fixtures only); ``export-check ... --source /tmp/OpenCOOD``
+    # point_pillar_disconet point_pillar_baseline_multiscale`` (fixtures only); ``export-check ... --source /tmp/OpenCOOD``
 
 Where2comm's fixture also holds ``conf_logits`` (its cls head on each agent's own map) and
 ``comm_mask`` (N, 1, H, W); its cls head's generated weights are widened and its bias shifted
@@ -116,12 +122,23 @@ MODELS = {
     "point_pillar_disconet": ("opv2v/lidar_only_with_noise/pointpillar_disconet.yaml",
                               [2, 1, 4]),
     "point_pillar_cobevt": ("point_pillar_cobevt.yaml", [2, 1, 4]),
+    # CoAlign's fusion network (its point_pillar_coalign.py subclasses this model unchanged;
+    # its coalign yamls name this core_method)
+    "point_pillar_baseline_multiscale": (
+        "opv2v/lidar_only_with_noise/coalign/pointpillar_coalign.yaml", [2, 1, 4]),
 }
 # Models of other sources than opencoodx 0.1.19: made with ``--source CHECKOUT`` (a checkout of
 # the repository at the commit named), put first on sys.path. -> the fixture's reference label.
 GITHUB_MODELS = {"point_pillar_where2comm": "OpenCOOD github 31ba160",   # DerrickXuNu/OpenCOOD
                  "point_pillar_cobevt": "OpenCOOD github 31ba160",
-                 "point_pillar_disconet": "CoAlign github 64d1987"}      # yifanlu0227/CoAlign
+                 "point_pillar_disconet": "CoAlign github 64d1987",      # yifanlu0227/CoAlign
+                 "point_pillar_baseline_multiscale": "CoAlign github 64d1987"}
+# Models fed own-frame pillars (proj_first: false) and non-identity pairwise transforms:
+# CoAlign warps every agent's map at every scale into the ego frame itself.
+OWN_FRAME_MODELS = ("point_pillar_baseline_multiscale",)
+# CoAlign: a second block in the middle stage, so a residual block without a downsample
+# shortcut is exercised too.
+BACKBONE_EDITS = {"point_pillar_baseline_multiscale": {"layer_nums": [1, 2, 1]}}
 # Where2comm: the confidence head's weights are widened and its bias shifted so that its
 # smoothed confidence straddles the 0.01 threshold where the agents' maps differ (some cells
 # sent, some not, not the same for every agent) with these generated weights.
@@ -250,6 +267,9 @@ def shrink_hypes(raw: dict) -> dict:
     args = raw["model"]["args"]
     args["lidar_range"][:] = SMALL_RANGE
     args["base_bev_backbone"].update(SMALL_BACKBONE)
+    args["base_bev_backbone"].update(BACKBONE_EDITS.get(raw["model"]["core_method"], {}))
+    if "att" in args:                       # CoAlign: the attention's sqrt(dim) per scale
+        args["att"]["feat_dim"] = list(args["base_bev_backbone"]["num_filters"])
     if "where2comm_fusion" in args:         # its own copies of the backbone lists
         args["where2comm_fusion"].update(layer_nums=SMALL_BACKBONE["layer_nums"],
                                          num_filters=SMALL_BACKBONE["num_filters"])
@@ -343,8 +363,11 @@ def make_inputs(hypes: dict, record_len: list, seed: int) -> dict:
     else:
         processed = pre_processor.collate_batch(merge_features_to_dict(per_agent))
     max_cav = hypes["train_params"].get("max_cav", 5)
-    pairwise = np.zeros((len(record_len), max_cav, max_cav, 4, 4))
-    pairwise[:, :] = np.identity(4)                                 # proj_first
+    if hypes["model"]["core_method"] in OWN_FRAME_MODELS:
+        pairwise = own_frame_pairwise(rng, record_len, max_cav)
+    else:
+        pairwise = np.zeros((len(record_len), max_cav, max_cav, 4, 4))
+        pairwise[:, :] = np.identity(4)                             # proj_first
     data = {"processed_lidar": processed,
             "record_len": torch.from_numpy(np.array(record_len, dtype=int)),
             "pairwise_t_matrix": torch.from_numpy(pairwise)}
@@ -359,6 +382,36 @@ def make_inputs(hypes: dict, record_len: list, seed: int) -> dict:
         data["spatial_correction_matrix"] = torch.eye(4, dtype=torch.float64).repeat(
             len(record_len), max_cav, 1, 1)
     return data
+
+
+def planar_pose(x: float, y: float, yaw_degrees: float) -> np.ndarray:
+    """(4, 4) agent -> world of a pose on the ground plane."""
+    yaw = np.deg2rad(yaw_degrees)
+    pose = np.identity(4)
+    pose[:2, :2] = [[np.cos(yaw), -np.sin(yaw)], [np.sin(yaw), np.cos(yaw)]]
+    pose[:2, 3] = x, y
+    return pose
+
+
+def own_frame_pairwise(rng, record_len: list, max_cav: int) -> np.ndarray:
+    """(B, max_cav, max_cav, 4, 4) float64 as CoAlign's ``get_pairwise_transformation`` builds it
+    for ``proj_first: false``: entry [b, i, j] maps agent i's frame into agent j's
+    (inv(T_j) @ T_i, T = agent -> world), identities elsewhere. Each agent of a sample sits a few
+    cells (0.4 m pillars) and a few degrees from the ego, not on whole cells; the ego itself
+    somewhere in the world (only relative poses matter)."""
+    pairwise = np.tile(np.identity(4), (len(record_len), max_cav, max_cav, 1, 1))
+    for b, count in enumerate(record_len):
+        ego = planar_pose(*rng.uniform([-50, -50, -180], [50, 50, 180]))
+        poses = [ego]
+        for _ in range(count - 1):
+            offset = rng.uniform(0.5, 2.5, 3) * rng.choice([-1, 1], 3)   # m, m, degrees
+            offset[2] *= 2.0
+            poses.append(ego @ planar_pose(*offset))
+        for i in range(count):
+            for j in range(count):
+                if i != j:
+                    pairwise[b, i, j] = np.linalg.solve(poses[j], poses[i])
+    return pairwise
 
 
 def merge_features_to_dict(per_agent: list) -> dict:
@@ -412,6 +465,7 @@ def make_fixture(reference_root: Path, reference: str, core_method: str, out: Pa
     model.load_state_dict(weights.materialize(recipes), strict=True)
     model.eval()
     data = make_inputs(hypes, record_len, SEED)
+    pairwise = data["pairwise_t_matrix"].clone()        # as given, whatever the forward does
     captured = capture_where2comm(model) if core_method == "point_pillar_where2comm" else {}
     with torch.no_grad():
         outputs = model(data)
@@ -429,7 +483,7 @@ def make_fixture(reference_root: Path, reference: str, core_method: str, out: Pa
                    "voxel_coords": lidar["voxel_coords"].contiguous(),
                    "voxel_num_points": lidar["voxel_num_points"].contiguous(),
                    "record_len": data["record_len"],
-                   "pairwise_t_matrix": data["pairwise_t_matrix"]},
+                   "pairwise_t_matrix": pairwise},
         "outputs": {**head_outputs(outputs), **captured},
     }
     out.mkdir(parents=True, exist_ok=True)
