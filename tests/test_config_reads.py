@@ -25,8 +25,10 @@ NOT_OUR_CONFIG = {
     ("tools/results_table.py", "seed"): "a table row, and a run folder's config.yaml read raw "
                                         "(folders of older versions)",
 }
-# Files that read other projects' configs (OpenCOOD's yaml), whose defaults are OpenCOOD's.
-PEER_CONFIG_READERS = {"opencood/interop/opencood_config.py"}
+# Files that read other projects' configs (OpenCOOD's, HEAL's, V2V4Real's yaml), whose defaults
+# are theirs.
+PEER_CONFIG_READERS = {"opencood/interop/opencood_config.py", "opencood/interop/heal.py",
+                       "opencood/interop/v2v4real.py"}
 
 
 def schema_keys() -> set:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import copy
 from typing import List, Tuple
 
-from opencood.interop.heal import DATASETS, _get
+from opencood.interop.heal import _get, set_direction_head, set_own_frame_dataset
 from opencood.interop.opencood_ckpt import RULES, InteropError, Rule
 from opencood.interop.opencood_config import translate_config
 
@@ -71,19 +71,8 @@ def translate_coalign_config(data: dict, source: str) -> dict:
     dir_args = _get(data, "model.args.dir_args", source, None)
     args["use_dir"] = dir_args is not None
     if dir_args is not None:
-        bins = _get(data, "model.args.dir_args.num_bins", source)
-        if bins != 2:
-            raise InteropError(f"{source}: model.args.dir_args.num_bins is {bins!r}; our "
-                               "direction head has 2 bins")
-        cfg["loss"]["args"]["dir_offset"] = float(_get(data, "model.args.dir_args.dir_offset",
-                                                       source))
-    dataset = _get(data, "fusion.dataset", source, "opv2v")
-    if dataset not in DATASETS:
-        raise InteropError(f"{source}: fusion.dataset {dataset!r} has no reader here "
-                           f"({', '.join(DATASETS)})")
-    cfg["fusion"]["dataset"] = dataset
-    # CoAlign computes every agent's map in its own frame and warps it to the ego: so do we.
-    cfg["fusion"]["args"] = {"proj_first": False}
+        set_direction_head(cfg, data, source)
+    set_own_frame_dataset(cfg, data, source)
     return cfg
 
 

@@ -169,25 +169,36 @@ def as_opencood_hypes(data: dict, source: str) -> dict:
     return hypes
 
 
-def translate_heal_config(data: dict, source: str) -> dict:
-    """HEAL hypes -> our config (unresolved); raises InteropError naming the key."""
-    cfg = translate_config(as_opencood_hypes(data, source), source)
-    args = cfg["model"]["args"]
-    args["use_dir"] = True
-    args["fusion"]["stage"] = "backbone"            # after the shrinker, single scale
+def set_direction_head(cfg: dict, data: dict, source: str) -> None:
+    """The peer's ``model.args.dir_args`` (HEAL's and CoAlign's direction head) -> our 2-bin
+    head's loss offset; other bin counts are refused."""
     bins = _get(data, "model.args.dir_args.num_bins", source)
     if bins != 2:
         raise InteropError(f"{source}: model.args.dir_args.num_bins is {bins!r}; our direction "
                            "head has 2 bins")
     cfg["loss"]["args"]["dir_offset"] = float(_get(data, "model.args.dir_args.dir_offset",
                                                    source))
+
+
+def set_own_frame_dataset(cfg: dict, data: dict, source: str) -> None:
+    """The peer's ``fusion.dataset`` (a reader we have) and own-frame fusion: HEAL and CoAlign
+    compute every agent's map in its own frame and warp it to the ego, so do we."""
     dataset = _get(data, "fusion.dataset", source, "opv2v")
     if dataset not in DATASETS:
         raise InteropError(f"{source}: fusion.dataset {dataset!r} has no reader here "
                            f"({', '.join(DATASETS)})")
     cfg["fusion"]["dataset"] = dataset
-    # HEAL computes every agent's map in its own frame and warps it to the ego: so do we.
     cfg["fusion"]["args"] = {"proj_first": False}
+
+
+def translate_heal_config(data: dict, source: str) -> dict:
+    """HEAL hypes -> our config (unresolved); raises InteropError naming the key."""
+    cfg = translate_config(as_opencood_hypes(data, source), source)
+    args = cfg["model"]["args"]
+    args["use_dir"] = True
+    args["fusion"]["stage"] = "backbone"            # after the shrinker, single scale
+    set_direction_head(cfg, data, source)
+    set_own_frame_dataset(cfg, data, source)
     lidar_range = cfg["preprocess"]["cav_lidar_range"]
     gt_range = [float(v) for v in _get(data, "postprocess.gt_range", source, lidar_range)]
     cfg["postprocess"]["gt_range"] = [max(a, b) for a, b in zip(gt_range[:3], lidar_range[:3])] \
