@@ -35,6 +35,17 @@ def targets_with_one_positive(anchor=5, batch=1):
             "reg_weights": (labels == 1).float()}
 
 
+@pytest.mark.parametrize("alpha", [0.25, -1.0])
+def test_our_focal_loss_is_torchvisions(alpha):
+    from opencood.losses.detection_loss import sigmoid_focal_loss as ours
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 50, generator=gen) * 4
+    targets = (torch.rand(3, 50, generator=gen) > 0.7).float()
+    torch.testing.assert_close(ours(logits, targets, alpha=alpha, gamma=2.0),
+                               sigmoid_focal_loss(logits, targets, alpha=alpha, gamma=2.0,
+                                                  reduction="none"), rtol=0, atol=1e-7)
+
+
 def test_loss_terms_match_hand_computation_for_one_positive():
     loss_fn = DetectionLoss(PointPillarLossArgs(cls_weight=1.0, reg_weight=2.0, dir_weight=0.2))
     outputs = zero_outputs()

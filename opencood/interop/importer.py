@@ -122,7 +122,7 @@ def translate_run(peer_dir, checkpoint: Optional[str] = None,
     it cannot translate. ``provenance["notes"]``: differences the import cannot remove.
 
     (The translation only writes registered model, fusion, loss and post-processor names, so
-    ``engine.recipe.check_registered_names``, whose import pulls in torchvision, is not needed.)
+    ``engine.recipe.check_registered_names`` is not needed.)
     """
     if codebase not in CODEBASES:
         raise InteropError(f"codebase {codebase!r} unknown ({', '.join(CODEBASES)})")

@@ -18,13 +18,27 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torchvision.ops import sigmoid_focal_loss
 
 from opencood.config_schema import section
 from opencood.losses.uncertainty import UncertaintyLossArgs, uncertainty_loss_map
 from opencood.postprocess.layout import (BOX_CODE_SIZE, DIR_OFFSET, NUM_DIR_BINS, YAW_CODE,
                                          flatten_anchor_maps)
 from opencood.registry import LOSSES
+
+
+def sigmoid_focal_loss(logits: torch.Tensor, targets: torch.Tensor, alpha: float = 0.25,
+                       gamma: float = 2.0) -> torch.Tensor:
+    """Element-wise focal loss (Lin et al.) of logits against 0 / 1 targets, the same formula as
+    ``torchvision.ops.sigmoid_focal_loss(..., reduction="none")`` (``tests/test_loss_init_flops.py``
+    compares them): importing torchvision.ops pulls in torch._dynamo, seconds of start-up for
+    every tool that builds a loss. ``alpha < 0``: no class weighting."""
+    probability = torch.sigmoid(logits)
+    cross_entropy = F.binary_cross_entropy_with_logits(logits, targets, reduction="none")
+    p_t = probability * targets + (1 - probability) * (1 - targets)
+    loss = cross_entropy * ((1 - p_t) ** gamma)
+    if alpha >= 0:
+        loss = (alpha * targets + (1 - alpha) * (1 - targets)) * loss
+    return loss
 
 
 def flat_float(maps: torch.Tensor, values_per_anchor: int) -> torch.Tensor:
@@ -94,7 +108,7 @@ class DetectionLoss(nn.Module):
         cared = (labels >= 0).to(logits.dtype)
         positive = (labels == 1).to(logits.dtype)
         losses = sigmoid_focal_loss(logits, positive, alpha=self.focal_alpha,
-                                    gamma=self.focal_gamma, reduction="none")
+                                    gamma=self.focal_gamma)
         return losses * cared
 
     def focal_term(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
