@@ -151,14 +151,15 @@ def test_head_without_direction():
 
 REFERENCE_CONFIGS = sorted((Path(__file__).resolve().parents[1] / "hypes_yaml" / "opv2v" /
                             "reference").glob("point_pillar_*.yaml"))
-# References of other codebases than OpenCOOD (CoAlign's DiscoNet): checked by their parity test,
-# not exported to OpenCOOD.
-NOT_OPENCOOD = ("point_pillar_disconet",)
+# References of other codebases than OpenCOOD (CoAlign's DiscoNet and CoAlign's own network):
+# checked by their parity tests, not exported to OpenCOOD.
+NOT_OPENCOOD = ("point_pillar_coalign", "point_pillar_disconet")
 
 
 def test_reference_configs_cover_opencoods_models():
     assert [p.stem for p in REFERENCE_CONFIGS] == [
-        "point_pillar_attfuse", "point_pillar_cobevt", "point_pillar_disconet",
+        "point_pillar_attfuse", "point_pillar_coalign", "point_pillar_cobevt",
+        "point_pillar_disconet",
         "point_pillar_early_fusion", "point_pillar_fcooper",
         "point_pillar_late_fusion", "point_pillar_no_fusion", "point_pillar_v2vnet",
         "point_pillar_v2xvit", "point_pillar_where2comm"]
