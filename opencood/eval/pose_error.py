@@ -7,12 +7,11 @@ Poses are planar ``(x, y, yaw)`` in metres and radians (``opencood.ops.pose_grap
 """
 from __future__ import annotations
 
-import math
 from typing import Dict, List, Sequence, Tuple
 
 import torch
 
-from opencood.ops.pose_graph import to_local
+from opencood.ops.pose_graph import planar_of_transforms, to_local, wrap_angle
 
 
 def relative_poses(poses: torch.Tensor, record_len: Sequence[int]) -> torch.Tensor:
@@ -31,11 +30,16 @@ def relative_pose_errors(poses: torch.Tensor, true_poses: torch.Tensor,
                          record_len: Sequence[int]) -> Tuple[torch.Tensor, torch.Tensor]:
     """(N, 3) estimated and (N, 3) true world poses -> per non-ego agent the translation error
     (K,) in metres and the absolute yaw error (K,) in degrees of its pose relative to the ego."""
-    estimated = relative_poses(poses, record_len)
-    true = relative_poses(true_poses.to(poses), record_len)
+    return planar_errors(relative_poses(poses, record_len),
+                         relative_poses(true_poses.to(poses), record_len))
+
+
+def planar_errors(estimated: torch.Tensor, true: torch.Tensor
+                  ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(K, 3) estimated and true planar poses in one frame -> translation error (K,) in metres
+    and absolute yaw error (K,) in degrees (wrapped to at most 180)."""
     translation = (estimated[:, :2] - true[:, :2]).norm(dim=1)
-    yaw = torch.remainder(estimated[:, 2] - true[:, 2] + math.pi, 2 * math.pi) - math.pi
-    return translation, torch.rad2deg(yaw.abs())
+    return translation, torch.rad2deg(wrap_angle(estimated[:, 2] - true[:, 2]).abs())
 
 
 def summarise_pose_errors(translation_m: torch.Tensor, yaw_deg: torch.Tensor) -> Dict[str, float]:
@@ -51,14 +55,6 @@ def summarise_pose_errors(translation_m: torch.Tensor, yaw_deg: torch.Tensor) ->
             "pairs": len(translation_m)}
 
 
-def planar_of_transforms(transforms: torch.Tensor) -> torch.Tensor:
-    """(N, 4, 4) agent -> ego transforms -> (N, 3) each agent's planar pose in its ego's frame
-    (x, y in metres, yaw in radians)."""
-    matrices = transforms.double()
-    return torch.stack([matrices[:, 0, 3], matrices[:, 1, 3],
-                        torch.atan2(matrices[:, 1, 0], matrices[:, 0, 0])], dim=1)
-
-
 def transform_pose_errors(estimated: torch.Tensor, true: torch.Tensor,
                           record_len: Sequence[int]) -> Tuple[torch.Tensor, torch.Tensor]:
     """(N, 4, 4) estimated and true agent -> ego transforms, agents per sample (the ego first)
@@ -66,11 +62,8 @@ def transform_pose_errors(estimated: torch.Tensor, true: torch.Tensor,
     in degrees of its pose relative to the ego (the ego's own rows, identities, are skipped)."""
     non_ego = torch.ones(len(estimated), dtype=torch.bool)
     non_ego[torch.cumsum(torch.tensor([0] + [int(n) for n in record_len][:-1]), 0)] = False
-    estimated = planar_of_transforms(estimated.cpu())[non_ego]
-    true = planar_of_transforms(true.cpu())[non_ego]
-    translation = (estimated[:, :2] - true[:, :2]).norm(dim=1)
-    yaw = torch.remainder(estimated[:, 2] - true[:, 2] + math.pi, 2 * math.pi) - math.pi
-    return translation, torch.rad2deg(yaw.abs())
+    return planar_errors(planar_of_transforms(estimated.cpu())[non_ego],
+                         planar_of_transforms(true.cpu())[non_ego])
 
 
 class PoseErrorTally:

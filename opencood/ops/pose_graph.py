@@ -583,6 +583,14 @@ def planar_matrices(planar: torch.Tensor) -> torch.Tensor:
     return frames
 
 
+def planar_of_transforms(transforms: torch.Tensor) -> torch.Tensor:
+    """(N, 4, 4) frame -> world (or agent -> ego) transforms -> (N, 3) float64 planar poses
+    (x, y in metres, yaw in radians; z, roll and pitch dropped)."""
+    matrices = transforms.double()
+    return torch.stack([matrices[:, 0, 3], matrices[:, 1, 3],
+                        torch.atan2(matrices[:, 1, 0], matrices[:, 0, 0])], dim=1)
+
+
 def box_align_transforms_to_ego(transforms_to_ego: torch.Tensor,
                                 boxes_7dof: Sequence[torch.Tensor],
                                 log_vars: Optional[Sequence[torch.Tensor]],
@@ -594,8 +602,7 @@ def box_align_transforms_to_ego(transforms_to_ego: torch.Tensor,
     detections (N_a, 7). -> (N, 4, 4) the transforms with their planar part corrected (a
     correction D = P_new inv(P_old) applied on the ego side keeps z, roll and pitch)."""
     matrices = transforms_to_ego.double()
-    planar = torch.stack([matrices[:, 0, 3], matrices[:, 1, 3],
-                          torch.atan2(matrices[:, 1, 0], matrices[:, 0, 0])], dim=1)
+    planar = planar_of_transforms(matrices)
     planar_boxes = [boxes[:, [0, 1, 6]] for boxes in boxes_7dof]
     corrected = align_poses(planar_boxes, log_vars, planar, record_len, args).poses
     correction = planar_matrices(corrected) @ torch.linalg.inv(planar_matrices(planar))
