@@ -704,6 +704,8 @@ def test_pose_correction_sweep_records_ap_and_pose_error_with_and_without(runs, 
     assert noisy["pose_error"]["before"]["pairs"] == len(TIMESTAMPS) * (NUM_CAVS - 1)
     assert noisy["pose_error"]["before"]["median_translation_m"] > 0.1
     assert "after" not in noisy["pose_error"]                 # not corrected
+    assert "stage1_boxes" not in noisy["pose_error"]
+    assert noisy_aligned["pose_error"]["stage1_boxes"]["pairs"] > 0     # what bounds it
     assert noisy_aligned["pose_error"]["before"] == noisy["pose_error"]["before"]
     assert set(noisy_aligned["pose_error"]["after"]) == set(noisy["pose_error"]["before"])
     assert "pose_correction" not in _record_of(noisy)["settings"]
@@ -719,6 +721,7 @@ def test_pose_correction_sweep_records_ap_and_pose_error_with_and_without(runs, 
     printed = capsys.readouterr().out
     assert "pose error, reported poses: median" in printed
     assert "pose error, corrected poses: median" in printed
+    assert "stage-1 boxes of the ego and another agent, true poses: median" in printed
 
 
 def test_own_frame_intermediate_run_corrects_with_a_stage1_run(runs, tmp_path):
@@ -732,6 +735,7 @@ def test_own_frame_intermediate_run_corrects_with_a_stage1_run(runs, tmp_path):
     noisy, noisy_aligned = results[2:]
     assert noisy_aligned["pose_error"]["before"] == noisy["pose_error"]["before"]
     assert noisy_aligned["pose_error"]["after"]["pairs"] == noisy["pose_error"]["before"]["pairs"]
+    assert noisy_aligned["pose_error"]["stage1_boxes"]["pairs"] > 0
     assert _record_of(noisy_aligned)["settings"]["pose_correction"]["stage1"] == \
         "stage1_model_dir"
     with pytest.raises(SystemExit, match="proj_first"):

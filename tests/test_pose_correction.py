@@ -11,7 +11,7 @@ import opencood.eval.pose_correction as pose_correction
 from opencood.config import load_config, save_config
 from opencood.engine.evaluator import correction_modes
 from opencood.errors import ConfigError
-from opencood.eval.pose_error import PoseErrorTally, transform_pose_errors
+from opencood.eval.pose_error import PoseErrorTally, stage1_box_offsets, transform_pose_errors
 from opencood.postprocess import build_postprocessor
 
 CONFIGS = Path(__file__).resolve().parents[1] / "hypes_yaml" / "synthetic"
@@ -58,6 +58,35 @@ def test_tally_pools_ranks_and_reports_stages_it_saw():
     uncorrected.add([2], true, reported)
     assert set(uncorrected.summary()) == {"before"}
     assert PoseErrorTally().summary() == {}
+
+
+def box(x: float, y: float, yaw_deg: float) -> list:
+    """A 7-number box [x, y, z, h, w, l, yaw] at a planar pose."""
+    return [x, y, -1.0, 1.5, 1.6, 3.9, math.radians(yaw_deg)]
+
+
+def test_stage1_box_offsets_by_hand():
+    # Sample 0: the ego sees boxes at (10, 0) heading 0 and (20, 5) heading 10 deg; agent 1
+    # stands at (5, 0) turned 90 deg, so its own-frame (x, y) = (y_ego, 5 - x_ego): it sees the
+    # first 0.3 m off and back to front (+2 deg: 2 deg after folding the half turn), the second
+    # 0.4 m off with heading 13 deg, and a box 3 m from anything (no match). Sample 1: a lone
+    # ego (no pair) and an agent with no boxes.
+    boxes = [torch.tensor([box(10, 0, 0), box(20, 5, 10)]),
+             torch.tensor([box(0, -5.3, -90 + 182), box(5.4, -15, -90 + 13), box(-3, 0, 0)]),
+             torch.tensor([box(1, 1, 0)]), torch.zeros(0, 7)]
+    true = torch.stack([torch.eye(4, dtype=torch.float64), planar_transform(5, 0, 90),
+                        torch.eye(4, dtype=torch.float64), planar_transform(3, 3, 0)])
+    distance, heading = stage1_box_offsets(boxes, true, [2, 2])
+    torch.testing.assert_close(distance, torch.tensor([0.3, 0.4], dtype=torch.float64),
+                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(heading, torch.tensor([2.0, 3.0], dtype=torch.float64),
+                               atol=1e-4, rtol=0)
+    tally = PoseErrorTally()
+    tally.add_stage1_boxes([2, 2], true.float(), boxes)
+    summary = tally.summary()["stage1_boxes"]
+    assert summary["pairs"] == 2
+    assert summary["median_offset_m"] == pytest.approx(0.3, abs=1e-5)   # lower median
+    assert summary["median_heading_deg"] == pytest.approx(2.0, abs=1e-4)
 
 
 class Stage1Stub(torch.nn.Module):

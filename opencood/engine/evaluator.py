@@ -228,6 +228,12 @@ def format_pose_errors(pose_error: Dict) -> List[str]:
                          f"{stats['median_yaw_deg']:.2f} deg, mean "
                          f"{stats['mean_translation_m']:.3f} m {stats['mean_yaw_deg']:.2f} deg "
                          f"({stats['pairs']} agent pairs)")
+    boxes = pose_error.get("stage1_boxes")
+    if boxes:
+        lines.append(f"stage-1 boxes of the ego and another agent, true poses: median "
+                     f"{boxes['median_offset_m']:.3f} m {boxes['median_heading_deg']:.1f} deg "
+                     f"apart ({boxes['pairs']} matched pairs: the scatter that bounds the "
+                     f"correction)")
     return lines
 
 

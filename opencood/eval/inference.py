@@ -45,6 +45,9 @@ def tally_pose_errors(tally: PoseErrorTally, batch: Dict, inputs: Dict) -> None:
     record_len = batch["record_len"].tolist()
     pairs = correction_pairs(inputs)
     tally.add(record_len, batch["transforms_to_ego_clean"], *[t.cpu() for t in pairs])
+    if "stage1_boxes" in inputs:
+        tally.add_stage1_boxes(record_len, batch["transforms_to_ego_clean"],
+                               inputs["stage1_boxes"])
 
 
 @torch.no_grad()

@@ -19,7 +19,7 @@ replaced), so the evaluation can measure the pose error before and after.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -41,19 +41,27 @@ def stage1_boxes(postprocessor, outputs: Dict[str, torch.Tensor]):
 
 def aligned_transforms(postprocessor, outputs: Dict[str, torch.Tensor],
                        transforms_to_ego: torch.Tensor, record_len: Sequence[int],
-                       args: BoxAlignArgs) -> torch.Tensor:
+                       args: BoxAlignArgs) -> Tuple[torch.Tensor, List[torch.Tensor]]:
     """Stage-1 outputs of N agents (each in its own frame), their reported (N, 4, 4) agent ->
-    ego transforms and agents per sample -> the (N, 4, 4) corrected transforms."""
+    ego transforms and agents per sample -> (the (N, 4, 4) corrected transforms, per agent the
+    (K_a, 7) stage-1 boxes in its own frame the pose graph was built from)."""
     boxes, log_vars = stage1_boxes(postprocessor, outputs)
-    return box_align_transforms_to_ego(transforms_to_ego, boxes, log_vars,
-                                       [int(n) for n in record_len], args)
+    corrected = box_align_transforms_to_ego(transforms_to_ego, boxes, log_vars,
+                                            [int(n) for n in record_len], args)
+    return corrected, boxes
 
 
-def mark_corrected(inputs: Dict, corrected: torch.Tensor) -> Dict:
+def mark_corrected(inputs: Dict, corrected: torch.Tensor,
+                   boxes: Optional[List[torch.Tensor]] = None) -> Dict:
     """``inputs`` with ``transforms_to_ego`` replaced by ``corrected`` and the replaced ones kept
-    as ``transforms_to_ego_reported`` (the pose error before correction is measured on them)."""
-    return {**inputs, "transforms_to_ego_reported": inputs["transforms_to_ego"],
-            "transforms_to_ego": corrected}
+    as ``transforms_to_ego_reported`` (the pose error before correction is measured on them);
+    ``boxes`` (per agent (K_a, 7), own frame), the stage-1 boxes behind the correction, are
+    kept as ``stage1_boxes`` (the evaluation measures how well two agents' boxes agree)."""
+    marked = {**inputs, "transforms_to_ego_reported": inputs["transforms_to_ego"],
+              "transforms_to_ego": corrected}
+    if boxes is not None:
+        marked["stage1_boxes"] = boxes
+    return marked
 
 
 def box_align_args(cfg: Dict) -> BoxAlignArgs:
@@ -88,10 +96,10 @@ class PoseCorrector:
         num_agents = batch["transforms_to_ego"].shape[0]
         stage1_inputs["record_len"] = inputs["record_len"].new_ones(num_agents)  # each alone
         outputs = self.stage1_model(stage1_inputs)
-        corrected = aligned_transforms(self.preparer.postprocessor, outputs,
-                                       inputs["transforms_to_ego"],
-                                       inputs["record_len"].tolist(), self.args)
-        return mark_corrected(inputs, corrected)
+        corrected, boxes = aligned_transforms(self.preparer.postprocessor, outputs,
+                                              inputs["transforms_to_ego"],
+                                              inputs["record_len"].tolist(), self.args)
+        return mark_corrected(inputs, corrected, boxes)
 
 
 def check_stage1_config(stage1_cfg: Dict, stage1_dir: Path) -> None:

@@ -11,7 +11,11 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
-from opencood.ops.pose_graph import planar_of_transforms, to_local, wrap_angle
+from opencood.ops.pose_graph import planar_of_transforms, to_local, to_world, wrap_angle
+
+# Stage-1 boxes of the ego and another agent within this distance (m) of each other under the true
+# poses are the same object (the pose graph's default cluster radius).
+MATCH_RADIUS_M = 1.5
 
 
 def relative_poses(poses: torch.Tensor, record_len: Sequence[int]) -> torch.Tensor:
@@ -66,16 +70,55 @@ def transform_pose_errors(estimated: torch.Tensor, true: torch.Tensor,
                          planar_of_transforms(true.cpu())[non_ego])
 
 
+def stage1_box_offsets(boxes: Sequence[torch.Tensor], true_transforms: torch.Tensor,
+                       record_len: Sequence[int], radius: float = MATCH_RADIUS_M
+                       ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """How well two agents' stage-1 boxes agree once the poses are right: the floor of what the
+    pose graph can correct. Per agent (K_a, 7) own-frame boxes ``[x, y, z, *sizes, yaw]``, the
+    (N, 4, 4) true agent -> ego transforms, agents per sample -> for every non-ego box whose
+    nearest ego box (both in the ego frame through the true transforms) is within ``radius``:
+    the distance between the two centres (M,) in metres and their heading difference (M,) in
+    degrees, half turns folded (at most 90: the pose graph turns opposite headings)."""
+    frames = planar_of_transforms(true_transforms.cpu())
+    distances, headings = [], []
+    start = 0
+    for count in (int(n) for n in record_len):
+        ego = boxes[start][:, [0, 1, 6]].detach().cpu().double()
+        for agent in range(start + 1, start + count):
+            local = boxes[agent][:, [0, 1, 6]].detach().cpu().double()
+            if not len(local) or not len(ego):
+                continue
+            seen = to_world(local, frames[agent].expand(len(local), 3))
+            nearest, index = torch.cdist(seen[:, :2], ego[:, :2]).min(dim=1)
+            matched = nearest < radius
+            turn = wrap_angle(seen[matched, 2] - ego[index[matched], 2]).abs()
+            distances.append(nearest[matched])
+            headings.append(torch.rad2deg(torch.minimum(turn, torch.pi - turn)))
+        start += count
+    empty = torch.zeros(0, dtype=torch.float64)
+    return (torch.cat(distances) if distances else empty,
+            torch.cat(headings) if headings else empty)
+
+
+def summarise_box_offsets(distance_m: torch.Tensor, heading_deg: torch.Tensor) -> Dict[str, float]:
+    """Pooled :func:`stage1_box_offsets` -> their medians and the number of matched pairs."""
+    return {"median_offset_m": float(torch.median(distance_m)),
+            "median_heading_deg": float(torch.median(heading_deg)),
+            "pairs": len(distance_m)}
+
+
 class PoseErrorTally:
     """Relative pose errors of a split, before and (when a correction ran) after correction.
 
     ``add(record_len, true, reported, corrected=None)`` per batch; ``summary()`` ->
     ``{"before": summarise_pose_errors(...), "after": ...}``; ``state_dict`` /
-    ``merge`` carry a rank's tally to rank 0.
+    ``merge`` carry a rank's tally to rank 0. ``add_stage1_boxes`` adds how well the stage-1
+    boxes of two agents agree under the true poses (summary key ``stage1_boxes``).
     """
 
     def __init__(self):
-        self.errors: Dict[str, List[torch.Tensor]] = {"before": [], "after": []}
+        self.errors: Dict[str, List[torch.Tensor]] = {"before": [], "after": [],
+                                                      "stage1_boxes": []}
 
     def add(self, record_len: Sequence[int], true: torch.Tensor, reported: torch.Tensor,
             corrected: torch.Tensor | None = None) -> None:
@@ -83,6 +126,11 @@ class PoseErrorTally:
             if transforms is not None:
                 self.errors[stage].append(torch.stack(
                     transform_pose_errors(transforms, true, record_len), dim=1).float())
+
+    def add_stage1_boxes(self, record_len: Sequence[int], true: torch.Tensor,
+                         boxes: Sequence[torch.Tensor]) -> None:
+        self.errors["stage1_boxes"].append(torch.stack(
+            stage1_box_offsets(boxes, true, record_len), dim=1).float())
 
     def state_dict(self) -> Dict[str, torch.Tensor]:
         return {stage: torch.cat(rows) if rows else torch.zeros(0, 2)
@@ -95,6 +143,9 @@ class PoseErrorTally:
 
     def summary(self) -> Dict[str, Dict[str, float]]:
         """{stage: summarise_pose_errors(...)} for the stages with at least one agent pair ({}
-        when no sample had a second agent, or the batches carried no true transforms)."""
-        return {stage: summarise_pose_errors(rows[:, 0], rows[:, 1])
+        when no sample had a second agent, or the batches carried no true transforms), and
+        ``stage1_boxes``: summarise_box_offsets(...) where stage-1 boxes were matched."""
+        summarise = {"before": summarise_pose_errors, "after": summarise_pose_errors,
+                     "stage1_boxes": summarise_box_offsets}
+        return {stage: summarise[stage](rows[:, 0], rows[:, 1])
                 for stage, rows in self.state_dict().items() if len(rows)}

@@ -29,8 +29,9 @@ class LateFusionBoxAlign(LateFusion):
         the corrected transforms (late fusion's merge otherwise). The corrected transforms are
         recorded in ``inputs`` (``mark_corrected``): the evaluation measures the pose error
         before and after from them."""
-        corrected = aligned_transforms(postprocessor, outputs, inputs["transforms_to_ego"],
-                                       inputs["record_len"].tolist(), self.box_align_args)
-        inputs.update(mark_corrected(inputs, corrected))
+        corrected, boxes = aligned_transforms(postprocessor, outputs,
+                                              inputs["transforms_to_ego"],
+                                              inputs["record_len"].tolist(), self.box_align_args)
+        inputs.update(mark_corrected(inputs, corrected, boxes))
         return postprocessor.merge_late(postprocessor.decode(outputs), inputs["record_len"],
                                         corrected)
