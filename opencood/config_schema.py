@@ -349,6 +349,14 @@ class BoxAlignArgs:
     # A box is the same box turned by pi: a clustered box whose heading is opposite its seed's
     # is turned before the yaw check and its edge (False: the authors', headings as detected)
     half_turn_symmetric: bool = True
+    # The authors' other switches, their defaults (``opencood.ops.pose_graph``): SE(2) landmarks
+    # (False: x / y points, edges without yaw), point landmarks only for yaw-disagreeing
+    # clusters (their information doubled), sqrt of the information, no edge for a box whose
+    # information sums below 100
+    landmark_SE2: bool = True
+    adaptive_landmark: bool = False
+    normalize_uncertainty: bool = False
+    drop_unsure_edge: bool = False
 
 
 @section

@@ -212,3 +212,14 @@ def test_clean_and_latency_settings_switch_training_noise_off():
     assert wild["latency2"]["latency_frames"] == 2
     assert wild["noise0.6_seed1"]["loc_err"] and wild["noise0.6_seed1"]["xyz_std"] == 0.6
     assert wild["noise0.6_seed0"]["seed"] != wild["noise0.6_seed1"]["seed"]
+
+
+def test_the_authors_box_align_args_load_as_written():
+    # CoAlign's opv2v pointpillar_coalign.yaml box_align.args, every key theirs.
+    theirs = ("{use_uncertainty: true, landmark_SE2: true, adaptive_landmark: false, "
+              "normalize_uncertainty: false, abandon_hard_cases: true, drop_hard_boxes: true}")
+    cfg = load_config(CONFIGS / "point_pillar_uncertainty.yaml", [f"box_align={{args: {theirs}}}"])
+    assert pose_correction.box_align_args(cfg) == pose_correction.BoxAlignArgs()
+    with pytest.raises(ConfigError, match="box_align.args.landmark_se2"):
+        load_config(CONFIGS / "point_pillar_uncertainty.yaml",
+                    ["box_align={args: {landmark_se2: false}}"])

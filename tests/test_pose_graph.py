@@ -240,3 +240,85 @@ def test_box_align_corrects_transforms_to_ego_and_keeps_height():
     corrected = pg.box_align_transforms_to_ego(transforms(noisy), boxes_7dof, None, [3])
     assert corrected.dtype == torch.float32
     torch.testing.assert_close(corrected, transforms(true), atol=1e-4, rtol=0)
+
+
+# -- the authors' other switches ----------------------------------------------------------------
+
+def dense_point_landmarks(graph: pg.SampleGraph, iterations=30):
+    """The reference for ``landmark_SE2: false``: g2o's EdgeSE2PointXY written out, R_a' (l - t_a)
+    - z with (x, y) landmarks and a 2-row residual per edge, central differences and full
+    Gauss-Newton steps."""
+    num_free = len(graph.agents) - 1
+
+    def residuals(params):
+        agents = torch.cat([graph.agents[:1], params[:3 * num_free].view(-1, 3)])
+        points = params[3 * num_free:].view(-1, 2)
+        rows = []
+        for a, k, z, info in zip(graph.edge_agent, graph.edge_landmark, graph.measurement,
+                                 graph.information):
+            c, s = torch.cos(agents[a, 2]), torch.sin(agents[a, 2])
+            dx, dy = points[k] - agents[a, :2]
+            seen = torch.stack([c * dx + s * dy, -s * dx + c * dy])
+            rows.append(info[:2].sqrt() * (seen - z[:2]))
+        return torch.cat(rows)
+
+    params = torch.cat([graph.agents[1:].flatten(), graph.landmarks[:, :2].flatten()])
+    for _ in range(iterations):
+        step = 1e-6
+        jacobian = torch.stack([(residuals(params + step * e) - residuals(params - step * e))
+                                / (2 * step) for e in torch.eye(len(params), dtype=F64)], dim=1)
+        params = params - torch.linalg.lstsq(jacobian, residuals(params)[:, None]).solution[:, 0]
+    return params[:3 * num_free].view(-1, 3)
+
+
+def test_point_landmarks_equal_the_point_edge_reference_and_ignore_headings():
+    true, noisy, boxes = make_scene(num_agents=3, num_objects=5, pose_noise=0.8, box_noise=0.05)
+    args = BoxAlignArgs(min_landmarks=0, landmark_SE2=False)
+    graph = pg.build_sample_graph(boxes, None, noisy, args)
+    assert (graph.information[:, 2] == 0).all() and (graph.measurement[:, 2] == 0).all()
+    graph.information[:, :2] = torch.rand(len(graph.information), 2, dtype=F64,
+                                          generator=torch.Generator().manual_seed(3)) * 4 + 0.5
+    solved = pg.levenberg_marquardt(pg.stack_graphs([graph]))
+    torch.testing.assert_close(solved.agents[0, 1:], dense_point_landmarks(graph),
+                               atol=1e-7, rtol=0)
+    # Exact centres, 7 of 12 headings wrong by a right angle, every cluster kept: point
+    # landmarks recover the true poses, SE(2) landmarks are pulled by the wrong headings.
+    true, noisy, boxes = make_scene(pose_noise=0.5)
+    wrong = flip_yaws(boxes, [0, 1, 2, 3, 4, 5, 6])
+    keep_all = dict(abandon_hard_cases=False, drop_hard_boxes=False)
+    points = align_poses(wrong, None, noisy, [4], BoxAlignArgs(landmark_SE2=False, **keep_all))
+    torch.testing.assert_close(points.poses, true, atol=1e-6, rtol=0)
+    se2 = align_poses(wrong, None, noisy, [4], BoxAlignArgs(**keep_all))
+    assert (se2.poses - true).abs().max() > 1e-2
+
+
+def test_adaptive_landmarks_make_yaw_disagreeing_clusters_points_of_double_weight():
+    _, noisy, boxes = make_scene(num_agents=3, num_objects=8, pose_noise=0.5)
+    flipped = flip_yaws(boxes, [0, 1])
+    args = BoxAlignArgs(adaptive_landmark=True, drop_hard_boxes=False)
+    graph = pg.build_sample_graph(flipped, None, noisy, args)
+    point = graph.information[:, 2] == 0
+    assert graph.num_dropped == 0 and int(point.sum()) == 2 * 3     # 2 objects x 3 agents
+    torch.testing.assert_close(graph.information[point, :2], torch.full((6, 2), 2.0, dtype=F64))
+    assert (graph.information[~point] == 1).all()
+    # Without adaptive landmarks the same clusters keep their (wrong) yaw edges.
+    assert (pg.build_sample_graph(flipped, None, noisy, BoxAlignArgs(drop_hard_boxes=False))
+            .information[:, 2] > 0).all()
+
+
+def test_normalised_and_unsure_information_with_the_uncertainty_head():
+    _, noisy, boxes = make_scene(num_agents=2, num_objects=6, pose_noise=0.5)
+    log_vars = [torch.full((6, 3), -4.0, dtype=F64), torch.full((6, 3), -4.0, dtype=F64)]
+    log_vars[1][0] = 2.0            # one box: information sum far below 100
+    plain = pg.build_sample_graph(boxes, log_vars, noisy, BoxAlignArgs())
+    sqrt = pg.build_sample_graph(boxes, log_vars, noisy, BoxAlignArgs(normalize_uncertainty=True))
+    torch.testing.assert_close(sqrt.information, plain.information.sqrt())
+    unsure = pg.build_sample_graph(boxes, log_vars, noisy, BoxAlignArgs(drop_unsure_edge=True))
+    # information of a sure box: e^4 (1 + 2 / 17.77) = 60.7 < 100 as well, so e^4 -> e^5
+    assert len(unsure.edge_agent) == len(plain.edge_agent) - 12      # every box under 100
+    log_vars = [v - 1.0 for v in log_vars]
+    unsure = pg.build_sample_graph(boxes, log_vars, noisy, BoxAlignArgs(drop_unsure_edge=True))
+    assert len(unsure.edge_agent) == len(plain.edge_agent) - 1
+    # Without the uncertainty head the authors never drop (their information is the identity).
+    no_head = pg.build_sample_graph(boxes, None, noisy, BoxAlignArgs(drop_unsure_edge=True))
+    assert len(no_head.edge_agent) == len(plain.edge_agent)

@@ -12,7 +12,15 @@ What the authors do (CoAlign, ``opencood/models/sub_modules/box_align_v2.py`` wi
 * hard cases keep the input poses: 3 or fewer landmarks, or half or more clusters whose yaws
   disagree (variance over ``yaw_var_thres``); the other disagreeing clusters get no edges;
 * Levenberg-Marquardt as g2o's ``OptimizationAlgorithmLevenberg`` with a dense solver
-  (:func:`levenberg_marquardt`), batched over samples.
+  (:func:`levenberg_marquardt`), batched over samples;
+* the authors' other switches (``box_align.args``, their defaults off but the first):
+  ``landmark_SE2`` false makes every landmark an (x, y) point whose edges are g2o's
+  ``EdgeSE2PointXY`` (the landmark seen from the agent minus the box centre, in the agent's
+  frame; here an SE(2) edge with a zero-yaw measurement and no yaw information, which is the
+  same error, and a landmark yaw that nothing moves); ``adaptive_landmark`` does so only for
+  clusters whose yaws disagree and doubles their boxes' information; ``normalize_uncertainty``
+  takes the square root of the information; ``drop_unsure_edge`` adds no edge for a box whose
+  information sums below 100 (with the uncertainty head only, as theirs).
 
 Deliberate differences, each because the authors' behaviour is an accident of their code:
 * distances are in BEV (x, y), the authors use 3-D centres; yaw variance is taken on the yaws
@@ -165,6 +173,8 @@ def build_sample_graph(boxes: Sequence[torch.Tensor], log_vars: Optional[Sequenc
     log_var = (torch.cat([v.detach().cpu().reshape(-1, 3) for v in log_vars])
                if use_log_vars else None)
     information = box_information(log_var, len(local))
+    if use_log_vars and args.normalize_uncertainty:
+        information = information.sqrt()
     world = to_world(local, poses[agent_of_box])
 
     clusters = cluster_boxes(world[:, :2], agent_of_box, args.cluster_radius)
@@ -172,15 +182,37 @@ def build_sample_graph(boxes: Sequence[torch.Tensor], log_vars: Optional[Sequenc
         local, world = turn_opposite_headings(local, world, clusters)
     disagree = (cluster_yaw_variances(world[:, 2], clusters) > args.yaw_var_thres).tolist()
     status = hard_case_status(len(poses), len(clusters), sum(disagree), args)
-    kept = [c for c, bad in zip(clusters, disagree) if not (bad and args.drop_hard_boxes)]
+    point = [not args.landmark_SE2 or (args.adaptive_landmark and bad) for bad in disagree]
+    if args.landmark_SE2 and args.adaptive_landmark:
+        information = doubled_for(information, [c for c, bad in zip(clusters, disagree) if bad])
+    kept = [(c, is_point) for c, bad, is_point in zip(clusters, disagree, point)
+            if not (bad and args.drop_hard_boxes)]
 
-    edge_box = torch.tensor([box for c in kept for box in c], dtype=torch.long)
-    edge_landmark = torch.tensor([k for k, c in enumerate(kept) for _ in c], dtype=torch.long)
-    return SampleGraph(agents=poses, landmarks=world[[c[0] for c in kept]].reshape(-1, 3),
+    edges = [(box, k, is_point) for k, (c, is_point) in enumerate(kept) for box in c
+             if not (use_log_vars and args.drop_unsure_edge and information[box].sum() < 100)]
+    edge_box = torch.tensor([box for box, _, _ in edges], dtype=torch.long)
+    edge_landmark = torch.tensor([k for _, k, _ in edges], dtype=torch.long)
+    measurement, edge_information = local[edge_box], information[edge_box]
+    # A point landmark's edge (g2o's EdgeSE2PointXY): no measured yaw, no yaw information.
+    point_edge = torch.tensor([is_point for _, _, is_point in edges], dtype=torch.bool)
+    measurement[point_edge, 2] = 0.0
+    edge_information[point_edge, 2] = 0.0
+    return SampleGraph(agents=poses, landmarks=world[[c[0] for c, _ in kept]].reshape(-1, 3),
                        edge_agent=agent_of_box[edge_box], edge_landmark=edge_landmark,
-                       measurement=local[edge_box], information=information[edge_box],
+                       measurement=measurement, information=edge_information,
                        status=status, num_landmarks=len(clusters),
                        num_dropped=len(clusters) - len(kept))
+
+
+def doubled_for(information: torch.Tensor, clusters: List[List[int]]) -> torch.Tensor:
+    """(M, 3) box information with the boxes of ``clusters`` doubled (the authors' adaptive
+    landmarks: a yaw-disagreeing cluster's boxes count twice as an (x, y) point)."""
+    members = [box for c in clusters for box in c]
+    if not members:
+        return information
+    doubled = information.clone()
+    doubled[members] *= 2
+    return doubled
 
 
 def turn_opposite_headings(local: torch.Tensor, world: torch.Tensor, clusters: List[List[int]]):
