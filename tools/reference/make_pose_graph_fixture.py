@@ -27,6 +27,7 @@ clustering distance is then our BEV one), no yaw straddling +-pi inside a cluste
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 import types
@@ -41,9 +42,7 @@ def import_box_align(source: Path):
     """CoAlign's ``box_alignment_relative_sample_np`` from a checkout of its sources (its
     debug-print import ``icecream`` stubbed where missing)."""
     sys.path.insert(0, str(source.resolve()))
-    try:
-        import icecream  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("icecream") is None:
         sys.modules["icecream"] = types.ModuleType("icecream")
         sys.modules["icecream"].ic = print
     import opencood
