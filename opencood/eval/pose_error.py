@@ -11,11 +11,12 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
-from opencood.ops.pose_graph import planar_of_transforms, to_local, to_world, wrap_angle
+from opencood.ops.pose_graph import (BoxAlignArgs, planar_of_transforms, to_local, to_world,
+                                     wrap_angle)
 
 # Stage-1 boxes of the ego and another agent within this distance (m) of each other under the true
-# poses are the same object (the pose graph's default cluster radius).
-MATCH_RADIUS_M = 1.5
+# poses are the same object: the pose graph's default cluster radius.
+MATCH_RADIUS_M = BoxAlignArgs().cluster_radius
 
 
 def relative_poses(poses: torch.Tensor, record_len: Sequence[int]) -> torch.Tensor:

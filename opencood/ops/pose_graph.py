@@ -188,8 +188,10 @@ def build_sample_graph(boxes: Sequence[torch.Tensor], log_vars: Optional[Sequenc
     kept = [(c, is_point) for c, bad, is_point in zip(clusters, disagree, point)
             if not (bad and args.drop_hard_boxes)]
 
+    unsure = ((information.sum(dim=1) < 100) if use_log_vars and args.drop_unsure_edge
+              else torch.zeros(len(information), dtype=torch.bool)).tolist()
     edges = [(box, k, is_point) for k, (c, is_point) in enumerate(kept) for box in c
-             if not (use_log_vars and args.drop_unsure_edge and information[box].sum() < 100)]
+             if not unsure[box]]
     edge_box = torch.tensor([box for box, _, _ in edges], dtype=torch.long)
     edge_landmark = torch.tensor([k for _, k, _ in edges], dtype=torch.long)
     measurement, edge_information = local[edge_box], information[edge_box]
