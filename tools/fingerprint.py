@@ -1,0 +1,218 @@
+"""Fingerprints of every yaml: what a refactor must leave bit-identical.
+
+For each config: the model built from the config's seed (its real initialisation), one training
+step's loss terms and every gradient on a fixed fake batch (``opencood.utils.fake_batch``), the
+eval-mode head outputs, the decoded + NMS'd boxes (scores shifted up so decoding and NMS have
+work to do on an untrained model) and their AP against the batch's GT; and, with ``--data``, the
+first batches of the config's dataset read from a synthetic folder of its format (train and test
+mode, collated). Each tensor is reduced to a sha256 of its bytes, so two fingerprints compare
+exactly (``--compare``), naming the first keys that differ.
+
+    python tools/fingerprint.py --out before.json [--data /tmp/fp_data] [--configs GLOB ...]
+    python tools/fingerprint.py --out after.json  [--data /tmp/fp_data]
+    python tools/fingerprint.py --compare before.json after.json
+
+Run from the repository root with ``PYTHONPATH=.``. CPU, float32, deterministic; the 256-channel
+``opv2v`` configs take a few seconds each (fewer pillars than a real frame: the fingerprint is of
+the code path, not of the data's size).
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+# Configs that are inherited pieces, not runnable models.
+SKIP_NAMES = {"base.yaml"}
+SCORE_SHIFT = 4.0     # added to the class logits before decoding: boxes for NMS and AP
+
+
+def tensor_hash(value) -> str:
+    """sha256 of a tensor's (or array's) dtype, shape and bytes."""
+    array = value.detach().cpu().contiguous().numpy() if torch.is_tensor(value) else np.asarray(value)
+    digest = hashlib.sha256(f"{array.dtype}{array.shape}".encode())
+    digest.update(np.ascontiguousarray(array).tobytes())
+    return digest.hexdigest()[:16]
+
+
+def hash_tree(prefix: str, value, out: Dict[str, str]) -> None:
+    """Every tensor / array / number of a nested batch or output -> ``out[prefix.key]``."""
+    if isinstance(value, dict):
+        for key in sorted(value):
+            hash_tree(f"{prefix}.{key}", value[key], out)
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            hash_tree(f"{prefix}.{index}", item, out)
+    elif torch.is_tensor(value) or isinstance(value, np.ndarray):
+        out[prefix] = tensor_hash(value)
+    elif value is None or isinstance(value, (bool, int, float, str)):
+        out[prefix] = repr(value)
+    else:
+        out[prefix] = type(value).__name__
+
+
+def config_paths(patterns: List[str]) -> List[Path]:
+    paths = []
+    for pattern in patterns:
+        paths += [Path(p) for p in sorted(glob.glob(str(ROOT / pattern), recursive=True))]
+    return [p for p in paths if p.name not in SKIP_NAMES]
+
+
+def build_model(cfg: Dict):
+    from opencood.engine.recipe import prepare_model
+    from opencood.utils.dist import DistInfo
+    torch.manual_seed(int(cfg["seed"]))
+    info = DistInfo(0, 1, 0, False, None, torch.device("cpu"))
+    _, model, _ = prepare_model(cfg, info, None, None)
+    return model
+
+
+def fake_batch(cfg: Dict, model) -> Dict:
+    from opencood.strategies import fuses_agents
+    from opencood.utils.fake_batch import fake_collated_batch
+    return fake_collated_batch(cfg, batch_size=2, agents_per_sample=3, pillars_per_agent=1500,
+                               points_per_pillar=4, max_gt=12,
+                               single_agent=not fuses_agents(model), seed=0)
+
+
+class ShiftedScores(torch.nn.Module):
+    """The model with its class logits raised by SCORE_SHIFT (so an untrained model's boxes pass
+    the score threshold)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch):
+        outputs = dict(self.model(batch))
+        outputs["cls_preds"] = outputs["cls_preds"] + SCORE_SHIFT
+        return outputs
+
+
+def model_fingerprint(cfg: Dict) -> Dict[str, str]:
+    from opencood.engine.task import DetectionTask
+    from opencood.eval.ap import APAccumulator
+    from opencood.eval.inference import detect
+    from opencood.strategies import get_strategy
+    out: Dict[str, str] = {}
+    device = torch.device("cpu")
+    model = build_model(cfg)
+    hash_tree("init", {name: p for name, p in model.state_dict().items()}, out)
+    task = DetectionTask.from_config(cfg, device)
+    batch = fake_batch(cfg, model)
+    model.train()
+    torch.manual_seed(1)
+    loss, terms, _ = task.training_loss(model, batch)
+    loss.backward()
+    hash_tree("loss", {"loss": loss, **{k: torch.as_tensor(v) for k, v in terms.items()}}, out)
+    hash_tree("grad", {name: p.grad for name, p in model.named_parameters()
+                       if p.grad is not None}, out)
+    hash_tree("buffers_after_step", dict(model.named_buffers()), out)
+    model.eval()
+    strategy = get_strategy(cfg["fusion"]["core_method"]).configure(cfg)
+    with torch.no_grad():
+        inputs, _ = task.eval_preparer(batch, with_targets=False)
+        hash_tree("eval_outputs", model(strategy.model_inputs(inputs)), out)
+        results, _ = detect(ShiftedScores(model), batch, task.eval_preparer, strategy)
+    accumulator = APAccumulator(order=task.eval_preparer.postprocessor.order)
+    for row, (boxes, scores, sent) in enumerate(results):
+        hash_tree(f"detections.{row}", {"boxes": boxes, "scores": scores,
+                                        "sent": torch.as_tensor(sent)}, out)
+        accumulator.add_frame(boxes, scores, batch["gt_boxes"][row][batch["gt_mask"][row]],
+                              sample_key=tuple(batch["sample_keys"][row]))
+    out["ap"] = json.dumps(accumulator.compute(), sort_keys=True, default=str)
+    return out
+
+
+def data_folder(data_root: Path, data_format: str) -> Path:
+    """A tiny synthetic data set of ``data_format`` under ``data_root`` (written once)."""
+    folder = data_root / data_format
+    if not (folder / "generation.yaml").exists() and not any(folder.glob("*/generation.yaml")):
+        subprocess.run([sys.executable, str(ROOT / "tools/generate_synthetic.py"), "--out",
+                        str(folder), "--preset", "tiny", "--format", data_format, "--seed", "0",
+                        "--frames", "3", "--scenarios", "1", "1", "1", "--quiet"], check=True)
+    return folder
+
+
+def data_fingerprint(cfg: Dict, folder: Path) -> Dict[str, str]:
+    from opencood.data.collate import collate_samples
+    from opencood.data.datasets import build_dataset
+    out: Dict[str, str] = {}
+    cfg = json.loads(json.dumps(cfg))
+    for key, split in (("root_dir", "train"), ("validate_dir", "validate"), ("test_dir", "test")):
+        cfg[key] = str(folder / split)
+    for split, train in (("train", True), ("test", False)):
+        dataset = build_dataset(cfg, split, train=train, cache_dir=folder / ".cache")
+        count = min(len(dataset), 3)
+        batch = collate_samples([dataset[index] for index in range(count)])
+        hash_tree(f"data_{split}", batch, out)
+    return out
+
+
+def fingerprint(paths: List[Path], data_root: Path | None) -> Dict[str, Dict[str, str]]:
+    from opencood.config import load_config
+    results = {}
+    for path in paths:
+        name = str(path.relative_to(ROOT))
+        cfg = load_config(str(path))
+        try:
+            record = model_fingerprint(cfg)
+            if data_root is not None:
+                record.update(data_fingerprint(cfg, data_folder(data_root,
+                                                                cfg["fusion"]["dataset"])))
+        except Exception as error:           # a config that cannot run is part of the print
+            record = {"error": f"{type(error).__name__}: {error}"}
+        results[name] = record
+        print(f"{name}: {len(record)} entries", flush=True)
+    return results
+
+
+def compare(before: Dict, after: Dict) -> int:
+    differing = 0
+    for name in sorted(set(before) | set(after)):
+        old, new = before.get(name), after.get(name)
+        if old is None or new is None:
+            print(f"{name}: only in {'after' if old is None else 'before'}")
+            differing += 1
+            continue
+        keys = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+        if keys:
+            differing += 1
+            print(f"{name}: {len(keys)} of {len(old)} entries differ, first: {keys[:5]}")
+    total = len(set(before) | set(after))
+    print(f"{total - differing} of {total} configs identical")
+    return 1 if differing else 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="write the fingerprints here (json)")
+    parser.add_argument("--configs", nargs="+", default=["hypes_yaml/**/*.yaml"],
+                        help="glob patterns relative to the repository root")
+    parser.add_argument("--data", type=Path, help="also fingerprint the datasets' batches "
+                        "(tiny synthetic folders are written here once per format)")
+    parser.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"))
+    args = parser.parse_args(argv)
+    if args.compare:
+        before, after = (json.loads(Path(p).read_text()) for p in args.compare)
+        return compare(before, after)
+    if not args.out:
+        parser.error("--out is required unless --compare")
+    torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(1)          # reductions in one order: bit-stable across machines loads
+    results = fingerprint(config_paths(args.configs), args.data)
+    Path(args.out).write_text(json.dumps(results, indent=1, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
