@@ -10,7 +10,9 @@ GT as their readers made it before the datasets read frames by key, object by ob
 
 ``tests/test_pipeline_equivalence.py`` compares the datasets with it and ``tools/bench.py``
 (``loader_cpu_ms``) times both in one run; it loads this file by path, so it imports nothing from
-the tests. The helpers imported from opencood below were not changed by issue 28.
+the tests. The helpers imported from opencood below were not changed by issue 28; the constants
+the readers define are stated here, not imported, so that a change of one in the code under test
+shows as a difference instead of moving the reference with it (issue 39).
 """
 from __future__ import annotations
 
@@ -18,16 +20,27 @@ from typing import Dict, List
 
 import numpy as np
 
-from opencood.data.datasets import INFRASTRUCTURE, VEHICLE, ego_points_per_box
-from opencood.data.opv2v import OWN_BODY_X, OWN_BODY_Y, is_infrastructure
-from opencood.data.v2v4real import (GT_MIN_CORNERS, SKIPPED_TYPES, object_corners, object_id,
-                                     union_by_id)
+from opencood.data.datasets import ego_points_per_box
+from opencood.data.opv2v import is_infrastructure
+from opencood.data.v2v4real import object_corners, union_by_id
 from opencood.data.wild import delayed_timestamp, noisy_pose
 from opencood.ops.transforms import (boxes_to_corners_3d, corners_in_range_mask, corners_to_boxes,
                                      extent_corners, limit_period, pose_to_matrix,
                                      relative_transform)
 
 AUGMENT_STREAM, NOISE_STREAM = 1, 2
+
+# The readers' rules, from the reference codebases (not imported from the code under test):
+OWN_BODY_X, OWN_BODY_Y = (-1.95, 2.95), (-1.1, 1.1)   # OpenCOOD: the ego's own body, dropped
+VEHICLE, INFRASTRUCTURE = 0, 1                        # V2X-ViT's agent "infra" flag
+V2V4REAL_MIN_CORNERS = 2          # V2V4Real: mask_boxes_outside_range_numpy's default
+V2V4REAL_SKIPPED_TYPES = ("Pedestrian",)              # V2V4Real: one vehicle class
+V2V4REAL_ID_STRIDE = 100          # V2V4Real: an object without ass_id is key + 100 * cav_id
+
+
+def object_id(key: int, vehicle: dict, cav_id: str) -> int:
+    ass_id = int(vehicle.get("ass_id", -1))
+    return ass_id if ass_id != -1 else int(key) + V2V4REAL_ID_STRIDE * int(cav_id)
 
 
 def reference_sample(dataset, index: int) -> Dict:
@@ -154,14 +167,15 @@ def _cav_boxes(split, agent: Dict, gt_range, order: str):
 
 def own_frame_boxes(vehicles: dict, cav_id: str, cav_to_target: np.ndarray, limit_range,
                     order: str):
-    keys = [key for key in sorted(vehicles) if vehicles[key].get("obj_type") not in SKIPPED_TYPES]
+    keys = [key for key in sorted(vehicles)
+            if vehicles[key].get("obj_type") not in V2V4REAL_SKIPPED_TYPES]
     if not keys:
         return np.zeros(0, dtype=np.int64), np.zeros((0, 7), dtype=np.float64)
     corners = np.stack([object_corners(vehicles[key]) for key in keys])
     corners = corners @ cav_to_target[:3, :3].T + cav_to_target[:3, 3]
     boxes = corners_to_boxes(corners, order)
     keep = corners_in_range_mask(boxes_to_corners_3d(boxes, order), limit_range,
-                                 min_corners=GT_MIN_CORNERS)
+                                 min_corners=V2V4REAL_MIN_CORNERS)
     ids = np.asarray([object_id(key, vehicles[key], cav_id) for key in keys], dtype=np.int64)
     return ids[keep], boxes[keep]
 

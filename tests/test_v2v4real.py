@@ -137,13 +137,18 @@ def test_own_frame_boxes_reach_the_ego_as_computed_by_hand(hand_tree):
                                atol=1e-9)
 
 
-def test_a_box_with_two_corners_in_range_is_kept_one_with_none_is_not(hand_tree):
-    # Box 103 spans x 2..6 (length 4 along ego x at yaw 0): a range ending at x = 2.5 holds 4
-    # of its corners (kept, as the reference keeps >= 2); box 77 (the ego's x -1.5..0.5,
-    # CAV 1's x -1..1) is outside.
-    gt_range = [1.5, -20.0, -5.0, 2.5, 20.0, 5.0]
+@pytest.mark.parametrize("gt_range, kept", [
+    ([1.5, -20.0, -5.0, 2.5, 20.0, 5.0], [103]),     # 4 corners in range
+    ([1.5, -20.0, -5.0, 2.5, 20.0, 1.0], [103]),     # exactly 2: the bottom ones at x = 2
+    ([1.5, -13.0, -5.0, 2.5, 20.0, 1.0], []),        # 1: only (2, -12, 0.05)
+])
+def test_a_box_with_two_corners_in_range_is_kept_one_with_one_is_not(hand_tree, gt_range, kept):
+    # Box 103 spans x 2..6, y -14..-12, z 0.05..1.55 (length 4 along ego x at yaw 0). A range
+    # ending at x = 2.5 holds its 4 corners at x = 2; a top at z = 1 leaves the 2 bottom ones
+    # (kept: the reference's mask_boxes_outside_range_numpy keeps >= 2 corners); a y from -13
+    # leaves 1 (dropped). Box 77 (the ego's x -1.5..0.5, CAV 1's x -1..1) is outside.
     sample = V2V4RealSplit(hand_tree).load_sample(0, gt_range=gt_range)
-    assert sample["gt_ids"].tolist() == [103]
+    assert sample["gt_ids"].tolist() == kept
 
 
 def test_pose_noise_on_a_4x4_pose_is_the_noise_of_its_6_numbers():
