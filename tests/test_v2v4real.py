@@ -50,6 +50,25 @@ def test_reads_what_pyyaml_wrote_from_numpy_and_writes_what_it_reads():
     assert theirs["gps"] == data["gps"]
 
 
+@pytest.mark.parametrize("layout", ["big-endian", "fortran", "big-endian fortran"])
+def test_big_endian_and_fortran_ordered_arrays_load_equal_to_the_original(layout):
+    # PyYAML's dumper pickles an array as it is in memory: a '>f8' dtype keeps its byte order in
+    # the dtype's state, a Fortran-ordered one sets fortran_order and writes its bytes column
+    # first. An asymmetric pose tells a transpose or a byte swap from the original.
+    pose = pose_to_matrix([1.5, -2.0, 1.9, 0.1, 30.0, -0.2])
+    pose[3, :3] = [7.0, 8.0, 9.0]
+    array = pose.astype(">f8") if "big-endian" in layout else pose
+    array = np.asfortranarray(array) if "fortran" in layout else array
+    text = yaml.dump({"lidar_pose": array})                  # PyYAML's unsafe dumper
+    assert ("fortran" in layout) == ("- true\n  - !!binary" in text)       # fortran_order
+    assert ("big-endian" in layout) == ("- '>'" in text)                   # the dtype's order
+    ours = yaml.load(text, Loader=NumpyYamlLoader)
+    np.testing.assert_array_equal(ours["lidar_pose"], pose)
+    assert ours["lidar_pose"].flags.c_contiguous and ours["lidar_pose"].dtype.isnative
+    again = yaml.load(yaml.dump(ours, Dumper=NumpyYamlDumper), Loader=NumpyYamlLoader)
+    np.testing.assert_array_equal(again["lidar_pose"], pose)
+
+
 @pytest.mark.parametrize("tag", [
     "!!python/object/apply:os.system ['touch {marker}']",
     "!!python/object/new:os.system ['touch {marker}']",
