@@ -1,6 +1,6 @@
-"""A new fusion model is one python file plus its yaml (README "Adding a fusion model").
+"""A new fusion model is one python file plus its yaml (docs/extending.md "Adding a fusion model").
 
-The README's example file is written into a copy of the ``opencood`` package and its yaml beside
+The page's example file is written into a copy of the ``opencood`` package and its yaml beside
 a copy of ``hypes_yaml/synthetic/base.yaml``; ``tools/train.py`` then trains it for one epoch in
 a subprocess whose PYTHONPATH holds only the copy. Nothing else of the package is edited, so the
 run shows that the registry finds the file, that the config loader checks and completes its
@@ -22,17 +22,18 @@ from opencood.utils.checkpoint import load_checkpoint
 from opv2v_factory import frame_stamps, write_simple_split
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-README = REPO_ROOT / "README.md"
+EXTENDING_PAGE = REPO_ROOT / "docs" / "extending.md"
 SMOKE_YAML = REPO_ROOT / "hypes_yaml" / "synthetic" / "smoke.yaml"
 
 
-def readme_example() -> tuple[str, str]:
-    """The python file and the yaml of the README's "Adding a fusion model" section."""
-    text = README.read_text()
+def page_example() -> tuple[str, str]:
+    """The python file and the yaml of docs/extending.md's "Adding a fusion model" section."""
+    text = EXTENDING_PAGE.read_text()
     start = text.index("## Adding a fusion model")
-    end = text.index("\n## ", start + 1)
-    python, = re.findall(r"```python\n(.*?)```", text[start:end], re.S)
-    config, = re.findall(r"```yaml\n(.*?)```", text[start:end], re.S)
+    end = text.find("\n## ", start + 1)
+    section = text[start:] if end < 0 else text[start:end]     # the page's last section
+    python, = re.findall(r"```python\n(.*?)```", section, re.S)
+    config, = re.findall(r"```yaml\n(.*?)```", section, re.S)
     return python, config
 
 
@@ -45,7 +46,7 @@ def package_with_new_file(root: Path, python: str) -> Path:
 
 
 def smoke_config(folder: Path, config: str) -> Path:
-    """The README yaml beside base.yaml, and smoke.yaml's tiny geometry on top of it."""
+    """The page's yaml beside base.yaml, and smoke.yaml's tiny geometry on top of it."""
     shutil.copy(SMOKE_YAML.parent / "base.yaml", folder / "base.yaml")
     (folder / "point_pillar_my_fusion.yaml").write_text(config)
     smoke = yaml.safe_load(SMOKE_YAML.read_text())
@@ -68,9 +69,9 @@ def train(package_root: Path, hypes_yaml: Path, run_dir: Path, *overrides: str):
 
 @pytest.fixture(scope="module")
 def new_model(tmp_path_factory):
-    """(package root, smoke yaml, data overrides) with the README's file and yaml in place."""
+    """(package root, smoke yaml, data overrides) with the page's file and yaml in place."""
     root = tmp_path_factory.mktemp("new_fusion")
-    python, config = readme_example()
+    python, config = page_example()
     package_with_new_file(root / "pkg", python)
     configs = root / "configs"
     configs.mkdir()
