@@ -301,7 +301,7 @@ class DistributedSection:
 class PerformanceSection:
     tf32: bool = True
     cudnn_benchmark: bool = True
-    # The fast training step (README "Fast step path"); off by default, results stay equal.
+    # The fast training step (docs/gpu_and_speed.md "Fast step path"); off by default, results stay equal.
     # > 0: pillar slots per agent in training steps (fixed shapes; see pillarize_static).
     static_pillars: int = spec(0, check=non_negative)
     sync_free_step: bool = False        # one host read per optimizer step (engine.loop)

@@ -7,7 +7,7 @@ the ``tiny`` synthetic folders (seed 0): V2V4Real's ``BaseDataset.retrieve_base_
 We regenerate the same folders here and read them with ours: every sample's GT boxes (matched by
 object id), every agent's transform to the ego and its point count and column sums.
 
-Differences by design, compared after the documented conversion (README, "what our readers do
+Differences by design, compared after the documented conversion (docs/datasets.md, "what our readers do
 differently"): the DAIR roadside unit is agent "-1" (HEAL: 1); HEAL's agent -> ego matrix is
 rebuilt from 6 Euler numbers (``tfm_to_pose`` then ``x_to_world``), ours is the calib matrices'
 product (same to 1e-9 here); HEAL widens the range's z by 1 m, which we pass as our gt_range.

@@ -62,7 +62,7 @@ def late_smoke_yaml(tmp_path_factory) -> Path:
 # -- epochs from steps ------------------------------------------------------------------------
 
 def test_steps_per_epoch_and_epochs_for_steps_hand_values():
-    # README: 112 samples, global batch 4 -> 28 steps/epoch; 3640 steps -> 130 epochs.
+    # docs/results.md: 112 samples, global batch 4 -> 28 steps/epoch; 3640 steps -> 130 epochs.
     assert rt.steps_per_epoch(112, 4, world_size=2, max_micro_batch=4) == 28
     assert rt.epochs_for_steps(3640, 28) == 130
     # Late fusion: 368 (sample, CAV) examples -> 92 steps/epoch -> ceil(3640 / 92) = 40 epochs.

@@ -1,4 +1,4 @@
-"""tools/robustness_table.py: spreads of evaluated runs -> the README's robustness table."""
+"""tools/robustness_table.py: spreads of evaluated runs -> docs/results.md's robustness table."""
 import os
 import sys
 from pathlib import Path

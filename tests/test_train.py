@@ -35,7 +35,7 @@ from tool_modules import load_tool
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = REPO_ROOT / "hypes_yaml" / "synthetic"
 SMOKE_YAML = CONFIG_DIR / "smoke.yaml"
-# The fast step path (README); 2048 pillar slots: every cell of the smoke grid (64 x 32).
+# The fast step path (docs/gpu_and_speed.md); 2048 pillar slots: every cell of the smoke grid (64 x 32).
 FAST_STEP = ["--set", "performance.static_pillars=2048",
              "--set", "performance.sync_free_step=true"]
 FUSION_CONFIGS = sorted(path.stem for path in CONFIG_DIR.glob("point_pillar_*.yaml"))

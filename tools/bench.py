@@ -34,7 +34,7 @@ How to read a line
     ``{"figure": ..., "error": ...}`` (and the exit status is 1). Bad input (a missing file, an
     unknown model or figure) is one ``error: ...`` line on stderr and exit status 1.
 
-The fast step path (README "Fast step path"): ``--static_pillars N``, ``--sync_free`` and
+The fast step path (docs/gpu_and_speed.md "Fast step path"): ``--static_pillars N``, ``--sync_free`` and
 ``--compile`` set ``performance.static_pillars``, ``sync_free_step`` and ``compile`` (as
 ``--set`` would), and every model figure's line states them; compare a run with them against
 one without on the same device. ``host_syncs_per_step`` counts what makes the host wait in one

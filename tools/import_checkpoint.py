@@ -21,7 +21,7 @@ att``; checkpoints picked as HEAL's), imported own-frame with the ResNet backbon
 
 The import is strict (every tensor placed, every one of ours filled, shapes equal) and writes
 nothing unless it succeeds; the imported config switches on the reference options of our modules
-(README "Using published checkpoints"), so the heads equal OpenCOOD's. See ``opencood/interop/``
+(docs/checkpoints.md), so the heads equal OpenCOOD's. See ``opencood/interop/``
 for the config translation and the key mapping; ``tools/export_checkpoint.py`` goes back.
 """
 from __future__ import annotations

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Reproduce the README "Results" table in one command: train, evaluate, tabulate.
+"""Reproduce the docs/results.md table in one command: train, evaluate, tabulate.
 
     python tools/results_table.py [--configs A.yaml B.yaml ... | --preset_dir hypes_yaml/opv2v]
         [--runs_root runs/table] [--steps N | --epochs N] [--nproc N] [--data DIR]
@@ -52,7 +52,7 @@ from opencood.eval.records import describe, list_records, matching_records  # no
 from opencood.utils.batching import epochs_for_steps, steps_per_epoch  # noqa: E402
 
 DEFAULT_PRESET_DIR = REPO_ROOT / "hypes_yaml" / "synthetic"
-# The README's row order.
+# docs/results.md's row order.
 DEFAULT_MODELS = ("point_pillar_no_fusion", "point_pillar_late_fusion",
                   "point_pillar_early_fusion", "point_pillar_attfuse", "point_pillar_fcooper",
                   "point_pillar_where2comm")

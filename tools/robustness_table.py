@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The README's pose-noise robustness table from evaluated runs.
+"""docs/results.md's pose-noise robustness table from evaluated runs.
 
     python tools/robustness_table.py --run "No fusion=runs/no_fusion" --run "CoAlign=runs/coalign"
         [--split test] [--protocol ours] [--metric ap_50 ap_70] [--out FILE.md]

@@ -1,4 +1,4 @@
-"""Parameter and FLOP counts for logs and the README's model table."""
+"""Parameter and FLOP counts for logs and docs/results.md's model table."""
 from __future__ import annotations
 
 from typing import Tuple
