@@ -12,7 +12,8 @@ import pytest
 import yaml
 
 from opencood.data.check import check_folder
-from opencood.data.datasets import IntermediateFusionDataset, LateFusionDataset
+from opencood.config import load_config
+from opencood.data.datasets import IntermediateFusionDataset, LateFusionDataset, build_dataset
 from opencood.data.numpy_yaml import NumpyYamlDumper, NumpyYamlLoader
 from opencood.data.opv2v import OPV2VFormatError, OPV2VSplit, vehicles_to_boxes
 from opencood.data.pcd import write_pcd
@@ -304,3 +305,37 @@ def test_a_refused_tag_in_a_split_stops_the_index_and_writes_no_cache(v2v4real_d
     with pytest.raises(OPV2VFormatError, match=f"^{bad}: refused yaml tag"):
         V2V4RealSplit(copy, cache_dir=tmp_path / "cache")
     assert not marker.exists() and not list((tmp_path / "cache").rglob("*.json"))
+
+
+# ------------------------------------------------------------------- the crop filter (issue 41)
+
+def test_crop_filter_runs_per_cav_before_the_union_and_counts_z(hand_tree):
+    """V2V4Real's fusion datasets keep a CAV's box only with >= 2 corners in cav_lidar_range too.
+    Id 77: the ego's box spans ego x -1.5..0.5, CAV 1's x -1..1. A crop from x = 0.75 drops the
+    ego's and keeps CAV 1's (its corners at x = 1): the union then holds CAV 1's box, centre
+    (0, -13) instead of the ego's (-0.5, -12). All boxes span z 0.05..1.55: a crop topping at
+    z = 0.5 holds their 4 bottom corners (kept), one topping at z = 0 none (all dropped)."""
+    big = BIG_RANGE
+    crop = [0.75, -20.0, -5.0, 10.0, 20.0, 5.0]
+    sample = V2V4RealSplit(hand_tree, crop_range=crop).load_sample(0, gt_range=big)
+    assert sample["gt_ids"].tolist() == [77, 103]
+    np.testing.assert_allclose(sample["gt_boxes"][0, :3], [0.0, -13.0, 0.8], atol=1e-9)
+    low_top = [-20.0, -20.0, -5.0, 20.0, 20.0, 0.5]
+    assert V2V4RealSplit(hand_tree, crop_range=low_top).sample_gt(0, big)[0].tolist() == [77, 103]
+    below = [-20.0, -20.0, -5.0, 20.0, 20.0, 0.0]
+    assert V2V4RealSplit(hand_tree, crop_range=below).sample_gt(0, big)[0].tolist() == []
+    # without the crop filter the ego's box 77 wins
+    ids, boxes = V2V4RealSplit(hand_tree).sample_gt(0, big)
+    np.testing.assert_allclose(boxes[ids.tolist().index(77), :3], [-0.5, -12.0, 0.8], atol=1e-9)
+
+
+def test_datasets_built_from_a_config_crop_filter_with_its_cav_lidar_range(hand_tree):
+    cfg = load_config(Path(__file__).resolve().parents[1] / "hypes_yaml/v2v4real/smoke.yaml",
+                      [f"root_dir={hand_tree}", "preprocess.cav_lidar_range="
+                       "[0.75, -20, -5, 10, 20, 5]", "postprocess.gt_range="
+                       "[-100, -40, -5, 100, 40, 3]"])
+    dataset = build_dataset(cfg, "train", train=False)
+    assert dataset.split.crop_range == [0.75, -20.0, -5.0, 10.0, 20.0, 5.0]
+    assert dataset.split.sample_gt(0, dataset.gt_range)[0].tolist() == [77, 103]
+    ids, boxes = dataset.split.sample_gt(0, dataset.gt_range)
+    np.testing.assert_allclose(boxes[0, :3], [0.0, -13.0, 0.8], atol=1e-9)

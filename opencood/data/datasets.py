@@ -55,7 +55,7 @@ from opencood.config_schema import DEFAULT_COMM_RANGE, DEFAULT_LIDAR_RANGE
 from opencood.data.augment import (augment_boxes, augmentation_matrix, check_augment_config,
                                    draw_augmentation)
 from opencood.data.opv2v import DEFAULT_GT_RANGE, is_infrastructure
-from opencood.data.sources import open_split
+from opencood.data.sources import open_split, split_class
 from opencood.data.wild import WildSetting, delayed_timestamp, noisy_pose
 from opencood.errors import ConfigError, alike_on_every_rank
 from opencood.ops.transforms import count_points_in_boxes, project_and_crop, relative_transform
@@ -108,6 +108,8 @@ class BaseFusionDataset(torch.utils.data.Dataset):
             training. A loss-only loader turns it off: nothing reads the counts there.
         dataset: the format of ``split_dir`` (``fusion.dataset``: opv2v, v2xset, v2v4real,
             dairv2x; opencood.data.sources).
+        reader_options: the format's own reader options (its split class's
+            ``reader_options(cfg)``: V2V4Real's crop filter, DAIR-V2X-C's GT source).
     """
 
     fusion_method = "base"
@@ -119,10 +121,10 @@ class BaseFusionDataset(torch.utils.data.Dataset):
                  train: bool = False, augment_cfg=None, wild: WildSetting | None = None,
                  seed: int = 0, max_cav: int = 5, com_range: float = DEFAULT_COMM_RANGE,
                  order: str = "hwl", cache_dir=None, count_ego_points: bool | None = None,
-                 dataset: str = "opv2v"):
+                 dataset: str = "opv2v", reader_options: dict | None = None):
         check_augment_config(augment_cfg)
         self.split = open_split(dataset, split_dir, com_range=com_range, max_cav=max_cav,
-                                cache_dir=cache_dir)
+                                cache_dir=cache_dir, **(reader_options or {}))
         self.split_dir = Path(split_dir)
         self.lidar_range = list(lidar_range)
         self.gt_range = list(gt_range)
@@ -149,6 +151,7 @@ class BaseFusionDataset(torch.utils.data.Dataset):
                    com_range=float(cfg["comm_range"]),
                    order=postprocess["order"],
                    dataset=cfg["fusion"]["dataset"],
+                   reader_options=split_class(cfg["fusion"]["dataset"]).reader_options(cfg),
                    cache_dir=cache_dir, **extra)
 
     # -- reproducible randomness -------------------------------------------------------------

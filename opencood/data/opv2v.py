@@ -502,6 +502,12 @@ class OPV2VSplit:
     index_name = "opv2v"
     load_frame = None
 
+    @staticmethod
+    def reader_options(cfg: dict) -> dict:
+        """Constructor options a resolved config sets for this format (none for OPV2V; the
+        V2V4Real and DAIR-V2X-C readers have theirs): the datasets pass them on."""
+        return {}
+
     def __init__(self, split_dir, com_range: float = DEFAULT_COMM_RANGE, max_cav: int = 5,
                  cache_dir=None, use_point_cache: bool = True, index_cache: bool = True):
         if max_cav < 1:

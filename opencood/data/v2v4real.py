@@ -16,7 +16,14 @@ scenario (the ego is the first in sort order). What differs from OPV2V, as the r
   object's id being its ``ass_id``, or ``key + 100 * cav_id`` when that is -1 (the reference's
   rule), the first CAV listing an id winning (ego first); a box is kept when at least 2 of its
   corners lie in the range (the reference's ``mask_boxes_outside_range_numpy`` default, where
-  OPV2V's reader asks for 8).
+  OPV2V's reader asks for 8);
+* the crop filter (``crop_range``, the config's ``preprocess.cav_lidar_range``): the reference's
+  fusion datasets filter each CAV's ego-frame boxes a second time, at least 2 corners inside
+  ``cav_lidar_range`` (x, y and z), in test mode too (``get_item_single_car`` of its
+  intermediate dataset). With the published crop [-140.8, -38.4, ...] this drops the boxes
+  whose corners lie only in the band 38.4 < |y| <= 40 m of GT_RANGE. Done per CAV before the
+  union, as the intermediate dataset does (its early-fusion dataset filters the union instead:
+  the two differ only for an id whose ego box fails the crop and whose other box passes).
 """
 from __future__ import annotations
 
@@ -161,6 +168,16 @@ def own_frame_boxes(vehicles: dict, cav_id: str, cav_to_target: np.ndarray, limi
     return objects_to_boxes(ids, corners, cav_to_target, limit_range, order)
 
 
+def crop_filter(ids: np.ndarray, boxes: np.ndarray, crop_range, order: str = "hwl"):
+    """The reference datasets' second filter: ids (M,), boxes (M, 7) -> those with at least 2
+    corners inside ``crop_range`` [x0, y0, z0, x1, y1, z1]; everything when it is None."""
+    if crop_range is None or not len(ids):
+        return ids, boxes
+    keep = corners_in_range_mask(boxes_to_corners_3d(boxes, order), crop_range,
+                                 min_corners=GT_MIN_CORNERS)
+    return ids[keep], boxes[keep]
+
+
 def union_by_id(per_cav: list):
     """[(ids, boxes), ...] ego first -> (ids (M,), boxes (M, 7)) sorted by id, first wins."""
     boxes_by_id = {}
@@ -183,6 +200,17 @@ class V2V4RealSplit(OPV2VSplit):
     index_name = "v2v4real"
     load_frame = staticmethod(load_v2v4real_yaml)
 
+    def __init__(self, split_dir, *, crop_range=None, **kwargs):
+        """OPV2VSplit's arguments, and ``crop_range``: the model's crop (``cav_lidar_range``)
+        each CAV's GT must also keep 2 corners in (module doc); None: no second filter."""
+        super().__init__(split_dir, **kwargs)
+        self.crop_range = None if crop_range is None else [float(v) for v in crop_range]
+
+    @staticmethod
+    def reader_options(cfg: dict) -> dict:
+        """The constructor's options a resolved config sets: the crop filter's range."""
+        return {"crop_range": cfg["preprocess"]["cav_lidar_range"]}
+
     def load_cav_frame(self, scenario: str, cav_id: str, timestamp: str) -> dict:
         """As OPV2VSplit's, with ``lidar_pose`` (4, 4) float64 lidar -> map, ``vehicles`` in the
         CAV's own frame and ``cav_id``."""
@@ -204,15 +232,15 @@ class V2V4RealSplit(OPV2VSplit):
 
     def sample_gt(self, index: int, gt_range, order: str = "hwl"):
         """GT of sample ``index`` in the ego frame: the union of the used CAVs' own-frame objects
-        projected with their true CAV -> ego matrices (module doc); OPV2VSplit.load_sample and
-        the datasets take it from here."""
+        projected with their true CAV -> ego matrices, each CAV's boxes crop-filtered (module
+        doc); OPV2VSplit.load_sample and the datasets take it from here."""
         info = self.info(index)
         ego_pose = self.lidar_pose(info.scenario, info.ego_id, info.timestamp)
         return union_by_id([
-            objects_to_boxes(*self.vehicle_arrays(info.scenario, cav_id, info.timestamp),
-                             relative_transform(self.lidar_pose(info.scenario, cav_id,
-                                                                info.timestamp), ego_pose),
-                             gt_range, order)
+            crop_filter(*objects_to_boxes(
+                *self.vehicle_arrays(info.scenario, cav_id, info.timestamp),
+                relative_transform(self.lidar_pose(info.scenario, cav_id, info.timestamp),
+                                   ego_pose), gt_range, order), self.crop_range, order)
             for cav_id in info.cav_ids])
 
     def frame_boxes(self, scenario: str, cav_id: str, timestamp: str, gt_range,
