@@ -9,6 +9,7 @@ multi-rank comparisons below compare real numbers, not zeros.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import shutil
@@ -670,6 +671,56 @@ def test_a_record_round_trips_and_a_new_checkpoint_gets_its_own_record(runs, tmp
     assert after["name"] != before["name"] and Path(before["record"]).is_file()
     assert changed["checkpoint"]["sha256"] != record["checkpoint"]["sha256"]
     assert changed["checkpoint"]["step"] == 20
+
+
+def test_a_data_folder_reached_without_set_gets_its_own_record(runs, tmp_path, monkeypatch):
+    # The folder is hashed as resolved, not only through --set: a run config naming the split
+    # by a relative path reaches another folder from another working directory, and an edited
+    # run config another folder; neither may overwrite the first record.
+    from opencood.eval.records import load_record
+    run_dir = _run_with_step(runs, tmp_path / "run", step=5)
+    other_data = tmp_path / "other" / "test"
+    shutil.copytree(runs.data, other_data)
+    cfg = load_config(run_dir / "config.yaml")
+    save_config({**cfg, "test_dir": "test"}, run_dir / "config.yaml")
+    monkeypatch.chdir(runs.data.parent)
+    (here,) = evaluator.main(_argv(run_dir))
+    monkeypatch.chdir(other_data.parent)
+    (there,) = evaluator.main(_argv(run_dir))
+    save_config({**cfg, "test_dir": str(runs.data)}, run_dir / "config.yaml")
+    (absolute,) = evaluator.main(_argv(run_dir))
+    assert here["record"] != there["record"]
+    assert [load_record(Path(m["record"]))["data"]["folder"] for m in (here, there)] == [
+        str(runs.data.resolve()), str(other_data.resolve())]
+    # The same folder by another spelling is the same evaluation: it replaces its record.
+    assert absolute["record"] == here["record"] and Path(there["record"]).is_file()
+
+
+def test_ema_and_raw_weights_of_one_checkpoint_leave_two_records(runs, tmp_path):
+    from opencood.eval.records import load_record
+    run_dir = _copy_run(runs.inter, tmp_path / "run")
+    checkpoint = torch.load(run_dir / "last.pth", weights_only=True)
+    ema = dict(checkpoint["model"])
+    ema["head.cls_conv.bias"] = ema["head.cls_conv.bias"] - 0.5
+    save_checkpoint(run_dir / "last.pth", {**checkpoint, "ema": {"module": ema, "updates": 7}})
+    (with_ema,) = evaluator.main(_argv(run_dir))
+    (raw,) = evaluator.main(_argv(run_dir, "--no-ema"))
+    assert with_ema["record"] != raw["record"] and Path(with_ema["record"]).is_file()
+    records = [load_record(Path(m["record"])) for m in (with_ema, raw)]
+    assert [r["checkpoint"]["weights"] for r in records] == ["ema", "raw"]
+    assert records[0]["checkpoint"]["sha256"] == records[1]["checkpoint"]["sha256"]
+    assert records[0]["settings"] == records[1]["settings"]
+
+
+def test_checkpoint_sha256_covers_the_whole_file_past_the_first_chunk(tmp_path):
+    from opencood.eval.records import file_sha256
+    content = np.random.default_rng(0).bytes(3 * (1 << 20) + 17)   # 3 chunks and a bit
+    first, last = tmp_path / "a.pth", tmp_path / "b.pth"
+    first.write_bytes(content)
+    last.write_bytes(content[:-1] + bytes([content[-1] ^ 1]))      # only the last byte differs
+    assert file_sha256(first) == hashlib.sha256(content).hexdigest()
+    assert file_sha256(last) != file_sha256(first)
+    assert file_sha256(first, chunk_bytes=1000) == file_sha256(first)
 
 
 def test_a_record_of_an_older_version_still_loads_and_lists(runs, tmp_path, capsys):
