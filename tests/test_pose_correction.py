@@ -41,6 +41,26 @@ def test_transform_pose_errors_by_hand():
     torch.testing.assert_close(yaw, torch.tensor([2.0, 0.0, 2.0], dtype=torch.float64))
 
 
+@pytest.mark.parametrize("record_len", [[2, 3], [3, 2], [1, 2, 3], [3, 1, 2], [4], [1, 1]])
+def test_transform_pose_errors_skip_exactly_each_samples_ego(record_len):
+    # Every non-ego agent k (in agent order) is off by a distinct 0.1 (k + 1) m along y and k + 1
+    # deg: skipping any row but the egos' (identities, error 0) changes the errors.
+    true, estimated, expected = [], [], []
+    for count in record_len:
+        true.append(torch.eye(4, dtype=torch.float64))
+        estimated.append(torch.eye(4, dtype=torch.float64))
+        for agent in range(1, count):
+            k = len(expected) + 1
+            true.append(planar_transform(10.0 * agent, -4.0, 15.0 * agent))
+            estimated.append(planar_transform(10.0 * agent, -4.0 + 0.1 * k, 15.0 * agent + k))
+            expected.append(k)
+    translation, yaw = transform_pose_errors(torch.stack(estimated), torch.stack(true),
+                                             record_len)
+    expected = torch.tensor(expected, dtype=torch.float64)
+    torch.testing.assert_close(translation, 0.1 * expected)
+    torch.testing.assert_close(yaw, expected, rtol=0, atol=1e-5)   # planar_transform's float32
+
+
 def test_tally_pools_ranks_and_reports_stages_it_saw():
     true = torch.stack([torch.eye(4), planar_transform(10, 0, 0).float()])
     reported = torch.stack([torch.eye(4), planar_transform(10.6, 0, 0).float()])
