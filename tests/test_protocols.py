@@ -20,13 +20,15 @@ def protocol_ap(protocol: str, frames) -> dict:
     return accumulator.compute()
 
 
-def test_a_weak_fp_in_an_early_frame_costs_half_the_ap_under_opencood():
+def test_a_weak_fp_in_an_early_frame_costs_half_the_ap_under_per_frame_sorts():
     """Frame 0: one FP at score 0.2; frame 1: one TP at 0.9; one GT. Per-frame order ranks the FP
     first: recall [0, 1], precision [0, 1/2] -> AP 1/2. A global sort ranks the TP first: 1."""
     frames = [(cars((60, 0)), [0.2], cars()), (cars((10, 0)), [0.9], cars((10, 0)))]
     assert protocol_ap("opencood", frames)["ap_50"] == pytest.approx(0.5, abs=1e-12)
     assert protocol_ap("coalign", frames)["ap_50"] == 1.0
     assert protocol_ap("ours", frames)["ap_50"] == 1.0
+    # V2V4Real's eval_utils sorts per frame as OpenCOOD does (issue 39: a global sort passed).
+    assert protocol_ap("v2v4real", frames)["ap_50"] == pytest.approx(0.5, abs=1e-12)
 
 
 def test_detections_outside_the_protocol_range_are_dropped():
