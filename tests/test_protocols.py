@@ -2,6 +2,8 @@
 and against the plain-Python reference on random frames."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -11,6 +13,8 @@ from opencood.eval.protocols import PROTOCOLS
 from opencood.testing.reference_impls import reference_ap
 from opencood.utils.fake_batch import fake_detection_frames
 from test_ap import cars
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "reference_eval"
 
 
 def protocol_ap(protocol: str, frames) -> dict:
@@ -86,3 +90,50 @@ def test_protocol_ranges_reach_the_data_sets_gt_range():
 def test_unknown_sort_is_refused():
     with pytest.raises(ValueError, match="per_frame"):
         APAccumulator(detection_sort="by_frame")
+
+
+# ------------------------------------------------------------------- V2V4Real's evaluation
+
+def test_v2v4real_drops_gt_and_detections_with_a_corner_outside_its_range():
+    """A 4 m car along x at y = 39.5 (2 m wide: y 38.5..40.5) has 2 of its 4 BEV corners beyond
+    y = 40: V2V4Real's data set keeps it (2 corners in), its evaluation does not (all 8). GT:
+    that car and one at (20, 0); detections: both, the edge one scored first. Both filters drop
+    the edge pair: one TP, AP 1. Dropping the GT alone leaves the edge detection an FP ranked
+    first: recall [0, 1], precision [0, 1/2], AP 1/2."""
+    edge, centre = (10.0, 39.5), (20.0, 0.0)
+    frames = [(cars(edge, centre), [0.9, 0.8], cars(edge, centre))]
+    assert protocol_ap("v2v4real", frames)["ap_50"] == 1.0
+    accumulator = APAccumulator(detection_sort="per_frame",
+                                gt_range=PROTOCOLS["v2v4real"].box_range)
+    accumulator.add_frame(*frames[0], sample_key=0)
+    assert accumulator.compute()["ap_50"] == pytest.approx(0.5)
+    assert PROTOCOLS["v2v4real"].accumulator_args()["gt_range"] == \
+        list(PROTOCOLS["v2v4real"].box_range)
+    assert PROTOCOLS["opencood"].accumulator_args()["gt_range"] is None
+
+
+def test_v2v4real_protocol_equals_v2v4real_s_own_evaluation_code():
+    """tests/fixtures/reference_eval/v2v4real_eval.npz: made-up frames evaluated by V2V4Real's
+    eval_utils with its range filters (tools/reference/v2v4real_eval.py, side environment)."""
+    data = np.load(FIXTURES / "v2v4real_eval.npz")
+    accumulator = APAccumulator(**PROTOCOLS["v2v4real"].accumulator_args())
+    pred_kept, gt_kept = [], []
+    for index in range(len(data["frame_start"]) - 1):
+        lo, hi = data["frame_start"][index:index + 2]
+        g_lo, g_hi = data["gt_start"][index:index + 2]
+        pred, gt = data["pred_boxes"][lo:hi], data["gt_boxes"][g_lo:g_hi]
+        accumulator.add_frame(pred, data["pred_scores"][lo:hi], gt, sample_key=index)
+        if not data["no_detections"][index]:
+            pred_kept.append(boxes_inside_bev_range(pred.astype(np.float64),
+                                                    PROTOCOLS["v2v4real"].box_range, "hwl"))
+        gt_kept.append(boxes_inside_bev_range(gt.astype(np.float64),
+                                              PROTOCOLS["v2v4real"].box_range, "hwl"))
+    # the case has boxes on both sides of every filter, and the two filters agree box by box
+    assert 0 < data["gt_kept"].sum() < len(data["gt_kept"])
+    assert 0 < data["pred_kept"].sum() < len(data["pred_kept"])
+    assert np.concatenate(pred_kept).tolist() == data["pred_kept"].tolist()
+    assert np.concatenate(gt_kept).tolist() == data["gt_kept"].tolist()
+    result = accumulator.compute()
+    assert 0.3 < float(data["ap_70"]) < float(data["ap_50"]) < 1.0
+    assert result["ap_50"] == pytest.approx(float(data["ap_50"]), abs=1e-6)
+    assert result["ap_70"] == pytest.approx(float(data["ap_70"]), abs=1e-6)

@@ -177,7 +177,9 @@ class APAccumulator:
     (VOC, CoAlign/HEAL); "per_frame" sorts within each frame and concatenates the frames in
     sample-key order (OpenCOOD / the OPV2V paper). ``detection_range`` [x0, y0, z0, x1, y1, z1]
     drops, before matching, detections with a BEV corner outside it (those code bases filter
-    predictions to their GT range); None keeps every detection.
+    predictions to their GT range); None keeps every detection. ``gt_range`` does the same to
+    the GT (V2V4Real's evaluation: its data sets keep boxes with 2 corners in range, its
+    evaluation only those with all 8); None keeps the GT the data set gave.
 
     Ordering: detections with equal scores are ordered by (sample key, index in the frame), so
     the result does not depend on the order frames were added. Frames added without a
@@ -188,13 +190,14 @@ class APAccumulator:
 
     def __init__(self, iou_thresholds=(0.3, 0.5, 0.7), distance_bins=((0, 30), (30, 50), (50, 100)),
                  order: str = "hwl", match_batch_frames: int = 256, visible_min_points: int = 1,
-                 detection_sort: str = "global", detection_range=None):
+                 detection_sort: str = "global", detection_range=None, gt_range=None):
         if detection_sort not in DETECTION_SORTS:
             raise ValueError(f"detection_sort {detection_sort!r}: expected one of "
                              f"{', '.join(DETECTION_SORTS)}")
         self.detection_sort = detection_sort
         self.detection_range = None if detection_range is None else [
             float(v) for v in detection_range]
+        self.gt_range = None if gt_range is None else [float(v) for v in gt_range]
         self.visible_min_points = int(visible_min_points)
         self.iou_thresholds = tuple(float(t) for t in iou_thresholds)
         self.distance_bins = tuple((float(low), float(high)) for low, high in distance_bins)
@@ -225,6 +228,9 @@ class APAccumulator:
         if self.detection_range is not None:
             inside = boxes_inside_bev_range(pred, self.detection_range, self.order)
             pred, scores = pred[inside], scores[inside]
+        if self.gt_range is not None:
+            inside = boxes_inside_bev_range(gt, self.gt_range, self.order)
+            gt, ego_points = gt[inside], ego_points[inside]
         self._register_key(sample_key)
         self._pending.append({"key": sample_key, "pred_boxes": pred, "scores": scores.copy(),
                               "gt_boxes": gt, "gt_ego_points": ego_points})
@@ -270,7 +276,8 @@ class APAccumulator:
                 "distance_bins": [list(b) for b in self.distance_bins],
                 "visible_min_points": self.visible_min_points,
                 "order": self.order, "detection_sort": self.detection_sort,
-                "detection_range": self.detection_range, "frames": frames}
+                "detection_range": self.detection_range, "gt_range": self.gt_range,
+                "frames": frames}
 
     @classmethod
     def from_state_dict(cls, state: dict) -> "APAccumulator":
@@ -278,7 +285,8 @@ class APAccumulator:
                           state.get("order", "hwl"),
                           visible_min_points=state.get("visible_min_points", 1),
                           detection_sort=state.get("detection_sort", "global"),
-                          detection_range=state.get("detection_range"))
+                          detection_range=state.get("detection_range"),
+                          gt_range=state.get("gt_range"))
         accumulator._merge_frames(state["frames"])
         return accumulator
 
@@ -291,10 +299,11 @@ class APAccumulator:
         same_bins = bins == self.distance_bins
         same_visibility = int(state.get("visible_min_points", 1)) == self.visible_min_points
         same_protocol = (state.get("detection_sort", "global") == self.detection_sort
-                         and state.get("detection_range") == self.detection_range)
+                         and state.get("detection_range") == self.detection_range
+                         and state.get("gt_range") == self.gt_range)
         if not (same_thresholds and same_bins and same_visibility and same_protocol):
             raise ValueError("cannot merge accumulators with different thresholds or bins "
-                             "(or visible_min_points, detection sort or range)")
+                             "(or visible_min_points, detection sort or range, GT range)")
         self._merge_frames(state["frames"])
         return self
 
