@@ -107,6 +107,28 @@ def test_another_config_for_a_run_folder_is_refused_leaving_its_files(finished_r
     assert file_hashes(finished_run) == before
 
 
+@pytest.mark.parametrize("key, value, there, here", [
+    ("train_params.batch_size", "4", "2", "4"),
+    ("train_params.grad_clip", "5.0", "10.0", "5.0"),
+    ("train_params.max_cav", "2", "5", "2"),
+    ("train_params.skip_nonfinite_steps", "3", "0", "3"),
+])
+@pytest.mark.parametrize("with_hypes_yaml", [True, False])
+def test_a_resume_that_changes_a_training_key_is_refused_naming_it(
+        finished_run, data_root, key, value, there, here, with_hypes_yaml):
+    """Only schedule keys may change on resume: one that changes what a step does (its batch,
+    clipping, agents, skipped steps) is refused in one line naming it, the folder untouched,
+    whether the run is named by --hypes_yaml or resumed from its own config.yaml."""
+    before = file_hashes(finished_run)
+    hypes = ["--hypes_yaml", str(SMOKE_YAML), *data_sets(data_root)] if with_hypes_yaml else []
+    with pytest.raises(SystemExit) as raised:
+        trainer.main([*hypes, "--model_dir", str(finished_run), "--set", f"{key}={value}"])
+    message = raised.value.code
+    assert isinstance(message, str) and message.startswith("error: ") and "\n" not in message
+    assert f"{key} {there} there, {here} here" in message
+    assert file_hashes(finished_run) == before
+
+
 def test_schedule_changes_resume_are_recorded_and_a_finished_run_says_so(run_copy, data_root):
     """The same config with more epochs resumes (2 more steps), and config.yaml then says 2
     epochs; resumed again, the run has nothing to train and says so in one line."""

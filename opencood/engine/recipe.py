@@ -21,7 +21,7 @@ from opencood.config import ConfigError, load_config
 from opencood.data.collate import build_loader
 from opencood.data.datasets import build_dataset
 from opencood.engine.loop import validation_loss
-from opencood.engine.run_folder import refuse_another_config
+from opencood.engine.run_folder import refuse_another_config, refuse_training_changes
 from opencood.engine.task import DetectionTask
 from opencood.engine.teacher import FrozenTeacher, load_teacher
 from opencood.errors import alike_on_every_rank
@@ -69,7 +69,8 @@ def check_registered_names(cfg: Dict, source: str) -> None:
 def resolve_config(hypes_yaml: str | None, model_dir: str | None, overrides) -> Dict:
     """Config from ``hypes_yaml``, else the run folder's saved config.yaml (resume). A
     ``hypes_yaml`` whose config is not the one ``model_dir`` already holds is refused
-    (:func:`opencood.engine.run_folder.refuse_another_config`)."""
+    (:func:`opencood.engine.run_folder.refuse_another_config`), and so is a resume's ``--set``
+    of a non-schedule ``train_params`` key (``run_folder.refuse_training_changes``)."""
     # Before any process group: every rank reads the same files, so rank 0 alone prints.
     with alike_on_every_rank(dist_utils.launcher_rank()):
         if hypes_yaml:
@@ -81,7 +82,9 @@ def resolve_config(hypes_yaml: str | None, model_dir: str | None, overrides) -> 
         if not saved.exists():
             raise ConfigError(f"{saved}: not found; --model_dir without --hypes_yaml must be a "
                               f"run folder written by tools/train.py")
-        return load_config(saved, overrides)
+        cfg = load_config(saved, overrides)
+        refuse_training_changes(cfg, model_dir)
+        return cfg
 
 
 def new_run_folder_name(name: str, env: Mapping[str, str], now: datetime) -> str:

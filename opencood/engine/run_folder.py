@@ -4,6 +4,11 @@
   X (with its ``--set`` overrides) resolves to that same config; otherwise it is refused in one
   line (:func:`refuse_another_config`), before anything is read or written. Without the check the
   folder would silently resume another model's weights under its old config.yaml.
+* ``--model_dir RUN --set train_params.K=V`` (a resume from the folder's own config) is held to the
+  same rule for ``train_params``: a key other than the schedule's (the batch, gradient clipping,
+  agents per sample, skipped steps) is refused in one line (:func:`refuse_training_changes`).
+  Other sections stay settable there: data folders move, and a changed model is refused by its
+  checkpoint's shapes.
 * Schedule keys (:data:`SCHEDULE_KEYS`: how long to train, how often to validate and save, loader
   workers) may change on resume; the run's next checkpoint save records them in config.yaml
   (:func:`record_schedule`), so the folder says what the run did.
@@ -58,14 +63,34 @@ def refuse_another_config(cfg: Dict, hypes_yaml: str, run_dir) -> None:
     differing = [key for key in config_differences(saved, cfg) if key not in SCHEDULE_KEYS]
     if not differing:
         return
+    raise ConfigError(
+        f"--hypes_yaml {hypes_yaml} is not the config of run folder {run_dir} ({saved_path}: "
+        f"{_differences_line(saved, cfg, differing)}): give another --model_dir to start a new "
+        f"run, or leave out --hypes_yaml to resume this one")
+
+
+def _differences_line(saved: Mapping, cfg: Mapping, differing: list) -> str:
+    """'key A there, B here; ...' of the first DIFFERENCES_SHOWN keys, and how many more."""
     shown = "; ".join(f"{key} {_short(get_key(saved, key, _ABSENT))} there, "
                       f"{_short(get_key(cfg, key, _ABSENT))} here"
                       for key in differing[:DIFFERENCES_SHOWN])
     more = len(differing) - DIFFERENCES_SHOWN
-    raise ConfigError(
-        f"--hypes_yaml {hypes_yaml} is not the config of run folder {run_dir} ({saved_path}: "
-        f"{shown}{f'; and {more} more keys' if more > 0 else ''}): give another --model_dir to "
-        f"start a new run, or leave out --hypes_yaml to resume this one")
+    return f"{shown}{f'; and {more} more keys' if more > 0 else ''}"
+
+
+def refuse_training_changes(cfg: Dict, run_dir) -> None:
+    """Raise a one-line ConfigError when ``cfg`` (the run folder's config.yaml with a resume's
+    ``--set`` overrides) changes a ``train_params`` key that is not a schedule key."""
+    saved_path = Path(run_dir) / "config.yaml"
+    saved = load_config(saved_path)
+    differing = [key for key in config_differences(saved, cfg)
+                 if key.startswith("train_params.") and key not in SCHEDULE_KEYS]
+    if differing:
+        raise ConfigError(
+            f"--set changes how run folder {run_dir} trains ({saved_path}: "
+            f"{_differences_line(saved, cfg, differing)}): a resume may change only the "
+            f"schedule ({', '.join(key.split('.')[1] for key in SCHEDULE_KEYS)}); give another "
+            f"--model_dir to start a new run")
 
 
 def record_schedule(run_dir, cfg: Dict) -> list:
