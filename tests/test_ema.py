@@ -133,3 +133,55 @@ def test_update_from_a_different_model_names_the_key():
     ema = ModelEMA(nn.Linear(2, 2), decay=0.999, tau=200)
     with pytest.raises(KeyError, match="'weight'"):
         ema.update(nn.Sequential(nn.Linear(2, 2)))  # keys are "0.weight", "0.bias"
+
+
+def test_update_is_two_operators_whatever_the_model_size():
+    # The lerp of every float tensor and the copy of every integer buffer, one operator each;
+    # walking the state dicts per update cost a detach per tensor and a copy per counter.
+    from opencood.utils.op_counts import OpCounter
+    model = nn.Sequential(*[nn.Sequential(nn.Conv2d(4, 4, 3), nn.BatchNorm2d(4))
+                            for _ in range(6)])
+    ema = ModelEMA(model, decay=0.9, tau=0)
+    ema.update(model)                          # pairs the tensors
+    with OpCounter() as ops:
+        ema.update(model)
+    assert dict(ops.by_op) == {"_foreach_lerp_": 1, "_foreach_copy_": 1}
+    assert ops.total == 2
+
+
+def test_update_follows_tensors_the_model_replaced():
+    # module.to() replaces buffers (and load_state_dict does not): the pairs found at the first
+    # update must not keep averaging the old tensors.
+    model = nn.BatchNorm1d(2)
+    ema = ModelEMA(model, decay=0.5, tau=0)
+    ema.update(model)
+    model.running_mean = torch.full((2,), 4.0)       # a new tensor object under the same name
+    model.num_batches_tracked = torch.tensor(7)
+    ema.update(model)
+    assert ema.module.running_mean.tolist() == [2.0, 2.0]   # 0.5 * 0 + 0.5 * 4
+    assert ema.module.num_batches_tracked.item() == 7
+    ema.module.running_var = torch.zeros(2)          # and the EMA's own tensors too
+    ema.update(model)
+    assert ema.module.running_var.tolist() == [0.5, 0.5]    # 0.5 * 0 + 0.5 * 1
+
+
+def test_update_equals_the_state_dict_walk_bit_for_bit():
+    # The previous update: both state dicts walked each time, floats lerped, the rest copied.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 5, 3), nn.BatchNorm2d(5), nn.ReLU(), nn.Conv2d(5, 2, 1))
+    ema = ModelEMA(model, decay=0.99, tau=3)
+    reference = {key: value.clone() for key, value in ema.module.state_dict().items()}
+    for update in range(1, 4):
+        model(torch.randn(2, 3, 8, 8)).sum().backward()
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.sub_(0.1 * parameter.grad)
+        ema.update(model)
+        weight = 1.0 - 0.99 * (1.0 - math.exp(-update / 3))
+        for key, value in model.state_dict().items():
+            if value.dtype.is_floating_point:
+                reference[key] = torch.lerp(reference[key], value, weight)
+            else:
+                reference[key] = value.clone()
+    for key, value in ema.module.state_dict().items():
+        assert torch.equal(value, reference[key]), key
