@@ -70,6 +70,35 @@ def test_a_translation_moves_a_hot_cell_by_its_cells_at_every_scale(yaw):
         assert torch.isclose(warped.sum(), torch.tensor(1.0), atol=1e-5)
 
 
+FRONT = (0.0, -12.8, -3.0, 25.6, 12.8, 1.0)           # x from 0: the map centre is (12.8, 0)
+
+
+@pytest.mark.parametrize("yaw, tx, ty", [(90.0, 16.0, -3.2), (-90.0, 3.2, 6.4),
+                                         (180.0, 19.2, 6.4)])
+def test_a_rotation_on_a_front_only_range_moves_a_cell_where_the_geometry_says(yaw, tx, ty):
+    # On a range centred on the agent the map centre cancels out of the warp; on a front-only
+    # one a rotation turns about the agent (x = 0), not the map's middle. Translations of whole
+    # cells at stride 4 (3.2 m), so cell centres land on cell centres at every scale.
+    grid = BevGrid(FRONT, (0.8, 0.8), 32, 32)
+    to_ego = rigid(yaw, tx, ty)
+    for stride in (1, 2, 4):
+        size = 32 // stride
+        cell, center = grid.cell_and_center(size, size)
+        assert center == (12.8, 0.0)
+        row, col = 3 * size // 4, size // 4 + 2 // stride       # (y, x) cell of the agent's map
+        x, y = FRONT[0] + (col + 0.5) * cell[0], FRONT[1] + (row + 0.5) * cell[1]
+        ego_x, ego_y = (to_ego[:2, :2].double() @ torch.tensor([x, y], dtype=torch.float64)
+                        + to_ego[:2, 3].double()).tolist()
+        ego_col = round((ego_x - FRONT[0]) / cell[0] - 0.5)
+        ego_row = round((ego_y - FRONT[1]) / cell[1] - 0.5)
+        assert 0 <= ego_col < size and 0 <= ego_row < size, (ego_row, ego_col)
+        features = torch.zeros(1, 1, size, size)
+        features[0, 0, row, col] = 1.0
+        warped = warp_to_ego(features, to_ego[None], grid)
+        assert (warped[0, 0] > 0.5).nonzero().tolist() == [[ego_row, ego_col]]
+        assert torch.isclose(warped.sum(), torch.tensor(1.0), atol=1e-5)
+
+
 def count_canvas(points: np.ndarray) -> torch.Tensor:
     """(N, 4) points -> (1, 1, 32, 32) points per SQUARE pillar (the map a VFE starts from)."""
     pillarize = PillarizeConfig(lidar_range=SQUARE, voxel_size=(0.8, 0.8, 4.0),
