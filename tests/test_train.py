@@ -856,3 +856,46 @@ def test_a_stuck_rank_is_named_and_the_job_ends_within_the_timeout(data_root, tm
     assert rank0.get("exit", "").startswith("error: rank(s) 1 did not reach the end of epoch 1 "
                                             "within 3 s"), rank0
     assert not (tmp_path / "run" / "last.pth").exists()   # stopped before saving the epoch
+
+
+class _ParamOn:
+    """A stand-in for a parameter on ``device`` (the choice reads only the device)."""
+
+    def __init__(self, device: str):
+        self.device = torch.device(device)
+
+
+def test_the_optimizer_is_fused_on_cuda_unless_args_choose():
+    from opencood.engine.optim import implementation_args
+    on_gpu = [_ParamOn("cuda"), _ParamOn("cuda:1")]
+    assert implementation_args(on_gpu, {"weight_decay": 0.01}) == {"fused": True}
+    assert implementation_args([{"params": on_gpu}], {}) == {"fused": True}   # param groups
+    assert implementation_args(on_gpu, {"foreach": True}) == {}               # the user's choice
+    assert implementation_args(on_gpu, {"fused": False}) == {}
+    assert implementation_args([_ParamOn("cuda"), _ParamOn("cpu")], {}) == {}
+    assert implementation_args([_ParamOn("cpu")], {}) == {}                   # CPU: unchanged
+    optimizer = build_optimizer([torch.nn.Parameter(torch.zeros(2))], resolve_section(
+        "optimizer", {"core_method": "AdamW", "lr": 0.1}))
+    assert not optimizer.defaults["fused"] and optimizer.defaults["foreach"] is None
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif("not torch.cuda.is_available()", reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["Adam", "AdamW", "SGD"])
+def test_fused_optimizer_on_cuda_steps_as_the_foreach_one(name):
+    torch.manual_seed(0)
+    start = [torch.randn(5, 3, device="cuda"), torch.randn(7, device="cuda")]
+    args = {"weight_decay": 0.01, **({"momentum": 0.9} if name == "SGD" else {})}
+    section = resolve_section("optimizer", {"core_method": name, "lr": 0.01, "args": args})
+    fused = [torch.nn.Parameter(t.clone()) for t in start]
+    foreach = [torch.nn.Parameter(t.clone()) for t in start]
+    fused_opt = build_optimizer(fused, section)
+    foreach_opt = build_optimizer(foreach, {**section, "args": {**args, "foreach": True}})
+    assert fused_opt.defaults["fused"] and not foreach_opt.defaults.get("fused")
+    for step in range(3):
+        for params, optimizer in ((fused, fused_opt), (foreach, foreach_opt)):
+            sum((p * (step + 1)).square().sum() for p in params).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    for a, b in zip(fused, foreach):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -28,8 +28,28 @@ OPTIMIZERS = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW, "SGD": torch
 
 
 def build_optimizer(params, cfg: dict) -> torch.optim.Optimizer:
-    """``cfg``: the resolved ``optimizer`` section (opencood.config.resolve_section)."""
-    return OPTIMIZERS[cfg["core_method"]](params, lr=float(cfg["lr"]), **cfg["args"])
+    """``cfg``: the resolved ``optimizer`` section (opencood.config.resolve_section).
+
+    On CUDA the fused implementation unless ``args`` picks one (``fused`` or ``foreach``)."""
+    params = list(params)
+    args = {**implementation_args(params, cfg["args"]), **cfg["args"]}
+    return OPTIMIZERS[cfg["core_method"]](params, lr=float(cfg["lr"]), **args)
+
+
+def implementation_args(params, args: dict) -> dict:
+    """``{"fused": True}`` when every parameter is on CUDA and ``args`` chooses no
+    implementation, else ``{}`` (torch's default: foreach on CUDA, a loop per tensor on CPU).
+
+    The fused step is one kernel launch for all parameters where foreach is about ten (one per
+    arithmetic operator, each over chunks of tensors), and it keeps the step counters on the
+    device, so it reads nothing back (the GPU profile of issue 40: AdamW 1.0 ms of a 31 ms
+    step). On CPU the results stay bit-identical to before (no fused default there)."""
+    if "fused" in args or "foreach" in args:
+        return {}
+    params = [param for entry in params
+              for param in (entry["params"] if isinstance(entry, dict) else [entry])]
+    on_cuda = bool(params) and all(param.device.type == "cuda" for param in params)
+    return {"fused": True} if on_cuda else {}
 
 
 # Each schedule: (step, progress in [0, 1] after the warm-up, steps per epoch, section) -> factor.
