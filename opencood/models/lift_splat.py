@@ -1,0 +1,387 @@
+"""Lift-splat-shoot camera BEV encoder: HEAL's ``LiftSplatShoot`` (Philion & Fidler, ECCV 2020,
+as HEAL modified it), in torch only.
+
+Per camera, an image trunk (:mod:`opencood.models.camera_backbones`) gives a feature map at
+stride ``img_downsample``; two 1x1 convs turn it into ``img_features`` channels and a softmax over
+``D`` depth bins. **Lift**: their outer product is a feature for every (bin, feature pixel), i.e.
+for every point of the camera *frustum*. The frustum's points are moved into the agent frame
+(:func:`frustum_to_agent`: undo the image augmentation, back-project through the intrinsics,
+camera-to-agent extrinsic). **Splat**: points are summed per BEV cell (:func:`splat`, the cumsum
+trick) and the height cells stacked as channels. With ``bev_encoder_channels`` HEAL's ResNet-18
+``BevEncode`` follows (its single-agent ``LiftSplatShoot``); without, the splat is the output (its
+heterogeneous encoder of the same name, whose BEV map the fusion models read).
+
+Camera inputs (a mapping; other keys are ignored), per agent, cameras in a fixed order:
+  images (N_agents, N_cams, 3, H, W) normalised RGB, (H, W) = ``image_size``;
+  intrinsics (N_agents, N_cams, 3, 3) of the original image;
+  extrinsics (N_agents, N_cams, 4, 4) camera-to-agent (x right, y down, z forward camera axes);
+  post_rots (N_agents, N_cams, 3, 3) and post_trans (N_agents, N_cams, 3): the image
+  augmentation, augmented pixel = post_rots @ (u, v, 1)-pixel + post_trans (HEAL's
+  ``img_transform`` made 3x3, last row / entry identity);
+  depth_maps (N_agents, N_cams, H, W) metres, only with ``depth_supervision`` (HEAL passes it as a
+  4th image channel).
+HEAL's collate names these imgs, intrins, extrinsics (rots / trans: its rotation and
+translation), post_rots, post_trans.
+
+Output: (N_agents, out_channels, ny, nx), rows along y and columns along x of the agent frame
+(HEAL's layout), ``out_channels`` = ``bev_encoder_channels`` or ``img_features`` x nz.
+
+What is kept from HEAL on purpose (each pinned by tests/test_parity_lss.py): frustum pixels at
+``linspace(0, W - 1, fW)`` (not feature-cell centres), depth targets sampled at pixel
+``ds // 2 + k * ds``, cell indices by truncation toward zero (a point less than one cell below
+the lower edge lands in the first cell), the EfficientNet's TensorFlow padding.
+"""
+from __future__ import annotations
+
+from typing import Literal, Mapping, NamedTuple, Optional, Tuple
+
+import numpy as np
+import torch
+from torch import nn
+
+from opencood.config_schema import Problems, positive, section, spec
+from opencood.models.camera_backbones import (EfficientNetB0, ResNet101Stem, ResNetBevEncode,
+                                              UpConcat,
+                                              efficientnet_pytorch_to_ours)
+
+CAMERA_KEYS = ("images", "intrinsics", "extrinsics", "post_rots", "post_trans")
+EFFICIENTNET_WIDTHS = {32: 320, 16: 112, 8: 40}      # channels of the trunk's endpoints
+TRUNK_WIDTH = 512                                    # what depth_head / image_head read
+
+
+def axis_bound(value) -> Optional[str]:
+    """(min, max, cell size): min < max, cell > 0."""
+    low, high, cell = value
+    return None if low < high and cell > 0 else "must be [min, max, cell size] with min < max, cell > 0"
+
+
+def depth_range(value) -> Optional[str]:
+    """(d_min, d_max, num_bins)."""
+    low, high, bins = value
+    return None if 0 <= low < high and bins >= 1 else \
+        "must be [d_min, d_max, num_bins] with 0 <= d_min < d_max, num_bins >= 1"
+
+
+@section
+class LiftSplatArgs:
+    """``model.args.encoder.args`` of ``core_method: lss``: HEAL's ``encoder_args`` of
+    ``lift_splat_shoot``, its ``grid_conf`` and ``data_aug_conf.final_dim`` flattened in."""
+
+    xbound: Tuple[float, float, float] = spec(check=axis_bound)     # metres: min, max, cell
+    ybound: Tuple[float, float, float] = spec(check=axis_bound)
+    zbound: Tuple[float, float, float] = spec((-10.0, 10.0, 20.0), check=axis_bound)
+    ddiscr: Tuple[float, float, int] = spec((2.0, 50.0, 48), check=depth_range)
+    depth_mode: Literal["UD", "LID"] = "LID"          # HEAL's grid_conf.mode
+    image_size: Tuple[int, int] = spec(check=lambda v: None if min(v) > 0 else "must be > 0")
+    img_downsample: Literal[8, 16] = 8
+    img_features: int = spec(128, check=positive)    # camC
+    camera_encoder: Literal["EfficientNet", "Resnet101"] = "EfficientNet"   # HEAL's spelling
+    # keep the depth logits and LiDAR depth targets of the last forward (``depth_outputs``)
+    depth_supervision: bool = False
+    # HEAL's ``bevout_feature``: its ResNet-18 BevEncode after the splat; None: the splat itself
+    bev_encoder_channels: Optional[int] = spec(None, check=positive)
+
+    def problems(self) -> Problems:
+        height, width = self.image_size
+        multiple = 32 if self.camera_encoder == "EfficientNet" else 8
+        if height % multiple or width % multiple:
+            yield "image_size", f"must be multiples of {multiple} for {self.camera_encoder}"
+        if self.camera_encoder == "Resnet101" and self.img_downsample != 8:
+            yield "img_downsample", "must be 8 with Resnet101 (its layer2 ends at stride 8)"
+        if self.bev_encoder_channels is not None and any(
+                n % 8 for n in grid_cells(self)[:2]):
+            yield "bev_encoder_channels", "needs a BEV grid of multiples of 8 cells (BevEncode)"
+
+
+def grid_cells(args: LiftSplatArgs) -> Tuple[int, int, int]:
+    """(nx, ny, nz) as HEAL's ``gen_dx_bx`` (truncated: a partial last cell is dropped)."""
+    return tuple(int((high - low) / cell) for low, high, cell in
+                 (args.xbound, args.ybound, args.zbound))
+
+
+# -- depth bins -------------------------------------------------------------------------------
+
+def depth_bin_starts(d_min: float, d_max: float, num_bins: int, mode: str) -> np.ndarray:
+    """The depth of each bin's frustum points, (num_bins,) float64 (HEAL's
+    ``depth_discretization``). UD: ``d_min + i * (d_max - d_min) / n``; LID (linearly increasing
+    bin widths, widths 1, 2, 3... units): ``d_min + unit * i (i + 1) / 2``, unit
+    ``2 (d_max - d_min) / (n (n + 1))``, so the last bin ends at d_max."""
+    index = np.arange(num_bins)
+    if mode == "UD":
+        return d_min + (d_max - d_min) / num_bins * index
+    if mode == "LID":
+        unit = 2 * (d_max - d_min) / (num_bins * (1 + num_bins))
+        return d_min + unit * (index * np.arange(1, 1 + num_bins)) / 2
+    raise ValueError(f"depth mode {mode!r}: expected UD or LID")
+
+
+def depth_bin_indices(depth: torch.Tensor, d_min: float, d_max: float, num_bins: int,
+                      mode: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Depths (any shape, metres) -> (bin index int64 in [0, n), inside mask bool): the bin
+    whose [start, next start) holds the depth (HEAL's ``bin_depths``). Outside [d_min, d_max)
+    or not finite: the index is clamped (below: 0; above or non-finite: n - 1) and the mask
+    False. LID has no real index for a depth more than unit / 8 below d_min (the square root of
+    a negative): it lands in the last bin, as HEAL's."""
+    if mode == "UD":
+        indices = (depth - d_min) / ((d_max - d_min) / num_bins)
+    elif mode == "LID":
+        unit = 2 * (d_max - d_min) / (num_bins * (1 + num_bins))
+        indices = -0.5 + 0.5 * torch.sqrt(1 + 8 * (depth - d_min) / unit)
+    else:
+        raise ValueError(f"depth mode {mode!r}: expected UD or LID")
+    inside = (indices >= 0) & (indices < num_bins) & torch.isfinite(indices)
+    indices = torch.where(indices < 0, torch.zeros_like(indices), indices)
+    indices = torch.where((indices >= num_bins) | ~torch.isfinite(indices),
+                          torch.full_like(indices, num_bins - 1), indices)
+    return indices.long(), inside
+
+
+def depth_focal_loss(logits: torch.Tensor, target: torch.Tensor, alpha: float = 0.25,
+                     gamma: float = 2.0) -> torch.Tensor:
+    """HEAL's depth supervision (``point_pillar_depth_loss``'s FocalLoss): logits (M, D, h, w),
+    target bin indices (M, h, w) -> the mean over pixels of
+    ``-alpha (1 - p_t)^gamma log p_t``, p_t the softmax probability of the target bin. Every
+    pixel counts, those whose depth lies outside the bins at the clamped index (as HEAL)."""
+    log_probs = logits.log_softmax(1)
+    log_target = log_probs.gather(1, target.unsqueeze(1)).squeeze(1)
+    return (-alpha * (1 - log_target.exp()) ** gamma * log_target).mean()
+
+
+# -- geometry ---------------------------------------------------------------------------------
+
+def make_frustum(image_size: Tuple[int, int], downsample: int,
+                 depths: np.ndarray) -> torch.Tensor:
+    """(D, fH, fW, 3) points (u, v, depth) in augmented-image pixels: fH x fW pixels spread
+    evenly over the whole image, first and last pixel included (HEAL's ``create_frustum``;
+    ``fH = H // downsample``), one copy per bin depth."""
+    height, width = image_size
+    rows, cols = height // downsample, width // downsample
+    d = torch.tensor(depths, dtype=torch.float).view(-1, 1, 1).expand(-1, rows, cols)
+    u = torch.linspace(0, width - 1, cols).view(1, 1, cols).expand_as(d)
+    v = torch.linspace(0, height - 1, rows).view(1, rows, 1).expand_as(d)
+    return torch.stack((u, v, d), -1)
+
+
+def frustum_to_agent(frustum: torch.Tensor, intrinsics: torch.Tensor, extrinsics: torch.Tensor,
+                     post_rots: torch.Tensor, post_trans: torch.Tensor) -> torch.Tensor:
+    """Frustum (D, fH, fW, 3) -> points (B, N, D, fH, fW, 3) in each agent's frame (HEAL's
+    ``get_geometry``): undo the image augmentation (``post_rots^-1 (p - post_trans)``), scale
+    (u, v) by the depth, back-project with ``K^-1`` and apply the camera-to-agent extrinsic.
+    intrinsics / post_rots (B, N, 3, 3), extrinsics (B, N, 4, 4), post_trans (B, N, 3)."""
+    batch, cams = post_trans.shape[:2]
+    rotation, translation = extrinsics[..., :3, :3], extrinsics[..., :3, 3]
+    points = frustum - post_trans.view(batch, cams, 1, 1, 1, 3)
+    points = torch.inverse(post_rots).view(batch, cams, 1, 1, 1, 3, 3).matmul(points.unsqueeze(-1))
+    points = torch.cat((points[..., :2, :] * points[..., 2:3, :], points[..., 2:3, :]), -2)
+    combine = rotation.matmul(torch.inverse(intrinsics))
+    points = combine.view(batch, cams, 1, 1, 1, 3, 3).matmul(points).squeeze(-1)
+    return points + translation.view(batch, cams, 1, 1, 1, 3)
+
+
+# -- splat: sum-pooling by cell, the cumsum trick ---------------------------------------------
+
+class BevGridSpec(NamedTuple):
+    lower: torch.Tensor        # (3,) lower edge of the first cell, metres
+    cell: torch.Tensor         # (3,) cell size
+    cells: Tuple[int, int, int]     # nx, ny, nz
+
+
+class CumsumPool(torch.autograd.Function):
+    """Sum of the rows of ``features`` (P, C) with equal ``ranks`` (P,), rows sorted by rank:
+    -> (one row per rank (R, C), the index of each rank's last row (R,)).
+
+    The cumsum trick (Philion & Fidler's ``QuickCumsum``): a running sum, read at each rank's
+    last row, minus the previous one. Its gradient is not autograd's through the cumsum: every
+    row gets its sum's gradient, gathered by a running count of kept rows."""
+
+    @staticmethod
+    def forward(ctx, features: torch.Tensor, ranks: torch.Tensor):
+        running = features.cumsum(0)
+        last = torch.ones(features.shape[0], device=features.device, dtype=torch.bool)
+        last[:-1] = ranks[1:] != ranks[:-1]
+        sums = running[last]
+        sums = torch.cat((sums[:1], sums[1:] - sums[:-1]))
+        ctx.save_for_backward(last)
+        last_rows = torch.nonzero(last).squeeze(1)
+        ctx.mark_non_differentiable(last_rows)
+        return sums, last_rows
+
+    @staticmethod
+    def backward(ctx, grad_sums: torch.Tensor, grad_rows):
+        last, = ctx.saved_tensors
+        group = torch.cumsum(last, 0)
+        group[last] -= 1                 # the row that closes a group belongs to it
+        return grad_sums[group], None
+
+
+def cell_ranks(cells: torch.Tensor, batch_index: torch.Tensor,
+               shape: Tuple[int, int, int], batch: int) -> torch.Tensor:
+    """One integer per (cell, sample), equal for points that share both; HEAL's order (x, then y,
+    z, sample): ((x ny + y) nz + z) B + b."""
+    nx, ny, nz = shape
+    return cells[:, 0] * (ny * nz * batch) + cells[:, 1] * (nz * batch) + cells[:, 2] * batch \
+        + batch_index
+
+
+def rank_order(ranks: torch.Tensor) -> torch.Tensor:
+    """Rows of equal rank next to each other (stable, so the sum order is reproducible)."""
+    return torch.sort(ranks, stable=True).indices
+
+
+def splat(points: torch.Tensor, features: torch.Tensor, grid: BevGridSpec) -> torch.Tensor:
+    """points (B, N, D, fH, fW, 3) agent-frame metres, features (B, N, D, fH, fW, C) -> the sum
+    of the features per BEV cell, heights stacked as channels: (B, C nz, ny, nx), channel
+    ``z * C + c`` (HEAL's ``voxel_pooling``)."""
+    batch, channels = points.shape[0], features.shape[-1]
+    nx, ny, nz = grid.cells
+    features = features.reshape(-1, channels)
+    # truncation toward zero, as theirs: (-1, 0) lands in the first cell
+    cells = ((points - grid.lower) / grid.cell).long().view(-1, 3)
+    batch_index = torch.arange(batch, device=points.device).repeat_interleave(
+        cells.shape[0] // batch)
+    inside = ((cells >= 0) & (cells < torch.tensor(grid.cells, device=cells.device))).all(1)
+    features, cells, batch_index = features[inside], cells[inside], batch_index[inside]
+    ranks = cell_ranks(cells, batch_index, grid.cells, batch)
+    order = rank_order(ranks)
+    sums, last_rows = CumsumPool.apply(features[order], ranks[order])
+    cells, batch_index = cells[order][last_rows], batch_index[order][last_rows]
+    bev = features.new_zeros(batch, channels, nz, ny, nx)
+    bev[batch_index, :, cells[:, 2], cells[:, 1], cells[:, 0]] = sums
+    return torch.cat(bev.unbind(dim=2), 1)
+
+
+# -- the camera encoder -----------------------------------------------------------------------
+
+class CameraEncoder(nn.Module):
+    """Images (M, 3, H, W) -> (trunk features (M, 512, fH, fW), image features (M, C, fH, fW),
+    depth logits (M, D, fH, fW)) (HEAL's ``CamEncode`` / ``CamEncode_Resnet101``)."""
+
+    def __init__(self, kind: str, downsample: int, num_bins: int, channels: int):
+        super().__init__()
+        self.kind = kind
+        self.downsample = downsample
+        if kind == "EfficientNet":
+            self.trunk = EfficientNetB0()
+            self.up1 = UpConcat(EFFICIENTNET_WIDTHS[32] + EFFICIENTNET_WIDTHS[16], TRUNK_WIDTH)
+            if downsample == 8:
+                self.up2 = UpConcat(TRUNK_WIDTH + EFFICIENTNET_WIDTHS[8], TRUNK_WIDTH)
+        else:
+            self.trunk = ResNet101Stem()
+        self.depth_head = nn.Conv2d(TRUNK_WIDTH, num_bins, 1)
+        self.image_head = nn.Conv2d(TRUNK_WIDTH, channels, 1)
+
+    def trunk_features(self, images: torch.Tensor) -> torch.Tensor:
+        if self.kind != "EfficientNet":
+            return self.trunk(images)
+        endpoints = self.trunk(images)
+        x = self.up1(endpoints[32], endpoints[16])
+        return self.up2(x, endpoints[8]) if self.downsample == 8 else x
+
+    def forward(self, images: torch.Tensor):
+        features = self.trunk_features(images)
+        return self.image_head(features), self.depth_head(features)
+
+
+class LiftSplat(nn.Module):
+    """Camera inputs (module doc) -> BEV features (N_agents, out_channels, ny, nx)."""
+
+    def __init__(self, args: LiftSplatArgs):
+        super().__init__()
+        self.args = args
+        d_min, d_max, num_bins = args.ddiscr
+        depths = depth_bin_starts(d_min, d_max, int(num_bins), args.depth_mode)
+        self.register_buffer("frustum", make_frustum(args.image_size, args.img_downsample, depths),
+                             persistent=False)
+        axes = (args.xbound, args.ybound, args.zbound)
+        cell_size = torch.tensor([cell for _, _, cell in axes])
+        # HEAL's bx - dx / 2: the first cell's centre (float64, then float32) less half a cell
+        first_centre = torch.tensor([low + cell / 2.0 for low, _, cell in axes])
+        self.register_buffer("grid_lower", first_centre - cell_size / 2.0, persistent=False)
+        self.register_buffer("cell_size", cell_size, persistent=False)
+        self.cells = grid_cells(args)
+        self.num_bins = int(num_bins)
+        self.camera_encoder = CameraEncoder(args.camera_encoder, args.img_downsample,
+                                            self.num_bins, args.img_features)
+        splat_channels = args.img_features * self.cells[2]
+        self.bev_encoder = None
+        if args.bev_encoder_channels is not None:
+            self.bev_encoder = ResNetBevEncode(splat_channels, args.bev_encoder_channels)
+        self.out_channels = args.bev_encoder_channels or splat_channels
+        self.depth_outputs: Optional[dict] = None
+
+    def lift(self, images: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """images (B, N, 3, H, W) -> (frustum features (B, N, D, fH, fW, C), depth logits
+        (B N, D, fH, fW)): each pixel's image feature times its depth distribution."""
+        batch, cams = images.shape[:2]
+        image_features, depth_logits = self.camera_encoder(images.flatten(0, 1))
+        lifted = depth_logits.softmax(1).unsqueeze(1) * image_features.unsqueeze(2)
+        lifted = lifted.view(batch, cams, *lifted.shape[1:])        # (B, N, C, D, fH, fW)
+        return lifted.permute(0, 1, 3, 4, 5, 2), depth_logits
+
+    def depth_targets(self, depth_maps: torch.Tensor) -> torch.Tensor:
+        """depth_maps (B, N, H, W) -> bin indices (B N, fH, fW) at pixels ds // 2 + k ds."""
+        step = self.args.img_downsample
+        sampled = depth_maps.flatten(0, 1)[:, step // 2::step, step // 2::step]
+        d_min, d_max, _ = self.args.ddiscr
+        return depth_bin_indices(sampled, d_min, d_max, self.num_bins, self.args.depth_mode)[0]
+
+    def forward(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        missing = [key for key in CAMERA_KEYS if key not in batch]
+        if missing:
+            raise KeyError(f"lift-splat encoder: the batch lacks camera keys {missing}")
+        points = frustum_to_agent(self.frustum, batch["intrinsics"], batch["extrinsics"],
+                                  batch["post_rots"], batch["post_trans"])
+        lifted, depth_logits = self.lift(batch["images"])
+        grid = BevGridSpec(self.grid_lower, self.cell_size, self.cells)
+        bev = splat(points, lifted, grid)
+        if self.args.depth_supervision:
+            self.depth_outputs = {"depth_logits": depth_logits,
+                                  "depth_target": self.depth_targets(batch["depth_maps"])}
+        return self.bev_encoder(bev) if self.bev_encoder is not None else bev
+
+
+# -- HEAL's configuration and weights ---------------------------------------------------------
+
+def args_from_heal(encoder_args: Mapping) -> dict:
+    """HEAL's ``encoder_args`` of a ``lift_splat_shoot`` agent (or its single-agent model's
+    ``args``) -> our ``LiftSplatArgs`` keys."""
+    grid = encoder_args["grid_conf"]
+    d_min, d_max, bins = grid["ddiscr"]
+    args = {"xbound": list(grid["xbound"]), "ybound": list(grid["ybound"]),
+            "zbound": list(grid["zbound"]), "ddiscr": [float(d_min), float(d_max), int(bins)],
+            "depth_mode": grid["mode"],
+            "image_size": list(encoder_args["data_aug_conf"]["final_dim"]),
+            "img_downsample": encoder_args["img_downsample"],
+            "img_features": encoder_args["img_features"],
+            "camera_encoder": encoder_args["camera_encoder"],
+            "depth_supervision": bool(encoder_args.get("depth_supervision", False))}
+    if "bevout_feature" in encoder_args:
+        args["bev_encoder_channels"] = encoder_args["bevout_feature"]
+    return args
+
+
+HEAL_PREFIXES = (("camencode.trunk.", "camera_encoder.trunk."),
+                 ("camencode.", "camera_encoder."), ("bevencode.", "bev_encoder."))
+
+
+def heal_to_ours(state: Mapping[str, torch.Tensor], camera_encoder: str) -> dict:
+    """The ``camencode.*`` / ``bevencode.*`` keys of HEAL's ``LiftSplatShoot`` state dict -> our
+    :class:`LiftSplat`'s (EfficientNet keys through :func:`efficientnet_pytorch_to_ours`; the
+    ResNet-101's are torchvision's on both sides). Other keys (heads) are not taken; an unknown
+    EfficientNet key raises :class:`WeightMappingError`, any other that does not fit fails the
+    strict ``load_state_dict``."""
+    ours = {}
+    for key, tensor in state.items():
+        if camera_encoder == "EfficientNet" and key.startswith("camencode.trunk."):
+            inner = efficientnet_pytorch_to_ours({key[len("camencode.trunk."):]: tensor})
+            ours.update({"camera_encoder.trunk." + k: v for k, v in inner.items()})
+            continue
+        if camera_encoder == "Resnet101" and key.startswith("camencode.") and \
+                key.split(".")[1] in ("conv1", "bn1", "layer1", "layer2"):
+            ours["camera_encoder.trunk." + key[len("camencode."):]] = tensor
+            continue
+        for theirs, mine in HEAL_PREFIXES[1:]:
+            if key.startswith(theirs):
+                ours[mine + key[len(theirs):]] = tensor
+                break
+    return ours
