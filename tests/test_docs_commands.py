@@ -395,6 +395,7 @@ def run_tool(argv: List[str]) -> None:
 def test_the_cheap_blocks_run_as_written(tmp_path, monkeypatch):
     (tmp_path / "hypes_yaml").symlink_to(REPO_ROOT / "hypes_yaml")
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("OPENCOOD_CACHE", str(tmp_path / "cache"))     # not the user's cache
     blocks = {block.key: block for block in all_blocks()}
     for key, (indexes, _why) in RUN_BLOCKS.items():
         commands = block_commands(blocks[key].text)
