@@ -40,18 +40,19 @@ from process_state import cpu_and_process_state  # noqa: F401  (fixture)
 from tool_modules import load_tool
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-PAGES = ["README.md"] + sorted(str(p.relative_to(REPO_ROOT)) for p in (REPO_ROOT / "docs").glob("*.md"))
+PAGES = ["README.md"] + sorted(f"docs/{page.name}" for page in (REPO_ROOT / "docs").glob("*.md"))
 
-BlockKey = Tuple[str, str, int]          # (page, nearest heading above the block, its place under it)
+# (page, the nearest heading above the block, its place among that heading's blocks)
+BlockKey = Tuple[str, str, int]
 
 # Blocks run for real: key -> (indexes of the commands run, None: all; why).
 RUN_BLOCKS: Dict[BlockKey, Tuple[Optional[Tuple[int, ...]], str]] = {
     ("README.md", "A tour", 0): (
-        None, "the newcomer's first session: tiny data (2 s), its check, a picture, the smoke "
-              "training (2 steps), its evaluation and the record list"),
+        None, "the newcomer's first session: tiny data (about 2 s), its check, a picture, "
+              "the smoke training (2 steps), its evaluation and the record list"),
     ("docs/datasets.md", "V2V4Real (`fusion.dataset: v2v4real`, `hypes_yaml/v2v4real/`)", 0): (
-        (0,), "the tiny V2V4Real set is written (2 s); its torchrun training (2 processes, "
-              "~40 s) and the evaluation of that run are only checked"),
+        (0,), "the tiny V2V4Real set is written (about 2 s); its torchrun training (2 "
+              "processes) and the evaluation of that run are only checked"),
     ("docs/datasets.md", "DAIR-V2X-C (`fusion.dataset: dairv2x`, `hypes_yaml/dairv2x/`)", 0): (
         (0,), "as V2V4Real: the tiny DAIR-V2X-C set is written, training and evaluation checked"),
 }
@@ -63,17 +64,19 @@ SKIPPED_BLOCKS: Dict[BlockKey, str] = {
         "(.ci/run) runs the second in a fresh venv",
     ("docs/checkpoints.md", "Checkpoints and interop: using published checkpoints", 0):
         "needs another codebase's run folder and a real OPV2V copy (PEER_RUN, /data/opv2v); "
-        "tests/test_checkpoint.py and test_parity_opencood.py run import and export",
+        "tests/test_parity_opencood.py and test_e2e_parity.py run import and export",
     ("docs/checkpoints.md", "Checkpoints and interop: using published checkpoints", 1):
         "needs HEAL / V2V4Real / CoAlign run folders; tests/test_import_heal_v2v4real.py runs them",
     ("docs/datasets.md", "The OPV2V layout, and using a real OPV2V copy", 0):
         "needs a real OPV2V copy and 8 processes",
     ("docs/datasets.md", "The synthetic world", 0):
-        "the `small` preset takes about a CPU-minute and 300 MB; the tour writes `tiny` the same way",
+        "the `small` preset takes minutes of CPU (the quick start writes it); the tour writes "
+        "`tiny` with the same tool",
     ("docs/evaluation.md", "Evaluation and protocols", 0):
         "a synopsis over a trained run (runs/NAME); the tour evaluates one",
     ("docs/evaluation.md", "Pose correction (CoAlign)", 0):
-        "two training runs of many minutes; tests/test_late_box_align.py runs the flow",
+        "two training runs of many minutes; tests/test_pose_correction.py and test_eval.py "
+        "evaluate with a stage-1 run",
     ("docs/results.md", "CPU, `small` synthetic preset, equal optimizer steps", 0):
         "about 90 minutes of training",
     ("docs/results.md", "CPU, `small` preset: the four baselines at 1,120 equal steps", 0):
@@ -235,7 +238,8 @@ def tool_name(tool: str) -> str:
 def parse_tool_args(tool: str, args: List[str]) -> Tuple[Optional[argparse.Namespace], str]:
     """(namespace, "") when the tool's parser accepts args, else (None, argparse's message)."""
     stderr = io.StringIO()
-    with parse_only(), contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
+    quiet = contextlib.redirect_stdout(io.StringIO())
+    with parse_only(), contextlib.redirect_stderr(stderr), quiet:
         try:
             load_tool(tool_name(tool)).main(args)
         except _Parsed as parsed:
@@ -288,7 +292,9 @@ def command_problems(argv: List[str]) -> List[str]:
     if command.tool.endswith(".sh"):
         syntax = subprocess.run(["bash", "-n", str(REPO_ROOT / command.tool)],
                                 capture_output=True, text=True)
-        return problems + ([f"{command.tool}: {syntax.stderr.strip()}"] if syntax.returncode else [])
+        if syntax.returncode:
+            problems.append(f"{command.tool}: {syntax.stderr.strip()}")
+        return problems
     for variant in synopsis_variants(command.args):
         namespace, message = parse_tool_args(command.tool, variant)
         if namespace is None:
@@ -317,7 +323,8 @@ def test_block_reading_joins_continuations_expands_and_splits_chains():
         ["python", "tools/results_table.py", "--steps", "3", "--configs",
          "hypes_yaml/synthetic/point_pillar_a.yaml", "hypes_yaml/synthetic/point_pillar_b.yaml"],
         ["pip", "install", "-e", "."], ["python", "-m", "pytest", "-q"]]
-    assert synopsis_variants(["--m", "runs/NAME", "[--fusion_method", "no|late]", "[--steps", "N]"]) == [
+    synopsis = ["--m", "runs/NAME", "[--fusion_method", "no|late]", "[--steps", "N]"]
+    assert synopsis_variants(synopsis) == [
         ["--m", "runs/NAME", "--fusion_method", "no", "--steps", "1"],
         ["--m", "runs/NAME", "--fusion_method", "late", "--steps", "1"]]
 
@@ -328,14 +335,16 @@ def test_headings_inside_code_fences_are_not_headings():
 
 
 @pytest.mark.parametrize("argv, expected", [
-    ("python tools/eval.py --model_dir runs/x --no_such_flag", "unrecognized arguments: --no_such_flag"),
+    ("python tools/eval.py --model_dir runs/x --no_such_flag",
+     "unrecognized arguments: --no_such_flag"),
     ("python tools/eval.py --model_dir runs/x --protocol nonesuch", "invalid choice: 'nonesuch'"),
     ("python tools/no_such_tool.py --help", "no such file: tools/no_such_tool.py"),
-    ("python tools/train.py --hypes_yaml hypes_yaml/synthetic/smoke.yaml --set train_params.epoch=1",
-     "train_params.epoch"),
+    ("python tools/train.py --hypes_yaml hypes_yaml/synthetic/smoke.yaml "
+     "--set train_params.epoch=1", "train_params.epoch"),
     ("python tools/train.py --hypes_yaml hypes_yaml/synthetic/nonesuch.yaml", "no such file"),
     ("torchrun --nproc-per-nodes=2 tools/train.py --hypes_yaml X.yaml", "torchrun: "),
-    ("python tools/generate_synthetic.py --out d --presets tiny", "unrecognized arguments: --presets"),
+    ("python tools/generate_synthetic.py --out d --presets tiny",
+     "unrecognized arguments: --presets"),
     ("make all", "a command this test does not know"),
 ])
 def test_a_stale_command_is_reported(argv, expected):
@@ -344,9 +353,11 @@ def test_a_stale_command_is_reported(argv, expected):
 
 
 def test_a_good_command_parses_without_running():
-    namespace, message = parse_tool_args("tools/train.py", ["--hypes_yaml", "X.yaml", "--set", "a=1"])
+    namespace, message = parse_tool_args("tools/train.py",
+                                         ["--hypes_yaml", "X.yaml", "--set", "a=1"])
     assert message == "" and namespace.hypes_yaml == "X.yaml" and namespace.overrides == ["a=1"]
-    assert command_problems(shlex.split("torchrun --nproc_per_node=4 tools/eval.py --model_dir r")) == []
+    torchrun_eval = "torchrun --nproc_per_node=4 tools/eval.py --model_dir r"
+    assert command_problems(shlex.split(torchrun_eval)) == []
 
 
 # ----------------------------------------------------------------------------------------------
