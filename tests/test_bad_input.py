@@ -25,7 +25,7 @@ import torch
 import yaml
 
 from opencood.config import load_config, save_config
-from opencood.engine import evaluator
+from opencood.engine import evaluator, trainer
 from opencood.engine.hooks import TrainHooks
 from opencood.utils import dist as dist_utils
 from opencood.utils.batching import split_global_batch
@@ -35,7 +35,6 @@ from process_state import (cpu_and_process_state, preserved_opencood_logger,  # 
                            preserved_torch_switches)
 from tool_modules import load_tool
 
-trainer = load_tool("train")   # tools/train.py
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SMOKE_YAML = REPO_ROOT / "hypes_yaml" / "synthetic" / "smoke.yaml"
 SCENARIO = "2021_01_01_00_00_00"

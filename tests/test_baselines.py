@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from opencood.config import resolve_section
+from opencood.engine import trainer
 from opencood.losses import DetectionLoss
 from opencood.models import build_model
 from opencood.models.v2vnet import V2VNetArgs, V2VNetFusion
 from opencood.models.warp import bev_affine, warp_to_receivers
 from opencood.registry import FUSIONS
 from dist_helpers import run_on_ranks
-from tool_modules import load_tool
 from test_models import make_batch, make_targets, model_args, permute_non_ego, select_agents
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -447,7 +447,6 @@ LITE_CONFIGS = [f"point_pillar_{name}" for name in BASELINES]
 @pytest.mark.parametrize("name", LITE_CONFIGS)
 def test_lite_config_trains_with_the_trainer(name, tmp_path, monkeypatch):
     """Two optimiser steps of the lite config (smoke geometry) through trainer.main."""
-    trainer = load_tool("train")
     from opv2v_factory import frame_stamps, write_simple_split
     from process_state import preserved_opencood_logger, preserved_torch_switches
     from test_train import fusion_yaml

@@ -311,8 +311,7 @@ def test_schema_enumerations_match_the_implementations():
 # -- a run folder's saved config -------------------------------------------------------------
 
 def test_saved_config_of_a_run_reloads_to_the_same_resolved_config(tmp_path, monkeypatch):
-    from tool_modules import load_tool
-    trainer = load_tool("train")
+    from opencood.engine import trainer
     data = tmp_path / "data"
     write_simple_split(data / "train", num_cavs=2, timestamps=("000000", "000002"))
     overrides = [f"root_dir={data / 'train'}", "validate_dir=null", "train_params.epoches=1",

@@ -289,4 +289,4 @@ def test_every_loader_is_built_by_build_loader_with_worker_context():
             if isinstance(node, ast.Call) and name == "build_loader":
                 callers.add(path.name)
     assert built == ["collate.py"]
-    assert {"train.py", "recipe.py", "evaluator.py", "bench.py"} <= callers
+    assert {"trainer.py", "recipe.py", "evaluator.py", "bench.py"} <= callers

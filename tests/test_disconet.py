@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from opencood.config import load_config, resolve_section
-from opencood.engine import recipe
+from opencood.engine import recipe, trainer
 from opencood.engine.hooks import TrainHooks
 from opencood.engine.teacher import FrozenTeacher
 from opencood.errors import ConfigError
@@ -31,12 +31,10 @@ from process_state import preserved_opencood_logger
 from test_models import (BACKBONE_CHANNELS, H, W, intermediate_cfg, make_batch, make_targets,
                          model_args, permute_non_ego)
 from test_train import _two_rank_body, fusion_yaml
-from tool_modules import load_tool
 
 CPU = torch.device("cpu")
 STUDENT_CFG = intermediate_cfg("disconet", hidden=[16, 8])
 TEACHER_CFG = {"core_method": "point_pillar", "args": model_args()}
-trainer = load_tool("train")
 
 
 def frozen_teacher(weight=1.0, seed=1):

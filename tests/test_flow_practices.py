@@ -18,10 +18,9 @@ import torch
 from dist_helpers import free_port, run_on_ranks
 from opv2v_factory import frame_stamps, write_simple_split
 from process_state import preserved_opencood_logger, preserved_torch_switches
-from tool_modules import load_tool
 from opencood.config import load_config
 from opencood.data.pipeline import BatchPreparer
-from opencood.engine import recipe
+from opencood.engine import recipe, trainer
 from opencood.engine.hooks import TrainHooks
 from opencood.engine.task import DetectionTask
 from opencood.losses import build_loss
@@ -33,7 +32,6 @@ from opencood.utils.init import init_weights
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SMOKE_YAML = REPO_ROOT / "hypes_yaml" / "synthetic" / "smoke.yaml"
 CPU = torch.device("cpu")
-train_tool = load_tool("train")
 
 
 @pytest.fixture(autouse=True)
@@ -90,7 +88,7 @@ def test_every_epoch_reads_its_own_shuffle_of_the_training_split(data_root, tmp_
     without shuffling."""
     reads = []
     recording = TrainHooks(wrap_train_set=lambda dataset: RecordingDataset(dataset, reads))
-    train_tool.main(run_args(data_root, tmp_path / "run", "train_params.epoches=3",
+    trainer.main(run_args(data_root, tmp_path / "run", "train_params.epoches=3",
                              "train_params.batch_size=2", "seed=7"), hooks=recording)
     for epoch in (1, 2, 3):
         sampler = torch.utils.data.DistributedSampler(range(8), num_replicas=1, rank=0,
@@ -104,7 +102,7 @@ def test_every_epoch_reads_its_own_shuffle_of_the_training_split(data_root, tmp_
 def test_validation_and_best_checkpoint_use_the_ema_weights(data_root, tmp_path):
     """With the EMA on, the logged validation loss is the EMA model's, not the raw model's."""
     run_dir = tmp_path / "run"
-    result = train_tool.main(run_args(data_root, run_dir, "train_params.epoches=2",
+    result = trainer.main(run_args(data_root, run_dir, "train_params.epoches=2",
                                       "train_params.eval_freq=100", "ema.enabled=true",
                                       "ema.tau=1", "ema.decay=0.5", validate=True))
     cfg = load_config(run_dir / "config.yaml")
@@ -130,7 +128,7 @@ def test_the_flow_trains_the_xavier_initialised_model(data_root, tmp_path):
     seeded model after ``init_weights`` (Xavier, classification prior) to within 1e-20, not
     PyTorch's default initialisation."""
     run_dir = tmp_path / "run"
-    train_tool.main(run_args(data_root, run_dir, "train_params.epoches=1", "optimizer.lr=1e-30",
+    trainer.main(run_args(data_root, run_dir, "train_params.epoches=1", "optimizer.lr=1e-30",
                              "seed=3"))
     cfg = load_config(run_dir / "config.yaml")
     trained = load_checkpoint(run_dir / "last.pth")["model"]
@@ -159,7 +157,7 @@ def _first_step_stalls_on_rank_1(rank, world_size, port, argv):
                 time.sleep(15)
 
     try:
-        train_tool.main(argv, hooks=TrainHooks(before_step=late_step))
+        trainer.main(argv, hooks=TrainHooks(before_step=late_step))
         outcome = {"finished": True}
     except SystemExit as error:
         outcome = {"exit": str(error.code)}
@@ -185,12 +183,12 @@ def test_max_steps_stops_inside_an_epoch_and_sizes_the_schedule(data_root, tmp_p
     the lr schedule spans exactly 6 steps; the final checkpoint says where it stopped, so a
     resume with a larger budget continues inside epoch 2."""
     run_dir = tmp_path / "run"
-    result = train_tool.main(run_args(data_root, run_dir, "train_params.max_steps=6",
+    result = trainer.main(run_args(data_root, run_dir, "train_params.max_steps=6",
                                       "train_params.epoches=50", "train_params.batch_size=2"))
     last = load_checkpoint(run_dir / "last.pth")
     assert result["step"] == 6
     assert (last["epoch"], last["epoch_steps_done"], last["step"]) == (1, 2, 6)
     assert last["scheduler"]["last_epoch"] == 6
-    resumed = train_tool.main(["--model_dir", str(run_dir), "--set", "train_params.max_steps=8"])
+    resumed = trainer.main(["--model_dir", str(run_dir), "--set", "train_params.max_steps=8"])
     assert resumed["step"] == 8
     assert load_checkpoint(run_dir / "last.pth")["epoch"] == 2      # epoch 2 now whole

@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from tool_modules import load_tool
 from dist_helpers import free_port, run_on_ranks
 from opv2v_factory import frame_stamps, write_simple_split
 from process_state import preserved_opencood_logger
@@ -27,7 +26,7 @@ from opencood.config import load_config
 from opencood.data.collate import collate_samples
 from opencood.data.datasets import build_dataset
 from opencood.data.pipeline import BatchPreparer
-from opencood.engine import recipe, state as train_state
+from opencood.engine import recipe, state as train_state, trainer
 from opencood.engine.hooks import NO_HOOKS, TrainHooks
 from opencood.engine.loop import validation_loss
 from opencood.engine.task import DetectionTask
@@ -39,7 +38,6 @@ from opencood.utils.samplers import InferenceSampler
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SMOKE_YAML = REPO_ROOT / "hypes_yaml" / "synthetic" / "smoke.yaml"
 CPU = torch.device("cpu")
-trainer = load_tool("train")   # tools/train.py: the flow a user runs
 VAL_BATCHES = (1, 2, 3)
 VAL_SAMPLES = 5   # divisible by neither 2 nor 3: shards of 3+2 and 2+2+1
 

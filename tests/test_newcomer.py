@@ -22,6 +22,7 @@ import yaml
 
 from opencood.config import ConfigError, load_config, save_config
 from opencood.data.opv2v import OPV2VSplit
+from opencood.engine import trainer
 from opencood.errors import OpencoodError, run_cli
 from opencood.models.build import build_model
 from opencood.utils import dist as dist_utils
@@ -35,7 +36,6 @@ from tool_modules import load_tool
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = REPO_ROOT / "hypes_yaml" / "synthetic"
 SMOKE_YAML = CONFIG_DIR / "smoke.yaml"
-trainer = load_tool("train")
 
 
 pytestmark = pytest.mark.usefixtures("cpu_and_process_state")

@@ -50,7 +50,7 @@ import pytest
 import torch
 
 from opencood.config import resolve
-from opencood.engine import evaluator
+from opencood.engine import evaluator, trainer
 from opencood.errors import OpencoodError
 from opencood.interop.exporter import export_opencood_run
 from opencood.interop.importer import import_opencood_run, translate_run
@@ -764,7 +764,7 @@ def test_reference_model_trained_here_exports(tmp_path, test_split):
     trained = tmp_path / "trained"
     with pytest.MonkeyPatch.context() as patch, preserved_opencood_logger():
         patch.setattr(torch.cuda, "is_available", lambda: False)
-        load_tool("train").main([
+        trainer.main([
             "--hypes_yaml", str(ours / "config.yaml"), "--model_dir", str(trained),
             "--set", f"root_dir={test_split}", "--set", "validate_dir=null",
             "--set", f"test_dir={test_split}", "--set", "train_params.max_steps=2",

@@ -6,6 +6,7 @@ session (``two_rank_runs``) whose parts are checked by separate tests.
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
 import math
 import os
@@ -19,7 +20,7 @@ import yaml
 
 from opencood import config as config_io
 from opencood.config import resolve_section
-from opencood.engine import recipe, state as train_state
+from opencood.engine import recipe, state as train_state, trainer
 from opencood.engine.hooks import NO_HOOKS, TrainHooks
 from opencood.engine.optim import build_optimizer, build_scheduler, lr_factor
 from opencood.engine.task import DetectionTask
@@ -30,7 +31,6 @@ from opencood.utils.dist import DistInfo
 from dist_helpers import free_port, run_on_ranks
 from process_state import TORCH_SWITCHES, preserved_opencood_logger, preserved_torch_switches
 from opv2v_factory import frame_stamps, write_simple_split
-from tool_modules import load_tool
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = REPO_ROOT / "hypes_yaml" / "synthetic"
@@ -47,7 +47,6 @@ SLOW_DDP_CONFIGS = [name for name in FUSION_CONFIGS if name not in
 TRAIN_SCALARS = ("loss", "lr", "grad_norm", "samples_per_s")
 VAL_SCALARS = ("loss", "ap_50")
 CPU = torch.device("cpu")
-trainer = load_tool("train")   # tools/train.py: the flow a user runs
 
 
 @pytest.fixture(autouse=True)
@@ -56,6 +55,20 @@ def _restore_process_state():
     and cudnn.benchmark switches that configure_cuda sets from the yaml."""
     with preserved_torch_switches(), preserved_opencood_logger():
         yield
+
+
+@pytest.mark.parametrize("script, module", [("train", "opencood.engine.trainer"),
+                                            ("eval", "opencood.engine.evaluator")])
+def test_flow_scripts_only_call_the_library_flow(script, module):
+    """tools/train.py and tools/eval.py hold no flow of their own: a docstring, ``from <flow>
+    import main`` and the ``__main__`` guard. The loader workers' forkserver preloads the main
+    script (docs/DESIGN.md §6.13), so importing it must start nothing."""
+    tree = ast.parse((REPO_ROOT / "tools" / f"{script}.py").read_text())
+    assert [type(node).__name__ for node in tree.body] == ["Expr", "ImportFrom", "If"]
+    _, imported, guard = tree.body
+    assert imported.module == module and [alias.name for alias in imported.names] == ["main"]
+    assert ast.unparse(guard.test) == "__name__ == '__main__'"
+    assert ast.unparse(guard.body[0]) == "main()" and len(guard.body) == 1
 
 
 def test_torch_switches_are_restored_after_a_change():

@@ -1,8 +1,9 @@
 """The scripts in tools/ as importable modules, so tests drive the flow a user runs.
 
 tools/ is not a package: a script is loaded from its file once per process and cached in
-``sys.modules``. Tests watch a run through its parameters (``tools/train.py``'s ``main(argv,
-hooks)``, opencood.engine.hooks), not by patching the script's names.
+``sys.modules``. The training and evaluation flows are library modules
+(``opencood.engine.trainer``, ``opencood.engine.evaluator``): tests import those, and watch a run
+through its parameters (``trainer.main(argv, hooks)``, opencood.engine.hooks).
 """
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ How to read a line
     ``ms`` is the MEDIAN over ``steps`` timed repetitions after ``warmup`` untimed ones
     (``ms_min``/``ms_max`` show the spread); on CUDA every timed region is bracketed by
     ``torch.cuda.synchronize``. ``amp`` is the autocast dtype the figure ran under: the
-    training-step figures follow the yaml's ``amp`` section on CUDA (as tools/train.py) and run
+    training-step figures follow the yaml's ``amp`` section on CUDA (as training does) and run
     fp32 on CPU; the other figures are fp32 (``amp_yaml`` says what the yaml asks for).
     A speed ratio compares ours with a reference ON THE SAME INPUT IN THE SAME RUN:
     ``reference_ms`` is one run of the reference the line names (``reference``), ``speedup`` is
@@ -384,7 +384,7 @@ class Suite:
 
 
 class ModelBench:
-    """The training objects of tools/train.py in one process (``parts``, a TrainingParts) and a
+    """The training objects of the trainer in one process (``parts``, a TrainingParts) and a
     fake batch on the device."""
 
     def __init__(self, suite: Suite):
@@ -444,7 +444,7 @@ class ModelBench:
         return self.suite.time(fn)
 
     def train_step(self, batch, loss_fn, eager: bool = False, ema=None) -> Dict:
-        """One optimizer step as tools/train.py takes it (``ema``: updated after it). The step
+        """One optimizer step as the trainer takes it (``ema``: updated after it). The step
         figures run the compiled model (performance.compile); ``eager`` the uncompiled one
         (the sync count is a dispatch mode)."""
         from opencood.engine.loop import optimizer_step
@@ -455,37 +455,25 @@ class ModelBench:
                               sync_free=self.sync_free, ema=ema)
 
     def make_ema(self):
+        """The yaml's EMA, or one with its decay and warm-up when the yaml leaves it off."""
+        from opencood.engine.recipe import make_ema
         if self.parts.ema is not None:
             return self.parts.ema
-        from opencood.utils.ema import ModelEMA
-        ema_cfg = self.cfg["ema"]
-        return ModelEMA(self.parts.model_without_ddp, decay=float(ema_cfg["decay"]),
-                        tau=float(ema_cfg["tau"]))
+        return make_ema(self.parts.model_without_ddp, self.cfg["ema"])
 
 
 def training_parts(cfg: Dict, device: torch.device):
-    """The model (Xavier, EMA), task, optimizer and AMP settings, built as tools/train.py builds
-    them for one process from the config's seed."""
-    from opencood.engine.optim import build_optimizer
-    from opencood.engine.recipe import (amp_settings, compile_for_training, configure_cuda,
-                                        prepare_model)
-    from opencood.engine.state import TrainingParts
-    from opencood.engine.task import DetectionTask
+    """The training parts as the trainer builds them (recipe.build_training_parts), for one
+    process from the config's seed, without an lr schedule (the timed steps run at the
+    optimizer's lr). AMP is a GPU setting: on CPU the bench runs fp32 (amp_yaml still says
+    the yaml's)."""
+    from opencood.engine.recipe import build_training_parts, configure_cuda
     from opencood.utils.dist import DistInfo
     torch.manual_seed(int(cfg["seed"]))
     configure_cuda(cfg)
-    info = DistInfo(0, 1, 0, False, None, device)
-    model, model_without_ddp, ema = prepare_model(cfg, info, None, None)
-    model.train()
-    task = DetectionTask.from_config(cfg, device)
-    optimizer = build_optimizer(model_without_ddp.parameters(), cfg["optimizer"])
-    if device.type == "cuda":
-        amp_dtype, scaler = amp_settings(cfg["amp"], device)
-    else:  # AMP is a GPU setting; on CPU the bench runs fp32 (amp_yaml still says the yaml)
-        amp_dtype, scaler = None, torch.amp.GradScaler("cpu", enabled=False)
-    # No lr schedule: the timed steps run at the optimizer's lr.
-    return TrainingParts(compile_for_training(model, cfg), model_without_ddp, ema, optimizer,
-                         None, scaler, amp_dtype, task)
+    parts = build_training_parts(cfg, DistInfo(0, 1, 0, False, None, device))
+    parts.model_without_ddp.train()
+    return parts
 
 
 # -- figures on the model and the fake batch ---------------------------------------------------
@@ -725,7 +713,7 @@ def bench_eval_inference(suite: Suite) -> List[Dict]:
 
 def build_bench_loader(bench: ModelBench, split_dir: Path, batches: int, workers: int,
                        fusion: Optional[str] = None):
-    """The training DataLoader of tools/train.py over ``split_dir`` (``fusion``: another
+    """The training DataLoader of the trainer over ``split_dir`` (``fusion``: another
     strategy than the yaml's), drawing ``batches`` batches (several epochs' worth if the split
     is small) without restarting its workers."""
     from opencood.data.collate import build_loader

@@ -1,8 +1,10 @@
-"""The run stage: how tools/train.py and tools/eval.py assemble everything.
+"""The run stage: the training and evaluation flows and the pieces they assemble.
 
-``recipe.py`` (config and run folder, loaders, model preparation, AMP, the loss step, exact
-validation, logging), ``state.py`` (``TrainState``, what a checkpoint holds, when to save, resume),
-``loop.py`` (one optimizer step with accumulation and collective non-finite checks; exact
-validation loss), ``optim.py`` (optimizers and lr schedules), ``hooks.py`` (callbacks at fixed
-points of a run, for its callers), ``evaluator.py`` (tools/eval.py).
+``trainer.py`` (the training flow, top down, and its command line: tools/train.py),
+``recipe.py`` (config and run folder, loaders, model preparation, the training parts, AMP, exact
+validation, logging), ``task.py`` (forward + loss), ``state.py`` (``TrainState``, what a
+checkpoint holds, when to save, resume), ``loop.py`` (one optimizer step with accumulation and
+collective non-finite checks; exact validation loss), ``optim.py`` (optimizers and lr
+schedules), ``hooks.py`` (callbacks at fixed points of a run, for its callers),
+``evaluator.py`` (the evaluation flow and its command line: tools/eval.py).
 """

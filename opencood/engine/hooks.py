@@ -1,6 +1,6 @@
-"""Seams of the training flow: optional callbacks that ``tools/train.py``'s ``train`` calls at
-fixed points, so that a caller (the tests) can watch or adjust a run through its parameters
-instead of patching the script.
+"""Seams of the training flow: optional callbacks that ``opencood.engine.trainer.train`` calls
+at fixed points, so that a caller (the tests) can watch or adjust a run through its parameters
+instead of patching the flow's module.
 
 Each default does nothing (or returns its argument unchanged): a run without hooks is the run.
 Hooks are called on every rank; they are built inside the process that trains (a spawned rank

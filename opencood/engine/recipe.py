@@ -1,7 +1,8 @@
-"""The training and evaluation recipe shared by the tools: the pieces tools/train.py assembles in
-docs/DESIGN.md §6's order (and tools/eval.py and tools/bench.py reuse), so that no tool
+"""The training and evaluation recipe: the pieces ``opencood.engine.trainer`` assembles in
+docs/DESIGN.md §6's order (and the evaluator and tools/bench.py reuse), so that no tool
 re-assembles them: config and run folder, AMP, the step budget, validation loaders, model
-preparation settings, exact validation, logging (the loss step is ``opencood.engine.task``).
+preparation, the training parts, exact validation, logging (the loss step is
+``opencood.engine.task``).
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import os
 import random
 from datetime import datetime
 from pathlib import Path
-from typing import Dict, Mapping
+from typing import Dict, Mapping, Tuple
 
 import numpy as np
 import torch
@@ -21,7 +22,9 @@ from opencood.config import ConfigError, load_config
 from opencood.data.collate import build_loader
 from opencood.data.datasets import build_dataset
 from opencood.engine.loop import validation_loss
+from opencood.engine.optim import build_optimizer, build_scheduler
 from opencood.engine.run_folder import refuse_another_config, refuse_training_changes
+from opencood.engine.state import TrainingParts
 from opencood.engine.task import DetectionTask
 from opencood.engine.teacher import FrozenTeacher, load_teacher
 from opencood.errors import alike_on_every_rank
@@ -220,12 +223,18 @@ def init_settings(cfg: Dict) -> Dict:
     return {"method": cfg["init"]["method"], "cls_prior": cfg["init"]["cls_prior"]}
 
 
+def make_ema(model: torch.nn.Module, ema_cfg: Dict) -> ModelEMA:
+    """A fresh EMA of ``model`` with the ``ema`` section's decay and warm-up, enabled or not
+    (tools/bench.py times one either way)."""
+    return ModelEMA(model, decay=ema_cfg["decay"], tau=ema_cfg["tau"])
+
+
 def build_ema(model: torch.nn.Module, cfg: Dict, checkpoint: Dict | None) -> ModelEMA | None:
     """The EMA of ``model`` (before DDP wraps it) when ``ema.enabled``, resumed if saved."""
     ema_cfg = cfg["ema"]
     if not ema_cfg["enabled"]:
         return None
-    ema = ModelEMA(model, decay=ema_cfg["decay"], tau=ema_cfg["tau"])
+    ema = make_ema(model, ema_cfg)
     if checkpoint is not None and checkpoint.get("ema") is not None:
         ema.load_state_dict(checkpoint["ema"])
     return ema
@@ -276,6 +285,26 @@ def compile_for_training(model: torch.nn.Module, cfg: Dict) -> torch.nn.Module:
         return model
     logger.info("performance.compile: the training model is compiled on its first step")
     return torch.compile(model)
+
+
+def build_training_parts(cfg: Dict, info: dist_utils.DistInfo, checkpoint: Dict | None = None,
+                         ckpt_path=None, teacher: FrozenTeacher | None = None,
+                         schedule: Tuple[int, int] | None = None) -> TrainingParts:
+    """What a training step uses, in §6.4's order: the model (prepare_model: resumed from
+    ``checkpoint`` when given; compiled for the steps when ``performance.compile``), the task
+    (forward + loss, with ``teacher``), the optimizer, the lr schedule over ``schedule`` =
+    (total_steps, steps_per_epoch) (None: no schedule, the steps run at the optimizer's lr) and
+    the AMP settings. Draws nothing from the random streams beyond prepare_model's init. The
+    trainer and tools/bench.py both build their parts here."""
+    model, model_without_ddp, ema = prepare_model(cfg, info, checkpoint, ckpt_path)
+    model = compile_for_training(model, cfg)
+    task = DetectionTask.from_config(cfg, info.device, teacher)
+    optimizer = build_optimizer(model_without_ddp.parameters(), cfg["optimizer"])
+    scheduler = (None if schedule is None
+                 else build_scheduler(optimizer, cfg["lr_scheduler"], *schedule))
+    amp_dtype, scaler = amp_settings(cfg["amp"], info.device)
+    return TrainingParts(model, model_without_ddp, ema, optimizer, scheduler, scaler, amp_dtype,
+                         task)
 
 
 # -- knowledge distillation (DiscoNet) -------------------------------------------------------
