@@ -10,7 +10,8 @@ pitched, shifted cameras and an image augmentation (resize, crop, rotation, a fl
 Here the same weights go through :func:`heal_to_ours` (EfficientNet keys through
 :func:`efficientnet_pytorch_to_ours`) into our :class:`LiftSplat` built from HEAL's arguments
 (:func:`args_from_heal`), and the BEV maps, heads, depth logits, depth targets and depth loss must
-agree within 1e-5 relative. Each defining piece is shown to matter: skipping the post-augmentation
+agree within 1e-5 relative, and so do the gradients of a fixed probe of the outputs (the
+splat's backward included). Each defining piece is shown to matter: skipping the post-augmentation
 undo, the other depth-bin mode, pooling without sorting by cell, torchvision's symmetric padding in
 the EfficientNet each move the outputs by far more than the tolerance.
 """
@@ -31,7 +32,7 @@ from opencood.models.lift_splat import (BevGridSpec, CumsumPool, LiftSplat, Lift
                                         args_from_heal, depth_bin_indices, depth_bin_starts,
                                         depth_focal_loss, frustum_to_agent, heal_to_ours,
                                         make_frustum, splat)
-from parity_weights import materialize
+from parity_weights import generated_tensor, materialize
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "parity" / "lift_splat.pt"
 TOLERANCE = 1e-5
@@ -85,7 +86,7 @@ class Case:
                                        for key, v in heal_state.items()
                                        if key.split(".")[0] in HEAD_KEYS})
 
-    def run(self, batch: dict | None = None) -> dict:
+    def run(self, batch: dict | None = None, grad: bool = False) -> dict:
         """Our outputs under HEAL's names: bev (the splat), heads, depth logits / targets."""
         captured = {}
         model = self.model
@@ -93,18 +94,17 @@ class Case:
         if model.bev_encoder is not None:
             hook = model.bev_encoder.register_forward_pre_hook(
                 lambda module, inputs: captured.setdefault("bev", inputs[0]))
-        with torch.no_grad():
+        with torch.set_grad_enabled(grad):
             features = model(batch or self.batch)
-        if hook is not None:
-            hook.remove()
-        outputs = {"bev": captured.get("bev", features)}
-        if self.head is not None:
-            with torch.no_grad():
+            if hook is not None:
+                hook.remove()
+            outputs = {"bev": captured.get("bev", features)}
+            if self.head is not None:
                 outputs.update(self.head(features))
-        if model.depth_outputs is not None:
-            outputs.update(model.depth_outputs)
-            outputs["depth_loss"] = depth_focal_loss(outputs["depth_logits"],
-                                                     outputs["depth_target"])
+            if model.depth_outputs is not None:
+                outputs.update(model.depth_outputs)
+                outputs["depth_loss"] = depth_focal_loss(outputs["depth_logits"],
+                                                         outputs["depth_target"])
         return outputs
 
     def differences(self, outputs: dict) -> dict:
@@ -149,6 +149,25 @@ def test_parity(cases, name):
     case = cases[name]
     diffs = case.differences(case.run())
     assert max(diffs.values()) <= TOLERANCE, diffs
+
+
+@pytest.mark.parametrize("name", ["eff_lid_full", "eff_ud_heter", "res_ud_heter"])
+def test_gradient_parity(fixture, cases, name):
+    """The gradient of sum_k <output_k, G_k> (the fixture script's probe) reaches the depth and
+    image heads through the splat's backward (and BevEncode's first conv) as HEAL's does."""
+    case = cases[name]
+    case.model.zero_grad()
+    probe = sum((value * generated_tensor(f"gradient.{key}", list(value.shape))).sum()
+                for key, value in case.run(grad=True).items() if value.is_floating_point())
+    probe.backward()
+    expected = heal_to_ours(fixture["cases"][name]["gradients"],
+                            case.model.args.camera_encoder)
+    parameters = dict(case.model.named_parameters())
+    assert len(expected) >= 4
+    for key, gradient in expected.items():
+        ours = parameters[key].grad
+        relative = float((ours - gradient).abs().max() / gradient.abs().max())
+        assert relative <= TOLERANCE, (key, relative)
 
 
 # -- each defining piece matters ---------------------------------------------------------------

@@ -23,8 +23,10 @@ image augmentation by HEAL's own ``img_transform`` (resize 0.16, a crop, a rotat
 flip). Images, depth maps and every weight are generated (``tests/parity_weights.py``), so the
 file holds recipes, matrices and outputs only. HEAL's ``EfficientNet.from_pretrained`` is replaced
 by ``from_name`` (the same network; the weights are generated anyway), its hard-coded
-``.to("cuda")`` by the CPU, and the imports its forward never reaches are stubbed. Eval mode,
-fp32, CPU.
+``.to("cuda")`` by the CPU, the ``resnet18`` that ``lss_submodule.py`` calls without
+importing it (a NameError at HEAD) supplied from torchvision, and the imports its forward never
+reaches are stubbed. Eval mode, fp32, CPU, one thread. Also stored: the gradients of a probe
+(``gradient_probe``) for the depth / image heads (and BevEncode's first conv).
 
 Run (side environment: torch, torchvision, efficientnet_pytorch; from outside the checkout)::
 
@@ -71,6 +73,10 @@ CASES = {
                      "depth_supervision": False, "zbound": [-4.0, 4.0, 4.0]},
 }
 IMAGE_FEATURES = 8
+# parameters whose gradient of gradient_probe the fixture keeps (those the model has)
+GRADIENT_KEYS = ("camencode.depth_head.weight", "camencode.depth_head.bias",
+                 "camencode.image_head.weight", "camencode.image_head.bias",
+                 "bevencode.conv1.weight")
 # depth maps: 8 + 32 u metres, u in [-1, 1): some below the first bin, some past the last
 DEPTH_RECIPE = {"scale": 32.0, "offset": 8.0}
 ABOUT = ("Made by tools/reference/make_lss_parity_fixture.py from HEAL (github.com/yifanlu0227/"
@@ -227,6 +233,46 @@ def image_recipes() -> dict:
             "depth_maps": {"shape": [batch, cams, *IMAGE_SIZE], **DEPTH_RECIPE}}
 
 
+def heal_outputs(model, case: dict, image_inputs: dict, depth_loss) -> dict:
+    """HEAL's model on the inputs -> {bev, and for the single-agent model cls_preds, reg_preds,
+    dir_preds, depth_logits, depth_target, depth_loss}."""
+    if case["module"] == "heter_encoders":
+        return {"bev": model({"inputs_m1": image_inputs}, "m1")}
+    captured = {}
+    hook = model.bevencode.register_forward_pre_hook(
+        lambda mod, inp: captured.setdefault("bev", inp[0]))
+    out = model({"image_inputs": image_inputs})
+    hook.remove()
+    logits, target = out["depth_items"]
+    focal = depth_loss.FocalLoss(alpha=0.25, gamma=2.0, reduction="none")
+    return {"bev": captured["bev"], "cls_preds": out["cls_preds"], "reg_preds": out["reg_preds"],
+            "dir_preds": out["dir_preds"], "depth_logits": logits, "depth_target": target,
+            "depth_loss": focal(logits, target).mean()}
+
+
+def heal_image_inputs(case: dict, weights, geometry) -> dict:
+    """HEAL's ``image_inputs`` (a fresh tensor each call: its depth clamp works in place)."""
+    import torch
+    inputs = weights.materialize(image_recipes())
+    images = inputs["images"]
+    if case["depth_supervision"]:            # HEAL's dataset: depth as a 4th image channel
+        images = torch.cat([images, inputs["depth_maps"].unsqueeze(2)], dim=2)
+    return {"imgs": images, **{key: geometry[key] for key in
+                               ("intrins", "extrinsics", "rots", "trans", "post_rots",
+                                "post_trans")}}
+
+
+def gradient_probe(outputs: dict, weights):
+    """sum over the float outputs k of <output_k, G_k>, G_k generated from ``gradient.<k>``
+    (the test builds the same scalar from ours)."""
+    total = 0
+    for key, value in outputs.items():
+        if value.is_floating_point():
+            total = total + (value * weights.generated_tensor(f"gradient.{key}",
+                                                              list(value.shape))).sum()
+    return total
+
+
 def run_case(name: str, case: dict, modules, depth_loss, helpers, weights, geometry) -> dict:
     import torch
     module = modules[case["module"]]
@@ -236,32 +282,20 @@ def run_case(name: str, case: dict, modules, depth_loss, helpers, weights, geome
     recipes = helpers.weight_recipes(model, weights)
     model.load_state_dict(weights.materialize(recipes), strict=True)
     model.eval()
-    inputs = weights.materialize(image_recipes())
-    images = inputs["images"]
-    if case["depth_supervision"]:            # HEAL's dataset: depth as a 4th image channel
-        images = torch.cat([images, inputs["depth_maps"].unsqueeze(2)], dim=2)
-    image_inputs = {"imgs": images, **{key: geometry[key] for key in
-                                       ("intrins", "extrinsics", "rots", "trans", "post_rots",
-                                        "post_trans")}}
-    captured = {}
-    outputs = {}
     with torch.no_grad():
-        if case["module"] == "heter_encoders":
-            outputs["bev"] = model({"inputs_m1": image_inputs}, "m1")
-        else:
-            model.bevencode.register_forward_pre_hook(
-                lambda mod, inp: captured.setdefault("bev", inp[0].clone()))
-            out = model({"image_inputs": image_inputs})
-            outputs.update(bev=captured["bev"], cls_preds=out["cls_preds"],
-                           reg_preds=out["reg_preds"], dir_preds=out["dir_preds"])
-            logits, target = out["depth_items"]
-            outputs.update(depth_logits=logits, depth_target=target)
-            focal = depth_loss.FocalLoss(alpha=0.25, gamma=2.0, reduction="none")
-            outputs["depth_loss"] = focal(logits, target).mean()
+        outputs = heal_outputs(model, case, heal_image_inputs(case, weights, geometry),
+                               depth_loss)
+    outputs = {key: value.clone() for key, value in outputs.items()}
+    # gradients through the whole chain (splat backward included), eval mode
+    probe = gradient_probe(heal_outputs(model, case, heal_image_inputs(case, weights, geometry),
+                                        depth_loss), weights)
+    probe.backward()
+    named = dict(model.named_parameters())
+    gradients = {key: named[key].grad.clone() for key in GRADIENT_KEYS if key in named}
     summary = ", ".join(f"{k} {tuple(v.shape)} max {float(v.float().abs().max()):.3g}"
                         for k, v in outputs.items())
-    print(f"{name}: {len(recipes)} tensors; {summary}")
-    return {"heal_args": args, "state_dict": recipes, "outputs": outputs}
+    print(f"{name}: {len(recipes)} tensors; {summary}; gradients of {sorted(gradients)}")
+    return {"heal_args": args, "state_dict": recipes, "outputs": outputs, "gradients": gradients}
 
 
 def main(argv=None) -> None:
