@@ -268,14 +268,17 @@ def pillarize_static(points: torch.Tensor, batch_index: torch.Tensor, num_agents
 
 def _pillar_groups(sorted_keys: torch.Tensor):
     """Sorted point keys (N,) -> (starts (N,) bool: first point of its key, ends (N,) bool:
-    last one, rank_in_pillar (N,) int64: position inside its key's run)."""
-    num = sorted_keys.shape[0]
-    position = torch.arange(num, device=sorted_keys.device)
-    starts = torch.ones(num, dtype=torch.bool, device=sorted_keys.device)
-    starts[1:] = sorted_keys[1:] != sorted_keys[:-1]
+    last one, rank_in_pillar (N,) int64: position inside its key's run).
+
+    Segment arithmetic, no scan: a point's run begins where a binary search for its own key
+    lands (the first equal key of a sorted array), so its rank is its position minus that.
+    The running maximum of run starts this replaces (``cummax`` over every point) took 1.6 ms
+    of an H100 step (issue 40)."""
+    position = torch.arange(sorted_keys.shape[0], device=sorted_keys.device)
+    rank_in_pillar = position - torch.searchsorted(sorted_keys, sorted_keys)
+    starts = rank_in_pillar == 0
     ends = torch.ones_like(starts)
     ends[:-1] = starts[1:]
-    rank_in_pillar = position - torch.cummax(torch.where(starts, position, 0), dim=0).values
     return starts, ends, rank_in_pillar
 
 
