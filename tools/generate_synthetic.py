@@ -6,6 +6,7 @@
                                        [--seed N] [--workers N] [--overwrite]
                                        [--frames N] [--scenarios TRAIN VALIDATE TEST]
                                        [--splits train validate test]
+                                       [--cameras [--camera-size W H] [--depth]]
 
 Writes DIR/{train,validate,test}/<scenario>/<cav_id>/<ts>.pcd|.yaml (opv2v; v2v4real: two CAVs,
 folders 0 and 1, numpy-tagged yaml; dairv2x: DIR/cooperative-vehicle-infrastructure/ with
@@ -13,12 +14,17 @@ train.json, val.json, test.json) and DIR/generation.yaml, then prints a summary.
 ``--scenarios`` resize a preset (e.g. a lighter ``opv2v`` for a short GPU session); the sizes
 used are recorded in generation.yaml. ``--splits test`` writes only the test split, byte-identical
 to the test split of the whole data set (tests/test_e2e_parity.py regenerates its frames so).
+``--cameras`` (opv2v format, V2XSet's RSUs included) also photographs the scene with OPV2V's 4
+cameras per agent: ``<ts>_camera0..3.png`` (800 x 600 unless ``--camera-size``) and the yaml's
+``camera0..3``; ``--depth`` adds OPV2V-H's ``<ts>_depth0..3.png``. Off by default: it costs
+more CPU than the LiDAR (docs/DESIGN.md §3).
 """
 import argparse
 import dataclasses
 import sys
 
 from opencood.data.synthetic import PRESETS, format_summary, generate_dataset, get_preset
+from opencood.data.synthetic.camera import CameraConfig
 from opencood.data.synthetic.writer import FORMATS, SPLITS, OutputDirError
 
 
@@ -40,12 +46,21 @@ def parse_args(argv=None):
                         help="scenarios per split (default: the preset's)")
     parser.add_argument("--splits", nargs="+", choices=SPLITS, default=list(SPLITS),
                         help="write only these splits (default: all three)")
+    parser.add_argument("--cameras", action="store_true",
+                        help="also write 4 camera images per agent and frame (opv2v format)")
+    parser.add_argument("--camera-size", type=int, nargs=2, metavar=("W", "H"),
+                        help="camera image size (default: OPV2V's 800 600)")
+    parser.add_argument("--depth", action="store_true",
+                        help="with --cameras: also write depth images (OPV2V-H's)")
     return parser.parse_args(argv)
 
 
-def sized_preset(name: str, frames=None, scenarios=None):
-    """The preset ``name`` with its frames per scenario and scenarios per split replaced."""
+def sized_preset(name: str, frames=None, scenarios=None, cameras=None):
+    """The preset ``name`` with its frames per scenario and scenarios per split replaced and,
+    with ``cameras`` (a CameraConfig), cameras added."""
     preset = get_preset(name)
+    if cameras is not None:
+        preset = dataclasses.replace(preset, cameras=cameras)
     if frames is not None:
         if frames < 1:
             raise ValueError(f"--frames must be >= 1, got {frames}")
@@ -58,10 +73,25 @@ def sized_preset(name: str, frames=None, scenarios=None):
     return preset
 
 
+def camera_config(args):
+    """The CameraConfig the flags ask for, or None without ``--cameras``."""
+    if not args.cameras:
+        if args.camera_size or args.depth:
+            raise ValueError("--camera-size and --depth need --cameras")
+        return None
+    config = CameraConfig(depth=args.depth)
+    if args.camera_size:
+        width, height = args.camera_size
+        if min(width, height) < 2:
+            raise ValueError(f"--camera-size must be at least 2 x 2 pixels, got {width} {height}")
+        config = dataclasses.replace(config, width=int(width), height=int(height))
+    return config
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        preset = sized_preset(args.preset, args.frames, args.scenarios)
+        preset = sized_preset(args.preset, args.frames, args.scenarios, camera_config(args))
         summary = generate_dataset(args.out, preset=preset, seed=args.seed,
                                    workers=args.workers, progress=not args.quiet,
                                    overwrite=args.overwrite, data_format=args.data_format,

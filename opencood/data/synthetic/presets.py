@@ -25,6 +25,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from opencood.config_schema import DEFAULT_COMM_RANGE
+from opencood.data.synthetic.camera import CameraConfig
 from opencood.data.synthetic.lidar import LidarConfig
 from opencood.data.synthetic.world import RsuConfig, TownConfig
 
@@ -43,6 +44,7 @@ class Preset:
     timestamp_step: int = 2                # OPV2V numbering: 000068, 000070, ...
     com_range: float = DEFAULT_COMM_RANGE  # for the summary (what the reader will use)
     rsu: RsuConfig | None = None           # roadside units (None: vehicles only)
+    cameras: CameraConfig | None = None    # OPV2V's 4 cameras per agent (None: LiDAR only)
 
 
 PRESETS = {

@@ -17,15 +17,18 @@ import shutil
 import time
 from pathlib import Path
 
+import cv2
 import numpy as np
 import yaml
 from tqdm import tqdm
 
 from opencood.data.opv2v import vehicles_to_boxes
 from opencood.data.pcd import write_pcd
+from opencood.data.synthetic.camera import (CameraConfig, camera_entry, depth_png, render_camera,
+                                            rsu_camera_cords, vehicle_camera_cords)
 from opencood.data.synthetic.lidar import cast_lidar
 from opencood.data.synthetic.presets import Preset, get_preset
-from opencood.data.synthetic.world import World, build_world
+from opencood.data.synthetic.world import LIDAR_MOUNT_X, World, build_world
 from opencood.errors import OpencoodError
 
 SPLITS = ("train", "validate", "test")
@@ -157,11 +160,43 @@ def scan_agent(world: World, agent_id: int, frame: int, scene, preset: Preset, r
     return points_lidar, params
 
 
-def write_frame(cav_dir: Path, timestamp: str, points_lidar: np.ndarray, params: dict):
-    """``<cav_dir>/<timestamp>.pcd`` (reference ascii layout) and ``.yaml``."""
+def photograph_agent(world: World, agent_id: int, scene, params: dict, cfg: CameraConfig):
+    """One agent's 4 cameras at one frame: adds ``camera0..3`` to ``params`` (its yaml mapping,
+    with ``lidar_pose`` as written) and returns the CameraImages, in OPV2V's order (front,
+    right, left, back). A vehicle's cameras do not see its own body (its LiDAR's rays pass
+    through it too); an RSU has none."""
+    is_rsu = agent_id in world.rsu_ids
+    lidar_pose = params["lidar_pose"]
+    all_cords = rsu_camera_cords(lidar_pose) if is_rsu else \
+        vehicle_camera_cords(lidar_pose, LIDAR_MOUNT_X)
+    images = []
+    for index, cords in enumerate(all_cords):
+        cords = _rounded(list(cords[:4]) + [_wrap_deg(cords[4]), cords[5]])
+        params[f"camera{index}"] = camera_entry(cords, lidar_pose, cfg)
+        images.append(render_camera(scene, cords, cfg, exclude_ids=() if is_rsu else [agent_id]))
+    return images
+
+
+def write_frame(cav_dir: Path, timestamp: str, points_lidar: np.ndarray, params: dict,
+                images=(), depth: bool = False):
+    """``<cav_dir>/<timestamp>.pcd`` (reference ascii layout) and ``.yaml``; with ``images``
+    (CameraImages) also ``<timestamp>_camera<i>.png`` and, with ``depth``, OPV2V-H's
+    ``<timestamp>_depth<i>.png``."""
     write_pcd(cav_dir / f"{timestamp}.pcd", points_lidar, intensity_field="rgb", data="ascii")
     text = yaml.dump(params, Dumper=_DUMPER, default_flow_style=False, sort_keys=True)
     (cav_dir / f"{timestamp}.yaml").write_text(text)
+    for index, image in enumerate(images):
+        _write_png(cav_dir / f"{timestamp}_camera{index}.png",
+                   np.ascontiguousarray(image.rgb[..., ::-1]))                    # BGR
+        if depth:
+            _write_png(cav_dir / f"{timestamp}_depth{index}.png", depth_png(image.depth))
+
+
+def _write_png(path: Path, pixels: np.ndarray):
+    ok, encoded = cv2.imencode(".png", pixels)
+    if not ok:
+        raise OutputDirError(f"cannot encode {path} as PNG")
+    path.write_bytes(encoded.tobytes())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -243,7 +278,10 @@ def generate_scenario(out_dir, preset: Preset, seed: int, split: str, index: int
             points_lidar, params = scan_agent(world, agent_id, frame, scene, preset, lidar_rng)
             visible[agent_id] = params["vehicles"]
             written_poses[agent_id] = params["lidar_pose"]
-            write_frame(scenario_dir / str(agent_id), timestamp, points_lidar, params)
+            images = () if preset.cameras is None else \
+                photograph_agent(world, agent_id, scene, params, preset.cameras)
+            write_frame(scenario_dir / str(agent_id), timestamp, points_lidar, params, images,
+                        depth=preset.cameras is not None and preset.cameras.depth)
             stats["points"] += len(points_lidar)
         for key, count in sample_visibility(world, frame, visible, written_poses, preset).items():
             stats[key] += count
@@ -367,6 +405,9 @@ def generate_dataset(out_dir, preset="small", seed: int = 0, workers: int = 1,
     unknown = sorted(set(splits) - set(SPLITS))
     if unknown or not splits:
         raise ValueError(f"splits must be some of {', '.join(SPLITS)}, got {list(splits)}")
+    if preset.cameras is not None and data_format != "opv2v":
+        raise ValueError(f"cameras are written in the opv2v format only (V2XSet's layout "
+                         f"included), not {data_format!r}")
     writer = format_writer(data_format)
     preset = getattr(writer, "adapt_preset", lambda p: p)(preset)
     out_dir = Path(out_dir)
