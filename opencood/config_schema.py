@@ -116,6 +116,15 @@ class FusionSection:
     args: FusionArgs
     # The format of the data folders (HEAL's key): opencood.data.sources reads each.
     dataset: Literal["opv2v", "v2xset", "v2v4real", "dairv2x"] = "opv2v"
+    # DAIR-V2X-C's GT: "cooperative" (cooperative/label_world; CoAlign's DAIR tables),
+    # "single_side" (the two single-side label sets merged in the ego frame; HEAL's LiDAR
+    # tables). opencood.data.dairv2x; other formats have one GT.
+    gt_source: Literal["cooperative", "single_side"] = "cooperative"
+
+    def problems(self) -> Problems:
+        if self.gt_source != "cooperative" and self.dataset != "dairv2x":
+            yield "gt_source", (f"{self.gt_source!r} is a DAIR-V2X-C GT (fusion.dataset: "
+                                f"dairv2x); {self.dataset!r} has one GT, 'cooperative'")
 
 
 @section

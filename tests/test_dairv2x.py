@@ -159,7 +159,11 @@ def test_round_trip_poses_boxes_and_points(dair_root):
     for split in SPLITS:
         reader = DairV2XSplit(dair_root / SPLIT_FILE[split])
         assert reader.label_set == "complemented (CoAlign)" and len(reader) == preset.frames
-        for index, (world, frame, scans) in enumerate(scan_frames(preset, 0, split, 0)):
+        # the split file is not in time order: frame k is the sequence's k-th in time
+        (sequence,) = reader.scenarios
+        index_of = {reader.info(i).timestamp: i for i in range(len(reader))}
+        for frame_index, (world, frame, scans) in enumerate(scan_frames(preset, 0, split, 0)):
+            index = index_of[reader.timestamps(sequence)[frame_index]]
             sample = reader.load_sample(index, gt_range=BIG_RANGE)
             agents = {"0": world.cav_ids[0], "-1": world.rsu_ids[0]}
             assert sample["info"].cav_ids == ["0", "-1"]
@@ -187,7 +191,8 @@ def test_fusion_datasets_read_it_with_noise_latency_and_per_agent_gt(dair_root):
                   gt_range=[-51.2, -25.6, -4.0, 51.2, 25.6, 2.0], dataset="dairv2x",
                   com_range=100.0, max_cav=2)
     wild = WildSetting(loc_err=True, xyz_std=0.2, yaw_std=0.2, latency_frames=1)
-    sample = IntermediateFusionDataset(dair_root / "test.json", wild=wild, **common)[2]
+    # sample 0: the latest frame (the split file lists it first), so one before it exists
+    sample = IntermediateFusionDataset(dair_root / "test.json", wild=wild, **common)[0]
     assert sample["agent_ids"] == ["0", "-1"] and sample["agent_types"].tolist() == [0, 1]
     assert sample["agent_latency"].tolist() == [0, 1] and len(sample["gt_boxes"]) > 0
     late = LateFusionDataset(dair_root / "train.json", train=True, **common)
@@ -223,3 +228,120 @@ def test_bench_loader_figure_takes_a_dair_root_or_split(dair_root):
     bench = load_tool("bench")
     assert bench.resolve_split_dir(str(dair_root)) == dair_root / "train.json"
     assert bench.resolve_split_dir(str(dair_root / "val.json")) == dair_root / "val.json"
+
+
+# ------------------------------------------------------- HEAL's single-side GT (issue 41)
+
+def _side_label(kind, xyz, hwl, yaw):
+    return {"type": kind, "3d_location": dict(zip("xyz", xyz)),
+            "3d_dimensions": dict(zip("hwl", hwl)), "rotation": yaw}
+
+
+@pytest.fixture()
+def sides_root(hand_root) -> Path:
+    """hand_root with each side's own labels. Vehicle lidar -> world: turn 90 deg, then
+    (101, 200, 2); roadside -> world: (110.5, 196.5, 5) (offset included), no turn.
+
+    Vehicle side (its lidar frame): a Car at (1, -2) yaw 0; a zero-size label (skipped, takes no
+    position); a Pedestrian (position 1, not a vehicle); a Van at (10, 0) yaw 90 deg (position 2).
+    Roadside (its frame), in the vehicle's frame: the Car again 0.2 m off in y (BEV IoU 0.82 with
+    the vehicle's: dropped); a Car at (-3.5, 10.5) yaw -90 deg (no overlap: added); Cars at
+    (10, 3.65) and (10, -3.55) yaw 90 deg, overlapping the Van by 0.35 x 2 m (IoU 0.7 / 15.3 =
+    0.046 <= 0.05: added) and 0.45 x 2 m (IoU 0.9 / 15.1 = 0.060: dropped)."""
+    size = [1.5, 2.0, 4.0]
+    _write(hand_root / "vehicle-side/label/lidar/000007.json", [
+        _side_label("Car", [1, -2, -0.5], size, 0.0),
+        _side_label("Car", [3, 3, -0.5], [1.5, 2.0, 0.0], 0.0),
+        _side_label("Pedestrian", [5, 5, -0.5], [1.7, 0.6, 0.6], 0.0),
+        _side_label("Van", [10, 0, -0.5], size, np.pi / 2)])
+    _write(hand_root / "infrastructure-side/label/virtuallidar/000042.json", [
+        _side_label("Car", [-7.3, 4.5, -3.5], size, np.pi / 2),
+        _side_label("Car", [-20, 0, -3.5], size, 0.0),
+        _side_label("Bus", [-13.15, 13.5, -3.5], size, np.pi),
+        _side_label("Car", [-5.95, 13.5, -3.5], size, np.pi)])
+    return hand_root
+
+
+def _same_boxes(got, expected):
+    got, expected = np.asarray(got), np.asarray(expected, dtype=np.float64)
+    assert got.shape == expected.shape
+    np.testing.assert_allclose(got[:, :6], expected[:, :6], atol=1e-9)
+    gap = np.abs((got[:, 6] - expected[:, 6] + np.pi) % (2 * np.pi) - np.pi)
+    assert gap.max() < 1e-9
+
+
+def test_single_side_gt_merges_the_sides_by_bev_iou_as_computed_by_hand(sides_root):
+    reader = DairV2XSplit(sides_root / "train.json", gt_source="single_side")
+    ids, boxes = reader.sample_gt(0, BIG_RANGE)
+    assert ids.tolist() == [0, 1, 2, 3]
+    _same_boxes(boxes, [[1, -2, -0.5, 1.5, 2, 4, 0], [10, 0, -0.5, 1.5, 2, 4, np.pi / 2],
+                        [-3.5, 10.5, -0.5, 1.5, 2, 4, -np.pi / 2],
+                        [10, 3.65, -0.5, 1.5, 2, 4, np.pi / 2]])
+    # late fusion's per-agent GT: each side's own labels in its own frame, HEAL's positions
+    ids, boxes = reader.frame_boxes("frame_000007", "0", "000007", BIG_RANGE)
+    assert ids.tolist() == [0, 2]
+    ids, boxes = reader.frame_boxes("frame_000007", "-1", "000007", BIG_RANGE)
+    assert ids.tolist() == [0, 1, 2, 3]
+    _same_boxes(boxes[1:2], [[-20, 0, -3.5, 1.5, 2, 4, 0]])
+    # the roadside unit beyond comm_range: the vehicle's labels alone
+    alone = DairV2XSplit(sides_root / "train.json", gt_source="single_side", com_range=5.0)
+    assert alone.sample_gt(0, BIG_RANGE)[0].tolist() == [0, 1]
+    # a range keeping boxes with all 8 corners only, cut at y = 1.9: the Van (y -2..2) is out,
+    # so the roadside Car it overlapped (y -5.55..-1.55) is merged in (range first, as HEAL)
+    cut = [-50.0, -50.0, -10.0, 50.0, 1.9, 10.0]
+    ids, boxes = reader.sample_gt(0, cut)
+    assert ids.tolist() == [0, 1]
+    _same_boxes(boxes, [[1, -2, -0.5, 1.5, 2, 4, 0], [10, -3.55, -0.5, 1.5, 2, 4, np.pi / 2]])
+    # the cooperative source of the same pair (index cache of its own) is the one Van
+    coop = DairV2XSplit(sides_root / "train.json")
+    assert coop.sample_gt(0, BIG_RANGE)[0].tolist() == [1]
+    assert reader.sample_gt(0, BIG_RANGE)[0].tolist() == [0, 1, 2, 3]
+
+
+def test_the_gt_source_comes_from_the_config_and_the_dairv2x_preset_uses_heal_s(sides_root):
+    from opencood.config import load_config
+    from opencood.data.datasets import build_dataset
+    config = Path(__file__).resolve().parents[1] / "hypes_yaml/dairv2x/base.yaml"
+    cfg = load_config(config, [f"root_dir={sides_root / 'train.json'}"])
+    assert cfg["fusion"]["gt_source"] == "single_side"
+    dataset = build_dataset(cfg, "train", train=False, fusion_method="intermediate")
+    assert dataset.split.gt_source == "single_side" and len(dataset.split.sample_gt(
+        0, BIG_RANGE)[0]) == 4
+    cfg = load_config(config, [f"root_dir={sides_root / 'train.json'}",
+                               "fusion.gt_source=cooperative"])
+    dataset = build_dataset(cfg, "train", train=False, fusion_method="intermediate")
+    assert dataset.split.sample_gt(0, BIG_RANGE)[0].tolist() == [1]
+
+
+def test_a_bad_single_side_label_is_one_line_naming_the_file(sides_root):
+    path = sides_root / "infrastructure-side/label/virtuallidar/000042.json"
+    path.write_text(json.dumps([{"type": "Car", "3d_location": {"x": 1, "y": 2},
+                                 "3d_dimensions": {"h": 1, "w": 1, "l": 1}, "rotation": 0}]))
+    with pytest.raises(DairFormatError, match=f"^{path}: label 0 has no 'z'$"):
+        DairV2XSplit(sides_root / "train.json", gt_source="single_side")
+
+
+# ------------------------------------------------------------ the split file's order (issue 41)
+
+def test_samples_follow_the_split_file_and_latency_the_time_order(dair_root, tmp_path):
+    """A split mixing two sequences (train's 0000 and test's 0002), neither in time order."""
+    train = json.loads((dair_root / "train.json").read_text())
+    test = json.loads((dair_root / "test.json").read_text())
+    order = [train[1], test[0], train[2], test[2], train[0], test[1]]
+    (dair_root / "mixed.json").write_text(json.dumps(order))
+    reader = DairV2XSplit(dair_root / "mixed.json")
+    assert [reader.info(i).timestamp for i in range(len(reader))] == order
+    assert [reader.info(i).scenario for i in range(len(reader))] == ["0000", "0002"] * 3
+    assert reader.timestamps("0000") == sorted(train) and reader.timestamps("0002") == sorted(test)
+    # latency 1: the roadside unit sends the frame before in time of the same sequence
+    dataset = IntermediateFusionDataset(dair_root / "mixed.json", dataset="dairv2x",
+                                        wild=WildSetting(latency_frames=1))
+    _, agents = dataset._agents(order.index(sorted(train)[1]))
+    assert agents[1]["frame"][2] == sorted(train)[0] and agents[1]["latency"] == 1
+    (dair_root / "mixed.json").unlink()
+
+
+def test_synthetic_split_files_are_not_sorted(dair_root):
+    for name in SPLIT_FILE.values():
+        listed = json.loads((dair_root / name).read_text())
+        assert listed != sorted(listed) and len(set(listed)) == len(listed) == 3

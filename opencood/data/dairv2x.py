@@ -25,11 +25,25 @@ and the roadside unit ``"-1"`` (a negative id: infrastructure, as V2XSet names i
 * vehicle lidar -> world = novatel_to_world @ lidar_to_novatel;
 * infrastructure lidar -> world = virtuallidar_to_world with ``system_error_offset`` added to
   its x and y translation (the offset corrects the roadside unit's calibration error);
-* GT: the cooperative labels' world corners moved to the ego frame, turned into
-  [x, y, z, h, w, l, yaw] (corners_to_boxes: the same order conventions as the reference's
-  ``corner_to_center``), classes Car, Truck, Van, Bus as one vehicle class, ids = position in the
-  label file, kept when all 8 corners lie in the range (HEAL's default; HEAL also widens z by
-  1 m each way, which the hypes_yaml/dairv2x configs' gt_range already holds);
+* GT, by ``gt_source`` (the config's ``fusion.gt_source``):
+
+  - ``cooperative``: the cooperative labels' world corners moved to the ego frame, turned into
+    [x, y, z, h, w, l, yaw] (corners_to_boxes: the same order conventions as the reference's
+    ``corner_to_center``), ids = position in the label file (CoAlign's DAIR datasets);
+  - ``single_side``: what every HEAL DAIR LiDAR yaml's data set (its heterogeneous intermediate
+    dataset over ``DAIRV2XBaseDataset``) trains and evaluates on: the two single-side label sets,
+    ``vehicle-side/label/lidar/<vid>.json`` and ``infrastructure-side/label/virtuallidar/
+    <iid>.json`` (centre, h w l, yaw in each side's lidar frame), moved to the ego; a roadside
+    box is added when its BEV IoU with every vehicle box is at most ``MERGE_IOU`` (0.05); ids
+    renumbered 0.. (vehicle boxes first, in file order). On real DAIR-V2X-C these are other
+    annotations than the cooperative ones (their own boxes, offsets and misses);
+
+  either way classes Car, Truck, Van, Bus as one vehicle class, kept when all 8 corners lie in
+  the range (HEAL's default; HEAL also widens z by 1 m each way, which the hypes_yaml/dairv2x
+  configs' gt_range already holds);
+* sample order: the split file's, as HEAL's datasets index it (per-frame protocols and a
+  latency pair's first sample depend on it); latency takes the frame before in time within
+  the same sequence (``batch_id``), wherever the split lists it;
 * point clouds: intensity / 256 and rows with NaN dropped (HEAL's ``read_pcd``).
 
 Everything but the clouds (calibs, labels, the index) is parsed once and cached as JSON like the
@@ -51,6 +65,7 @@ from opencood.data.opv2v import (SampleInfo, _cache_root, _index_cache_path, _re
                                  _write_index_cache, remove_own_body_points)
 from opencood.data.pcd import PcdError, PointCloudCache, read_pcd
 from opencood.errors import OpencoodError
+from opencood.ops.iou import boxes_bev_iou
 from opencood.ops.transforms import boxes_to_corners_3d, corners_in_range_mask, corners_to_boxes
 
 logger = logging.getLogger(__name__)
@@ -62,6 +77,11 @@ INDEX_CACHE_VERSION = 1
 DATA_INFO = Path("cooperative") / "data_info.json"
 VEHICLE_INFO = Path("vehicle-side") / "data_info.json"
 LABEL_BACKUP = Path("cooperative") / "label_world_backup"
+# Each side's own labels (centre, sizes, yaw in its lidar frame), HEAL's single-side GT.
+SIDE_LABELS = {"vehicle": Path("vehicle-side") / "label" / "lidar",
+               "infrastructure": Path("infrastructure-side") / "label" / "virtuallidar"}
+GT_SOURCES = ("cooperative", "single_side")
+MERGE_IOU = 0.05                # HEAL: a roadside box overlapping a vehicle box more is the same
 # The split files we look for in a root (HEAL's names), for tools/check_data.py.
 SPLIT_FILES = ("train.json", "val.json", "test.json")
 
@@ -164,6 +184,38 @@ def read_labels(path: Path) -> list:
     return [label for label in kept if label["type"] in VEHICLE_CLASSES]
 
 
+def read_side_labels(path: Path) -> list:
+    """One side's own labels -> [{"box": [x, y, z, h, w, l, yaw] in its lidar frame,
+    "position": int}] of the vehicle classes, in file order. A label with a zero size is skipped
+    and takes no position (HEAL's ``load_single_objects_dairv2x_hetero`` counts only the others,
+    whatever their class)."""
+    labels = read_json(path)
+    if not isinstance(labels, list):
+        raise _error(path, f"expected a json list of labels, got {type(labels).__name__}")
+    kept, position = [], 0
+    for number, label in enumerate(labels):
+        if not isinstance(label, dict) or not {"3d_location", "3d_dimensions", "rotation"} \
+                <= set(label):
+            raise _error(path, f"label {number} needs '3d_location', '3d_dimensions' and "
+                               f"'rotation'")
+        location, size = label["3d_location"], label["3d_dimensions"]
+        if not isinstance(location, dict) or not isinstance(size, dict):
+            raise _error(path, f"label {number}: '3d_location' and '3d_dimensions' must be "
+                               f"mappings")
+        try:
+            centre = [location[k] for k in "xyz"]
+            hwl = [size[k] for k in "hwl"]
+        except KeyError as missing:
+            raise _error(path, f"label {number} has no {missing.args[0]!r}") from None
+        box = _numbers(centre + hwl + [label["rotation"]], 7, path, f"{number}")
+        if not box[3:6].all():
+            continue
+        if str(label.get("type", "")) in VEHICLE_CLASSES:
+            kept.append({"box": box.tolist(), "position": position})
+        position += 1
+    return kept
+
+
 def read_cloud(path: Path, point_cache=None) -> np.ndarray:
     """(N, 4) float32 [x, y, z, intensity / 256] without NaN rows (HEAL's read_pcd)."""
     points = point_cache.load(path) if point_cache is not None else read_pcd(path)
@@ -238,15 +290,25 @@ def _pair_entry(pairs: dict, vehicle_id: str, root: Path, split_path: Path) -> d
     return pairs[vehicle_id]
 
 
-def parse_frame(root: Path, vehicle_id: str, entry: dict) -> dict:
+def side_label_paths(root: Path, vehicle_id: str, infrastructure_id: str) -> dict:
+    """{side: path of its own label file} of one pair."""
+    return {"vehicle": root / SIDE_LABELS["vehicle"] / f"{vehicle_id}.json",
+            "infrastructure": root / SIDE_LABELS["infrastructure"] / f"{infrastructure_id}.json"}
+
+
+def parse_frame(root: Path, vehicle_id: str, entry: dict, side_labels: bool = False) -> dict:
     """Everything of one pair but the clouds, JSON-able: poses (4x4 lists), cloud paths,
-    labels. Raises DairFormatError naming the file at fault."""
+    labels (with ``side_labels``, each side's own too: ``vehicle_labels``,
+    ``infrastructure_labels``). Raises DairFormatError naming the file at fault."""
     info_path = root / DATA_INFO
     for key in ("infrastructure_pointcloud_path", "cooperative_label_path"):
         if key not in entry:
             raise _error(info_path, f"pair of vehicle frame {vehicle_id} has no {key!r}")
     infrastructure_id = frame_id_of(entry["infrastructure_pointcloud_path"], info_path)
+    own = {f"{side}_labels": read_side_labels(path) for side, path in
+           side_label_paths(root, vehicle_id, infrastructure_id).items()} if side_labels else {}
     return {
+        **own,
         "vehicle_id": vehicle_id,
         "infrastructure_id": infrastructure_id,
         "vehicle_cloud": entry["vehicle_pointcloud_path"],
@@ -259,15 +321,17 @@ def parse_frame(root: Path, vehicle_id: str, entry: dict) -> dict:
     }
 
 
-def _files_of(root: Path, vehicle_id: str, entry: dict) -> list:
+def _files_of(root: Path, vehicle_id: str, entry: dict, side_labels: bool = False) -> list:
     """Files a parsed frame depends on (for the cache fingerprint)."""
     infrastructure_id = Path(str(entry.get("infrastructure_pointcloud_path", ""))).stem
     calib = root / "vehicle-side" / "calib"
+    own = list(side_label_paths(root, vehicle_id, infrastructure_id).values()) \
+        if side_labels else []
     return [calib / "lidar_to_novatel" / f"{vehicle_id}.json",
             calib / "novatel_to_world" / f"{vehicle_id}.json",
             root / "infrastructure-side" / "calib" / "virtuallidar_to_world" /
             f"{infrastructure_id}.json",
-            root / str(entry.get("cooperative_label_path", ""))]
+            root / str(entry.get("cooperative_label_path", ""))] + own
 
 
 def _fingerprint(paths: list) -> str:
@@ -314,6 +378,39 @@ def world_boxes_to_frame(labels: list, lidar_to_world: np.ndarray, limit_range,
     return world_corners_to_frame(*label_arrays(labels), lidar_to_world, limit_range, order)
 
 
+def side_boxes_to_frame(labels: list, side_to_target: np.ndarray, limit_range,
+                        order: str = "hwl"):
+    """One side's own labels (:func:`read_side_labels`) seen from a target lidar frame.
+
+    side_to_target: (4, 4). Returns (ids (M,) int64 = the labels' positions, boxes (M, 7)
+    float64 in ``order``), boxes whose 8 corners (of the rebuilt box) lie in ``limit_range``.
+    """
+    if not labels:
+        return np.zeros(0, dtype=np.int64), np.zeros((0, 7), dtype=np.float64)
+    ids = np.asarray([label["position"] for label in labels], dtype=np.int64)
+    boxes = np.asarray([label["box"] for label in labels], dtype=np.float64)
+    if order == "lwh":
+        boxes = boxes[:, [0, 1, 2, 5, 4, 3, 6]]
+    corners = boxes_to_corners_3d(boxes, order)
+    corners = corners @ side_to_target[:3, :3].T + side_to_target[:3, 3]
+    moved = corners_to_boxes(corners, order)
+    keep = corners_in_range_mask(boxes_to_corners_3d(moved, order), limit_range, min_corners=8)
+    return ids[keep], moved[keep]
+
+
+def merge_sides(vehicle_boxes: np.ndarray, infrastructure_boxes: np.ndarray,
+                order: str = "hwl"):
+    """HEAL's DAIR GT of a pair: the vehicle's boxes (V, 7), then each roadside box (R, 7) whose
+    BEV IoU with every vehicle box is <= MERGE_IOU, all in the ego frame -> (ids (M,) int64
+    renumbered 0.., boxes (M, 7))."""
+    extra = infrastructure_boxes
+    if len(vehicle_boxes) and len(infrastructure_boxes):
+        overlap = boxes_bev_iou(infrastructure_boxes, vehicle_boxes, order)     # (R, V)
+        extra = infrastructure_boxes[~(np.asarray(overlap) > MERGE_IOU).any(axis=1)]
+    boxes = np.concatenate([vehicle_boxes.reshape(-1, 7), extra.reshape(-1, 7)])
+    return np.arange(len(boxes), dtype=np.int64), boxes
+
+
 @dataclass
 class _Sequence:
     name: str
@@ -328,17 +425,27 @@ class DairV2XSplit:
         com_range: the roadside unit is dropped when farther than this (m, 2-D) from the vehicle.
         max_cav: 1 keeps the vehicle alone, 2 (HEAL's default) both agents.
         cache_dir, use_point_cache, index_cache: as OPV2VSplit's.
+        gt_source: "cooperative" or "single_side" (module doc; the config's
+            ``fusion.gt_source``).
 
     A sample's scenario is the vehicle frame's ``batch_id`` (a recorded sequence), its timestamp
-    the vehicle frame id; latency takes an earlier frame of the same sequence in this split.
+    the vehicle frame id; samples come in the split file's order; latency takes an earlier frame
+    of the same sequence in this split.
     """
 
     index_name = "dairv2x"
 
     def __init__(self, split_path, com_range: float = 100.0, max_cav: int = 2, cache_dir=None,
-                 use_point_cache: bool = True, index_cache: bool = True):
+                 use_point_cache: bool = True, index_cache: bool = True,
+                 gt_source: str = "cooperative"):
         if max_cav < 1:
             raise ValueError(f"max_cav must be >= 1, got {max_cav}")
+        if gt_source not in GT_SOURCES:
+            raise ValueError(f"gt_source must be one of {', '.join(GT_SOURCES)}, "
+                             f"got {gt_source!r}")
+        self.gt_source = gt_source
+        # its own index cache: the parsed pairs then hold each side's labels too
+        self.index_name = "dairv2x" if gt_source == "cooperative" else "dairv2x_single_side"
         self.split_path = Path(split_path)
         self.split_dir = self.split_path               # what datasets and tools call the split
         self.root = self.split_path.parent
@@ -348,9 +455,10 @@ class DairV2XSplit:
         self.label_set = "complemented (CoAlign)" if (self.root / LABEL_BACKUP).is_dir() \
             else "original"
         self._sequences = self._group(vehicle_ids)
-        self._samples = [self._sample(vehicle_id, sequence)
-                         for sequence in self._sequences.values()
-                         for vehicle_id in sequence.vehicle_ids]
+        sequence_of = {vehicle_id: sequence for sequence in self._sequences.values()
+                       for vehicle_id in sequence.vehicle_ids}
+        self._samples = [self._sample(vehicle_id, sequence_of[vehicle_id])
+                         for vehicle_id in vehicle_ids]
         self._point_cache = (PointCloudCache(_cache_root(cache_dir) / "pcd")
                              if use_point_cache else None)
         # vehicle frame id -> label_arrays of its pair, built on the pair's first use.
@@ -358,22 +466,28 @@ class DairV2XSplit:
         # Its own folder: its entries differ from OPV2V's body-free ones (intensity scaled).
         self._body_free_cache = (BodyFreeDairCache(_cache_root(cache_dir) / "pcd_body_free_dair")
                                  if use_point_cache else None)
-        logger.info("DAIR-V2X-C %s: %d pairs, cooperative labels: %s", self.split_path,
-                    len(self._samples), self.label_set)
+        logger.info("DAIR-V2X-C %s: %d pairs, GT: %s (cooperative labels: %s)",
+                    self.split_path, len(self._samples), gt_source, self.label_set)
+
+    @staticmethod
+    def reader_options(cfg: dict) -> dict:
+        """The constructor's options a resolved config sets: the GT source."""
+        return {"gt_source": cfg["fusion"]["gt_source"]}
 
     def _load_frames(self, vehicle_ids: list, cache_dir, index_cache: bool) -> dict:
         pairs = read_pairs(self.root)
         entries = {v: _pair_entry(pairs, v, self.root, self.split_path) for v in vehicle_ids}
+        sides = self.gt_source == "single_side"
         if not index_cache:
-            return {v: parse_frame(self.root, v, entries[v]) for v in vehicle_ids}
+            return {v: parse_frame(self.root, v, entries[v], sides) for v in vehicle_ids}
         files = [self.split_path, self.root / DATA_INFO] + \
-            [path for v in vehicle_ids for path in _files_of(self.root, v, entries[v])]
+            [path for v in vehicle_ids for path in _files_of(self.root, v, entries[v], sides)]
         fingerprint = _fingerprint(files)
         cache_path = _index_cache_path(cache_dir, self.split_path, self.index_name)
         cached = _read_index_cache(cache_path, fingerprint)
         if cached is not None:
             return cached
-        frames = {v: parse_frame(self.root, v, entries[v]) for v in vehicle_ids}
+        frames = {v: parse_frame(self.root, v, entries[v], sides) for v in vehicle_ids}
         _write_index_cache(cache_path, fingerprint, frames)
         return frames
 
@@ -454,33 +568,48 @@ class DairV2XSplit:
         return remove_own_body_points(read_cloud(path))
 
     def sample_gt(self, index: int, gt_range, order: str = "hwl"):
-        """GT of sample ``index``: the cooperative labels in the vehicle's lidar frame."""
+        """GT of sample ``index`` in the vehicle's lidar frame, from ``gt_source``: the
+        cooperative labels, or the sides' own labels merged (:func:`merge_sides`; the roadside
+        unit's only when it is one of the sample's agents, as HEAL drops it beyond comm_range)."""
         info = self._samples[index]
-        return self.frame_boxes(info.scenario, VEHICLE_ID, info.timestamp, gt_range, order)
+        if self.gt_source == "cooperative":
+            return self.frame_boxes(info.scenario, VEHICLE_ID, info.timestamp, gt_range, order)
+        frame = self._frames[info.timestamp]
+        ego_pose = self.lidar_pose(info.scenario, VEHICLE_ID, info.timestamp)
+        per_side = [side_boxes_to_frame(
+            frame[f"{self._side(cav_id)}_labels"],
+            np.linalg.inv(ego_pose) @ self.lidar_pose(info.scenario, cav_id, info.timestamp),
+            gt_range, order)[1] for cav_id in info.cav_ids]
+        return merge_sides(per_side[0], per_side[1] if len(per_side) > 1 else np.zeros((0, 7)),
+                           order)
 
     def frame_boxes(self, scenario: str, cav_id: str, timestamp: str, gt_range,
                     order: str = "hwl"):
-        """:meth:`cav_boxes` of one agent by its key (the datasets' late-fusion path)."""
+        """:meth:`cav_boxes` of one agent by its key (the datasets' late-fusion path): the
+        cooperative labels, or (single_side) the agent's own labels, in its own frame."""
+        if self.gt_source == "single_side":
+            return side_boxes_to_frame(self._frames[timestamp][f"{self._side(cav_id)}_labels"],
+                                       np.eye(4), gt_range, order)
         return world_corners_to_frame(*self.vehicle_arrays(scenario, cav_id, timestamp),
                                       self.lidar_pose(scenario, cav_id, timestamp), gt_range,
                                       order)
 
     def load_sample(self, index: int, gt_range, order: str = "hwl") -> dict:
-        """As OPV2VSplit's: {"info", "cavs" (with "T_to_ego"), "gt_ids", "gt_boxes"}; GT is the
-        cooperative labels moved to the vehicle's lidar frame."""
+        """As OPV2VSplit's: {"info", "cavs" (with "T_to_ego"), "gt_ids", "gt_boxes"}; GT as
+        :meth:`sample_gt`, in the vehicle's lidar frame."""
         info = self._samples[index]
         cavs = {cav_id: self.load_cav_frame(info.scenario, cav_id, info.timestamp)
                 for cav_id in info.cav_ids}
         ego_pose = cavs[VEHICLE_ID]["lidar_pose"]
         for cav in cavs.values():
             cav["T_to_ego"] = np.linalg.inv(ego_pose) @ cav["lidar_pose"]
-        gt_ids, gt_boxes = world_boxes_to_frame(cavs[VEHICLE_ID]["vehicles"], ego_pose,
-                                                gt_range, order)
+        gt_ids, gt_boxes = self.sample_gt(index, gt_range, order)
         return {"info": info, "cavs": cavs, "gt_ids": gt_ids, "gt_boxes": gt_boxes}
 
     def cav_boxes(self, cav: dict, gt_range, order: str = "hwl"):
-        """The cooperative labels in one agent's own frame (late fusion's per-agent GT)."""
-        return world_boxes_to_frame(cav["vehicles"], cav["lidar_pose"], gt_range, order)
+        """One agent's GT in its own frame (late fusion's per-agent GT), as :meth:`frame_boxes`."""
+        return self.frame_boxes(None, cav["cav_id"], cav["params"]["vehicle_id"], gt_range,
+                                order)
 
 
 # ----------------------------------------------------------------------- tools/check_data.py

@@ -15,14 +15,20 @@ RSU: a LiDAR 4-5 m up on a pole, looking down), written under
 * ``cooperative/label_world``: world 8-corner boxes (DAIR's corner order) of every vehicle either
   agent's LiDAR hits (CoAlign's complemented labels); ``label_world_backup``: the original kind,
   only those in front of the vehicle (x > 0 in its lidar frame, where DAIR's camera looks);
-* single-side labels, as DAIR ships them (HEAL's reader opens them for every pair):
-  ``vehicle-side/label/lidar`` (what the vehicle's LiDAR hits, in its lidar frame; CoAlign's
-  complemented kind), ``vehicle-side/label/lidar_backup`` (those in front, the original kind)
-  and ``infrastructure-side/label/virtuallidar`` (what the roadside unit hits, in its virtual
-  LiDAR frame): ``3d_location`` the box centre, ``rotation`` its yaw in that frame;
+* single-side labels, as DAIR ships them (HEAL's reader opens them for every pair; HEAL's
+  DAIR GT is made of them): ``vehicle-side/label/lidar`` (what the vehicle's LiDAR hits, in its
+  lidar frame; CoAlign's complemented kind), ``vehicle-side/label/lidar_backup`` (those in
+  front, the original kind) and ``infrastructure-side/label/virtuallidar`` (what the roadside
+  unit hits, in its virtual LiDAR frame): ``3d_location`` the box centre, ``rotation`` its yaw
+  in that frame. As on real DAIR-V2X-C, where each side was annotated on its own, they are not
+  the cooperative boxes: each box is off by its own small error (``SIDE_LABEL_ERROR``: centre,
+  sizes, yaw) and a box is missing with probability ``SIDE_LABEL_MISS`` (drawn from the
+  scenario's own stream, so the scans draw as in the other formats);
 * clouds: binary PCD ``x y z intensity`` with intensity in 0..255 (the synthetic 0..1 times 256);
 * ids: vehicle frames ``100000 + 1000 * scenario + frame``, roadside frames ``500000 + ...``;
-  ``train.json``, ``val.json``, ``test.json`` list the vehicle frame ids of each split.
+  ``train.json``, ``val.json``, ``test.json`` list the vehicle frame ids of each split, not
+  sorted (real split files are not): the split's sequences interleaved frame by frame, each
+  one's frames latest first (:func:`split_order`).
 """
 from __future__ import annotations
 
@@ -47,6 +53,10 @@ MAX_FRAMES = 1000                                            # frame ids step by
 OFFSET_RANGE = (-1.5, 1.5)                                   # metres, system_error_offset
 KIND_TO_TYPE = {"car": "Car", "van": "Van", "truck": "Truck", "bus": "Bus"}
 VIRTUAL_LIDAR_HEIGHT = 1.9                                   # metres above the ground
+# A single-side label's own error, standard deviations: centre x, y, z (m), sizes (relative),
+# yaw (rad); and the chance that a side left a box it saw unlabelled.
+SIDE_LABEL_ERROR = {"xy": 0.08, "z": 0.04, "size": 0.02, "yaw": 0.02}
+SIDE_LABEL_MISS = 0.1
 
 
 def virtual_lidar(points: np.ndarray, pose) -> tuple:
@@ -108,16 +118,33 @@ def label(entry: dict, kind: str) -> dict:
             "world_8_points": corners.tolist()}
 
 
-def side_label(entry: dict, kind: str, world_to_lidar: np.ndarray) -> dict:
+def side_label(entry: dict, kind: str, world_to_lidar: np.ndarray, error=None) -> dict:
     """A single-side label (DAIR's ``label/lidar`` kind) of an OPV2V world entry, in the lidar
-    frame ``world_to_lidar`` (4, 4) maps DAIR's world to: centre, sizes and yaw of the box."""
+    frame ``world_to_lidar`` (4, 4) maps DAIR's world to: centre, sizes and yaw of the box.
+    ``error``: (7,) added to [x, y, z], multiplying [h, w, l] by 1 + it, added to the yaw."""
+    error = np.zeros(7) if error is None else np.asarray(error, dtype=np.float64)
     corners = dair_corners(entry) @ world_to_lidar[:3, :3].T + world_to_lidar[:3, 3]
     half_l, half_w, half_h = entry["extent"]
     forward = corners[0] - corners[3]                   # +l/2 minus -l/2 along the box's x
+    h, w, length = 2 * np.array([half_h, half_w, half_l]) * (1.0 + error[3:6])
     return {"type": KIND_TO_TYPE.get(kind, "Car"), "occluded_state": 0, "truncated_state": 0,
-            "alpha": 0.0, "3d_dimensions": {"h": 2 * half_h, "w": 2 * half_w, "l": 2 * half_l},
-            "3d_location": dict(zip("xyz", corners.mean(axis=0).tolist())),
-            "rotation": float(np.arctan2(forward[1], forward[0]))}
+            "alpha": 0.0, "3d_dimensions": {"h": float(h), "w": float(w), "l": float(length)},
+            "3d_location": dict(zip("xyz", (corners.mean(axis=0) + error[:3]).tolist())),
+            "rotation": float(np.arctan2(forward[1], forward[0]) + error[6])}
+
+
+def side_label_draws(rng: np.random.Generator, count: int) -> tuple:
+    """(errors (count, 7), kept (count,) bool) of one side's labels of one frame."""
+    sigma = SIDE_LABEL_ERROR
+    scale = np.array([sigma["xy"], sigma["xy"], sigma["z"]] + [sigma["size"]] * 3 +
+                     [sigma["yaw"]])
+    errors = rng.normal(size=(count, 7)) * scale
+    return errors, rng.random(count) >= SIDE_LABEL_MISS
+
+
+def side_label_rng(seed: int, split: str, index: int) -> np.random.Generator:
+    """The scenario's stream of single-side label errors, apart from the scans' streams."""
+    return np.random.default_rng(scenario_seed(seed, split, index).spawn(5)[4])
 
 
 def _write_json(path: Path, data) -> None:
@@ -132,8 +159,10 @@ def _write_cloud(path: Path, points: np.ndarray) -> None:
     write_pcd(path, raw, intensity_field="intensity", data="binary")
 
 
-def write_pair(root: Path, world, frame: int, scans: dict, ids: tuple, offset: dict) -> dict:
-    """Write one (vehicle, roadside unit) frame pair; returns its data_info entries."""
+def write_pair(root: Path, world, frame: int, scans: dict, ids: tuple, offset: dict,
+               label_rng: np.random.Generator) -> dict:
+    """Write one (vehicle, roadside unit) frame pair; returns its data_info entries.
+    ``label_rng``: the single-side labels' errors and misses."""
     vehicle_id, rsu_id = world.cav_ids[0], world.rsu_ids[0]
     vehicle_frame, rsu_frame = ids
     lidar_to_world = pose_to_matrix(world.lidar_poses[vehicle_id][frame])
@@ -154,9 +183,10 @@ def write_pair(root: Path, world, frame: int, scans: dict, ids: tuple, offset: d
     _write_cloud(root / "infrastructure-side" / "velodyne" / f"{rsu_frame}.pcd", rsu_points)
     _write_labels(root, world, vehicle_frame, scans, lidar_to_world)
     _write_side_labels(root / "vehicle-side" / "label", vehicle_frame, world,
-                       scans[vehicle_id][1], lidar_to_world, ("lidar", "lidar_backup"))
+                       scans[vehicle_id][1], lidar_to_world, ("lidar", "lidar_backup"),
+                       label_rng)
     _write_side_labels(root / "infrastructure-side" / "label", rsu_frame, world,
-                       scans[rsu_id][1], rsu_to_world, ("virtuallidar", None))
+                       scans[rsu_id][1], rsu_to_world, ("virtuallidar", None), label_rng)
     return _pair_info(vehicle_frame, rsu_frame, offset)
 
 
@@ -175,12 +205,15 @@ def _write_labels(root: Path, world, vehicle_frame: str, scans: dict, lidar_to_w
 
 
 def _write_side_labels(folder: Path, frame_id: str, world, visible: dict, lidar_to_world,
-                       names: tuple) -> None:
-    """One agent's single-side labels: ``names[0]`` every vehicle its LiDAR hit, ``names[1]``
-    (when given) those in front of it (x > 0), both in its lidar frame."""
+                       names: tuple, rng: np.random.Generator) -> None:
+    """One agent's single-side labels: ``names[0]`` every vehicle its LiDAR hit (each with its
+    own error, some missing: :func:`side_label_draws`), ``names[1]`` (when given) those of them
+    in front of it (x > 0), both in its lidar frame."""
     world_to_lidar = np.linalg.inv(lidar_to_world)
-    labels = [side_label(visible[actor], world.track(actor).kind, world_to_lidar)
-              for actor in sorted(visible)]
+    actors = sorted(visible)
+    errors, kept = side_label_draws(rng, len(actors))
+    labels = [side_label(visible[actor], world.track(actor).kind, world_to_lidar, error)
+              for actor, error, keep in zip(actors, errors, kept) if keep]
     _write_json(folder / names[0] / f"{frame_id}.json", labels)
     if names[1] is not None:
         _write_json(folder / names[1] / f"{frame_id}.json",
@@ -209,13 +242,14 @@ def generate_scenario(out_dir, preset: Preset, seed: int, split: str, index: int
     the OPV2V writer's statistics plus the data_info entries and the split's frame ids."""
     root = Path(out_dir) / ROOT_NAME
     offset = system_error_offset(seed, split, index)
+    label_rng = side_label_rng(seed, split, index)
     batch = f"{global_index:04d}"
     stats = {"split": split, "name": batch, "cavs": 1, "rsus": 1, "frames": preset.frames,
              "points": 0, "gt": 0, "invisible": 0, "rsu_only": 0, "in_range": 0, "unseen": 0,
              "pairs": [], "vehicle_infos": [], "infrastructure_infos": [], "vehicle_ids": []}
     for world, frame, scans in scan_frames(preset, seed, split, index):
         ids = frame_ids(global_index, frame)
-        stats["pairs"].append(write_pair(root, world, frame, scans, ids, offset))
+        stats["pairs"].append(write_pair(root, world, frame, scans, ids, offset, label_rng))
         timestamp = 1_626_000_000_000_000 + 100_000 * (1000 * global_index + frame)   # us
         stats["vehicle_infos"].append(_side_info(ids[0], batch, timestamp, {
             "calib_lidar_to_novatel_path": "lidar_to_novatel",
@@ -231,6 +265,16 @@ def generate_scenario(out_dir, preset: Preset, seed: int, split: str, index: int
     return stats
 
 
+def split_order(sequences: list) -> list:
+    """A split file's list from its sequences' vehicle frame ids (each in time order): the
+    sequences interleaved frame by frame, each one's frames latest first. Never the sorted
+    order (for 2+ frames), so a reader that sorts cannot pass for one that follows the file."""
+    reversed_sequences = [list(reversed(ids)) for ids in sequences]
+    longest = max((len(ids) for ids in sequences), default=0)
+    return [ids[step] for step in range(longest) for ids in reversed_sequences
+            if step < len(ids)]
+
+
 def finish(out_dir, results: list) -> None:
     """The index files: cooperative, vehicle-side and infrastructure-side data_info.json and
     the split jsons, from every scenario's entries (then dropped from the results)."""
@@ -242,8 +286,8 @@ def finish(out_dir, results: list) -> None:
     _write_json(root / "infrastructure-side" / "data_info.json",
                 [info for r in results for info in r["infrastructure_infos"]])
     for split, name in SPLIT_FILES.items():
-        _write_json(root / name, [v for r in results if r["split"] == split
-                                  for v in r["vehicle_ids"]])
+        _write_json(root / name, split_order([r["vehicle_ids"] for r in results
+                                              if r["split"] == split]))
     for result in results:
         for key in ("pairs", "vehicle_infos", "infrastructure_infos", "vehicle_ids"):
             result.pop(key)
