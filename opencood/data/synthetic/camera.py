@@ -198,23 +198,28 @@ def _ground_depth(world_from_ray, camera_center, xn, yn) -> np.ndarray:
 
 
 def _background(depth, world_from_ray, camera_center, xn, yn) -> np.ndarray:
-    """RGB (H, W, 3) float32 of what the boxes leave: the ground (an asphalt checker fading into
-    haze with distance) where ``depth`` is finite, else the sky (horizon colour near the
-    horizon, deeper blue overhead, by the ray's elevation)."""
+    """Colour planes (3, H, W) float32, R G B, of what the boxes leave: the ground (an asphalt
+    checker fading into haze with distance) where ``depth`` is finite, else the sky (horizon
+    colour near the horizon, deeper blue overhead, by the ray's elevation). Planes, not (H, W, 3):
+    numpy is several times slower on a trailing axis of 3."""
     hit = np.isfinite(depth)
-    distance = np.where(hit, depth, 0.0).astype(np.float32)
+    distance = np.where(hit, depth, np.float32(0.0))
     square = np.zeros(depth.shape, dtype=np.int64)
     for axis in (0, 1):
         a, b, c = (float(v) for v in world_from_ray[axis])
-        ground = camera_center[axis] + distance * (a * xn[None, :] + b * yn[:, None] + c)
-        square += np.floor(ground * (1.0 / _CHECKER)).astype(np.int64)
-    light = (square & 1).astype(np.float32)[..., None]
-    haze = (distance / (distance + np.float32(_HAZE_DISTANCE)))[..., None]
-    asphalt = _ASPHALT[0] + light * (_ASPHALT[1] - _ASPHALT[0])
-    ground_rgb = asphalt + haze * (_HAZE - asphalt)
+        ground = float(camera_center[axis]) + distance * (a * xn[None, :] + b * yn[:, None] + c)
+        square += np.floor(ground * np.float32(1.0 / _CHECKER)).astype(np.int64)
+    light = (square & 1).astype(np.float32)
+    haze = distance / (distance + np.float32(_HAZE_DISTANCE))
     up = np.clip(float(world_from_ray[2, 1]) * yn + float(world_from_ray[2, 2]), 0.0, 1.0)
-    sky_rgb = (_SKY_HORIZON + up[:, None] * (_SKY_TOP - _SKY_HORIZON))[:, None, :]
-    return np.where(hit[..., None], ground_rgb, sky_rgb)
+    planes = np.empty((3,) + depth.shape, dtype=np.float32)
+    for channel in range(3):
+        dark, bright = _ASPHALT[:, channel]
+        asphalt = dark + light * (bright - dark)
+        ground_colour = asphalt + haze * (_HAZE[channel] - asphalt)
+        sky_colour = _SKY_HORIZON[channel] + up * (_SKY_TOP[channel] - _SKY_HORIZON[channel])
+        planes[channel] = np.where(hit, ground_colour, sky_colour[:, None])
+    return planes
 
 
 def _clip_near(polygon: np.ndarray, near: float) -> np.ndarray:
@@ -296,7 +301,7 @@ def render_camera(scene, cords, cfg: CameraConfig, exclude_ids=()) -> CameraImag
     xn = ((np.arange(cfg.width) - center[0]) / focal).astype(np.float32)
     yn = ((np.arange(cfg.height) - center[1]) / focal).astype(np.float32)
     depth = _ground_depth(camera_to_world[:3, :3], camera_center, xn, yn).astype(np.float32)
-    rgb = _background(depth, camera_to_world[:3, :3], camera_center, xn, yn)
+    planes = _background(depth, camera_to_world[:3, :3], camera_center, xn, yn)
     ids = np.where(np.isfinite(depth), GROUND_ID, SKY_ID).astype(np.int64)
 
     corners, normals, face_ids = _visible_faces(scene, camera_center, exclude_ids)
@@ -313,14 +318,21 @@ def render_camera(scene, cords, cfg: CameraConfig, exclude_ids=()) -> CameraImag
             _raster_face(polygon, xn, yn, depth, index, face_buffer, focal, center)
 
     on_face = face_buffer >= 0
+    if not on_face.any():
+        return _image(planes, depth, ids)
     object_ids, face_objects = np.unique(face_ids, return_inverse=True)
     object_colours = np.array([_object_colour(int(i)) for i in object_ids]).reshape(-1, 3)
     shade = 0.5 + 0.5 * np.clip(normals @ _SUN, 0.0, 1.0)
     face_colours = (object_colours[face_objects] * shade[:, None]).astype(np.float32)
-    drawn = face_buffer[on_face]
-    rgb[on_face] = face_colours[drawn]
-    ids[on_face] = face_ids[drawn]
-    return CameraImage(np.clip(np.rint(rgb), 0, 255).astype(np.uint8), depth, ids)
+    for channel in range(3):
+        # Index -1 (no face) reads the last face's colour, which np.where then discards.
+        planes[channel] = np.where(on_face, face_colours[face_buffer, channel], planes[channel])
+    return _image(planes, depth, np.where(on_face, face_ids[face_buffer], ids))
+
+
+def _image(planes, depth, ids) -> CameraImage:
+    rgb = np.clip(np.rint(planes), 0, 255).astype(np.uint8).transpose(1, 2, 0)
+    return CameraImage(np.ascontiguousarray(rgb), depth, ids)
 
 
 def depth_png(depth: np.ndarray) -> np.ndarray:
