@@ -3,6 +3,7 @@ rasteriser that agrees with the ray-cast LiDAR, and the files the generator writ
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -14,10 +15,11 @@ from opencood.data.synthetic import (GROUND_ID, Building, LidarConfig, Scene, Ve
 from opencood.data.synthetic.camera import (SKY_ID, CameraConfig, depth_png, project_points,
                                             render_camera)
 from opencood.data.synthetic.lidar import slab_intersect
+from opencood.data.synthetic import writer_dairv2x
 from opencood.data.synthetic.presets import with_rsu
 from opencood.data.synthetic.world import World
 from opencood.data.synthetic.writer import _DUMPER, photograph_agent, rebuild_world
-from opencood.ops.transforms import pose_to_matrix
+from opencood.ops.transforms import matrix_to_pose, pose_to_matrix
 from tests.tool_modules import load_tool
 
 # HEAL's get_ext_int: camera -> lidar from the two UE4 poses, then UE4 axes -> OpenCV axes.
@@ -270,8 +272,8 @@ def test_cameras_same_seed_same_bytes_and_lidar_files_unchanged(camera_data, tmp
 
 
 def test_cameras_refused_for_other_formats(tmp_path):
-    with pytest.raises(ValueError, match="opv2v format only"):
-        generate_dataset(tmp_path / "x", preset=TINY_CAMERAS, data_format="dairv2x",
+    with pytest.raises(ValueError, match="dairv2x formats only, not 'v2v4real'"):
+        generate_dataset(tmp_path / "x", preset=TINY_CAMERAS, data_format="v2v4real",
                          progress=False)
 
 
@@ -302,3 +304,62 @@ def test_generate_cli_cameras_are_opt_in(tmp_path, capsys):
     grid = np.asarray(Image.open(tmp_path / "grid.png"))
     assert grid.shape == (60, 80, 3)
     assert picture.main(["--agent", str(tmp_path), "--out", str(tmp_path / "no.png")]) == 2
+
+
+# --------------------------------------------------------------------------------- DAIR-V2X-C
+
+def _dair_json(root, relative):
+    return json.loads((root / relative).read_text())
+
+
+def _dair_calib(entry) -> np.ndarray:
+    """HEAL's rot_and_trans_to_trasnformation_matrix: {rotation, translation} -> (4, 4)."""
+    matrix = np.eye(4)
+    matrix[:3, :3] = entry["rotation"]
+    matrix[:3, 3] = np.asarray(entry["translation"])[:, 0]
+    return matrix
+
+
+def test_dairv2x_cameras_read_back_as_heal_reads_them_reproduce_their_pictures(tmp_path):
+    """Each side's camera pose, rebuilt from the files as a DAIR reader chains them (LiDAR ->
+    world, then lidar_to_camera in OpenCV axes with cam_K), renders the written picture."""
+    cfg = CameraConfig(width=160, height=120)
+    preset = dataclasses.replace(get_preset("tiny"), frames=1, cameras=cfg)
+    generate_dataset(tmp_path, preset=preset, seed=0, progress=False, splits=("test",),
+                     data_format="dairv2x")
+    root = tmp_path / writer_dairv2x.ROOT_NAME
+    (pair,) = _dair_json(root, "cooperative/data_info.json")
+    world = rebuild_world(writer_dairv2x.adapt_preset(preset), 0, "test", 0)
+    scene = world.scene_at(0)
+    vehicle_info, rsu_info = (_dair_json(root, f"{side}/data_info.json")[0]
+                              for side in ("vehicle-side", "infrastructure-side"))
+    novatel_to_world = _dair_json(root, "vehicle-side/" + vehicle_info[
+        "calib_novatel_to_world_path"])
+    lidar_to_novatel = _dair_json(root, "vehicle-side/" + vehicle_info[
+        "calib_lidar_to_novatel_path"])["transform"]
+    vehicle_to_world = _dair_calib(novatel_to_world) @ _dair_calib(lidar_to_novatel)
+    rsu_to_world = _dair_calib(_dair_json(root, "infrastructure-side/" + rsu_info[
+        "calib_virtuallidar_to_world_path"]))
+    rsu_to_world[:2, 3] += [pair["system_error_offset"]["delta_x"],
+                            pair["system_error_offset"]["delta_y"]]
+    sides = (("vehicle-side", vehicle_info, vehicle_to_world, "calib_lidar_to_camera_path",
+              pair["vehicle_image_path"], [world.cav_ids[0]]),
+             ("infrastructure-side", rsu_info, rsu_to_world,
+              "calib_virtuallidar_to_camera_path", pair["infrastructure_image_path"], []))
+    for side, info, lidar_to_world, calib_key, image_path, exclude in sides:
+        lidar_to_camera = _dair_calib(_dair_json(root, f"{side}/{info[calib_key]}"))
+        intrinsic = np.reshape(
+            _dair_json(root, f"{side}/{info['calib_camera_intrinsic_path']}")["cam_K"], (3, 3))
+        np.testing.assert_allclose(intrinsic, [[80 / np.tan(np.radians(50)), 0, 80],
+                                               [0, 80 / np.tan(np.radians(50)), 60], [0, 0, 1]])
+        opencv_to_town = lidar_to_world @ np.linalg.inv(lidar_to_camera)
+        opencv_to_town[:3, 3] -= writer_dairv2x.WORLD_ORIGIN
+        cords = matrix_to_pose(opencv_to_town @ np.linalg.inv(HEAL_UE4_TO_OPENCV))
+        expected = render_camera(scene, cords, cfg, exclude_ids=exclude).rgb
+        written = np.asarray(Image.open(root / image_path).convert("RGB"))
+        assert written.shape == (120, 160, 3)
+        assert np.abs(written.astype(float) - expected).mean() < 3.0, side   # JPEG: ~1.5-2
+        # A camera turned by 10 degrees would not reproduce it.
+        turned = render_camera(scene, np.add(cords, [0, 0, 0, 0, 10.0, 0]), cfg,
+                               exclude_ids=exclude).rgb
+        assert np.abs(written.astype(float) - turned).mean() > 6.0, side

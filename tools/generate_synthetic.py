@@ -14,10 +14,11 @@ train.json, val.json, test.json) and DIR/generation.yaml, then prints a summary.
 ``--scenarios`` resize a preset (e.g. a lighter ``opv2v`` for a short GPU session); the sizes
 used are recorded in generation.yaml. ``--splits test`` writes only the test split, byte-identical
 to the test split of the whole data set (tests/test_e2e_parity.py regenerates its frames so).
-``--cameras`` (opv2v format, V2XSet's RSUs included) also photographs the scene with OPV2V's 4
-cameras per agent: ``<ts>_camera0..3.png`` (800 x 600 unless ``--camera-size``) and the yaml's
-``camera0..3``; ``--depth`` adds OPV2V-H's ``<ts>_depth0..3.png``. Off by default: it costs
-more CPU than the LiDAR (docs/DESIGN.md §3).
+``--cameras`` also photographs the scene: OPV2V's 4 cameras per agent (V2XSet's RSUs included),
+``<ts>_camera0..3.png`` (800 x 600 unless ``--camera-size``) and the yaml's ``camera0..3``;
+``--depth`` adds OPV2V-H's ``<ts>_depth0..3.png``; with ``--format dairv2x``, DAIR's one camera
+per side (``image/*.jpg`` and its calib files). Off by default: it costs more CPU than the
+LiDAR (docs/DESIGN.md §3).
 """
 import argparse
 import dataclasses
@@ -47,7 +48,7 @@ def parse_args(argv=None):
     parser.add_argument("--splits", nargs="+", choices=SPLITS, default=list(SPLITS),
                         help="write only these splits (default: all three)")
     parser.add_argument("--cameras", action="store_true",
-                        help="also write 4 camera images per agent and frame (opv2v format)")
+                        help="also write camera images (opv2v: 4 per agent; dairv2x: 1 per side)")
     parser.add_argument("--camera-size", type=int, nargs=2, metavar=("W", "H"),
                         help="camera image size (default: OPV2V's 800 600)")
     parser.add_argument("--depth", action="store_true",

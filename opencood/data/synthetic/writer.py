@@ -405,9 +405,9 @@ def generate_dataset(out_dir, preset="small", seed: int = 0, workers: int = 1,
     unknown = sorted(set(splits) - set(SPLITS))
     if unknown or not splits:
         raise ValueError(f"splits must be some of {', '.join(SPLITS)}, got {list(splits)}")
-    if preset.cameras is not None and data_format != "opv2v":
-        raise ValueError(f"cameras are written in the opv2v format only (V2XSet's layout "
-                         f"included), not {data_format!r}")
+    if preset.cameras is not None and data_format not in ("opv2v", "dairv2x"):
+        raise ValueError(f"cameras are written in the opv2v (V2XSet's layout included) and "
+                         f"dairv2x formats only, not {data_format!r}")
     writer = format_writer(data_format)
     preset = getattr(writer, "adapt_preset", lambda p: p)(preset)
     out_dir = Path(out_dir)

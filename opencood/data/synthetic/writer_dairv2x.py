@@ -28,7 +28,14 @@ RSU: a LiDAR 4-5 m up on a pole, looking down), written under
 * ids: vehicle frames ``100000 + 1000 * scenario + frame``, roadside frames ``500000 + ...``;
   ``train.json``, ``val.json``, ``test.json`` list the vehicle frame ids of each split, not
   sorted (real split files are not): the split's sequences interleaved frame by frame, each
-  one's frames latest first (:func:`split_order`).
+  one's frames latest first (:func:`split_order`);
+* with cameras (``--cameras``), one per side as DAIR has: ``image/<frame>.jpg`` rendered as the
+  OPV2V writer renders (camera.py; the vehicle's is OPV2V's front camera, the roadside unit's
+  its front camera on the pole, pitched down), ``calib/camera_intrinsic`` ({cam_K: 9 numbers,
+  cam_D: 5 zeros, no distortion}) and ``calib/lidar_to_camera`` (vehicle) or
+  ``calib/virtuallidar_to_camera`` (roadside unit): LiDAR -> camera in OpenCV axes (x right,
+  y down, z forward) as DAIR's files and HEAL's reader (no axis change) have them. The image
+  size is the ``CameraConfig``'s (800 x 600, fov 100 by default), not DAIR's 1920 x 1080.
 """
 from __future__ import annotations
 
@@ -36,12 +43,17 @@ import dataclasses
 import json
 from pathlib import Path
 
+import cv2
 import numpy as np
 
 from opencood.data.pcd import write_pcd
+from opencood.data.synthetic.camera import (UE4_FROM_OPENCV, CameraConfig, intrinsic_matrix,
+                                            render_camera, rsu_camera_cords,
+                                            vehicle_camera_cords)
 from opencood.data.synthetic.presets import RSU_FOV_DEG, Preset
-from opencood.data.synthetic.world import RsuConfig
-from opencood.data.synthetic.writer import sample_visibility, scan_frames, scenario_seed
+from opencood.data.synthetic.world import LIDAR_MOUNT_X, RsuConfig
+from opencood.data.synthetic.writer import (OutputDirError, sample_visibility, scan_frames,
+                                            scenario_seed)
 from opencood.ops.transforms import pose_to_matrix
 
 ROOT_NAME = "cooperative-vehicle-infrastructure"
@@ -65,7 +77,12 @@ def virtual_lidar(points: np.ndarray, pose) -> tuple:
     drop = float(pose[2]) - VIRTUAL_LIDAR_HEIGHT
     lowered = np.asarray(points, dtype=np.float32).copy()
     lowered[:, 2] += np.float32(drop)
-    return lowered, [pose[0], pose[1], VIRTUAL_LIDAR_HEIGHT, pose[3], pose[4], pose[5]]
+    return lowered, virtual_lidar_pose(pose)
+
+
+def virtual_lidar_pose(pose) -> list:
+    """The pose of a roadside unit's virtual LiDAR: its own, lowered to VIRTUAL_LIDAR_HEIGHT."""
+    return [pose[0], pose[1], VIRTUAL_LIDAR_HEIGHT, pose[3], pose[4], pose[5]]
 
 
 def adapt_preset(preset: Preset) -> Preset:
@@ -190,6 +207,32 @@ def write_pair(root: Path, world, frame: int, scans: dict, ids: tuple, offset: d
     return _pair_info(vehicle_frame, rsu_frame, offset)
 
 
+def write_cameras(root: Path, world, frame: int, ids: tuple, cfg: CameraConfig) -> None:
+    """One camera per side: ``image/<frame>.jpg`` and its calib files (module docstring)."""
+    vehicle_id, rsu_id = world.cav_ids[0], world.rsu_ids[0]
+    vehicle_pose = world.lidar_poses[vehicle_id][frame]
+    rsu_pose = world.lidar_poses[rsu_id][frame]
+    scene = world.scene_at(frame)
+    sides = (("vehicle-side", ids[0], vehicle_camera_cords(vehicle_pose, LIDAR_MOUNT_X)[0],
+              vehicle_pose, [vehicle_id], "lidar_to_camera"),
+             ("infrastructure-side", ids[1], rsu_camera_cords(rsu_pose)[0],
+              virtual_lidar_pose(rsu_pose), [], "virtuallidar_to_camera"))
+    intrinsic = {"cam_K": intrinsic_matrix(cfg).ravel().tolist(), "cam_D": [0.0] * 5}
+    for side, frame_id, cords, lidar_pose, exclude, calib_name in sides:
+        image = render_camera(scene, cords, cfg, exclude_ids=exclude)
+        ok, encoded = cv2.imencode(".jpg", np.ascontiguousarray(image.rgb[..., ::-1]))
+        path = root / side / "image" / f"{frame_id}.jpg"
+        if not ok:
+            raise OutputDirError(f"cannot encode {path} as JPEG")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(encoded.tobytes())
+        lidar_to_camera = np.linalg.inv(pose_to_matrix(cords) @ UE4_FROM_OPENCV) @ \
+            pose_to_matrix(lidar_pose)
+        _write_json(root / side / "calib" / calib_name / f"{frame_id}.json",
+                    calib_json(lidar_to_camera))
+        _write_json(root / side / "calib" / "camera_intrinsic" / f"{frame_id}.json", intrinsic)
+
+
 def _write_labels(root: Path, world, vehicle_frame: str, scans: dict, lidar_to_world) -> None:
     seen = {}
     for _, visible in scans.values():
@@ -251,11 +294,17 @@ def generate_scenario(out_dir, preset: Preset, seed: int, split: str, index: int
         ids = frame_ids(global_index, frame)
         stats["pairs"].append(write_pair(root, world, frame, scans, ids, offset, label_rng))
         timestamp = 1_626_000_000_000_000 + 100_000 * (1000 * global_index + frame)   # us
-        stats["vehicle_infos"].append(_side_info(ids[0], batch, timestamp, {
-            "calib_lidar_to_novatel_path": "lidar_to_novatel",
-            "calib_novatel_to_world_path": "novatel_to_world"}))
-        stats["infrastructure_infos"].append(_side_info(ids[1], batch, timestamp, {
-            "calib_virtuallidar_to_world_path": "virtuallidar_to_world"}))
+        vehicle_calib = {"calib_lidar_to_novatel_path": "lidar_to_novatel",
+                         "calib_novatel_to_world_path": "novatel_to_world"}
+        rsu_calib = {"calib_virtuallidar_to_world_path": "virtuallidar_to_world"}
+        if preset.cameras is not None:
+            write_cameras(root, world, frame, ids, preset.cameras)
+            vehicle_calib.update(calib_camera_intrinsic_path="camera_intrinsic",
+                                 calib_lidar_to_camera_path="lidar_to_camera")
+            rsu_calib.update(calib_camera_intrinsic_path="camera_intrinsic",
+                             calib_virtuallidar_to_camera_path="virtuallidar_to_camera")
+        stats["vehicle_infos"].append(_side_info(ids[0], batch, timestamp, vehicle_calib))
+        stats["infrastructure_infos"].append(_side_info(ids[1], batch, timestamp, rsu_calib))
         stats["vehicle_ids"].append(ids[0])
         stats["points"] += sum(len(points) for points, _ in scans.values())
         visible = {agent: found for agent, (_, found) in scans.items()}
