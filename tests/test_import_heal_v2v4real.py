@@ -120,7 +120,7 @@ def test_translated_heal_config(tmp_path):
     cfg, _, provenance = translate("heal_v2vnet", tmp_path)
     args = cfg["model"]["args"]
     assert cfg["fusion"] == {"core_method": "intermediate", "dataset": "opv2v",
-                             "args": {"proj_first": False}}
+                             "args": {"proj_first": False}, "gt_source": "cooperative"}
     assert args["use_dir"] is True and args["fusion"]["stage"] == "backbone"
     assert args["shrink_header"] == {"dim": 32, "stride": 2, "kernel_size": 3}
     assert args["fusion"]["args"]["num_iteration"] == 2
@@ -138,7 +138,7 @@ def test_translated_heal_config(tmp_path):
 def test_translated_v2v4real_config(tmp_path):
     cfg, state, _ = translate("v2v4real_late_fusion", tmp_path)
     assert cfg["fusion"] == {"core_method": "late", "dataset": "v2v4real",
-                             "args": {"proj_first": True}}
+                             "args": {"proj_first": True}, "gt_source": "cooperative"}
     assert cfg["model"]["args"]["shrink_header"] == {"dim": 256, "stride": 2, "kernel_size": 3}
     assert cfg["model"]["args"]["use_dir"] is False
     # V2V4Real's test GT range [-100, -40, -5, 100, 40, 3] cut to the LiDAR range.
@@ -280,3 +280,18 @@ def test_heal_attfuse_fuses_after_the_shrinker(tmp_path):
     model, fixture = heal_model_with_fixture_weights("attfuse", tmp_path, stage="multiscale")
     assert max(heal_differences(model, fixture).values()) > 1e-3
 
+
+
+def test_a_heal_dairv2x_run_keeps_heal_s_single_side_gt(tmp_path):
+    """HEAL's DAIR data sets train and evaluate on the two sides' own labels merged: an imported
+    HEAL DAIR run gets fusion.gt_source single_side (ours defaults to label_world)."""
+    import yaml
+
+    from opencood.data.numpy_yaml import NumpyYamlDumper, NumpyYamlLoader
+    peer = write_peer_run(tmp_path / "p", "heal_attfuse")
+    (config,) = [path for path in peer.iterdir() if path.suffix == ".yaml"]
+    data = yaml.load(config.read_text(), Loader=NumpyYamlLoader)       # HEAL saves numpy tags
+    data["fusion"]["dataset"] = "dairv2x"
+    config.write_text(yaml.dump(data, Dumper=NumpyYamlDumper))
+    cfg, _, _ = translate_run(peer, None, "heal")
+    assert cfg["fusion"]["dataset"] == "dairv2x" and cfg["fusion"]["gt_source"] == "single_side"

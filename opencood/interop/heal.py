@@ -199,6 +199,10 @@ def translate_heal_config(data: dict, source: str) -> dict:
     args["fusion"]["stage"] = "backbone"            # after the shrinker, single scale
     set_direction_head(cfg, data, source)
     set_own_frame_dataset(cfg, data, source)
+    if cfg["fusion"]["dataset"] == "dairv2x":
+        # every HEAL DAIR data set trains and evaluates on the two sides' own labels merged
+        # (opencood.data.dairv2x), not on cooperative/label_world as CoAlign's do
+        cfg["fusion"]["gt_source"] = "single_side"
     lidar_range = cfg["preprocess"]["cav_lidar_range"]
     gt_range = [float(v) for v in _get(data, "postprocess.gt_range", source, lidar_range)]
     cfg["postprocess"]["gt_range"] = [max(a, b) for a, b in zip(gt_range[:3], lidar_range[:3])] \
