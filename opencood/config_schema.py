@@ -315,6 +315,9 @@ class PerformanceSection:
     static_pillars: int = spec(0, check=non_negative)
     sync_free_step: bool = False        # one host read per optimizer step (engine.loop)
     compile: bool = False               # torch.compile the model for training steps
+    # BEV maps and conv weights channels-last (NHWC) in training: what cudnn computes in, so no
+    # NCHW<->NHWC transposes around each conv; fp32 gradients differ by float rounding
+    channels_last: bool = False
 
 
 @section

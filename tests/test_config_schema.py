@@ -69,7 +69,8 @@ DEFAULTS = {
     "amp": {"enabled": False, "dtype": "bf16"},
     "distributed": {"backend": None, "timeout_minutes": 30.0, "find_unused_parameters": False},
     "performance": {"tf32": True, "cudnn_benchmark": True, "static_pillars": 0,
-                    "sync_free_step": False, "compile": False},
+                    "sync_free_step": False, "compile": False,
+                    "channels_last": False},
     "wild_setting": {"seed": 25, "loc_err": False, "xyz_std": 0.0, "yaw_std": 0.0,
                      "latency_frames": 0},
 }

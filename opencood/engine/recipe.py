@@ -29,7 +29,7 @@ from opencood.engine.task import DetectionTask
 from opencood.engine.teacher import FrozenTeacher, load_teacher
 from opencood.errors import alike_on_every_rank
 from opencood.eval.inference import evaluate_loader
-from opencood.models.build import build_model
+from opencood.models.build import build_model, use_channels_last
 from opencood.registry import FUSIONS, LOSSES, MODELS, POSTPROCESSORS, RegistryError
 from opencood.strategies import get_strategy
 from opencood.utils import dist as dist_utils
@@ -267,6 +267,8 @@ def prepare_model(cfg: Dict, info: dist_utils.DistInfo, checkpoint: Dict | None,
     if use_sync_batchnorm(info):           # CUDA with world > 1
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model.to(info.device)
+    if cfg["performance"]["channels_last"]:   # before the EMA copies the weights' layout
+        use_channels_last(model)
     load_model_weights(model, checkpoint, ckpt_path)
     ema = build_ema(model, cfg, checkpoint)
     model_without_ddp = model

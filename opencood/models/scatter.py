@@ -28,6 +28,8 @@ class PointPillarScatter(nn.Module):
         self.num_features = num_features
         self.nx = nx
         self.ny = ny
+        # torch.channels_last: the canvas is returned NHWC (models.build.use_channels_last)
+        self.memory_format = torch.contiguous_format
 
     def forward(self, pillar_features: torch.Tensor, voxel_coords: torch.Tensor,
                 record_len: torch.Tensor, voxel_valid: Optional[torch.Tensor] = None
@@ -51,4 +53,5 @@ class PointPillarScatter(nn.Module):
         canvas = pillar_features.new_zeros(num_agents * cells_per_agent + spare,
                                            pillar_features.shape[1])
         canvas = canvas.index_put((flat_index,), pillar_features)[:num_agents * cells_per_agent]
-        return canvas.view(num_agents, self.ny, self.nx, -1).permute(0, 3, 1, 2).contiguous()
+        canvas = canvas.view(num_agents, self.ny, self.nx, -1).permute(0, 3, 1, 2)
+        return canvas.contiguous(memory_format=self.memory_format)    # NHWC: already so
