@@ -27,7 +27,7 @@ from opv2v_factory import write_simple_split
 from process_state import TORCH_SWITCHES, preserved_torch_switches
 from opencood.config import load_config, save_config
 from opencood.engine import evaluator
-from opencood.eval import inference
+from opencood.eval import inference, report
 from opencood.strategies import get_strategy
 from opencood.eval.ap import APAccumulator
 from opencood.eval.pose_error import PoseErrorTally
@@ -502,13 +502,13 @@ def test_pictures_draw_ego_occluded_gt_in_their_own_colour():
 
 
 def test_table_prints_a_dash_for_a_bin_without_gt():
-    from opencood.engine.evaluator import format_table
+    from opencood.eval.report import format_metrics
     metrics = {"ap_30": 0.5, "ap_50": 0.25, "ap_70": 0.0, "num_gt": 4, "bytes_per_agent": 10.0,
                "frames_per_s": 2.0, "num_frames": 3,
                "distance": {"0-30": {"ap_30": 0.5, "ap_50": 0.25, "ap_70": 0.0, "num_gt": 4},
                             "50-100": {"ap_30": None, "ap_50": None, "ap_70": None,
                                        "num_gt": 0}}}
-    near, far = format_table("test", metrics).splitlines()[3:5]
+    near, far = format_metrics("test", metrics).splitlines()[3:5]
     assert near.split() == ["0-30", "m", "0.5000", "0.2500", "0.0000", "4"]
     assert far.split() == ["50-100", "m", "–", "–", "–", "0"]
 
@@ -533,7 +533,7 @@ def test_spread_by_group_by_hand():
     results = [{"ap_30": 0.5, "ap_50": 0.4, "ap_70": 0.1},
                {"ap_30": 0.4, "ap_50": 0.3, "ap_70": 0.1},
                {"ap_30": 0.2, "ap_50": 0.1, "ap_70": 0.1}]
-    spread = evaluator.spread_by_group(settings, results)
+    spread = report.spread_by_group(settings, results)
     assert spread["clean"]["runs"] == 1 and spread["clean"]["ap_50"] == {"mean": 0.4, "std": 0.0}
     noisy = spread["noise0.2"]
     assert noisy["runs"] == 2

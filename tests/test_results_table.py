@@ -2,7 +2,6 @@
 --skip_existing, bad input, and one real train + eval run on tiny hand-made data."""
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -11,21 +10,16 @@ from pathlib import Path
 import pytest
 import yaml
 
+from opencood.eval import report
 from opv2v_factory import write_simple_split
+from tool_modules import load_tool
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TOOL = REPO_ROOT / "tools" / "results_table.py"
 SMOKE_YAML = REPO_ROOT / "hypes_yaml" / "synthetic" / "smoke.yaml"
 
 
-def _load_tool():
-    spec = importlib.util.spec_from_file_location("tool_results_table", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-rt = _load_tool()
+rt = load_tool("results_table")
 
 
 def _metrics(ap30, ap50, ap70, bytes_per_agent, visibility=None) -> dict:
@@ -221,8 +215,9 @@ def test_mean_and_std_cells_over_seeds_by_hand():
                         "n/a | n/a |")
     assert lines[4] == ("| `c` | no | 1 | 4 | 0 of 3 | failed | n/a | n/a | n/a | n/a | n/a | n/a | "
                         "n/a |")
-    assert rt.spread_cell([0.3, None, 0.5]) == "0.400 ± 0.141"
-    assert rt.spread_cell([None]) == "n/a"
+    assert report.seeds_spread_cell([0.3, None, 0.5]) == "0.400 ± 0.141"
+    assert report.seeds_spread_cell([None]) == "n/a"
+    assert report.seeds_spread_cell([0.25, None]) == "0.250"
 
 
 # -- --skip_existing, failures and bad input (no training) -------------------------------------

@@ -49,6 +49,8 @@ from opencood.data.datasets import SPLIT_KEYS  # noqa: E402
 from opencood.errors import ConfigError, OpencoodError, one_line  # noqa: E402
 from opencood.eval.protocols import DEFAULT_PROTOCOL  # noqa: E402
 from opencood.eval.records import describe, list_records, matching_records  # noqa: E402
+from opencood.eval.report import (AP_KEYS, UNKNOWN, count_cell, markdown_table,  # noqa: E402
+                                  mean_of_known, number_cell, seeds_spread_cell)
 from opencood.utils.batching import epochs_for_steps, steps_per_epoch  # noqa: E402
 
 DEFAULT_PRESET_DIR = REPO_ROOT / "hypes_yaml" / "synthetic"
@@ -63,7 +65,7 @@ class TableError(OpencoodError):
     """Bad input for this tool; the message is one line."""
 
 
-# -- plain computations (unit-tested) ---------------------------------------------------------
+# -- plain computations (unit-tested; the cells and the arithmetic: opencood/eval/report.py) ---
 
 def table_record(run_dir: Path, split: str, fusion: str,
                  folder: str) -> Tuple[Optional[Dict], Optional[str]]:
@@ -95,7 +97,7 @@ def record_metrics(record: Dict) -> Dict:
 def distinct_cell(values: Sequence) -> str:
     """The values of a row's seeds, once each ("n/a" when unknown)."""
     known = [value for value in dict.fromkeys(values) if value is not None]
-    return ", ".join(str(value) for value in known) if known else "n/a"
+    return ", ".join(str(value) for value in known) if known else UNKNOWN
 
 
 def occluded_ap50(metrics: Dict) -> Optional[float]:
@@ -107,31 +109,6 @@ def occluded_ap50(metrics: Dict) -> Optional[float]:
     if not isinstance(group, dict) or group.get("ap_50") is None:
         return None
     return float(group["ap_50"])
-
-
-def _number(value, digits: int = 3) -> str:
-    return "n/a" if value is None else f"{float(value):.{digits}f}"
-
-
-def _count(value) -> str:
-    return "n/a" if value is None else f"{int(round(float(value))):,}"
-
-
-def _mean(values: Sequence[Optional[float]]) -> Optional[float]:
-    """Mean of the known values (None: none known)."""
-    known = [float(v) for v in values if v is not None]
-    return sum(known) / len(known) if known else None
-
-
-def spread_cell(values: Sequence[Optional[float]]) -> str:
-    """An AP cell over seeds: one value as is, several as "mean ± std" (sample std, the one
-    tools/eval.py --seeds writes), none as n/a. None entries (a group absent) are left out."""
-    known = [float(v) for v in values if v is not None]
-    if len(known) < 2:
-        return _number(known[0] if known else None)
-    from opencood.engine.evaluator import mean_std
-    spread = mean_std(known)
-    return f"{spread['mean']:.3f} ± {spread['std']:.3f}"
 
 
 def seeds_cell(finished: int, planned: int) -> str:
@@ -160,29 +137,29 @@ def format_table(rows: Sequence[Dict]) -> str:
     header += ["AP@0.5 ego-occluded"] if occluded else []
     header += ["bytes per agent", "train minutes per seed" if several_seeds else "train minutes"]
     header += ["checkpoint step", "data folder"]
-    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    table = []
     for row in rows:
         metrics = row["metrics"]
-        cells = [f"`{row['model']}`", str(row.get("fusion") or "n/a"), _count(row.get("epochs")),
-                 _count(row.get("steps"))]
+        cells = [f"`{row['model']}`", str(row.get("fusion") or UNKNOWN),
+                 count_cell(row.get("epochs")), count_cell(row.get("steps"))]
         if several_seeds:
             cells.append(seeds_cell(len(metrics), row.get("seeds", 1)))
         if per_seed:
-            cells.append(str(row.get("seed", "n/a")))
+            cells.append(str(row.get("seed", UNKNOWN)))
         first_ap = len(cells)
-        cells += [spread_cell([m.get(key) for m in metrics]) for key in ("ap_30", "ap_50", "ap_70")]
+        cells += [seeds_spread_cell([m.get(key) for m in metrics]) for key in AP_KEYS]
         if occluded:
-            cells.append(spread_cell([occluded_ap50(m) for m in metrics]))
-        minutes = _number(row.get("train_minutes"), 1)
+            cells.append(seeds_spread_cell([occluded_ap50(m) for m in metrics]))
+        minutes = number_cell(row.get("train_minutes"), 1)
         minutes += " (resumed)" if row.get("resumed") else ""
-        cells += [_count(_mean([m.get("bytes_per_agent") for m in metrics])), minutes,
+        cells += [count_cell(mean_of_known([m.get("bytes_per_agent") for m in metrics])), minutes,
                   distinct_cell([m.get("checkpoint_step") for m in metrics]),
                   distinct_cell([_rel(m["data_folder"]) if m.get("data_folder") else None
                                  for m in metrics])]
         if not metrics:
             cells[first_ap] = "failed"
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        table.append(cells)
+    return "\n".join(markdown_table(header, table))
 
 
 def format_results_md(rows: Sequence[Dict], commands: Sequence[str], title: str, seeds: int = 1,
@@ -494,7 +471,7 @@ def model_rows(records: Sequence[Dict], metrics: Sequence[Optional[Dict]],
         first = runs[0][0]
         rows.append({"model": model, "fusion": first["fusion"], "epochs": first.get("epochs"),
                      "steps": first.get("steps"), "seeds": seeds,
-                     "train_minutes": _mean([r.get("train_minutes") for r, _ in runs]),
+                     "train_minutes": mean_of_known([r.get("train_minutes") for r, _ in runs]),
                      "resumed": any(r.get("resumed") for r, _ in runs),
                      "metrics": [m for _, m in runs if m is not None]})
     return rows

@@ -23,8 +23,8 @@ import yaml
 from opencood.errors import ConfigError, run_cli
 from opencood.eval.protocols import DEFAULT_PROTOCOL, PROTOCOLS
 from opencood.eval.records import RECORDS_DIR
+from opencood.eval.report import AP_NAMES, markdown_table, mean_std_cell
 
-METRIC_NAMES = {"ap_30": "AP@0.3", "ap_50": "AP@0.5", "ap_70": "AP@0.7"}
 ALIGNED = "_aligned"
 
 
@@ -34,7 +34,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="a table row: its name and its run folder (repeatable)")
     parser.add_argument("--split", default="test", choices=["validate", "test"])
     parser.add_argument("--protocol", default=DEFAULT_PROTOCOL, choices=sorted(PROTOCOLS))
-    parser.add_argument("--metric", nargs="+", default=["ap_50"], choices=sorted(METRIC_NAMES))
+    parser.add_argument("--metric", nargs="+", default=["ap_50"], choices=sorted(AP_NAMES))
     parser.add_argument("--out", help="also write the table (markdown) to this file")
     return parser.parse_args(argv)
 
@@ -81,7 +81,7 @@ def cell(groups: Dict, group: str, metric: str) -> str:
     row = groups.get(group)
     if row is None:
         return "–"
-    return f"{row[metric]['mean']:.3f} ± {row[metric]['std']:.3f}"
+    return mean_std_cell(row[metric])
 
 
 def pose_cell(groups: Dict, group: str, stage: str) -> str:
@@ -108,12 +108,10 @@ def render(runs: List[Tuple[str, Dict]], metric: str) -> str:
     levels = noise_levels(runs[0][1]["groups"])
     header = ["model"] + [level.replace("noise", "σ = ") for level in levels] \
         + [f"median pose error at {levels[-1].replace('noise', 'σ = ')}"]
-    lines = [f"{METRIC_NAMES[metric]}, mean ± std over the noise seeds",
-             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for name, spread in runs:
-        for row in table_rows(name, spread["groups"], levels, metric):
-            lines.append("| " + " | ".join(row) + " |")
-    return "\n".join(lines)
+    rows = [row for name, spread in runs
+            for row in table_rows(name, spread["groups"], levels, metric)]
+    return "\n".join([f"{AP_NAMES[metric]}, mean ± std over the noise seeds"]
+                     + markdown_table(header, rows))
 
 
 def main(argv=None) -> str:

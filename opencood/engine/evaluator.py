@@ -19,7 +19,6 @@ import logging
 from pathlib import Path
 from typing import Dict, List, Tuple
 
-import numpy as np
 import torch
 import yaml
 
@@ -36,6 +35,7 @@ from opencood.eval.pose_correction import load_pose_corrector
 from opencood.eval.protocols import DEFAULT_PROTOCOL, PROTOCOLS
 from opencood.eval.records import (RECORDS_DIR, build_record, checkpoint_facts, format_record_line,
                                    list_records, machine_facts, record_name, write_record)
+from opencood.eval.report import format_metrics, format_spread, spread_by_group
 from opencood.models.build import build_model
 from opencood.strategies import get_strategy, strategy_names
 from opencood.utils import dist as dist_utils
@@ -132,109 +132,6 @@ def settings_to_run(pose_noise: List[float], latency: List[int], seeds: int = 1,
         runs.append({"tag": f"latency{frames}", "group": f"latency{frames}", "overrides": [
             *no_noise, f"wild_setting.latency_frames={frames}"]})
     return runs
-
-
-def spread_by_group(settings: List[Dict], results: List[Dict]) -> Dict[str, Dict]:
-    """{group: {"runs": n, "ap_30": {"mean", "std"}, ...}}; std is the sample std (n - 1),
-    0 for a group of one run (a setting that draws nothing)."""
-    groups: Dict[str, List[Dict]] = {}
-    for setting, metrics in zip(settings, results):
-        groups.setdefault(setting["group"], []).append(metrics)
-    spread = {}
-    for group, members in groups.items():
-        row = {"runs": len(members)}
-        for key in ("ap_30", "ap_50", "ap_70"):
-            row[key] = mean_std([m[key] for m in members])
-        pose = pose_error_spread([m.get("pose_error", {}) for m in members])
-        if pose:
-            row["pose_error"] = pose
-        spread[group] = row
-    return spread
-
-
-POSE_ERROR_STATS = ("median_translation_m", "median_yaw_deg", "mean_translation_m",
-                    "mean_yaw_deg")
-
-
-def pose_error_spread(summaries: List[Dict]) -> Dict[str, Dict]:
-    """Per-run pose-error summaries ({"before": {...}, "after": {...}}) -> {stage: {stat:
-    {"mean", "std"}}} for the stages every run has ({} when runs have no agent pairs)."""
-    stages = [stage for stage in ("before", "after")
-              if summaries and all(stage in s and s[stage]["pairs"] for s in summaries)]
-    return {stage: {stat: mean_std([s[stage][stat] for s in summaries])
-                    for stat in POSE_ERROR_STATS} for stage in stages}
-
-
-def mean_std(values: List[float]) -> Dict[str, float]:
-    """{"mean", "std"} of ``values``; std is the sample std (n - 1), 0 for a single value."""
-    values = np.asarray(values, dtype=np.float64)
-    std = float(values.std(ddof=1)) if len(values) > 1 else 0.0
-    return {"mean": float(values.mean()), "std": std}
-
-
-def format_spread(title: str, spread: Dict[str, Dict]) -> str:
-    lines = [title, f"{'':>20} {'runs':>4} " + " ".join(f"{name:>16}" for name in
-                                                          ("AP@0.3", "AP@0.5", "AP@0.7"))
-             + f" {'median pose error':>34}"]
-    for group, row in spread.items():
-        cells = " ".join(f"{row[k]['mean']:7.4f} ± {row[k]['std']:6.4f}"
-                         for k in ("ap_30", "ap_50", "ap_70"))
-        lines.append(f"{group:>20} {row['runs']:4d} {cells} {format_pose_spread(row)}")
-    return "\n".join(lines)
-
-
-def format_pose_spread(row: Dict) -> str:
-    """The median relative pose error of a spread row, of the stage the row's runs used (after
-    correction where they corrected): "0.512 ± 0.010 m  0.49 ± 0.02 deg", or "" without."""
-    pose = row.get("pose_error", {})
-    stage = pose.get("after") or pose.get("before")
-    if stage is None:
-        return ""
-    return (f"{stage['median_translation_m']['mean']:.3f} ± "
-            f"{stage['median_translation_m']['std']:.3f} m  "
-            f"{stage['median_yaw_deg']['mean']:.2f} ± {stage['median_yaw_deg']['std']:.2f} deg")
-
-
-def format_ap(value) -> str:
-    """An AP cell: 8 characters, "–" where the row has no GT (AP undefined)."""
-    return f"{'–':>8}" if value is None else f"{value:8.4f}"
-
-
-def format_table(name: str, metrics: Dict) -> str:
-    protocol = metrics.get("protocol", {}).get("name", DEFAULT_PROTOCOL)
-    lines = [f"{name} (AP protocol: {protocol})",
-             f"{'':>12} {'AP@0.3':>8} {'AP@0.5':>8} {'AP@0.7':>8} {'#GT':>6}",
-             f"{'overall':>12} {metrics['ap_30']:8.4f} {metrics['ap_50']:8.4f} "
-             f"{metrics['ap_70']:8.4f} {metrics['num_gt']:6d}"]
-    rows = [(f"{bin_name} m", row) for bin_name, row in metrics["distance"].items()]
-    rows += list(metrics.get("visibility", {}).items())
-    for row_name, row in rows:
-        aps = " ".join(format_ap(row[key]) for key in ("ap_30", "ap_50", "ap_70"))
-        lines.append(f"{row_name:>12} {aps} {row['num_gt']:6d}")
-    lines.append(f"bytes per agent per frame {metrics['bytes_per_agent']:.0f}, "
-                 f"{metrics['frames_per_s']:.2f} frames/s, {metrics['num_frames']} frames")
-    lines += format_pose_errors(metrics.get("pose_error", {}))
-    return "\n".join(lines)
-
-
-def format_pose_errors(pose_error: Dict) -> List[str]:
-    """Table lines of the relative pose error (median / mean, metres and degrees), before and
-    after correction; none where no sample has two agents."""
-    lines = []
-    for stage, label in (("before", "reported poses"), ("after", "corrected poses")):
-        stats = pose_error.get(stage)
-        if stats and stats["pairs"]:
-            lines.append(f"pose error, {label}: median {stats['median_translation_m']:.3f} m "
-                         f"{stats['median_yaw_deg']:.2f} deg, mean "
-                         f"{stats['mean_translation_m']:.3f} m {stats['mean_yaw_deg']:.2f} deg "
-                         f"({stats['pairs']} agent pairs)")
-    boxes = pose_error.get("stage1_boxes")
-    if boxes:
-        lines.append(f"stage-1 boxes of the ego and another agent, true poses: median "
-                     f"{boxes['median_offset_m']:.3f} m {boxes['median_heading_deg']:.1f} deg "
-                     f"apart ({boxes['pairs']} matched pairs: the scatter that bounds the "
-                     f"correction)")
-    return lines
 
 
 def vis_callback(run_dir: Path, tag: str, count: int, bev_range):
@@ -342,7 +239,7 @@ def report_results(record: Dict, run_dir: Path, writer) -> Path:
     the TensorBoard scalars under eval/<record name>/; returns the record's path."""
     name, metrics = record["name"], record["results"]
     path = write_record(run_dir, record)
-    print(format_table(name, metrics), flush=True)
+    print(format_metrics(name, metrics), flush=True)
     print(f"record: {path}", flush=True)
     for key in ("ap_30", "ap_50", "ap_70"):
         writer.add_scalar(f"eval/{name}/{key}", metrics[key], 0)
