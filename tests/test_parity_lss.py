@@ -31,7 +31,7 @@ from opencood.models.heads import AnchorHead
 from opencood.models.lift_splat import (BevGridSpec, CumsumPool, LiftSplat, LiftSplatArgs,
                                         args_from_heal, depth_bin_indices, depth_bin_starts,
                                         depth_focal_loss, frustum_to_agent, heal_to_ours,
-                                        make_frustum, splat)
+                                        lidar_depth_maps, make_frustum, splat)
 from parity_weights import generated_tensor, materialize
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "parity" / "lift_splat.pt"
@@ -233,6 +233,83 @@ def test_depth_focal_loss_by_hand():
     target = torch.tensor([[[1]]])
     expected = -0.25 * 0.75 ** 2 * math.log(0.25)
     assert depth_focal_loss(logits, target).item() == pytest.approx(expected, rel=1e-6)
+
+
+def test_depth_focal_loss_over_valid_pixels():
+    logits = torch.zeros(1, 4, 1, 3)
+    target = torch.tensor([[[0, 1, 2]]])
+    per_pixel = -0.25 * 0.75 ** 2 * math.log(0.25)
+    valid = torch.tensor([[[True, False, False]]])
+    assert depth_focal_loss(logits, target, valid=valid).item() == pytest.approx(per_pixel)
+    assert depth_focal_loss(logits, target, valid=torch.zeros_like(valid)).item() == 0.0
+
+
+def small_camera_rig():
+    """Two cameras: a flipped, shifted one and a rotated, halved one with a turned extrinsic."""
+    angle = 0.3
+    post_rots = torch.eye(3).repeat(2, 1, 1)
+    post_rots[0, 0, 0] = -0.75
+    post_rots[1, :2, :2] = 0.5 * torch.tensor([[math.cos(angle), math.sin(angle)],
+                                               [-math.sin(angle), math.cos(angle)]])
+    post_trans = torch.tensor([[60.0, -3.0, 0.0], [9.0, 2.0, 0.0]])
+    intrinsics = torch.tensor([[[90.0, 0, 31], [0, 80.0, 17], [0, 0, 1]]] * 2)
+    extrinsics = torch.eye(4).repeat(2, 1, 1)
+    extrinsics[1, :3, :3] = torch.tensor([[0.0, 0, 1], [-1, 0, 0], [0, -1, 0]])
+    extrinsics[:, :3, 3] = torch.tensor([[1.0, 2, 3], [-1, 0.5, 1.5]])
+    return intrinsics, extrinsics, post_rots, post_trans
+
+
+def test_lidar_depth_maps_invert_the_frustum():
+    """Frustum points moved into the agent frame and projected back land on their own pixel,
+    and the nearest bin (the first) wins there; every other pixel stays 0."""
+    rig = small_camera_rig()
+    frustum = make_frustum((32, 64), 8, depth_bin_starts(2, 20, 6, "LID"))
+    points = frustum_to_agent(frustum, *(tensor[None] for tensor in rig))[0]   # (2, D, h, w, 3)
+    maps = lidar_depth_maps(points.reshape(-1, 3), *rig, image_size=(32, 64))
+    assert maps.shape == (2, 32, 64)
+    for cam in range(2):
+        u = frustum[0, ..., 0].round().long()
+        v = frustum[0, ..., 1].round().long()
+        # camera 1 sees camera 0's points too, elsewhere: check only its own pixels' depth
+        assert torch.allclose(maps[cam, v, u], torch.full_like(u, 2.0, dtype=torch.float),
+                              atol=1e-4)
+    expected_hits = torch.zeros(32, 64, dtype=torch.bool)
+    expected_hits[frustum[0, ..., 1].round().long(), frustum[0, ..., 0].round().long()] = True
+    only_own = lidar_depth_maps(points[0].reshape(-1, 3), *(t[:1] for t in rig), (32, 64))[0]
+    assert torch.equal(only_own > 0, expected_hits)
+
+
+def test_lidar_depth_maps_by_hand():
+    intrinsics = torch.tensor([[[10.0, 0, 4], [0, 10.0, 3], [0, 0, 1]]])
+    extrinsics = torch.eye(4)[None]
+    post_rots, post_trans = torch.eye(3)[None], torch.zeros(1, 3)
+    # camera axes = agent axes here: z forward. Two returns on pixel (4, 3), one behind.
+    points = torch.tensor([[0.0, 0.0, 12.0], [0.0, 0.0, 7.0], [0.0, 0.0, -5.0],
+                           [0.5, -0.4, 5.0]])
+    maps = lidar_depth_maps(points, intrinsics, extrinsics, post_rots, post_trans, (6, 8))
+    expected = torch.zeros(1, 6, 8)
+    expected[0, 3, 4] = 7.0            # the nearer of the two
+    expected[0, 2, 5] = 5.0            # u = 4 + 10 * 0.1, v = 3 - 10 * 0.08
+    assert torch.equal(maps, expected)
+
+
+@pytest.mark.parametrize("sampling, expected_valid", [("pixel", [[False, True]]),
+                                                       ("cell_min", [[True, True]])])
+def test_depth_target_sampling(sampling, expected_valid):
+    args = parse(LiftSplatArgs, dict(xbound=[-8, 8, 1.0], ybound=[-8, 8, 1.0], image_size=[8, 16],
+                                     camera_encoder="Resnet101", ddiscr=[1, 9, 8], depth_mode="UD",
+                                     img_features=2, depth_supervision=True,
+                                     depth_sampling=sampling))
+    model = LiftSplat(args)
+    depth = torch.zeros(1, 1, 8, 16)
+    depth[0, 0, 1, 2] = 3.5            # a return off the centre pixel (4, 4) of cell 0
+    depth[0, 0, 6, 13] = 5.5           # a nearer one and the centre pixel (4, 12) of cell 1
+    depth[0, 0, 4, 12] = 7.5
+    target, valid = model.depth_targets(depth)
+    assert valid.tolist() == [expected_valid]
+    assert target[0, 0, 1].item() == (4 if sampling == "cell_min" else 6)
+    if sampling == "cell_min":
+        assert target[0, 0, 0].item() == 2
 
 
 def test_cumsum_pool_sums_and_gradients():

@@ -33,10 +33,12 @@ the lower edge lands in the first cell), the EfficientNet's TensorFlow padding.
 """
 from __future__ import annotations
 
+import math
 from typing import Literal, Mapping, NamedTuple, Optional, Tuple
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from opencood.config_schema import Problems, positive, section, spec
@@ -76,8 +78,12 @@ class LiftSplatArgs:
     img_downsample: Literal[8, 16] = 8
     img_features: int = spec(128, check=positive)    # camC
     camera_encoder: Literal["EfficientNet", "Resnet101"] = "EfficientNet"   # HEAL's spelling
-    # keep the depth logits and LiDAR depth targets of the last forward (``depth_outputs``)
+    # keep the depth logits and the depth targets of the last forward (``depth_outputs``)
     depth_supervision: bool = False
+    # where a feature cell's depth target is read: ``pixel``, HEAL's, the depth map at pixel
+    # (ds // 2 + k ds) (dense depth images); ``cell_min``, the nearest positive depth in the
+    # cell's ds x ds pixels (sparse maps of LiDAR returns, :func:`lidar_depth_maps`)
+    depth_sampling: Literal["pixel", "cell_min"] = "pixel"
     # HEAL's ``bevout_feature``: its ResNet-18 BevEncode after the splat; None: the splat itself
     bev_encoder_channels: Optional[int] = spec(None, check=positive)
 
@@ -137,14 +143,49 @@ def depth_bin_indices(depth: torch.Tensor, d_min: float, d_max: float, num_bins:
 
 
 def depth_focal_loss(logits: torch.Tensor, target: torch.Tensor, alpha: float = 0.25,
-                     gamma: float = 2.0) -> torch.Tensor:
+                     gamma: float = 2.0, valid: Optional[torch.Tensor] = None) -> torch.Tensor:
     """HEAL's depth supervision (``point_pillar_depth_loss``'s FocalLoss): logits (M, D, h, w),
     target bin indices (M, h, w) -> the mean over pixels of
-    ``-alpha (1 - p_t)^gamma log p_t``, p_t the softmax probability of the target bin. Every
-    pixel counts, those whose depth lies outside the bins at the clamped index (as HEAL)."""
+    ``-alpha (1 - p_t)^gamma log p_t``, p_t the softmax probability of the target bin.
+    ``valid`` None: every pixel counts, those whose depth lies outside the bins at the clamped
+    index (HEAL's, for dense depth images); a bool mask (M, h, w): the mean over its pixels
+    (0 when it has none), for sparse LiDAR depth."""
     log_probs = logits.log_softmax(1)
     log_target = log_probs.gather(1, target.unsqueeze(1)).squeeze(1)
-    return (-alpha * (1 - log_target.exp()) ** gamma * log_target).mean()
+    loss = -alpha * (1 - log_target.exp()) ** gamma * log_target
+    if valid is None:
+        return loss.mean()
+    return (loss * valid).sum() / valid.sum().clamp(min=1)
+
+
+def lidar_depth_maps(points: torch.Tensor, intrinsics: torch.Tensor, extrinsics: torch.Tensor,
+                     post_rots: torch.Tensor, post_trans: torch.Tensor,
+                     image_size: Tuple[int, int]) -> torch.Tensor:
+    """One agent's LiDAR returns as depth images of its cameras: points (P, >= 3) in the agent
+    frame; intrinsics / post_rots (N, 3, 3), extrinsics (N, 4, 4) camera-to-agent, post_trans
+    (N, 3) -> (N, H, W) the nearest return's depth (metres along the optical axis) on each
+    augmented-image pixel, 0 where none. The inverse of :func:`frustum_to_agent`: pixel
+    coordinate i is pixel i's centre (HEAL's frustum convention), so a return lands on
+    round(u), round(v)."""
+    height, width = image_size
+    cams = intrinsics.shape[0]
+    to_camera = torch.inverse(extrinsics)
+    xyz = points[:, :3]
+    in_camera = xyz @ to_camera[:, :3, :3].transpose(1, 2) + to_camera[:, None, :3, 3]  # (N, P, 3)
+    depth = in_camera[..., 2]
+    pixels = in_camera @ intrinsics.transpose(1, 2)
+    pixels = torch.cat([pixels[..., :2] / depth.clamp(min=1e-6).unsqueeze(-1),
+                        depth.unsqueeze(-1)], -1)
+    augmented = pixels @ post_rots.transpose(1, 2) + post_trans[:, None]
+    u, v = augmented[..., 0].round().long(), augmented[..., 1].round().long()
+    seen = (depth > 0) & (u >= 0) & (u < width) & (v >= 0) & (v < height)
+    camera = torch.arange(cams, device=points.device)[:, None].expand_as(u)
+    flat = (camera * height + v) * width + u
+    nearest = torch.full((cams * height * width,), math.inf, device=points.device,
+                         dtype=points.dtype)
+    nearest.scatter_reduce_(0, flat[seen], depth[seen], reduce="amin")
+    nearest[torch.isinf(nearest)] = 0
+    return nearest.view(cams, height, width)
 
 
 # -- geometry ---------------------------------------------------------------------------------
@@ -322,12 +363,18 @@ class LiftSplat(nn.Module):
         lifted = lifted.view(batch, cams, *lifted.shape[1:])        # (B, N, C, D, fH, fW)
         return lifted.permute(0, 1, 3, 4, 5, 2), depth_logits
 
-    def depth_targets(self, depth_maps: torch.Tensor) -> torch.Tensor:
-        """depth_maps (B, N, H, W) -> bin indices (B N, fH, fW) at pixels ds // 2 + k ds."""
+    def depth_targets(self, depth_maps: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """depth_maps (B, N, H, W) metres (0: no measurement) -> (bin indices (B N, fH, fW),
+        valid (B N, fH, fW): the depth lies in the bins), read per ``depth_sampling``."""
         step = self.args.img_downsample
-        sampled = depth_maps.flatten(0, 1)[:, step // 2::step, step // 2::step]
+        maps = depth_maps.flatten(0, 1)
+        if self.args.depth_sampling == "pixel":
+            sampled = maps[:, step // 2::step, step // 2::step]
+        else:       # the nearest positive depth of each cell: a max-pool of the negated map
+            missing = torch.where(maps > 0, -maps, torch.full_like(maps, -math.inf))
+            sampled = -F.max_pool2d(missing.unsqueeze(1), step).squeeze(1)
         d_min, d_max, _ = self.args.ddiscr
-        return depth_bin_indices(sampled, d_min, d_max, self.num_bins, self.args.depth_mode)[0]
+        return depth_bin_indices(sampled, d_min, d_max, self.num_bins, self.args.depth_mode)
 
     def forward(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         needed = CAMERA_KEYS + (("depth_maps",) if self.args.depth_supervision else ())
@@ -340,8 +387,9 @@ class LiftSplat(nn.Module):
         grid = BevGridSpec(self.grid_lower, self.cell_size, self.cells)
         bev = splat(points, lifted, grid)
         if self.args.depth_supervision:
-            self.depth_outputs = {"depth_logits": depth_logits,
-                                  "depth_target": self.depth_targets(batch["depth_maps"])}
+            target, valid = self.depth_targets(batch["depth_maps"])
+            self.depth_outputs = {"depth_logits": depth_logits, "depth_target": target,
+                                  "depth_valid": valid}
         return self.bev_encoder(bev) if self.bev_encoder is not None else bev
 
 
