@@ -33,3 +33,15 @@ def test_a_foreach_operator_counts_once_and_backward_ops_count_too():
     assert ops.by_phase["backward"] == 2
     assert ops.kernels == sum(ops.by_phase.values())
     assert weights[0].grad.tolist() == [3.0, 3.0, 3.0]
+
+
+def test_profiler_markers_are_no_kernels():
+    weight = torch.nn.Parameter(torch.ones(2))
+    weight.grad = torch.ones(2)
+    optimizer = torch.optim.SGD([weight], lr=0.5, foreach=True)
+    with OpCounter() as ops:
+        optimizer.step()                # inside record_function("Optimizer.step#SGD.step")
+        optimizer.zero_grad()
+    assert dict(ops.by_op) == {"_foreach_add_": 1}
+    assert ops.total > ops.kernels      # the markers were dispatched, and not counted
+    assert weight.tolist() == [0.5, 0.5]

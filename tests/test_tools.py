@@ -31,7 +31,7 @@ BENCH_FIGURES = {"pillarise", "targets", "profile", "train_step_model_only",
                  "eval_postprocess_per_frame", "eval_inference_per_frame", "dataloader",
                  "dataloader_by_fusion", "train_step_end_to_end", "bev_iou", "ap",
                  "visibility_count", "pcd", "host_syncs_per_step", "pose_graph_solve_ms",
-                 "loader_cpu_ms", "loader_by_format"}
+                 "loader_cpu_ms", "loader_by_format", "operators_per_step"}
 DATA_FIGURES = {"dataloader", "dataloader_by_fusion", "train_step_end_to_end", "loader_cpu_ms"}
 # Figures timing ours against a reference on the same input.
 RATIO_FIGURES = {"pillarise", "targets", "bev_iou", "ap", "visibility_count"}
@@ -168,7 +168,8 @@ def check_figure(record: dict) -> None:
     assert "error" not in record, record
     assert record["device"] == "cpu"
     if record["figure"] in ("peak_gpu_memory", "profile", "pcd", "dataloader_by_fusion",
-                            "host_syncs_per_step", "loader_cpu_ms", "loader_by_format"):
+                            "host_syncs_per_step", "loader_cpu_ms", "loader_by_format",
+                            "operators_per_step"):
         return
     assert record["ms"] > 0, record
     if record["figure"] in RATIO_FIGURES:
@@ -266,6 +267,19 @@ def test_bench_fast_step_flags_set_the_performance_keys_and_leave_one_host_read(
                                                                                    False)
     assert syncs["syncs"] == 1 and syncs["by_kind"] == {"tolist": 1}
     assert by_name["pillarise"]["pillars"] == 2 * 3 * 300       # real pillars, not slots
+
+
+def test_bench_operators_per_step_by_phase(capsys):
+    bench = load_tool("bench")
+    (record,) = bench.main(["--quick", "--device", "cpu", "--figures", "operators_per_step"])
+    phases = record["by_phase"]
+    assert list(phases) == ["pillarise_targets", "forward_loss", "backward_clip", "optimizer",
+                            "after_step_ema"]
+    assert record["kernels"] == sum(phases.values()) < record["operators"]
+    assert phases["after_step_ema"] == 2                 # ModelEMA.update: lerp + copy
+    assert min(phases.values()) > 0
+    # CPU keeps torch's per-tensor loop (no fused default off CUDA): ~9 kernels per parameter
+    assert record["optimizer"] == "AdamW (for-loop)" and phases["optimizer"] > 100
 
 
 def test_bench_list_names_every_figure_and_measures_nothing(capsys):

@@ -38,7 +38,10 @@ The fast step path (docs/gpu_and_speed.md "Fast step path"): ``--static_pillars 
 ``--compile`` set ``performance.static_pillars``, ``sync_free_step`` and ``compile`` (as
 ``--set`` would), and every model figure's line states them; compare a run with them against
 one without on the same device. ``host_syncs_per_step`` counts what makes the host wait in one
-eager training step (opencood.utils.host_syncs).
+eager training step (opencood.utils.host_syncs); ``operators_per_step`` the operators it
+dispatches, by phase (opencood.utils.op_counts): a launch-bound GPU step costs host time per
+operator, so this CPU count judges a change's launch cost without a GPU (the optimizer phase
+runs torch's per-tensor loop on CPU, a fused kernel on CUDA).
 
 CPU figures on a machine shared with other jobs are noisy: torch's OpenMP threads then wait for
 each other on every op, which can make short ops (the EMA update) 10-50x slower than with
@@ -97,7 +100,7 @@ PRESETS = {
                     gt_boxes=5, loader_batches=2, eval_frames=4, ap_frames=4, iou_pairs=200,
                     visibility_points=2_000, pcd_points=2_000,
                     cpu_seconds={"setup": 4, "pillarise": 0.2, "train_step_model_only": 0.1,
-                                 "host_syncs_per_step": 0.2,
+                                 "host_syncs_per_step": 0.2, "operators_per_step": 0.2,
                                  "train_step_no_pillarise": 0.1, "ap": 0.1, "pcd": 1,
                                  "loader_by_format": 3}),
     "lite": Preset("hypes_yaml/synthetic/point_pillar_attfuse.yaml", steps=10, warmup=3,
@@ -106,7 +109,7 @@ PRESETS = {
                    cpu_seconds={"setup": 5, "pillarise": 0.6, "targets": 0.2, "profile": 0.1,
                                 "eval_postprocess_per_frame": 0.4,
                                 "eval_inference_per_frame": 1.2, "train_step_model_only": 2.6,
-                                "host_syncs_per_step": 0.6,
+                                "host_syncs_per_step": 0.6, "operators_per_step": 0.6,
                                 "train_step_no_pillarise": 2.5, "bev_iou": 1.3, "ap": 2.0,
                                 "visibility_count": 0.6, "pcd": 4.5, "loader_by_format": 6}),
     "opv2v": Preset("hypes_yaml/opv2v/point_pillar_attfuse.yaml", steps=10, warmup=3,
@@ -116,7 +119,7 @@ PRESETS = {
                     cpu_seconds={"setup": 5, "pillarise": 4.7, "targets": 8.2, "profile": 5.0,
                                  "eval_postprocess_per_frame": 1.1,
                                  "eval_inference_per_frame": 59, "train_step_model_only": 173,
-                                 "host_syncs_per_step": 30,
+                                 "host_syncs_per_step": 30, "operators_per_step": 30,
                                  "train_step_no_pillarise": 158, "bev_iou": 5.1, "ap": 4.2,
                                  "visibility_count": 0.4, "pcd": 4.5, "loader_by_format": 6}),
 }
@@ -139,6 +142,9 @@ FIGURES = {
     "host_syncs_per_step": "host syncs in one eager train_step_model_only step, by kind (.item(), "
                            "tolist, nonzero, unique, boolean masks, ...): 1 with --static_pillars "
                            "and --sync_free",
+    "operators_per_step": "operators one eager train_step_model_only step + EMA dispatches "
+                          "(opencood.utils.op_counts: kernels = those doing device work), by "
+                          "phase and by operator: the CPU proxy of a GPU step's launch cost",
     "ema_update": "ms per ModelEMA.update; share_of_step_pct: ema / (train step + ema)",
     "dataloader": "samples/s of the training DataLoader over --data (workers, augmentation, "
                   "collate), timed over whole waves of num_workers batches",
@@ -585,6 +591,49 @@ def bench_host_syncs(suite: Suite) -> List[Dict]:
         bench.train_step(bench.batch, loss_fn, eager=True)
     return [bench.record("host_syncs_per_step", autocast=True, syncs=syncs.total,
                          by_kind=dict(sorted(syncs.counts.items())), includes=STEP_PARTS)]
+
+
+def bench_operators(suite: Suite) -> List[Dict]:
+    """One eager step + EMA update under an OpCounter, split by phase: the batch's pillars and
+    targets, forward + loss, backward + clip, the optimizer step, the EMA update."""
+    from opencood.engine.task import DetectionTask
+    from opencood.utils.op_counts import OpCounter
+    bench, task, optimizer = suite.model_bench, suite.model_bench.parts.task, \
+        suite.model_bench.parts.optimizer
+    ema = bench.make_ema()
+    ops = OpCounter()
+
+    def prepare(batch):
+        ops.set_phase("pillarise_targets")
+        prepared = task.preparer(batch)
+        ops.set_phase("forward_loss")
+        return prepared
+
+    def counted_loss(model, batch):
+        result = DetectionTask(prepare, task.criterion, host_terms=task.host_terms) \
+            .training_loss(model, batch)
+        ops.set_phase("backward_clip")
+        return result
+
+    bench.train_step(bench.batch, task.training_loss, eager=True, ema=ema)   # optimizer state
+    hooks = [optimizer.register_step_pre_hook(lambda *_: ops.set_phase("optimizer")),
+             optimizer.register_step_post_hook(lambda *_: ops.set_phase("after_step_ema"))]
+    try:
+        with ops:
+            bench.train_step(bench.batch, counted_loss, eager=True, ema=ema)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    defaults = optimizer.defaults
+    implementation = ("fused" if defaults.get("fused") else
+                      "foreach" if defaults.get("foreach") or
+                      (defaults.get("foreach") is None and bench.device.type == "cuda")
+                      else "for-loop")
+    return [bench.record("operators_per_step", autocast=True, kernels=ops.kernels,
+                         operators=ops.total, by_phase=ops.by_phase,
+                         top_kernels=dict(ops.by_op.most_common(12)),
+                         optimizer=f"{type(optimizer).__name__} ({implementation})",
+                         includes=STEP_PARTS + ["ema"])]
 
 
 def bench_ema(suite: Suite) -> List[Dict]:
@@ -1163,6 +1212,7 @@ GROUPS = (
     Group(("train_step_model_only", "peak_gpu_memory"), "model", bench_train_step),
     Group(("train_step_no_pillarise",), "model", bench_train_step_no_pillarise),
     Group(("host_syncs_per_step",), "model", bench_host_syncs),
+    Group(("operators_per_step",), "model", bench_operators),
     Group(("ema_update",), "model", bench_ema),
     Group(("dataloader",), "data", bench_loader),
     Group(("dataloader_by_fusion",), "data", bench_loader_by_fusion),

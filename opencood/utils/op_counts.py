@@ -10,7 +10,8 @@ autograd layer: forward, backward, optimizer, EMA). Counted with a ``TorchDispat
 ``total``    every aten operator dispatched;
 ``kernels``  those that do work on the device: not views or other metadata-only ops (``view``,
              ``t``, ``expand``, ``detach``, ...), not bare allocations (``empty``,
-             ``empty_strided``) and not host reads (``_local_scalar_dense``). A ``_foreach_``
+             ``empty_strided``), not host reads (``_local_scalar_dense``) and not the
+             profiler's ``record_function`` markers. A ``_foreach_``
              operator counts once, as it launches one kernel per chunk of tensors, not one per
              tensor.
 
@@ -38,7 +39,8 @@ _NO_KERNEL = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_l
 
 def launches_kernel(func) -> bool:
     """Whether the dispatched operator ``func`` (an OpOverload) does work on the device."""
-    return not (func.is_view or func in _NO_KERNEL)
+    # profiler.*: the record_function markers optimizer.step and zero_grad put around them
+    return not (func.is_view or func in _NO_KERNEL or func.namespace == "profiler")
 
 
 class OpCounter(TorchDispatchMode):
