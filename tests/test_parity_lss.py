@@ -341,6 +341,17 @@ def test_splat_cells_by_hand():
     assert torch.equal(bev, expected)
 
 
+def test_splat_sums_in_float32_under_half_precision():
+    """A bf16 running total over 4096 points of about 1 would keep no digit of a cell's sum."""
+    generator = torch.Generator().manual_seed(1)
+    grid = BevGridSpec(torch.tensor([0.0, 0.0, 0.0]), torch.tensor([1.0, 1.0, 1.0]), (8, 8, 1))
+    points = torch.rand(1, 1, 4096, 1, 1, 3, generator=generator) * torch.tensor([8.0, 8.0, 1.0])
+    features = (torch.rand(1, 1, 4096, 1, 1, 2, generator=generator) + 0.5).bfloat16()
+    bev = splat(points, features, grid)
+    assert bev.dtype == torch.float32
+    assert torch.equal(bev, splat(points, features.float(), grid))
+
+
 def test_frustum_points_project_back_to_their_pixels():
     generator = torch.Generator().manual_seed(3)
     frustum = make_frustum((32, 64), 8, depth_bin_starts(2, 20, 6, "LID"))
@@ -374,6 +385,9 @@ def test_efficientnet_mapping_covers_every_key_and_refuses_unknown_ones(fixture)
     assert set(mapped) == set(ours)
     dropped = {key for key in theirs if key.startswith(("_conv_head.", "_bn1.", "_fc."))}
     assert len(mapped) == len(theirs) - len(dropped) and dropped
+    full = fixture["cases"]["eff_lid_full"]["state_dict"]
+    untaken = {key.split(".")[0] for key in full} - {"camencode", "bevencode"}
+    assert untaken == set(HEAD_KEYS)         # heal_to_ours takes all but the heads
     with pytest.raises(WeightMappingError, match=r"^efficientnet_pytorch key _blocks.16._bn0.weight: no block 16 in b0$"):
         efficientnet_pytorch_to_ours({"_blocks.16._bn0.weight": torch.zeros(1)})
     with pytest.raises(WeightMappingError, match="unknown layer '_expand_conv'"):

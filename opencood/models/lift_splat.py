@@ -273,11 +273,13 @@ def rank_order(ranks: torch.Tensor) -> torch.Tensor:
 
 def splat(points: torch.Tensor, features: torch.Tensor, grid: BevGridSpec) -> torch.Tensor:
     """points (B, N, D, fH, fW, 3) agent-frame metres, features (B, N, D, fH, fW, C) -> the sum
-    of the features per BEV cell, heights stacked as channels: (B, C nz, ny, nx), channel
+    of the features per BEV cell, heights stacked as channels: (B, C nz, ny, nx) float32, channel
     ``z * C + c`` (HEAL's ``voxel_pooling``)."""
     batch, channels = points.shape[0], features.shape[-1]
     nx, ny, nz = grid.cells
-    features = features.reshape(-1, channels)
+    # float32 whatever autocast made the features: the cumsum trick's error is eps x the
+    # running total (bf16: 1 % of it, more than a cell's own sum)
+    features = features.reshape(-1, channels).float()
     # truncation toward zero, as theirs: (-1, 0) lands in the first cell
     cells = ((points - grid.lower) / grid.cell).long().view(-1, 3)
     batch_index = torch.arange(batch, device=points.device).repeat_interleave(
