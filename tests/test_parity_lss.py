@@ -352,6 +352,18 @@ def test_splat_sums_in_float32_under_half_precision():
     assert torch.equal(bev, splat(points, features.float(), grid))
 
 
+def test_geometry_stays_float32_under_autocast(cases, monkeypatch):
+    case = cases["res_ud_heter"]
+    seen = []
+    real = lift_splat.frustum_to_agent
+    monkeypatch.setattr(lift_splat, "frustum_to_agent",
+                        lambda *args: seen.append(real(*args)) or seen[-1])
+    case.run()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        case.run()
+    assert seen[1].dtype == torch.float32 and torch.equal(seen[0], seen[1])
+
+
 def test_frustum_points_project_back_to_their_pixels():
     generator = torch.Generator().manual_seed(3)
     frustum = make_frustum((32, 64), 8, depth_bin_starts(2, 20, 6, "LID"))
