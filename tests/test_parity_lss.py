@@ -17,8 +17,10 @@ the EfficientNet each move the outputs by far more than the tolerance.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -416,3 +418,35 @@ def test_args_refuse_sizes_the_trunk_cannot_take():
         parse(LiftSplatArgs, dict(base, camera_encoder="Resnet101", img_downsample=16))
     with pytest.raises(SchemaError, match="'xbound' must be"):
         parse(LiftSplatArgs, dict(base, xbound=[16, -16, 1.0]))
+    with pytest.raises(ValueError, match="BevEncode.* not 12 x 32"):
+        LiftSplat(parse(LiftSplatArgs, dict(base, xbound=[-6, 6, 1.0], camera_encoder="Resnet101",
+                                            bev_encoder_channels=4)))
+
+
+class FakeBevGrid(NamedTuple):        # what the encoder slot's BevGrid offers
+    lidar_range: tuple
+    voxel_size: tuple
+    nx: int
+    ny: int
+
+
+class FakeGeometry(NamedTuple):
+    bev: FakeBevGrid
+
+
+def test_grid_from_the_bev_grid():
+    args = parse(LiftSplatArgs, dict(image_size=[64, 128], camera_encoder="Resnet101",
+                                     img_features=4))
+    geometry = FakeGeometry(FakeBevGrid((-12.8, -6.4, -3.0, 12.8, 6.4, 1.0), (0.4, 0.4), 64, 32))
+    model = LiftSplat(args, geometry=geometry)
+    assert model.cells == (64, 32, 1)
+    assert torch.allclose(model.grid_lower, torch.tensor([-12.8, -6.4, -10.0]))
+    assert torch.allclose(model.cell_size, torch.tensor([0.4, 0.4, 20.0]))
+    same = dataclasses.replace(args, xbound=(-12.8, 12.8, 0.4))
+    assert LiftSplat(same, geometry=geometry).cells == (64, 32, 1)
+    with pytest.raises(ValueError, match=r"xbound \[-12.8, 12.8, 0.2\] is not the BEV grid's"):
+        LiftSplat(dataclasses.replace(args, xbound=(-12.8, 12.8, 0.2)), geometry=geometry)
+    with pytest.raises(ValueError, match="64 x 32 cells, the BEV grid has 65 x 32"):
+        LiftSplat(args, geometry=FakeGeometry(geometry.bev._replace(nx=65)))
+    with pytest.raises(ValueError, match="xbound and ybound are needed without a BEV grid"):
+        LiftSplat(args)

@@ -69,8 +69,9 @@ class LiftSplatArgs:
     """``model.args.encoder.args`` of ``core_method: lss``: HEAL's ``encoder_args`` of
     ``lift_splat_shoot``, its ``grid_conf`` and ``data_aug_conf.final_dim`` flattened in."""
 
-    xbound: Tuple[float, float, float] = spec(check=axis_bound)     # metres: min, max, cell
-    ybound: Tuple[float, float, float] = spec(check=axis_bound)
+    # metres: min, max, cell; None: from the model's BEV grid (``geometry.bev``: bev_grid)
+    xbound: Optional[Tuple[float, float, float]] = spec(None, check=axis_bound)
+    ybound: Optional[Tuple[float, float, float]] = spec(None, check=axis_bound)
     zbound: Tuple[float, float, float] = spec((-10.0, 10.0, 20.0), check=axis_bound)
     ddiscr: Tuple[float, float, int] = spec((2.0, 50.0, 48), check=depth_range)
     depth_mode: Literal["UD", "LID"] = "LID"          # HEAL's grid_conf.mode
@@ -94,15 +95,38 @@ class LiftSplatArgs:
             yield "image_size", f"must be multiples of {multiple} for {self.camera_encoder}"
         if self.camera_encoder == "Resnet101" and self.img_downsample != 8:
             yield "img_downsample", "must be 8 with Resnet101 (its layer2 ends at stride 8)"
-        if self.bev_encoder_channels is not None and any(
-                n % 8 for n in grid_cells(self)[:2]):
-            yield "bev_encoder_channels", "needs a BEV grid of multiples of 8 cells (BevEncode)"
+
+Bound = Tuple[float, float, float]
 
 
-def grid_cells(args: LiftSplatArgs) -> Tuple[int, int, int]:
-    """(nx, ny, nz) as HEAL's ``gen_dx_bx`` (truncated: a partial last cell is dropped)."""
-    return tuple(int((high - low) / cell) for low, high, cell in
-                 (args.xbound, args.ybound, args.zbound))
+def grid_cells(axes: Tuple[Bound, Bound, Bound]) -> Tuple[int, int, int]:
+    """(nx, ny, nz) of (xbound, ybound, zbound) as HEAL's ``gen_dx_bx`` (truncated: a partial
+    last cell is dropped)."""
+    return tuple(int((high - low) / cell) for low, high, cell in axes)
+
+
+def grid_bounds(args: LiftSplatArgs, geometry=None) -> Tuple[Bound, Bound, Bound]:
+    """(xbound, ybound, zbound) of the splat: x and y from ``args`` or, left out, from the
+    model's BEV grid (``geometry.bev``: ``lidar_range``, ``voxel_size``, ``nx``, ``ny``, the
+    encoder slot's :class:`~opencood.models.warp.BevGrid`); given both, they must agree."""
+    bounds = [args.xbound, args.ybound]
+    if geometry is not None:
+        bev = geometry.bev
+        for axis in range(2):
+            low, high = bev.lidar_range[axis], bev.lidar_range[axis + 3]
+            from_grid = (float(low), float(high), float(bev.voxel_size[axis]))
+            given = bounds[axis]
+            if given is not None and any(abs(a - b) > 1e-6 for a, b in zip(given, from_grid)):
+                raise ValueError(f"lss encoder: {'xy'[axis]}bound {list(given)} is not the BEV "
+                                 f"grid's {list(from_grid)} (bev_grid); leave it out")
+            bounds[axis] = from_grid
+        cells = grid_cells((bounds[0], bounds[1], args.zbound))[:2]
+        if cells != (bev.nx, bev.ny):
+            raise ValueError(f"lss encoder: {cells[0]} x {cells[1]} cells, the BEV grid has "
+                             f"{bev.nx} x {bev.ny}")
+    if bounds[0] is None or bounds[1] is None:
+        raise ValueError("lss encoder: xbound and ybound are needed without a BEV grid")
+    return bounds[0], bounds[1], args.zbound
 
 
 # -- depth bins -------------------------------------------------------------------------------
@@ -330,22 +354,27 @@ class CameraEncoder(nn.Module):
 
 
 class LiftSplat(nn.Module):
-    """Camera inputs (module doc) -> BEV features (N_agents, out_channels, ny, nx)."""
+    """Camera inputs (module doc) -> BEV features (N_agents, out_channels, ny, nx).
 
-    def __init__(self, args: LiftSplatArgs):
+    ``geometry``: the encoder slot's (its ``bev`` grid gives x / y bounds the args leave out)."""
+
+    def __init__(self, args: LiftSplatArgs, geometry=None):
         super().__init__()
         self.args = args
+        axes = grid_bounds(args, geometry)
+        self.cells = grid_cells(axes)
+        if args.bev_encoder_channels is not None and any(n % 8 for n in self.cells[:2]):
+            raise ValueError(f"lss encoder: bev_encoder_channels (HEAL's BevEncode) needs a grid "
+                             f"of multiples of 8 cells, not {self.cells[0]} x {self.cells[1]}")
         d_min, d_max, num_bins = args.ddiscr
         depths = depth_bin_starts(d_min, d_max, int(num_bins), args.depth_mode)
         self.register_buffer("frustum", make_frustum(args.image_size, args.img_downsample, depths),
                              persistent=False)
-        axes = (args.xbound, args.ybound, args.zbound)
         cell_size = torch.tensor([cell for _, _, cell in axes])
         # HEAL's bx - dx / 2: the first cell's centre (float64, then float32) less half a cell
         first_centre = torch.tensor([low + cell / 2.0 for low, _, cell in axes])
         self.register_buffer("grid_lower", first_centre - cell_size / 2.0, persistent=False)
         self.register_buffer("cell_size", cell_size, persistent=False)
-        self.cells = grid_cells(args)
         self.num_bins = int(num_bins)
         self.camera_encoder = CameraEncoder(args.camera_encoder, args.img_downsample,
                                             self.num_bins, args.img_features)
