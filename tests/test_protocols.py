@@ -137,3 +137,32 @@ def test_v2v4real_protocol_equals_v2v4real_s_own_evaluation_code():
     assert 0.3 < float(data["ap_70"]) < float(data["ap_50"]) < 1.0
     assert result["ap_50"] == pytest.approx(float(data["ap_50"]), abs=1e-6)
     assert result["ap_70"] == pytest.approx(float(data["ap_70"]), abs=1e-6)
+
+
+def _fixture_ap(name: str, accumulator_args: dict) -> tuple:
+    """Our AP of a reference-evaluation fixture's frames -> (result, the fixture)."""
+    data = np.load(FIXTURES / f"{name}.npz")
+    accumulator = APAccumulator(**accumulator_args)
+    for index in range(len(data["frame_start"]) - 1):
+        lo, hi = data["frame_start"][index:index + 2]
+        g_lo, g_hi = data["gt_start"][index:index + 2]
+        accumulator.add_frame(data["pred_boxes"][lo:hi], data["pred_scores"][lo:hi],
+                              data["gt_boxes"][g_lo:g_hi], sample_key=index)
+    return accumulator.compute(), data
+
+
+def test_heal_dairv2x_protocol_equals_heal_s_own_evaluation_code():
+    """tests/fixtures/reference_eval/heal_eval.npz: made-up frames evaluated by HEAL's
+    eval_utils with the range filters of its DAIR inference (tools/reference/heal_eval.py)."""
+    protocol = PROTOCOLS["heal_dairv2x"]
+    result, data = _fixture_ap("heal_eval", protocol.accumulator_args())
+    for key in ("ap_30", "ap_50", "ap_70"):
+        assert result[key] == pytest.approx(float(data[key]), abs=1e-6), key
+    # every rule matters on this case: detections' z, the GT filter, the global sort
+    for change in ({"detection_range_z": False}, {"gt_range": None},
+                   {"detection_sort": "per_frame"}):
+        other, _ = _fixture_ap("heal_eval", {**protocol.accumulator_args(), **change})
+        assert abs(other["ap_50"] - float(data["ap_50"])) > 1e-3, change
+    # the data set's GT range: HEAL's single-side GT widens z by 1 m each way
+    assert protocol.config_overrides() == ["postprocess.gt_range=[-102.4, -102.4, -4.5, 102.4, "
+                                           "102.4, 2.5]"]

@@ -18,7 +18,8 @@ import numpy as np
 import torch
 
 from opencood.ops.iou import boxes_bev_iou_pairs
-from opencood.ops.transforms import boxes_to_bev_corners
+from opencood.ops.transforms import (boxes_to_bev_corners, boxes_to_corners_3d,
+                                     corners_in_range_mask)
 
 
 def voc_ap(recall, precision) -> float:
@@ -177,7 +178,8 @@ class APAccumulator:
     (VOC, CoAlign/HEAL); "per_frame" sorts within each frame and concatenates the frames in
     sample-key order (OpenCOOD / the OPV2V paper). ``detection_range`` [x0, y0, z0, x1, y1, z1]
     drops, before matching, detections with a BEV corner outside it (those code bases filter
-    predictions to their GT range); None keeps every detection. ``gt_range`` does the same to
+    predictions to their GT range); None keeps every detection; ``detection_range_z`` also drops
+    those with a corner outside its z range (HEAL's filter). ``gt_range`` does the same to
     the GT (V2V4Real's evaluation: its data sets keep boxes with 2 corners in range, its
     evaluation only those with all 8); None keeps the GT the data set gave.
 
@@ -190,7 +192,8 @@ class APAccumulator:
 
     def __init__(self, iou_thresholds=(0.3, 0.5, 0.7), distance_bins=((0, 30), (30, 50), (50, 100)),
                  order: str = "hwl", match_batch_frames: int = 256, visible_min_points: int = 1,
-                 detection_sort: str = "global", detection_range=None, gt_range=None):
+                 detection_sort: str = "global", detection_range=None, gt_range=None,
+                 detection_range_z: bool = False):
         if detection_sort not in DETECTION_SORTS:
             raise ValueError(f"detection_sort {detection_sort!r}: expected one of "
                              f"{', '.join(DETECTION_SORTS)}")
@@ -198,6 +201,7 @@ class APAccumulator:
         self.detection_range = None if detection_range is None else [
             float(v) for v in detection_range]
         self.gt_range = None if gt_range is None else [float(v) for v in gt_range]
+        self.detection_range_z = bool(detection_range_z)
         self.visible_min_points = int(visible_min_points)
         self.iou_thresholds = tuple(float(t) for t in iou_thresholds)
         self.distance_bins = tuple((float(low), float(high)) for low, high in distance_bins)
@@ -227,6 +231,9 @@ class APAccumulator:
         ego_points = _ego_points_or_unknown(gt_ego_points, gt.shape[0])
         if self.detection_range is not None:
             inside = boxes_inside_bev_range(pred, self.detection_range, self.order)
+            if self.detection_range_z and pred.shape[0]:
+                inside &= corners_in_range_mask(boxes_to_corners_3d(pred, self.order),
+                                                self.detection_range, min_corners=8)
             pred, scores = pred[inside], scores[inside]
         if self.gt_range is not None:
             inside = boxes_inside_bev_range(gt, self.gt_range, self.order)
@@ -277,6 +284,7 @@ class APAccumulator:
                 "visible_min_points": self.visible_min_points,
                 "order": self.order, "detection_sort": self.detection_sort,
                 "detection_range": self.detection_range, "gt_range": self.gt_range,
+                "detection_range_z": self.detection_range_z,
                 "frames": frames}
 
     @classmethod
@@ -286,7 +294,8 @@ class APAccumulator:
                           visible_min_points=state.get("visible_min_points", 1),
                           detection_sort=state.get("detection_sort", "global"),
                           detection_range=state.get("detection_range"),
-                          gt_range=state.get("gt_range"))
+                          gt_range=state.get("gt_range"),
+                          detection_range_z=state.get("detection_range_z", False))
         accumulator._merge_frames(state["frames"])
         return accumulator
 
@@ -300,7 +309,8 @@ class APAccumulator:
         same_visibility = int(state.get("visible_min_points", 1)) == self.visible_min_points
         same_protocol = (state.get("detection_sort", "global") == self.detection_sort
                          and state.get("detection_range") == self.detection_range
-                         and state.get("gt_range") == self.gt_range)
+                         and state.get("gt_range") == self.gt_range
+                         and state.get("detection_range_z", False) == self.detection_range_z)
         if not (same_thresholds and same_bins and same_visibility and same_protocol):
             raise ValueError("cannot merge accumulators with different thresholds or bins "
                              "(or visible_min_points, detection sort or range, GT range)")

@@ -19,6 +19,15 @@ OPV2V AP is reported under two incompatible protocols, and mixing them explains 
   range and 2 in the crop (opencood.data.v2v4real). tests/test_protocols.py compares it with
   V2V4Real's own evaluation code run on the same boxes (tools/reference/v2v4real_eval.py).
 
+* ``heal_dairv2x`` (HEAL's DAIR-V2X-C tables, its ``tools/inference.py`` on a ``heter`` yaml at
+  the default ``--range 102.4,102.4``): global sort; the GT range becomes [-102.4, -102.4, -3.5,
+  102.4, 102.4, 1.5] (the data set's GT filter widens z by 1 m each way, as HEAL's single-side
+  GT does); GT kept with 8 corners (x, y) in it (``generate_gt_bbx_by_iou``), detections with 8
+  corners in it, z included (``mask_boxes_outside_range_numpy`` in its ``post_process``).
+  HEAL's inference also runs the model on the crop widened to that range; ours keeps the run's
+  crop. tests/test_protocols.py compares it with HEAL's own evaluation code
+  (tools/reference/heal_eval.py).
+
 Matching (highest-IoU free GT, by descending score within the frame) and VOC all-point
 interpolation are the same in all of them.
 """
@@ -39,18 +48,25 @@ class APProtocol:
     # True: the evaluation also drops GT with a BEV corner outside box_range (the data set's GT
     # may keep boxes with fewer corners inside: V2V4Real's keeps 2)
     filters_gt: bool = False
+    # True: detections need their corners' z in box_range too (HEAL's 3-D prediction filter)
+    detection_range_z: bool = False
+    # metres the data set's GT range widens box_range's z by, each way (HEAL's DAIR GT: 1)
+    gt_z_margin: float = 0.0
 
     def accumulator_args(self) -> Dict:
         """Keyword arguments of APAccumulator for this protocol."""
         box_range = None if self.box_range is None else list(self.box_range)
         return {"detection_sort": self.detection_sort, "detection_range": box_range,
-                "gt_range": box_range if self.filters_gt else None}
+                "gt_range": box_range if self.filters_gt else None,
+                "detection_range_z": self.detection_range_z}
 
     def config_overrides(self) -> List[str]:
         """--set overrides that make the data set keep this protocol's GT."""
         if self.box_range is None:
             return []
-        return [f"postprocess.gt_range=[{', '.join(f'{v:g}' for v in self.box_range)}]"]
+        low, high = list(self.box_range[:3]), list(self.box_range[3:])
+        low[2], high[2] = low[2] - self.gt_z_margin, high[2] + self.gt_z_margin
+        return [f"postprocess.gt_range=[{', '.join(f'{v:g}' for v in low + high)}]"]
 
 
 PROTOCOLS = {
@@ -65,6 +81,11 @@ PROTOCOLS = {
     "v2v4real": APProtocol("v2v4real", "per_frame", (-100.0, -40.0, -5.0, 100.0, 40.0, 3.0),
                            "V2V4Real paper: per-frame score sort, GT and detections with 8 "
                            "corners in +-100 x +-40 m", filters_gt=True),
+    # HEAL's inference.py on its DAIR heter yamls (--range 102.4,102.4) + eval_utils
+    "heal_dairv2x": APProtocol("heal_dairv2x", "global", (-102.4, -102.4, -3.5, 102.4, 102.4, 1.5),
+                               "HEAL DAIR-V2X-C: global score sort, GT and detections with 8 "
+                               "corners in +-102.4 m (detections: z too)", filters_gt=True,
+                               detection_range_z=True, gt_z_margin=1.0),
 }
 DEFAULT_PROTOCOL = "ours"
 

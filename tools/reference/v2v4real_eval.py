@@ -39,14 +39,17 @@ FRAMES = 24
 ORDER = "hwl"
 
 
-def make_frames(seed: int = SEED):
-    """[(pred (K, 7) float32, scores (K,) float32, gt (G, 7) float32, no_detections)]."""
+def make_frames(seed: int = SEED, half_x: float = 115.0, half_y: float = 46.0,
+                z_span=(-1.5, -0.5)):
+    """[(pred (K, 7) float32, scores (K,) float32, gt (G, 7) float32, no_detections)]: boxes
+    over +-half_x x +-half_y, centres' z in z_span (tools/reference/heal_eval.py widens them)."""
     rng = np.random.default_rng(seed)
     frames = []
     for index in range(FRAMES):
         count = 0 if index == 5 else int(rng.integers(3, 9))
-        gt = np.column_stack([rng.uniform(-115, 115, count), rng.uniform(-46, 46, count),
-                              rng.uniform(-1.5, -0.5, count), rng.uniform(1.4, 1.8, count),
+        gt = np.column_stack([rng.uniform(-half_x, half_x, count),
+                              rng.uniform(-half_y, half_y, count),
+                              rng.uniform(*z_span, count), rng.uniform(1.4, 1.8, count),
                               rng.uniform(1.7, 2.1, count), rng.uniform(3.8, 5.0, count),
                               rng.uniform(-np.pi, np.pi, count)])
         seen = gt[rng.random(count) < 0.8]
@@ -54,7 +57,8 @@ def make_frames(seed: int = SEED):
                                   rng.normal(0, 0.1, len(seen)),
                                   np.zeros((len(seen), 3)), rng.normal(0, 0.04, len(seen))])
         false = int(rng.integers(0, 4))
-        fp = np.column_stack([rng.uniform(-115, 115, false), rng.uniform(-46, 46, false),
+        fp = np.column_stack([rng.uniform(-half_x, half_x, false),
+                              rng.uniform(-half_y, half_y, false),
                               np.full(false, -1.0), np.full(false, 1.6), np.full(false, 1.9),
                               np.full(false, 4.4), rng.uniform(-np.pi, np.pi, false)])
         pred = np.vstack([seen + jitter, fp]).reshape(-1, 7)
