@@ -418,7 +418,13 @@ def test_gpu_checks_rehearsal_runs_every_step(tmp_path):
 
     done = run(tmp_path / "data")
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count("\nok ") == 3 and "FAILED" not in done.stdout
+    assert done.stdout.count("\nok ") == 5 and "FAILED" not in done.stdout
+    copies = (tmp_path / "out" / "prefetch_copies.txt").read_text()
+    assert "2/5 tests collected" in copies or "2 tests collected" in copies, copies
+    summary = (tmp_path / "out" / "summary.txt").read_text().splitlines()
+    assert [line.split(":")[0] for line in summary] == ["bench.jsonl", "bench_fast.jsonl"]
+    assert "kernels/step" in summary[1] and "Traceback" not in "".join(summary)
+    assert (tmp_path / "out" / "gpu_checks.tar.gz").stat().st_size > 0
     records = parse_json_lines((tmp_path / "out" / "bench.jsonl").read_text())
     assert {record["figure"] for record in records} == BENCH_FIGURES
     measured = {record["figure"] for record in records if "ms" in record or "methods" in record}
