@@ -343,6 +343,14 @@ def test_splat_cells_by_hand():
     assert torch.equal(bev, expected)
 
 
+def test_no_agent_and_no_point_inside():
+    grid = BevGridSpec(torch.tensor([0.0, 0.0, 0.0]), torch.tensor([1.0, 1.0, 1.0]), (4, 2, 1))
+    assert splat(torch.zeros(0, 2, 3, 1, 1, 3), torch.zeros(0, 2, 3, 1, 1, 5), grid).shape == \
+        (0, 5, 2, 4)
+    outside = torch.full((2, 1, 3, 1, 1, 3), -5.0)
+    assert torch.equal(splat(outside, torch.ones(2, 1, 3, 1, 1, 5), grid), torch.zeros(2, 5, 2, 4))
+
+
 def test_splat_sums_in_float32_under_half_precision():
     """A bf16 running total over 4096 points of about 1 would keep no digit of a cell's sum."""
     generator = torch.Generator().manual_seed(1)

@@ -306,8 +306,8 @@ def splat(points: torch.Tensor, features: torch.Tensor, grid: BevGridSpec) -> to
     features = features.reshape(-1, channels).float()
     # truncation toward zero, as theirs: (-1, 0) lands in the first cell
     cells = ((points - grid.lower) / grid.cell).long().view(-1, 3)
-    batch_index = torch.arange(batch, device=points.device).repeat_interleave(
-        cells.shape[0] // batch)
+    per_sample = math.prod(points.shape[1:-1])
+    batch_index = torch.arange(batch, device=points.device).repeat_interleave(per_sample)
     inside = ((cells >= 0) & (cells < torch.tensor(grid.cells, device=cells.device))).all(1)
     kept = torch.nonzero(inside).squeeze(1)
     ranks = cell_ranks(cells[kept], batch_index[kept], grid.cells, batch)
