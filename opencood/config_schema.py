@@ -234,8 +234,9 @@ class PostprocessSection:
     pre_nms_max: int = spec(500, check=positive)    # candidates kept before the rotated NMS
     # "ours": the pre_nms_max best enter NMS, at most max_num are kept. "reference": OpenCOOD's
     # post_process: boxes wider than 6 m along x or y or with a corner's z outside [-3, 1] are
-    # dropped first, the 1000 best enter NMS, every box NMS keeps is kept (its max_num only
-    # pads the GT), as weights trained there were evaluated (opencood.postprocess).
+    # dropped first, the pre_nms_max best enter NMS (OpenCOOD's 1000: set by an import and
+    # hypes_yaml/opv2v/reference), every box NMS keeps is kept (its max_num only pads the GT),
+    # as weights trained there were evaluated (opencood.postprocess).
     filters: Literal["ours", "reference"] = "ours"
 
 

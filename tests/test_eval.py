@@ -521,7 +521,17 @@ def test_protocol_option_names_its_file_yaml_and_table(runs, reference, tmp_path
     saved = record["results"]
     assert saved["protocol"]["name"] == "opencood" == record["settings"]["protocol"]
     assert reference.inter["protocol"]["name"] == "ours"
-    assert f"{metrics['name']} (AP protocol: opencood)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"{metrics['name']} (AP protocol: opencood)" in out
+    # The table and the record say which GT range was scored: the protocol's, or the config's.
+    assert "GT scored in x -140..140 y -40..40 z -3..1 m (protocol opencood)" in out
+    assert saved["protocol"]["gt_range"] == [-140.0, -40.0, -3.0, 140.0, 40.0, 1.0]
+    assert reference.inter["protocol"]["gt_range"] == [-25.6, -12.8, -3.0, 25.6, 12.8, 3.0]
+    assert reference.inter["protocol"]["gt_range_of"] == "postprocess.gt_range"
+    (ours,) = evaluator.main(_argv(run_dir))
+    assert "GT scored in x -25.6..25.6 y -12.8..12.8 z -3..3 m (postprocess.gt_range)" in \
+        capsys.readouterr().out
+    assert ours["num_gt"] == reference.inter["num_gt"]
     # The protocol's +-140 x +-40 m GT range is wider than this run's LiDAR crop: as in
     # OpenCOOD's test set, the boxes beyond the crop count too (misses the model cannot see;
     # tests/test_e2e_parity.py matches OpenCOOD's GT count), so there are more than under ours.
@@ -617,14 +627,20 @@ def test_two_data_folders_leave_two_records_naming_folder_step_and_checkpoint_ha
     run_dir = _run_with_step(runs, tmp_path / "run", step=42)
     other_data = tmp_path / "other" / "test"
     shutil.copytree(runs.data, other_data)
+    capsys.readouterr()
     (first,) = evaluator.main(_argv(run_dir))
+    note = f"note: the test split is the validation folder {Path(runs.data).resolve()} "
+    assert note in capsys.readouterr().out        # this config's test_dir is its validate_dir
     (second,) = evaluator.main(_argv(run_dir, "--set", f"test_dir={other_data}"))
+    assert "note: the test split" not in capsys.readouterr().out
     assert first["record"] != second["record"] and Path(first["record"]).is_file()
     sha = file_sha256(run_dir / "last.pth")
-    for metrics, folder in ((first, runs.data), (second, other_data)):
+    # The run's config names one folder as validate_dir and test_dir: the record says so.
+    for metrics, folder, is_validation in ((first, runs.data, True),
+                                           (second, other_data, False)):
         record = load_record(Path(metrics["record"]))
         assert record["data"] == {"split": "test", "folder": str(Path(folder).resolve()),
-                                  "frames": len(TIMESTAMPS)}
+                                  "frames": len(TIMESTAMPS), "test_is_validation": is_validation}
         assert record["checkpoint"]["step"] == 42 and record["checkpoint"]["epoch"] == 3
         assert record["checkpoint"]["sha256"] == sha and record["checkpoint"]["weights"] == "raw"
         assert record["checkpoint"]["file"] == str((run_dir / "last.pth").resolve())

@@ -562,6 +562,45 @@ def test_import_then_eval(name, tmp_path, test_split):
     assert Path(metrics["record"]).is_file() and Path(metrics["record"]).parent == out / "evals"
 
 
+def test_an_import_without_test_dir_says_its_test_split_is_the_validation_folder(
+        tmp_path, test_split, capsys):
+    """OpenCOOD's configs name no test_dir; its validate_dir stands in. The import's note and
+    closing hint say so, and so do the evaluation's output and record (tests/test_eval.py: not
+    once --set test_dir names another folder); the table says which GT range it scored (the
+    config's, OpenCOOD's cut to the LiDAR range), and --list where the weights came from."""
+    from opencood.eval.records import load_record
+    name = "point_pillar_intermediate"
+    peer = write_opencood_run(tmp_path / "peer", name)
+    config = peer / "config.yaml"
+    config.write_text(config.read_text().replace("validate_dir: opv2v_data_dumping/validate",
+                                                 f"validate_dir: {test_split}"))
+    out = tmp_path / "imported"
+    capsys.readouterr()
+    load_tool("import_checkpoint").main(["--from", "opencood", str(peer), "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert f"note: {config} names no test_dir: the test split is its validate_dir " \
+           f"{test_split}" in printed
+    assert printed.rstrip().endswith(f"--model_dir {out} --set test_dir=PATH (without it, "
+                                     f"--split test evaluates the validation folder "
+                                     f"{test_split})")
+    # (100 NMS candidates instead of OpenCOOD's 1000: these generated weights fire everywhere.)
+    argv = ["--model_dir", str(out), "--num_workers", "0", "--batch_size", "2",
+            "--set", "postprocess.pre_nms_max=100"]
+    (stand_in,) = evaluator.main(argv)
+    printed = capsys.readouterr().out
+    assert f"note: the test split is the validation folder {test_split.resolve()}" in printed
+    assert "GT scored in x -12.8..12.8 y -6.4..6.4 z -3..1 m (postprocess.gt_range)" in printed
+    record = load_record(Path(stand_in["record"]))
+    assert record["data"]["test_is_validation"] is True
+    assert record["checkpoint"]["imported_from"] == {
+        "codebase": "opencood", "run_dir": str(peer.resolve()), "model": name, "epoch": 12,
+        "checkpoint": str((peer / "net_epoch12.pth").resolve())}
+    evaluator.main(["--list", str(out)])
+    (line,) = capsys.readouterr().out.splitlines()
+    assert "step unknown" not in line and "test (the validation folder) of" in line
+    assert f"imported from opencood epoch 12 ({(peer / 'net_epoch12.pth').resolve()})" in line
+
+
 def test_translated_config_keeps_what_decides_the_boxes():
     cfg = translated_config("point_pillar_fcooper")
     peer = read_opencood_yaml(FIXTURES / "point_pillar_fcooper.config.yaml")
@@ -577,6 +616,9 @@ def test_translated_config_keeps_what_decides_the_boxes():
     assert cfg["postprocess"]["target_args"]["score_threshold"] == 0.2
     assert cfg["postprocess"]["nms_thresh"] == 0.15
     assert cfg["postprocess"]["gt_range"] == [-12.8, -6.4, -3.0, 12.8, 6.4, 1.0]
+    # OpenCOOD's post_process: its box filters and 1000 NMS candidates (pre_nms_max is read).
+    assert cfg["postprocess"]["filters"] == "reference"
+    assert cfg["postprocess"]["pre_nms_max"] == 1000
     assert cfg["test_dir"] == peer["validate_dir"]
     assert cfg["train_params"]["max_cav"] == 5                # its yaml's
     assert translated_config("point_pillar_intermediate")["train_params"]["max_cav"] == 7

@@ -203,3 +203,7 @@ def test_reference_filters_drop_implausible_boxes_and_keep_every_nms_survivor():
     torch.testing.assert_close(kept_scores, torch.tensor([0.9, 0.5, 0.4]))
     _, ours_scores = VoxelPostprocessor(*args).nms(boxes, scores)
     torch.testing.assert_close(ours_scores, torch.tensor([0.9, 0.8]))
+    # pre_nms_max bounds the plausible candidates under both filters (an import sets OpenCOOD's
+    # 1000): the 2 best plausible ones enter NMS here.
+    _, two_best = VoxelPostprocessor(*args[:-1], 2, filters="reference").nms(boxes, scores)
+    torch.testing.assert_close(two_best, torch.tensor([0.9, 0.5]))

@@ -28,8 +28,11 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
+from opencood.config import load_config
 from opencood.errors import run_cli
+from opencood.eval.records import uses_validation_as_test
 from opencood.interop.importer import CODEBASES, import_run
 
 
@@ -52,8 +55,17 @@ def run(args: argparse.Namespace):
         print(f"note: {note}")
     print(f"imported {args.peer_run_dir} ({args.codebase}) -> {out} in "
           f"{time.perf_counter() - start:.2f} s; evaluate with: python tools/eval.py "
-          f"--model_dir {out}")
+          f"--model_dir {out}{test_split_hint(out)}")
     return out
+
+
+def test_split_hint(run_dir: Path) -> str:
+    """'' or, when the imported config's test split is its validation folder, what to add."""
+    cfg = load_config(Path(run_dir) / "config.yaml")
+    if not uses_validation_as_test(cfg, "test"):
+        return ""
+    return (f" --set test_dir=PATH (without it, --split test evaluates the validation folder "
+            f"{cfg['validate_dir']})")
 
 
 def main(argv=None):

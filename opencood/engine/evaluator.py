@@ -34,7 +34,8 @@ from opencood.eval.inference import evaluate_loader
 from opencood.eval.pose_correction import load_pose_corrector
 from opencood.eval.protocols import DEFAULT_PROTOCOL, PROTOCOLS
 from opencood.eval.records import (RECORDS_DIR, build_record, checkpoint_facts, format_record_line,
-                                   list_records, machine_facts, record_name, write_record)
+                                   list_records, machine_facts, record_name,
+                                   uses_validation_as_test, write_record)
 from opencood.eval.report import format_metrics, format_spread, spread_by_group
 from opencood.models.build import build_model
 from opencood.strategies import get_strategy, strategy_names
@@ -199,8 +200,19 @@ def evaluate_setting(cfg, args, run_dir, model, info, setting, checkpoint: Dict,
         save_detections(collector, run_dir, args, fusion, tag, cfg_run)
     if metrics is None:
         return None
-    metrics["protocol"] = {"name": protocol.name, "description": protocol.description}
+    metrics["protocol"] = {"name": protocol.name, "description": protocol.description,
+                           **scored_gt_range(protocol, cfg_run)}
     return setting_record(cfg_run, args, tag, fusion, checkpoint, info, metrics, correction)
+
+
+def scored_gt_range(protocol, cfg_run: Dict) -> Dict:
+    """{"gt_range": the range the GT was scored in, "gt_range_of": whose it is}: the protocol's
+    own range where it has one (set as the data set's gt_range), else the config's
+    ``postprocess.gt_range`` (for an imported run: the peer's test range cut to its LiDAR range,
+    so another number of GT boxes than the peer's own evaluation counts)."""
+    return {"gt_range": [float(v) for v in cfg_run["postprocess"]["gt_range"]],
+            "gt_range_of": (f"protocol {protocol.name}" if protocol.box_range is not None
+                            else "postprocess.gt_range")}
 
 
 def save_detections(collector: DetectionCollector, run_dir: Path, args, fusion: str, tag: str,
@@ -229,7 +241,8 @@ def setting_record(cfg_run: Dict, args, tag: str, fusion: str, checkpoint: Dict,
     name = record_name(args.split, fusion, tag, args.protocol, DEFAULT_PROTOCOL,
                        {**settings, "split": args.split, "folder": folder}, checkpoint)
     metrics["name"] = name
-    data = {"split": args.split, "folder": folder, "frames": metrics["num_frames"]}
+    data = {"split": args.split, "folder": folder, "frames": metrics["num_frames"],
+            "test_is_validation": uses_validation_as_test(cfg_run, args.split)}
     return build_record(name, checkpoint, data, settings, cfg_run,
                         machine_facts(info.device, info.world_size), metrics)
 
@@ -240,6 +253,10 @@ def report_results(record: Dict, run_dir: Path, writer) -> Path:
     name, metrics = record["name"], record["results"]
     path = write_record(run_dir, record)
     print(format_metrics(name, metrics), flush=True)
+    if record["data"]["test_is_validation"]:
+        print(f"note: the test split is the validation folder {record['data']['folder']} "
+              f"(the config's test_dir is its validate_dir); --set test_dir=PATH evaluates a "
+              f"test folder", flush=True)
     print(f"record: {path}", flush=True)
     for key in ("ap_30", "ap_50", "ap_70"):
         writer.add_scalar(f"eval/{name}/{key}", metrics[key], 0)

@@ -4,15 +4,18 @@
 
     format: 1
     name: test_intermediate_noise0.2_3f9c1a2b      # settings in words, then their hash
-    checkpoint: {file, epoch, step, sha256, weights: ema | raw}
-    data: {split, folder (absolute), frames}
+    checkpoint: {file, epoch, step, sha256, weights: ema | raw,
+                 imported_from: {codebase, run_dir, checkpoint, model, epoch} | null}
+    data: {split, folder (absolute), frames,
+           test_is_validation: the test split's folder is the config's validate_dir}
     settings: {fusion, protocol, wild_setting {loc_err, xyz_std, yaw_std, seed,
                latency_frames, ...}, overrides [--set k=v ...]}
     config_sha256: hash of the resolved config evaluated
     code: {version, git_commit}
     machine: {device, world_size, torch}
     date: ISO 8601
-    results: {ap_30, ap_50, ap_70, num_gt, distance, visibility, bytes_per_agent, ...}
+    results: {ap_30, ap_50, ap_70, num_gt, distance, visibility, bytes_per_agent,
+              protocol {name, description, gt_range}, ...}
 
 The name ends in a hash of the settings and the checkpoint's content, so evaluations of other
 data, another checkpoint or other settings get other files (and TensorBoard tags
@@ -40,6 +43,8 @@ RECORD_FORMAT = 1
 RECORDS_DIR = "evals"
 LEGACY_PATTERN = "eval_*.yaml"       # records of versions before RECORD_FORMAT 1
 UNKNOWN = "unknown"
+# What a record keeps of an imported checkpoint's provenance (opencood.interop.importer).
+IMPORT_FACTS = ("codebase", "run_dir", "checkpoint", "model", "epoch")
 
 
 class RecordError(OpencoodError):
@@ -73,16 +78,30 @@ def git_commit() -> Optional[str]:
 
 
 def checkpoint_facts(path: Path, checkpoint: Dict, weights: str) -> Dict:
-    """{"file", "epoch", "step", "sha256", "weights"} of the evaluated checkpoint; ``weights``
-    is "ema" or "raw" (which of its weights were loaded)."""
+    """{"file", "epoch", "step", "sha256", "weights", "imported_from"} of the evaluated
+    checkpoint; ``weights`` is "ema" or "raw" (which of its weights were loaded);
+    ``imported_from`` what tools/import_checkpoint.py wrote (codebase, run_dir, checkpoint,
+    model, epoch; None for a checkpoint trained here)."""
+    imported = checkpoint.get("imported_from")
+    if imported is not None:
+        imported = {key: imported.get(key) for key in IMPORT_FACTS}
     return {"file": str(Path(path).resolve()), "epoch": checkpoint.get("epoch"),
             "step": checkpoint.get("step"), "sha256": file_sha256(Path(path)),
-            "weights": weights}
+            "weights": weights, "imported_from": imported}
 
 
 def machine_facts(device: torch.device, world_size: int) -> Dict:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return {"device": name, "world_size": int(world_size), "torch": str(torch.__version__)}
+
+
+def uses_validation_as_test(cfg: Dict, split: str) -> bool | None:
+    """For the test split: whether its folder is the config's validate_dir (an OpenCOOD
+    import's config names no test_dir: its validation folder stands in); None for another."""
+    if split != "test":
+        return None
+    folders = [cfg.get(key) for key in ("test_dir", "validate_dir")]
+    return None not in folders and Path(folders[0]).resolve() == Path(folders[1]).resolve()
 
 
 def record_name(split: str, fusion: str, tag: str, protocol: str, default_protocol: str,
@@ -134,8 +153,9 @@ def load_record(path: Path) -> Dict:
                 "settings": {"protocol": protocol}}
     empty = {"checkpoint": {}, "data": {}, "settings": {}, "code": {}, "machine": {}}
     record = {**{key: None for key in ("config_sha256", "date")}, **empty, **data}
-    for key, fields in (("checkpoint", ("file", "epoch", "step", "sha256", "weights")),
-                        ("data", ("split", "folder", "frames")),
+    for key, fields in (("checkpoint", ("file", "epoch", "step", "sha256", "weights",
+                                        "imported_from")),
+                        ("data", ("split", "folder", "frames", "test_is_validation")),
                         ("settings", ("fusion", "protocol", "wild_setting", "overrides"))):
         record[key] = {**{field: None for field in fields}, **(record[key] or {})}
     return record
@@ -159,13 +179,27 @@ def format_record_line(path: Path, record: Dict) -> str:
     noise = (f"noise {wild.get('xyz_std')}m/{wild.get('yaw_std')}deg seed {wild.get('seed')}"
              if wild.get("loc_err") else "no noise")
     ap_50 = record["results"].get("ap_50")
+    split = describe(data["split"]) + (" (the validation folder)" if data["test_is_validation"]
+                                       else "")
     return (f"{path.name}: AP@0.5 {describe(None if ap_50 is None else f'{ap_50:.4f}')} | "
-            f"{describe(data['split'])} of {describe(data['folder'])} "
+            f"{split} of {describe(data['folder'])} "
             f"({describe(data['frames'])} frames) | fusion {describe(settings['fusion'])}, "
             f"protocol {describe(settings['protocol'])}, {noise}, latency "
-            f"{describe(wild.get('latency_frames'))} | step {describe(checkpoint['step'])} "
+            f"{describe(wild.get('latency_frames'))} | {describe_weights(checkpoint)} "
             f"({describe(checkpoint['weights'])} weights, sha256 "
             f"{describe((checkpoint['sha256'] or '')[:12] or None)}) | {describe(record['date'])}")
+
+
+def describe_weights(checkpoint: Dict) -> str:
+    """Where the evaluated weights stand: ``step N`` of a run trained here, or, for an imported
+    one (which has no step of ours), its codebase, epoch and file there."""
+    imported = checkpoint.get("imported_from")
+    if checkpoint["step"] is not None or not imported:
+        return f"step {describe(checkpoint['step'])}"
+    epoch = imported.get("epoch")
+    epoch = None if epoch is None or epoch < 0 else epoch         # -1: the file names none
+    return (f"imported from {describe(imported.get('codebase'))} epoch {describe(epoch)} "
+            f"({describe(imported.get('checkpoint'))})")
 
 
 def matching_records(records: Iterable[Tuple[Path, Dict]], **wanted) -> List[Tuple[Path, Dict]]:

@@ -113,12 +113,15 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> List
 
 def format_metrics(name: str, metrics: Dict) -> str:
     """One evaluated setting: AP overall, by distance and by visibility, GT counts, bandwidth,
-    speed and the pose error."""
-    protocol = metrics.get("protocol", {}).get("name", DEFAULT_PROTOCOL)
-    lines = [f"{name} (AP protocol: {protocol})",
-             f"{'':>12} {'AP@0.3':>8} {'AP@0.5':>8} {'AP@0.7':>8} {'#GT':>6}",
-             f"{'overall':>12} {metrics['ap_30']:8.4f} {metrics['ap_50']:8.4f} "
-             f"{metrics['ap_70']:8.4f} {metrics['num_gt']:6d}"]
+    speed and the pose error; the GT range it was scored in where the metrics say."""
+    protocol = metrics.get("protocol", {})
+    lines = [f"{name} (AP protocol: {protocol.get('name', DEFAULT_PROTOCOL)})"]
+    if protocol.get("gt_range") is not None:       # records before issue 39 have none
+        lines.append(f"GT scored in {format_range(protocol['gt_range'])} "
+                     f"({protocol['gt_range_of']})")
+    lines += [f"{'':>12} {'AP@0.3':>8} {'AP@0.5':>8} {'AP@0.7':>8} {'#GT':>6}",
+              f"{'overall':>12} {metrics['ap_30']:8.4f} {metrics['ap_50']:8.4f} "
+              f"{metrics['ap_70']:8.4f} {metrics['num_gt']:6d}"]
     rows = [(f"{bin_name} m", row) for bin_name, row in metrics["distance"].items()]
     rows += list(metrics.get("visibility", {}).items())
     for row_name, row in rows:
@@ -128,6 +131,12 @@ def format_metrics(name: str, metrics: Dict) -> str:
                  f"{metrics['frames_per_s']:.2f} frames/s, {metrics['num_frames']} frames")
     lines += format_pose_errors(metrics.get("pose_error", {}))
     return "\n".join(lines)
+
+
+def format_range(box_range) -> str:
+    """[xmin, ymin, zmin, xmax, ymax, zmax] -> 'x -140..140 y -40..40 z -3..1 m'."""
+    return " ".join(f"{axis} {box_range[i]:g}..{box_range[i + 3]:g}"
+                    for i, axis in enumerate("xyz")) + " m"
 
 
 def format_pose_errors(pose_error: Dict) -> List[str]:

@@ -146,8 +146,19 @@ def translate_run(peer_dir, checkpoint: Optional[str] = None,
                               f"our model (for {peer_format.display}'s {model_name})")
     provenance = {"codebase": codebase, "run_dir": str(peer_dir.resolve()),
                   "checkpoint": str(Path(path).resolve()), "model": model_name,
-                  "notes": peer_format.notes(peer)}
+                  "notes": peer_format.notes(peer) + validation_as_test_notes(peer, cfg, source)}
     return cfg, ours, {"epoch": epoch, **provenance}
+
+
+def validation_as_test_notes(peer: dict, cfg: dict, source: str) -> List[str]:
+    """A note when the peer's config names no ``test_dir`` and the translation made its
+    ``validate_dir`` our test split (what OpenCOOD's inference evaluates): ``tools/eval.py
+    --split test`` then scores the validation folder unless told another."""
+    if isinstance(peer.get("test_dir"), str) or not isinstance(cfg.get("test_dir"), str):
+        return []
+    return [f"{source} names no test_dir: the test split is its validate_dir "
+            f"{cfg['test_dir']} (the folder its own inference evaluates); give tools/eval.py "
+            f"--set test_dir=PATH to evaluate a test folder"]
 
 
 @contextlib.contextmanager

@@ -20,6 +20,8 @@ otherwise. Conventions:
   ``test_dir`` (and ``validate_dir``) unless the file names a ``test_dir``.
 * ``postprocess.gt_range`` is OpenCOOD's test-time GT range [-140, -40, -3, 140, 40, 1] cut to
   the LiDAR range; anchors sit at z = -1 (OpenCOOD's constant).
+* ``postprocess.filters: reference`` with ``pre_nms_max: 1000``: OpenCOOD's box filters and its
+  number of NMS candidates (``max_num`` caps nothing there).
 * ``train_params.max_cav``: OpenCOOD's default is 7 when the file has none.
 * ``model.args.bn_momentum`` null: every BatchNorm keeps OpenCOOD's 0.01.
 * The reference options of our modules are switched on, so the imported weights compute what
@@ -43,6 +45,7 @@ import yaml
 
 from opencood.config import YamlLoader, yaml_error_line
 from opencood.interop.opencood_ckpt import InteropError
+from opencood.postprocess.voxel_postprocessor import REFERENCE_PRE_NMS
 
 # OpenCOOD's test-time GT range (opencood/data_utils/datasets/__init__.py: GT_RANGE).
 OPENCOOD_GT_RANGE = (-140.0, -40.0, -3.0, 140.0, 40.0, 1.0)
@@ -250,7 +253,8 @@ def _postprocess(peer: _Peer, lidar_range: list) -> dict:
     return {"core_method": "VoxelPostprocessor", "gt_range": _gt_range(lidar_range),
             "anchor_args": anchors, "target_args": targets, "order": "hwl",
             "max_num": int(peer.get("postprocess.max_num", 100)),
-            "nms_thresh": float(peer.get("postprocess.nms_thresh")), "filters": "reference"}
+            "nms_thresh": float(peer.get("postprocess.nms_thresh")), "filters": "reference",
+            "pre_nms_max": REFERENCE_PRE_NMS}
 
 
 def _model_args(peer: _Peer, core_method: str, fusion_module: Optional[str]) -> dict:

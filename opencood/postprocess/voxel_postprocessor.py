@@ -41,7 +41,7 @@ def boxes_to_ego(boxes: torch.Tensor, transform: torch.Tensor) -> torch.Tensor:
 # OpenCOOD's post_process (box_utils.remove_large_pred_bbx, remove_bbx_abnormal_z, nms_rotated).
 REFERENCE_MAX_EXTENT = 6.0          # metres along x and along y (corner spread, ego frame)
 REFERENCE_Z_RANGE = (-3.0, 1.0)     # every corner's z
-REFERENCE_PRE_NMS = 1000
+REFERENCE_PRE_NMS = 1000           # its NMS candidates: what an import sets pre_nms_max to
 
 
 def reference_plausible(boxes: torch.Tensor, order: str) -> torch.Tensor:
@@ -89,9 +89,10 @@ class VoxelPostprocessor:
         score_threshold: detections need a sigmoid score above it.
         nms_thresh: rotated BEV IoU above which NMS drops the lower-scored box.
         max_num: detections kept per frame after NMS.
-        pre_nms_max: best-scored candidates that enter NMS (rotated NMS is quadratic in them).
-        filters: "ours" or "reference" (OpenCOOD's: implausible boxes dropped before NMS, its
-            1000 candidates, no max_num cap; ``postprocess.filters`` in the config schema).
+        pre_nms_max: best-scored candidates that enter NMS (rotated NMS is quadratic in them),
+            under either filters (OpenCOOD's number is REFERENCE_PRE_NMS).
+        filters: "ours" or "reference" (OpenCOOD's: implausible boxes dropped before NMS, no
+            max_num cap; ``postprocess.filters`` in the config schema).
     """
 
     def __init__(self, anchors: torch.Tensor, box_coder: ResidualBoxCoder, pos_iou: float,
@@ -168,7 +169,7 @@ class VoxelPostprocessor:
         class docstring)."""
         if self.filters == "reference":
             plausible = reference_plausible(boxes, self.order)
-            boxes, scores = select_top(boxes[plausible], scores[plausible], REFERENCE_PRE_NMS)
+            boxes, scores = select_top(boxes[plausible], scores[plausible], self.pre_nms_max)
             keep = nms_rotated(boxes, scores, self.nms_thresh, order=self.order)
             return boxes[keep], scores[keep]
         boxes, scores = select_top(boxes, scores, self.pre_nms_max)
