@@ -416,6 +416,16 @@ def test_efficientnet_mapping_covers_every_key_and_refuses_unknown_ones(fixture)
         efficientnet_pytorch_to_ours({"_blocks.0._expand_conv.weight": torch.zeros(1)})
 
 
+def test_heal_args_translate_and_refuse_ground_truth_depth(fixture):
+    heal = fixture["cases"]["eff_lid_full"]["heal_args"]
+    args = args_from_heal(heal)
+    assert (args["xbound"], args["ddiscr"], args["depth_mode"], args["image_size"],
+            args["bev_encoder_channels"]) == ([-16.0, 16.0, 1.0], [1.0, 25.0, 12], "LID",
+                                              [64, 128], 16)
+    with pytest.raises(ValueError, match="use_depth_gt: true is not reproduced"):
+        args_from_heal(dict(heal, use_depth_gt=True))
+
+
 def test_args_refuse_sizes_the_trunk_cannot_take():
     base = dict(xbound=[-16, 16, 1.0], ybound=[-16, 16, 1.0], image_size=[64, 128])
     assert LiftSplat(parse(LiftSplatArgs, dict(base, img_features=4, camera_encoder="Resnet101",

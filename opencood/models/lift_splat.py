@@ -431,7 +431,10 @@ class LiftSplat(nn.Module):
 
 def args_from_heal(encoder_args: Mapping) -> dict:
     """HEAL's ``encoder_args`` of a ``lift_splat_shoot`` agent (or its single-agent model's
-    ``args``) -> our ``LiftSplatArgs`` keys."""
+    ``args``) -> our ``LiftSplatArgs`` keys. HEAL's ``use_depth_gt`` (ground-truth depth in
+    place of the predicted distribution) is not reproduced and refused."""
+    if encoder_args.get("use_depth_gt"):
+        raise ValueError("HEAL's use_depth_gt: true is not reproduced by the lss encoder")
     grid = encoder_args["grid_conf"]
     d_min, d_max, bins = grid["ddiscr"]
     args = {"xbound": list(grid["xbound"]), "ybound": list(grid["ybound"]),
