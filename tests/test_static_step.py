@@ -279,3 +279,62 @@ def test_masked_statistics_of_a_sync_batch_norm_span_every_rank():
     for rank in ranks:
         torch.testing.assert_close(rank[4], plain.running_mean)
         torch.testing.assert_close(rank[5], plain.running_var)
+
+
+def test_masked_linear_batch_norm_equals_linear_then_masked_batch_norm():
+    from opencood.models.pillar_vfe import masked_linear_batch_norm
+    generator = torch.Generator().manual_seed(1)
+    values = (torch.randn(300, 10, generator=generator) * 4.0 + 2.0).double().requires_grad_()
+    mask = torch.rand(300, generator=generator) < 0.3
+    linear = torch.nn.Linear(10, 16, bias=False).double()
+    norm = torch.nn.BatchNorm1d(16, eps=1e-3, momentum=0.1).double()
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 2.0, generator=generator)
+        norm.bias.uniform_(-1.0, 1.0, generator=generator)
+    folded_linear, folded_norm = copy.deepcopy(linear), copy.deepcopy(norm)
+    for _ in range(2):
+        expected = masked_batch_norm(norm, linear(values), mask)
+        got = masked_linear_batch_norm(folded_linear, folded_norm, values, mask)
+        torch.testing.assert_close(got[mask], expected[mask], rtol=1e-10, atol=1e-10)
+        (expected[mask] * torch.arange(16.0, dtype=torch.float64)).sum().backward()
+        expected_grads = [values.grad.clone(), linear.weight.grad, norm.weight.grad,
+                          norm.bias.grad]
+        values.grad = None
+        (got[mask] * torch.arange(16.0, dtype=torch.float64)).sum().backward()
+        got_grads = [values.grad.clone(), folded_linear.weight.grad, folded_norm.weight.grad,
+                     folded_norm.bias.grad]
+        for got_grad, expected_grad in zip(got_grads, expected_grads):
+            torch.testing.assert_close(got_grad, expected_grad, rtol=1e-9, atol=1e-10)
+        values.grad = None
+        for module in (linear, norm, folded_linear, folded_norm):
+            module.zero_grad()
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        torch.testing.assert_close(getattr(folded_norm, name), getattr(norm, name),
+                                   rtol=1e-10, atol=1e-12)
+    folded_norm.eval()
+    norm.eval()
+    torch.testing.assert_close(masked_linear_batch_norm(folded_linear, folded_norm, values, mask),
+                               norm(linear(values)))
+
+
+def test_static_vfe_dispatches_no_pass_over_its_output_channels_for_statistics():
+    # The statistics of the static VFE run over C_in (10) channels: the (R, 64) tensors are
+    # only the GEMM's output, the ReLU, the mask and the max (issue 40: static slower than
+    # dynamic on an H100 from the statistics passes over every point slot).
+    from opencood.models.pillar_vfe import PillarLayer
+    from opencood.utils.op_counts import OpCounter, launches_kernel
+    layer = PillarLayer(10, 64, last_layer=True)
+    features = torch.randn(50, 32, 10)
+    mask = torch.arange(32) < torch.randint(0, 33, (50, 1))
+    wide = []
+
+    class WideOps(OpCounter):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if launches_kernel(func) and torch.is_tensor(out) and out.numel() >= 50 * 32 * 64:
+                wide.append(func.overloadpacket.__name__)
+            return out
+
+    with WideOps():
+        layer(features, mask, static_shapes=True)
+    assert wide == ["addmm", "relu", "mul"]
