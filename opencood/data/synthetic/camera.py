@@ -25,7 +25,9 @@ the LiDAR's draws do not depend on whether cameras are written.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
+import cv2
 import numpy as np
 
 from opencood.data.synthetic.lidar import GROUND_ID
@@ -67,13 +69,21 @@ class CameraConfig:
 
 @dataclass
 class CameraImage:
-    """One rendered camera: rgb (H, W, 3) uint8, depth (H, W) float64 (z along the optical axis,
-    m; inf where the sky is seen) and ids (H, W) int64 (object id per pixel: an actor id, a
-    building id, ``GROUND_ID`` or ``SKY_ID``)."""
+    """One rendered camera: rgb (H, W, 3) uint8, depth (H, W) float32 (z along the optical axis,
+    m; inf where the sky is seen) and, on demand, ids (H, W) int64 (object id per pixel: an
+    actor id, a building id, ``GROUND_ID`` or ``SKY_ID``)."""
 
     rgb: np.ndarray
     depth: np.ndarray
-    ids: np.ndarray
+    face_buffer: np.ndarray                # (H, W) index into face_ids, -1: ground or sky
+    face_ids: np.ndarray                   # (F,) object id of each face
+
+    @cached_property
+    def ids(self) -> np.ndarray:
+        background = np.where(np.isfinite(self.depth), GROUND_ID, SKY_ID).astype(np.int64)
+        if not len(self.face_ids):
+            return background
+        return np.where(self.face_buffer >= 0, self.face_ids[self.face_buffer], background)
 
 
 def intrinsic_matrix(cfg: CameraConfig) -> np.ndarray:
@@ -197,29 +207,35 @@ def _ground_depth(world_from_ray, camera_center, xn, yn) -> np.ndarray:
         return np.where(down < 0, -camera_center[2] / down, np.inf)
 
 
+_HAZE_LEVELS = 256                    # the ground's haze is drawn from this many steps
+
+
+def _ground_palette() -> np.ndarray:
+    """(2 * _HAZE_LEVELS,) packed colours of the ground: [checker square (dark, light), haze
+    step], so the ground is one table lookup per pixel (the steps are finer than uint8)."""
+    haze = np.arange(_HAZE_LEVELS) / (_HAZE_LEVELS - 1)                    # (L,)
+    asphalt = _ASPHALT[:, None, :]                                         # (2, 1, 3)
+    colours = asphalt + haze[None, :, None] * (_HAZE - asphalt)            # (2, L, 3)
+    return _packed(colours.reshape(-1, 3).T)
+
+
 def _background(depth, world_from_ray, camera_center, xn, yn) -> np.ndarray:
-    """Colour planes (3, H, W) float32, R G B, of what the boxes leave: the ground (an asphalt
+    """Packed colours (H, W) (:func:`_packed`) of what the boxes leave: the ground (an asphalt
     checker fading into haze with distance) where ``depth`` is finite, else the sky (horizon
-    colour near the horizon, deeper blue overhead, by the ray's elevation). Planes, not (H, W, 3):
-    numpy is several times slower on a trailing axis of 3."""
+    colour near the horizon, deeper blue overhead, by the ray's elevation)."""
     hit = np.isfinite(depth)
     distance = np.where(hit, depth, np.float32(0.0))
-    square = np.zeros(depth.shape, dtype=np.int64)
+    square = np.zeros(depth.shape, dtype=np.int32)
     for axis in (0, 1):
         a, b, c = (float(v) for v in world_from_ray[axis])
         ground = float(camera_center[axis]) + distance * (a * xn[None, :] + b * yn[:, None] + c)
-        square += np.floor(ground * np.float32(1.0 / _CHECKER)).astype(np.int64)
-    light = (square & 1).astype(np.float32)
-    haze = distance / (distance + np.float32(_HAZE_DISTANCE))
+        square += np.floor(ground * np.float32(1.0 / _CHECKER)).astype(np.int32)
+    haze = distance / (distance + np.float32(_HAZE_DISTANCE))                # [0, 1)
+    step = np.rint(haze * np.float32(_HAZE_LEVELS - 1)).astype(np.int32)
+    ground_colours = _GROUND_PALETTE[(square & 1) * _HAZE_LEVELS + step]
     up = np.clip(float(world_from_ray[2, 1]) * yn + float(world_from_ray[2, 2]), 0.0, 1.0)
-    planes = np.empty((3,) + depth.shape, dtype=np.float32)
-    for channel in range(3):
-        dark, bright = _ASPHALT[:, channel]
-        asphalt = dark + light * (bright - dark)
-        ground_colour = asphalt + haze * (_HAZE[channel] - asphalt)
-        sky_colour = _SKY_HORIZON[channel] + up * (_SKY_TOP[channel] - _SKY_HORIZON[channel])
-        planes[channel] = np.where(hit, ground_colour, sky_colour[:, None])
-    return planes
+    sky = _packed((_SKY_HORIZON + up[:, None] * (_SKY_TOP - _SKY_HORIZON)).T)   # (H,)
+    return np.where(hit, ground_colours, sky[:, None])
 
 
 def _clip_near(polygon: np.ndarray, near: float) -> np.ndarray:
@@ -247,19 +263,29 @@ def _in_view(corners_camera, cfg: CameraConfig, focal, center) -> np.ndarray:
     return in_front & ~(all_in_front & off_image)
 
 
-def _raster_face(polygon, xn, yn, depth, face_index, face_buffer, focal, center):
-    """Z-buffer one face: ``polygon`` (M, 3) in the camera frame (all z >= near), convex.
+def _pixel_boxes(polygons, focal, center, shape) -> np.ndarray:
+    """(N, 4) int64 [u0, u1, v0, v1]: the pixel centres' bounding box of each polygon (N, M, 3)
+    (camera frame, all z > 0), clipped to an image of ``shape`` (H, W); empty where u0 > u1 or
+    v0 > v1."""
+    u = polygons[..., 0] / polygons[..., 2] * focal + center[0]
+    v = polygons[..., 1] / polygons[..., 2] * focal + center[1]
+    return np.stack([np.maximum(np.ceil(u.min(-1) - 1e-9), 0),
+                     np.minimum(np.floor(u.max(-1) + 1e-9), shape[1] - 1),
+                     np.maximum(np.ceil(v.min(-1) - 1e-9), 0),
+                     np.minimum(np.floor(v.max(-1) + 1e-9), shape[0] - 1)],
+                    axis=-1).clip(-1, max(shape)).astype(np.int64)
+
+
+def _raster_face(polygon, box, xn, yn, depth, face_index, face_buffer):
+    """Z-buffer one face: ``polygon`` (M, 3) in the camera frame (all z >= near), convex, its
+    pixel box [u0, u1, v0, v1] (:func:`_pixel_boxes`).
 
     Pixels whose centre ray passes inside the polygon (exact edge tests) and whose depth along
     the face's plane is below ``depth`` get ``face_index`` in ``face_buffer`` (both (H, W),
-    updated in place). A face whose bounding box is already covered by nearer surfaces is
-    skipped after one look at the buffer.
+    updated in place). A face whose box is already covered by nearer surfaces is skipped after
+    one look at the buffer.
     """
-    height, width = depth.shape
-    u = polygon[:, 0] / polygon[:, 2] * focal + center[0]
-    v = polygon[:, 1] / polygon[:, 2] * focal + center[1]
-    u0, u1 = max(int(np.ceil(u.min() - 1e-9)), 0), min(int(np.floor(u.max() + 1e-9)), width - 1)
-    v0, v1 = max(int(np.ceil(v.min() - 1e-9)), 0), min(int(np.floor(v.max() + 1e-9)), height - 1)
+    u0, u1, v0, v1 = box.tolist()
     if u0 > u1 or v0 > v1:
         return
     z_min, z_max = float(polygon[:, 2].min()), float(polygon[:, 2].max())
@@ -301,38 +327,46 @@ def render_camera(scene, cords, cfg: CameraConfig, exclude_ids=()) -> CameraImag
     xn = ((np.arange(cfg.width) - center[0]) / focal).astype(np.float32)
     yn = ((np.arange(cfg.height) - center[1]) / focal).astype(np.float32)
     depth = _ground_depth(camera_to_world[:3, :3], camera_center, xn, yn).astype(np.float32)
-    planes = _background(depth, camera_to_world[:3, :3], camera_center, xn, yn)
-    ids = np.where(np.isfinite(depth), GROUND_ID, SKY_ID).astype(np.int64)
+    rgba = _background(depth, camera_to_world[:3, :3], camera_center, xn, yn)
 
     corners, normals, face_ids = _visible_faces(scene, camera_center, exclude_ids)
     face_buffer = np.full(depth.shape, -1, dtype=np.int64)
     corners_camera = corners @ world_to_camera[:3, :3].T + world_to_camera[:3, 3]
     candidates = np.flatnonzero(_in_view(corners_camera, cfg, focal, center))
-    # Nearest first, so that faces hidden behind them are skipped without rasterising.
     nearest = corners_camera[candidates, :, 2].min(axis=1)
+    whole = nearest >= cfg.near                       # no near-plane clipping needed
+    boxes = np.zeros((len(corners_camera), 4), dtype=np.int64)
+    boxes[candidates[whole]] = _pixel_boxes(corners_camera[candidates[whole]], focal, center,
+                                            depth.shape)
+    # Nearest first, so that faces hidden behind them are skipped without rasterising.
     for index in candidates[np.argsort(nearest, kind="stable")]:
-        polygon = corners_camera[index]
+        polygon, box = corners_camera[index], boxes[index]
         if polygon[:, 2].min() < cfg.near:
             polygon = _clip_near(polygon, cfg.near)
-        if len(polygon) >= 3:
-            _raster_face(polygon, xn, yn, depth, index, face_buffer, focal, center)
+            if len(polygon) < 3:
+                continue
+            box = _pixel_boxes(polygon[None], focal, center, depth.shape)[0]
+        _raster_face(polygon, box, xn, yn, depth, index, face_buffer)
 
-    on_face = face_buffer >= 0
-    if not on_face.any():
-        return _image(planes, depth, ids)
-    object_ids, face_objects = np.unique(face_ids, return_inverse=True)
-    object_colours = np.array([_object_colour(int(i)) for i in object_ids]).reshape(-1, 3)
-    shade = 0.5 + 0.5 * np.clip(normals @ _SUN, 0.0, 1.0)
-    face_colours = (object_colours[face_objects] * shade[:, None]).astype(np.float32)
-    for channel in range(3):
+    if len(face_ids):
+        object_ids, face_objects = np.unique(face_ids, return_inverse=True)
+        object_colours = np.array([_object_colour(int(i)) for i in object_ids]).reshape(-1, 3)
+        shade = 0.5 + 0.5 * np.clip(normals @ _SUN, 0.0, 1.0)
+        face_colours = _packed((object_colours[face_objects] * shade[:, None]).T)
         # Index -1 (no face) reads the last face's colour, which np.where then discards.
-        planes[channel] = np.where(on_face, face_colours[face_buffer, channel], planes[channel])
-    return _image(planes, depth, np.where(on_face, face_ids[face_buffer], ids))
+        rgba = np.where(face_buffer >= 0, face_colours[face_buffer], rgba)
+    rgb = cv2.cvtColor(rgba.view(np.uint8).reshape(rgba.shape + (4,)), cv2.COLOR_RGBA2RGB)
+    return CameraImage(rgb, depth, face_buffer, face_ids)
 
 
-def _image(planes, depth, ids) -> CameraImage:
-    rgb = np.clip(np.rint(planes), 0, 255).astype(np.uint8).transpose(1, 2, 0)
-    return CameraImage(np.ascontiguousarray(rgb), depth, ids)
+def _packed(planes) -> np.ndarray:
+    """Colour planes (3, ...) float, R G B -> (...) little-endian uint32 whose bytes are R, G, B,
+    0: one gather and one select compose a picture instead of three."""
+    channels = np.clip(np.rint(planes), 0, 255).astype("<u4")
+    return channels[0] | (channels[1] << 8) | (channels[2] << 16)
+
+
+_GROUND_PALETTE = _ground_palette()
 
 
 def depth_png(depth: np.ndarray) -> np.ndarray:

@@ -187,7 +187,7 @@ def write_frame(cav_dir: Path, timestamp: str, points_lidar: np.ndarray, params:
     (cav_dir / f"{timestamp}.yaml").write_text(text)
     for index, image in enumerate(images):
         _write_png(cav_dir / f"{timestamp}_camera{index}.png",
-                   np.ascontiguousarray(image.rgb[..., ::-1]))                    # BGR
+                   cv2.cvtColor(image.rgb, cv2.COLOR_RGB2BGR))
         if depth:
             _write_png(cav_dir / f"{timestamp}_depth{index}.png", depth_png(image.depth))
 

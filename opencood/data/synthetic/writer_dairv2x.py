@@ -220,7 +220,7 @@ def write_cameras(root: Path, world, frame: int, ids: tuple, cfg: CameraConfig) 
     intrinsic = {"cam_K": intrinsic_matrix(cfg).ravel().tolist(), "cam_D": [0.0] * 5}
     for side, frame_id, cords, lidar_pose, exclude, calib_name in sides:
         image = render_camera(scene, cords, cfg, exclude_ids=exclude)
-        ok, encoded = cv2.imencode(".jpg", np.ascontiguousarray(image.rgb[..., ::-1]))
+        ok, encoded = cv2.imencode(".jpg", cv2.cvtColor(image.rgb, cv2.COLOR_RGB2BGR))
         path = root / side / "image" / f"{frame_id}.jpg"
         if not ok:
             raise OutputDirError(f"cannot encode {path} as JPEG")
