@@ -280,6 +280,10 @@ def test_bench_operators_per_step_by_phase(capsys):
     assert min(phases.values()) > 0
     # CPU keeps torch's per-tensor loop (no fused default off CUDA): ~9 kernels per parameter
     assert record["optimizer"] == "AdamW (for-loop)" and phases["optimizer"] > 100
+    # ...which the CUDA-comparable count replaces by the fused step's (the step counters' add
+    # and one fused kernel)
+    fused = record["kernels_with_fused_optimizer"] - (record["kernels"] - phases["optimizer"])
+    assert 1 <= fused <= 3
 
 
 def test_bench_list_names_every_figure_and_measures_nothing(capsys):

@@ -629,11 +629,40 @@ def bench_operators(suite: Suite) -> List[Dict]:
                       "foreach" if defaults.get("foreach") or
                       (defaults.get("foreach") is None and bench.device.type == "cuda")
                       else "for-loop")
+    fused_kernels = fused_optimizer_kernels(optimizer)
+    as_on_cuda = (None if fused_kernels is None
+                  else ops.kernels - ops.by_phase["optimizer"] + fused_kernels)
     return [bench.record("operators_per_step", autocast=True, kernels=ops.kernels,
                          operators=ops.total, by_phase=ops.by_phase,
                          top_kernels=dict(ops.by_op.most_common(12)),
                          optimizer=f"{type(optimizer).__name__} ({implementation})",
+                         kernels_with_fused_optimizer=as_on_cuda,
                          includes=STEP_PARTS + ["ema"])]
+
+
+def fused_optimizer_kernels(optimizer: torch.optim.Optimizer) -> Optional[int]:
+    """Kernels of one step of ``optimizer``'s class with ``fused=True`` (what build_optimizer
+    gives on CUDA), on copies of its parameters, so a CPU count compares with a CUDA one
+    (CPU runs torch's per-tensor loop, ~9 kernels per parameter); None where this torch has
+    no fused kernel for the device."""
+    import inspect
+    params = [torch.nn.Parameter(param.detach().clone())
+              for group in optimizer.param_groups for param in group["params"]]
+    for param in params:
+        param.grad = torch.zeros_like(param)
+    accepted = set(inspect.signature(type(optimizer)).parameters)
+    settings = {key: value for key, value in optimizer.defaults.items()
+                if key in accepted and key not in ("foreach", "fused", "params")}
+    try:
+        fused = type(optimizer)(params, **settings, fused=True)
+        fused.step()                                  # creates the state
+    except (RuntimeError, ValueError) as error:
+        logger.info("no fused %s here: %s", type(optimizer).__name__, error)
+        return None
+    from opencood.utils.op_counts import OpCounter
+    with OpCounter() as ops:
+        fused.step()
+    return ops.kernels
 
 
 def bench_ema(suite: Suite) -> List[Dict]:

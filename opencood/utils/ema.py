@@ -73,10 +73,11 @@ class ModelEMA:
         and one ``_foreach_copy_`` over the integer ones. The pairs of tensors are found once
         (:class:`_TensorPairs`) and reused while they are still the model's. Walking both state
         dicts on every update (a ``detach`` per tensor, then a ``to`` and a ``copy_`` per
-        integer buffer) was host work that grows with the tensor count, not their size: 2.7 ms
-        per update for AttFuse's 144 tensors on this project's 2-core CPU, 0.34 ms now (each
-        tensor cut to one element, so only the host's work is left). On an H100 the old update
-        took 1.77 ms, 5.4 % of the step, for about 30 us of arithmetic (docs/DESIGN.md §6.5)."""
+        integer buffer) was host work that grows with the tensor count, not their size: 0.76 ms
+        per update for AttFuse's 144 tensors on this project's 2-core CPU, 0.14 ms now (each
+        tensor cut to one element, so only the host's work is left; best of 5 x 300 updates,
+        runs interleaved). On an H100 the old update took 1.77 ms, 5.4 % of the step, for
+        about 30 us of arithmetic (docs/DESIGN.md §6.5)."""
         self.updates += 1
         model = unwrap_model(model)
         if self._pairs is None or not self._pairs.still_bound(model):
