@@ -341,3 +341,30 @@ def test_assignment_on_cuda_matches_cpu():
     for key, value in on_cpu.items():
         assert on_gpu[key].device.type == "cuda"
         torch.testing.assert_close(on_gpu[key].cpu(), value)
+
+
+def test_postprocessor_targets_reuse_the_anchor_rectangles_bit_for_bit():
+    # The anchors are fixed, so their standup rectangles are computed once (issue 40: fewer
+    # operators per step); the targets stay those of assign_targets computing them each time.
+    from opencood.utils.op_counts import OpCounter
+    anchors = small_anchors()
+    post = VoxelPostprocessor(anchors, ResidualBoxCoder(), pos_iou=0.6, neg_iou=0.45,
+                              score_threshold=0.2, nms_thresh=0.15, max_num=100,
+                              pre_nms_max=1000)
+    gt_boxes = torch.tensor([[[1.0, 1.0, -1.0, 1.5, 1.0, 2.0, 0.3],
+                              [5.0, 3.0, -1.0, 1.5, 1.2, 2.5, 1.4]],
+                             [[3.0, 6.0, -1.0, 1.5, 1.0, 2.0, -0.2],
+                              [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]]])
+    gt_mask = torch.tensor([[True, True], [True, False]])
+    expected = assign_targets(anchors, gt_boxes, gt_mask, pos_iou=0.6, neg_iou=0.45)
+    post.targets(gt_boxes, gt_mask)                       # computes the rectangles
+    with OpCounter() as cached:
+        got = post.targets(gt_boxes, gt_mask)
+    with OpCounter() as uncached:
+        assign_targets(anchors, gt_boxes, gt_mask, pos_iou=0.6, neg_iou=0.45)
+    for key, value in expected.items():
+        assert torch.equal(got[key], value), key
+    assert int(expected["num_positives"].sum()) >= 3
+    assert uncached.kernels - cached.kernels == 17        # standup_bev of the anchors
+    assert post.anchor_rects(torch.device("cpu"), torch.float32) is \
+        post.anchor_rects(torch.device("cpu"), torch.float32)

@@ -73,7 +73,8 @@ def _gt_claiming_each_anchor(iou: torch.Tensor, gt_mask: torch.Tensor) -> torch.
 
 def assign_targets(anchors: torch.Tensor, gt_boxes: torch.Tensor, gt_mask: torch.Tensor,
                    pos_iou: float = 0.6, neg_iou: float = 0.45,
-                   box_coder: Optional[ResidualBoxCoder] = None) -> Dict[str, torch.Tensor]:
+                   box_coder: Optional[ResidualBoxCoder] = None,
+                   anchor_rects: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
     """Label anchors and build regression/direction targets for a padded batch of GT boxes.
 
     Args:
@@ -85,6 +86,9 @@ def assign_targets(anchors: torch.Tensor, gt_boxes: torch.Tensor, gt_mask: torch
             that GT even when the anchor overlaps another GT more.
         box_coder: encodes the targets and says the box order; defaults to
             ``ResidualBoxCoder()`` ('hwl').
+        anchor_rects: (N, 4) ``standup_bev`` of the flattened anchors on ``gt_boxes``' device
+            and dtype, when the caller keeps them (the anchors are fixed: VoxelPostprocessor
+            computes them once, not in every step).
 
     Returns a dict on ``gt_boxes.device``:
         ``labels`` (B, N) int64 in {-1 ignore, 0 negative, 1 positive};
@@ -103,7 +107,9 @@ def assign_targets(anchors: torch.Tensor, gt_boxes: torch.Tensor, gt_mask: torch
 
     # Padded GT become the zero-area rectangle at the origin: IoU exactly 0 with everything.
     gt_rects = torch.where(gt_mask[..., None], standup_bev(gt_boxes, box_coder.order), 0.0)
-    iou = standup_iou(standup_bev(anchors_flat, box_coder.order), gt_rects)  # (B, N, M)
+    if anchor_rects is None:
+        anchor_rects = standup_bev(anchors_flat, box_coder.order)
+    iou = standup_iou(anchor_rects, gt_rects)                             # (B, N, M)
     max_iou, best_gt = iou.max(dim=2)                                     # (B, N)
     forced_gt = _gt_claiming_each_anchor(iou, gt_mask)
     forced = forced_gt >= 0

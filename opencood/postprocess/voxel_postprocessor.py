@@ -17,7 +17,7 @@ from opencood.ops.transforms import boxes_to_corners_3d
 from opencood.postprocess.anchors import generate_anchors
 from opencood.postprocess.box_coder import ResidualBoxCoder
 from opencood.postprocess.layout import BOX_CODE_SIZE, flatten_anchor_maps
-from opencood.postprocess.target_assigner import assign_targets
+from opencood.postprocess.target_assigner import assign_targets, standup_bev
 from opencood.registry import POSTPROCESSORS
 
 BYTES_PER_BOX = 8 * 4  # late fusion sends 7 box numbers and a score, float32
@@ -100,6 +100,7 @@ class VoxelPostprocessor:
                  pre_nms_max: int, filters: str = "ours"):
         self.anchors = anchors
         self.box_coder = box_coder
+        self._anchor_rects: Dict[tuple, torch.Tensor] = {}       # see anchor_rects
         self.pos_iou, self.neg_iou = float(pos_iou), float(neg_iou)
         self.score_threshold = float(score_threshold)
         self.nms_thresh, self.max_num = float(nms_thresh), int(max_num)
@@ -141,7 +142,17 @@ class VoxelPostprocessor:
         """gt_boxes (B, Mmax, 7), gt_mask (B, Mmax) -> anchor targets, see
         :func:`opencood.postprocess.target_assigner.assign_targets`."""
         return assign_targets(self.anchors, gt_boxes, gt_mask, pos_iou=self.pos_iou,
-                              neg_iou=self.neg_iou, box_coder=self.box_coder)
+                              neg_iou=self.neg_iou, box_coder=self.box_coder,
+                              anchor_rects=self.anchor_rects(gt_boxes.device, gt_boxes.dtype))
+
+    def anchor_rects(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """(N, 4) standup rectangles of the flattened anchors, computed once per device and
+        dtype (17 operators of every training step's target assignment otherwise)."""
+        key = (device, dtype)
+        if key not in self._anchor_rects:
+            anchors = self.anchors.reshape(-1, 7).to(device=device, dtype=dtype)
+            self._anchor_rects[key] = standup_bev(anchors, self.box_coder.order)
+        return self._anchor_rects[key]
 
     def decode(self, outputs: Dict[str, torch.Tensor]) -> List[Detections]:
         """Head outputs (cls_preds, reg_preds, optional dir_preds; layout in
