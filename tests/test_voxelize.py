@@ -181,3 +181,21 @@ def test_pillar_groups_dispatch_no_scan():
         _pillar_groups(keys)
     assert not {"cummax", "cumsum", "_cummax_helper"} & set(ops.by_op)
     assert ops.by_op["searchsorted"] == 1
+
+
+def test_cell_keys_work_on_all_three_axes_at_once():
+    # One operator per step over (N, 3) rather than one per axis (36 kernels before); keys
+    # equal to ((b * nz + z) * ny + y) * nx + x computed by hand.
+    from opencood.ops.voxelize import _cell_keys
+    from opencood.utils.op_counts import OpCounter
+    points = torch.tensor([[0.5, 1.5, -2.0, 0.0], [3.99, 0.0, 1.9, 0.0], [4.0, 0.0, 0.0, 0.0],
+                           [-0.01, 2.0, 0.0, 0.0], [float("nan"), 0.0, 0.0, 0.0]])
+    batch_index = torch.tensor([0, 1, 1, 0, 0])
+    lidar_range, voxel, grid = [0.0, 0.0, -2.0, 4.0, 3.0, 2.0], [1.0, 1.0, 2.0], (4, 3, 2)
+    _cell_keys(points, batch_index, lidar_range, voxel, grid)          # constants made once
+    with OpCounter() as ops:
+        keys, inside = _cell_keys(points, batch_index, lidar_range, voxel, grid)
+    assert inside.tolist() == [True, True, False, False, False]
+    # point 0: x 0, y 1, z 0 -> 4; point 1: batch 1, x 3, y 0, z 1 -> 24 + 12 + 3
+    assert keys[:2].tolist() == [(0 * 2 + 0) * 3 * 4 + 1 * 4 + 0, ((1 * 2 + 1) * 3 + 0) * 4 + 3]
+    assert ops.kernels <= 16

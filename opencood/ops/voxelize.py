@@ -20,6 +20,7 @@ Semantics (the contract the models and datasets code against):
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Dict, Optional, Sequence, Tuple
 
@@ -56,18 +57,33 @@ def _cell_keys(points: torch.Tensor, batch_index: torch.Tensor, lidar_range, vox
     from float64 arithmetic on the float32 coordinates (exact conversion), so boundary decisions
     match a plain-Python reference and are the same on every device.
     """
-    batch_index = batch_index.to(torch.int64)
-    keys = batch_index
-    inside = torch.ones_like(batch_index, dtype=torch.bool)
-    for axis in (2, 1, 0):                       # z, y, x: most to least significant
-        coord = points[:, axis].to(torch.float64)
-        low, high = float(lidar_range[axis]), float(lidar_range[axis + 3])
-        inside &= (coord >= low) & (coord < high)
-        # Clamped in float before the integer cast: a point a rounding error below ``high``
-        # may land on index n, and far-away points must not overflow the cast.
-        cell = torch.floor((coord - low) / float(voxel_size[axis])).clamp_(0, grid[axis] - 1)
-        keys = keys * grid[axis] + cell.to(torch.int64)
+    low, high, voxel, last_cell, strides = _grid_constants(
+        tuple(float(v) for v in lidar_range), tuple(float(v) for v in voxel_size), tuple(grid),
+        points.device)
+    coords = points[:, :3].to(torch.float64)                               # (N, 3) x, y, z
+    inside = ((coords >= low) & (coords < high)).all(dim=1)
+    # Clamped in float before the integer cast: a point a rounding error below ``high``
+    # may land on index n, and far-away points must not overflow the cast.
+    cells = torch.minimum(torch.floor((coords - low) / voxel).clamp_(min=0), last_cell)
+    cells_per_batch = grid[0] * grid[1] * grid[2]
+    offsets = (cells.to(torch.int64) * strides).sum(dim=1)             # z * nx * ny + y * nx + x
+    keys = batch_index.to(torch.int64) * cells_per_batch + offsets
     return keys, inside
+
+
+@functools.lru_cache(maxsize=16)
+def _grid_constants(lidar_range: Tuple[float, ...], voxel_size: Tuple[float, ...],
+                    grid: Tuple[int, int, int], device: torch.device):
+    """The grid's per-axis constants as tensors on ``device``, made once (a tensor made from
+    Python numbers on CUDA is a copy that waits for the device): low, high, voxel size, last
+    cell index (float64, (3,) x, y, z) and the key's stride per axis (int64: 1, nx, nx * ny).
+    One operator per step over (N, 3) instead of one per axis (issue 40)."""
+    def as_tensor(values, dtype=torch.float64):
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    return (as_tensor(lidar_range[:3]), as_tensor(lidar_range[3:]), as_tensor(voxel_size),
+            as_tensor([float(cells - 1) for cells in grid]),
+            as_tensor([1, grid[0], grid[0] * grid[1]], torch.int64))
 
 
 def _point_keys(points: torch.Tensor, batch_index: torch.Tensor, lidar_range, voxel_size,
