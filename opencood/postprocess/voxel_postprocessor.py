@@ -147,11 +147,13 @@ class VoxelPostprocessor:
 
     def anchor_rects(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """(N, 4) standup rectangles of the flattened anchors, computed once per device and
-        dtype (17 operators of every training step's target assignment otherwise)."""
+        dtype (21 operators of every training step's target assignment otherwise)."""
         key = (device, dtype)
         if key not in self._anchor_rects:
             anchors = self.anchors.reshape(-1, 7).to(device=device, dtype=dtype)
-            self._anchor_rects[key] = standup_bev(anchors, self.box_coder.order)
+            rects = standup_bev(anchors, self.box_coder.order)
+            # Column-major: standup_iou reads each coordinate column contiguous, no copy.
+            self._anchor_rects[key] = rects.t().contiguous().t()
         return self._anchor_rects[key]
 
     def decode(self, outputs: Dict[str, torch.Tensor]) -> List[Detections]:
