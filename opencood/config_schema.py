@@ -395,6 +395,47 @@ class KdSection:
 
 
 @section
+class DataAugConf:
+    """``camera.data_aug_conf``: HEAL's image augmentation (opencood.data.cameras). Defaults:
+    HEAL's OPV2V camera yamls."""
+
+    H: int = spec(600, check=positive)              # the camera images' size (pixels)
+    W: int = spec(800, check=positive)
+    final_dim: Tuple[int, int] = spec((384, 512), check=all_positive)   # (fH, fW) model input
+    resize_lim: Tuple[float, float] = spec((0.65, 0.7), check=all_positive)   # training draw
+    bot_pct_lim: Tuple[float, float] = (0.0, 0.05)  # part of the bottom cut off (training draw)
+    rot_lim: Tuple[float, float] = (-3.6, 3.6)      # degrees (training draw)
+    rand_flip: bool = False
+    # HEAL's keys, informative: the datasets read every camera of a frame (OPV2V 4,
+    # DAIR-V2X-C 1; HEAL's DAIR camera yamls say Ncams: 4 too).
+    Ncams: int = spec(4, check=positive)
+    cams: Optional[Tuple[str, ...]] = None
+
+    def problems(self) -> Problems:
+        for key in ("resize_lim", "bot_pct_lim", "rot_lim"):
+            low, high = getattr(self, key)
+            if low > high:
+                yield key, f"[{low}, {high}]: the low end is above the high end"
+        if self.cams is not None and len(self.cams) != self.Ncams:
+            yield "cams", f"names {len(self.cams)} cameras, Ncams is {self.Ncams}"
+
+
+@section
+class CameraSection:
+    """``camera``: the camera inputs, read when ``input_source`` has "camera"."""
+
+    data_aug_conf: DataAugConf
+
+
+def input_sources(value) -> Optional[str]:
+    if not value:
+        return "must name at least one of lidar, camera"
+    if len(set(value)) != len(value):
+        return "names an input twice"
+    return None
+
+
+@section
 class Config:
     name: str
     root_dir: Optional[str] = None                   # the train split
@@ -403,6 +444,10 @@ class Config:
     seed: int = 0
     comm_range: float = spec(DEFAULT_COMM_RANGE, check=positive)   # metres
     fusion: FusionSection
+    # HEAL's key: the inputs the datasets read ("camera": the camera keys, camera.data_aug_conf;
+    # without "lidar" no .pcd is read).
+    input_source: Tuple[Literal["lidar", "camera"], ...] = spec(("lidar",), check=input_sources)
+    camera: Optional[CameraSection] = None           # with input_source camera
     train_params: TrainParams
     preprocess: PreprocessSection
     data_augment: Tuple[Augmentation, ...] = ()
@@ -421,6 +466,12 @@ class Config:
     box_align: Optional[BoxAlignSection] = None      # None: no pose correction at evaluation
 
     def problems(self) -> Problems:
+        if "camera" in self.input_source and self.camera is None:
+            yield "camera", ("is missing: input_source has 'camera' (give at least "
+                             "camera: {data_aug_conf: {H: ..., W: ...}})")
+        if self.camera is not None and "camera" not in self.input_source:
+            yield "camera", (f"is set but input_source is {list(self.input_source)}: add "
+                             f"'camera' to read the cameras")
         if self.kd is not None and self.fusion.core_method != "intermediate":
             yield "kd", (f"is for an intermediate-fusion student (distillation trains its "
                          f"fused map on the teacher's); fusion.core_method is "

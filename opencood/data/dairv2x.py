@@ -427,6 +427,7 @@ class DairV2XSplit:
         cache_dir, use_point_cache, index_cache: as OPV2VSplit's.
         gt_source: "cooperative" or "single_side" (module doc; the config's
             ``fusion.gt_source``).
+        require_points: OPV2VSplit's option; nothing to do here (clouds are read on use only).
 
     A sample's scenario is the vehicle frame's ``batch_id`` (a recorded sequence), its timestamp
     the vehicle frame id; samples come in the split file's order; latency takes an earlier frame
@@ -437,7 +438,7 @@ class DairV2XSplit:
 
     def __init__(self, split_path, com_range: float = 100.0, max_cav: int = 2, cache_dir=None,
                  use_point_cache: bool = True, index_cache: bool = True,
-                 gt_source: str = "cooperative"):
+                 gt_source: str = "cooperative", require_points: bool = True):
         if max_cav < 1:
             raise ValueError(f"max_cav must be >= 1, got {max_cav}")
         if gt_source not in GT_SOURCES:
@@ -546,6 +547,14 @@ class DairV2XSplit:
     def lidar_pose(self, scenario: str, cav_id: str, timestamp: str) -> np.ndarray:
         """(4, 4) float64 lidar -> world of one agent of the pair of vehicle frame ``timestamp``."""
         return np.asarray(self._frames[timestamp][f"{self._side(cav_id)}_pose"], dtype=np.float64)
+
+    def load_cameras(self, scenario: str, cav_id: str, timestamp: str):
+        """The agent's one camera (``<side>/image/<frame>.jpg``, its intrinsic and (virtual)lidar
+        -> camera calib), read as HEAL reads them (opencood.data.cameras.read_dair_cameras)."""
+        from opencood.data.cameras import read_dair_cameras    # PIL only for camera inputs
+        frame = self._frames[timestamp]
+        side = self._side(cav_id)
+        return read_dair_cameras(self.root, f"{side}-side", frame[f"{side}_id"])
 
     def vehicles(self, scenario: str, cav_id: str, timestamp: str) -> list:
         """The pair's cooperative labels (world corners), shared with the index: read only."""

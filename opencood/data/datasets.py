@@ -54,6 +54,7 @@ import torch
 from opencood.config_schema import DEFAULT_COMM_RANGE, DEFAULT_LIDAR_RANGE
 from opencood.data.augment import (augment_boxes, augmentation_matrix, check_augment_config,
                                    draw_augmentation)
+from opencood.data.cameras import camera_inputs, stack_agents
 from opencood.data.opv2v import DEFAULT_GT_RANGE, is_infrastructure
 from opencood.data.sources import open_split, split_class
 from opencood.data.wild import WildSetting, delayed_timestamp, noisy_pose
@@ -65,8 +66,9 @@ from opencood.utils.collectives import get_rank
 
 VEHICLE, INFRASTRUCTURE = 0, 1             # agent types (V2X-ViT's "infra" flag)
 
-# Purpose codes keep the augmentation and the noise streams independent of each other.
-_AUGMENT_STREAM, _NOISE_STREAM = 1, 2
+# Purpose codes keep the augmentation, the noise and the image augmentation streams independent
+# of each other (the image draws are HEAL's, camera after camera: opencood.data.cameras).
+_AUGMENT_STREAM, _NOISE_STREAM, _CAMERA_STREAM = 1, 2, 3
 # Ego points in a GT box (its visibility to the ego): 0.1 m around the box takes in surface returns
 # that range noise put just outside; the bottom 0.25 m is left out, where ground returns beside
 # the wheels would make a car hidden from the ego look seen.
@@ -110,6 +112,10 @@ class BaseFusionDataset(torch.utils.data.Dataset):
             dairv2x; opencood.data.sources).
         reader_options: the format's own reader options (its split class's
             ``reader_options(cfg)``: V2V4Real's crop filter, DAIR-V2X-C's GT source).
+        input_source: the inputs read, HEAL's key: ("lidar",), ("camera",) or both. Without
+            "lidar" no point cloud is read (every agent's cloud is empty, ``gt_ego_points``
+            -1); with "camera" each sample carries the camera keys (:meth:`_camera_keys`).
+        data_aug_conf: the image augmentation (``camera.data_aug_conf``), with "camera".
     """
 
     fusion_method = "base"
@@ -121,15 +127,24 @@ class BaseFusionDataset(torch.utils.data.Dataset):
                  train: bool = False, augment_cfg=None, wild: WildSetting | None = None,
                  seed: int = 0, max_cav: int = 5, com_range: float = DEFAULT_COMM_RANGE,
                  order: str = "hwl", cache_dir=None, count_ego_points: bool | None = None,
-                 dataset: str = "opv2v", reader_options: dict | None = None):
+                 dataset: str = "opv2v", reader_options: dict | None = None,
+                 input_source=("lidar",), data_aug_conf: dict | None = None):
         check_augment_config(augment_cfg)
+        self.uses_lidar = "lidar" in input_source
+        if not self.uses_lidar:                 # camera-only: a frame needs no .pcd
+            reader_options = {**(reader_options or {}), "require_points": False}
+        self.data_aug_conf = dict(data_aug_conf) if "camera" in input_source else None
+        if "camera" in input_source and data_aug_conf is None:
+            raise ConfigError("input_source has 'camera': the camera section (its "
+                              "data_aug_conf) is missing")
         self.split = open_split(dataset, split_dir, com_range=com_range, max_cav=max_cav,
                                 cache_dir=cache_dir, **(reader_options or {}))
         self.split_dir = Path(split_dir)
         self.lidar_range = list(lidar_range)
         self.gt_range = list(gt_range)
         self.train = train
-        self.count_ego_points = not train if count_ego_points is None else bool(count_ego_points)
+        self.count_ego_points = (not train if count_ego_points is None
+                                 else bool(count_ego_points)) and self.uses_lidar
         self.augment_cfg = list(augment_cfg or []) if train else []
         self.wild = wild or WildSetting()
         self.seed = int(seed)
@@ -152,6 +167,8 @@ class BaseFusionDataset(torch.utils.data.Dataset):
                    order=postprocess["order"],
                    dataset=cfg["fusion"]["dataset"],
                    reader_options=split_class(cfg["fusion"]["dataset"]).reader_options(cfg),
+                   input_source=tuple(cfg["input_source"]),
+                   data_aug_conf=(cfg["camera"] or {}).get("data_aug_conf"),
                    cache_dir=cache_dir, **extra)
 
     # -- reproducible randomness -------------------------------------------------------------
@@ -161,7 +178,8 @@ class BaseFusionDataset(torch.utils.data.Dataset):
 
     def _rng(self, index: int, stream: int) -> np.random.Generator:
         epoch = self.epoch if self.train else 0
-        return np.random.default_rng([self.seed if stream == _AUGMENT_STREAM else self.wild.seed,
+        # the noise follows the wild setting's seed; the data augmentations, the run's
+        return np.random.default_rng([self.wild.seed if stream == _NOISE_STREAM else self.seed,
                                       stream, epoch, index])
 
     # -- reading -------------------------------------------------------------------------------
@@ -217,14 +235,38 @@ class BaseFusionDataset(torch.utils.data.Dataset):
         """
         info, agents = self._agents(index)
         for agent in agents if self.uses_other_agents_points else agents[:1]:
-            agent["points"] = self.split.load_points(*agent["frame"])
+            agent["points"] = self._load_points(agent["frame"])
         gt_ids, gt_boxes = self.split.sample_gt(index, gt_range=self.gt_range, order=self.order)
         return {"info": info, "agents": agents, "gt_boxes": gt_boxes, "gt_ids": gt_ids,
                 "gt_ego_points": self._points_per_box(agents[0]["points"], gt_boxes)}
 
+    def _load_points(self, frame) -> np.ndarray:
+        """(N, 4) float32 of one agent frame (scenario, cav_id, timestamp); (0, 4) without
+        LiDAR inputs (camera-only: no .pcd is read)."""
+        if not self.uses_lidar:
+            return np.zeros((0, 4), dtype=np.float32)
+        return self.split.load_points(*frame)
+
+    def _camera_keys(self, index: int, frames, lidar_to_output) -> Dict:
+        """The camera keys of the sample's agents (opencood.data.cameras.camera_inputs).
+
+        frames: per output agent its (scenario, cav_id, timestamp); lidar_to_output: per agent
+        the (4, 4) its points went through (augmentation @ to the output frame), which the
+        camera -> LiDAR extrinsics are composed with. The image draws come from the sample's
+        camera stream (seed, epoch, index), agent after agent, camera after camera; evaluation
+        draws nothing (the fixed resize and centre crop). Returns images (n, C, 3, fH, fW),
+        intrinsics (n, C, 3, 3), extrinsics (n, C, 4, 4) camera -> output frame, post_rots (n,
+        C, 3, 3), post_trans (n, C, 3), float32.
+        """
+        rng = self._rng(index, _CAMERA_STREAM) if self.train else None
+        per_agent = [camera_inputs(self.split.load_cameras(*frame), self.data_aug_conf, rng,
+                                   matrix) for frame, matrix in zip(frames, lidar_to_output)]
+        return stack_agents(per_agent)
+
     def _points_per_box(self, points: np.ndarray, boxes) -> np.ndarray:
         """(M,) own points of the viewing agent inside each GT box (same frame), for the
-        ego-visible / ego-occluded AP split; -1 unless ``count_ego_points``."""
+        ego-visible / ego-occluded AP split; -1 unless ``count_ego_points`` (never without
+        LiDAR inputs)."""
         boxes = np.asarray(boxes, np.float64).reshape(-1, 7)
         if not self.count_ego_points:
             return np.full(boxes.shape[0], -1, dtype=np.int64)
@@ -238,7 +280,7 @@ class BaseFusionDataset(torch.utils.data.Dataset):
 
     def _finish(self, index: int, key, agent_ids, clouds, to_output, transforms, gt_boxes,
                 gt_ids, shared_points: int, gt_ego_points: np.ndarray, agent_latency=None,
-                merge: bool = False, clean_transforms=None) -> Dict:
+                merge: bool = False, clean_transforms=None, frames=None) -> Dict:
         """Move, augment and crop every cloud in one pass, augment and crop the boxes, cast.
 
         clouds: per agent (N_i, 4) float32 in its own frame (only read); to_output: per cloud
@@ -247,14 +289,16 @@ class BaseFusionDataset(torch.utils.data.Dataset):
         (early fusion). transforms: what ``transforms_to_ego`` reports, one per output cloud;
         clean_transforms: ``transforms_to_ego_clean``, the true ones (default: ``transforms``).
         ``agent_latency``: frames of delay per agent, default 0 (one merged or own cloud).
+        ``frames``: per output agent its (scenario, cav_id, timestamp), whose cameras the
+        sample carries when the inputs have cameras (not with ``merge``).
         """
         if clean_transforms is None:
             clean_transforms = transforms
         if agent_latency is None:
             agent_latency = [0] * len(agent_ids)
         augment, steps = self._augmentation_matrix(index)
-        points, counts = project_and_crop(clouds, [augment @ to_frame for to_frame in to_output],
-                                          self.lidar_range)
+        to_sample = [augment @ to_frame for to_frame in to_output]
+        points, counts = project_and_crop(clouds, to_sample, self.lidar_range)
         # Views into the one buffer: the collate copies each once into the batch.
         agent_points = [points] if merge else np.split(points, np.cumsum(counts)[:-1])
         gt_boxes = augment_boxes(gt_boxes, steps)
@@ -264,6 +308,8 @@ class BaseFusionDataset(torch.utils.data.Dataset):
         # then counts the boxes the model cannot see as misses instead of dropping them.
         keep = (boxes_center_in_range(gt_boxes, self.lidar_range) if self.train
                 else np.ones(gt_boxes.shape[0], dtype=bool))
+        cameras = self._camera_keys(index, frames, to_sample) \
+            if self.data_aug_conf is not None else {}
         return {
             "sample_key": key,
             "agent_ids": list(agent_ids),
@@ -278,6 +324,7 @@ class BaseFusionDataset(torch.utils.data.Dataset):
             "gt_ego_points": np.asarray(gt_ego_points, dtype=np.int64)[keep],
             "shared_points": int(shared_points),
             "points_in_agent_frame": self.points_in_agent_frame,
+            **cameras,
         }
 
     def _transforms(self, index: int, agents: List[Dict], own_frame: bool):
@@ -319,7 +366,7 @@ class NoFusionDataset(BaseFusionDataset):
         ego = loaded["agents"][0]
         return self._finish(index, key, [ego["cav_id"]], [ego["points"]], [np.eye(4)],
                             [np.eye(4)], loaded["gt_boxes"], loaded["gt_ids"], shared_points=0,
-                            gt_ego_points=loaded["gt_ego_points"])
+                            gt_ego_points=loaded["gt_ego_points"], frames=[ego["frame"]])
 
 
 @DATASETS.register("early")
@@ -327,6 +374,12 @@ class EarlyFusionDataset(BaseFusionDataset):
     """Every agent's raw points projected to the ego frame and merged into one cloud."""
 
     fusion_method = "early"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.data_aug_conf is not None:
+            raise ConfigError("input_source has 'camera': camera inputs are per agent (no, "
+                              "late or intermediate fusion); early fusion merges point clouds")
 
     def _build(self, index, key, loaded):
         agents = loaded["agents"]
@@ -376,7 +429,7 @@ class IntermediateFusionDataset(BaseFusionDataset):
                               loaded["gt_boxes"], loaded["gt_ids"], shared_points=0,
                               gt_ego_points=loaded["gt_ego_points"],
                               agent_latency=[a["latency"] for a in agents],
-                              clean_transforms=clean)
+                              clean_transforms=clean, frames=[a["frame"] for a in agents])
         if self.with_early_fusion:
             sample["early_fusion_points"] = self._early_fusion_points(index, agents)
         return sample
@@ -421,13 +474,14 @@ class LateFusionDataset(BaseFusionDataset):
         sample_index, position = self.pairs[index]
         info, agents = self._agents(sample_index)
         agent = agents[position]              # only its own cloud is read
-        points = self.split.load_points(*agent["frame"])
+        points = self._load_points(agent["frame"])
         gt_ids, gt_boxes = self.split.frame_boxes(*agent["frame"], self.gt_range,
                                                   order=self.order)
         key = (info.scenario, info.timestamp, agent["cav_id"])
         return self._finish(index, key, [agent["cav_id"]], [points], [np.eye(4)], [np.eye(4)],
                             gt_boxes, gt_ids, shared_points=0,
-                            gt_ego_points=self._points_per_box(points, gt_boxes))
+                            gt_ego_points=self._points_per_box(points, gt_boxes),
+                            frames=[agent["frame"]])
 
     def _build(self, index, key, loaded):
         agents = loaded["agents"]
@@ -437,7 +491,8 @@ class LateFusionDataset(BaseFusionDataset):
                             loaded["gt_ids"], shared_points=0,
                             gt_ego_points=loaded["gt_ego_points"],
                             agent_latency=[a["latency"] for a in agents],
-                            clean_transforms=[a["T_to_ego_clean"] for a in agents])
+                            clean_transforms=[a["T_to_ego_clean"] for a in agents],
+                            frames=[a["frame"] for a in agents])
 
 
 # The config key naming each split's folder.

@@ -270,13 +270,14 @@ class _CavFolder:
                     pcd_names.add(stem)
         return cls(path, yaml_stats, pcd_names)
 
-    def require(self, timestamps: list, ego_path: Path) -> None:
-        """Raise naming this folder when it lacks a yaml or pcd of one of ``timestamps``."""
+    def require(self, timestamps: list, ego_path: Path, points: bool = True) -> None:
+        """Raise naming this folder when it lacks a yaml or (``points``) pcd of one of
+        ``timestamps``."""
         for timestamp in timestamps:
             if timestamp not in self.yaml_stats:
                 raise _format_error(self.path, f"missing {timestamp}.yaml "
                                                f"(the ego folder {ego_path} has it)")
-            if timestamp not in self.pcd_names:
+            if points and timestamp not in self.pcd_names:
                 raise _format_error(self.path, f"missing {timestamp}.pcd")
 
 
@@ -307,7 +308,7 @@ def scenario_timestamps(scenario_dir) -> dict:
             for cav_id, folder in _scan_cav_folders(Path(scenario_dir)).items()}
 
 
-def _scan_scenario(scenario_dir: Path) -> _ScenarioLayout:
+def _scan_scenario(scenario_dir: Path, points: bool = True) -> _ScenarioLayout:
     cav_folders = _scan_cav_folders(scenario_dir)
     cav_ids = list(cav_folders)
     ego_folder = cav_folders[cav_ids[0]]
@@ -315,7 +316,7 @@ def _scan_scenario(scenario_dir: Path) -> _ScenarioLayout:
     if not timestamps:
         raise _format_error(ego_folder.path, "ego folder has no <timestamp>.yaml files")
     for cav_id in cav_ids:
-        cav_folders[cav_id].require(timestamps, ego_folder.path)
+        cav_folders[cav_id].require(timestamps, ego_folder.path, points)
     return _ScenarioLayout(scenario_dir.name, cav_ids, timestamps, cav_folders)
 
 
@@ -328,7 +329,7 @@ def _missing_split_problem(split_dir: Path) -> str:
             f"{Path.cwd()}: {Path.cwd() / split_dir})")
 
 
-def _scan_split(split_dir: Path) -> list[_ScenarioLayout]:
+def _scan_split(split_dir: Path, points: bool = True) -> list[_ScenarioLayout]:
     if not split_dir.is_dir():
         raise _format_error(split_dir, _missing_split_problem(split_dir))
     scenario_names = _sorted_subfolders(split_dir)
@@ -343,7 +344,7 @@ def _scan_split(split_dir: Path) -> list[_ScenarioLayout]:
     layouts, problems = [], []
     for name in scenario_names:
         try:
-            layouts.append(_scan_scenario(split_dir / name))
+            layouts.append(_scan_scenario(split_dir / name, points))
         except OPV2VFormatError as error:
             problems.append(str(error))
     raise_all(split_dir, problems)
@@ -494,6 +495,8 @@ class OPV2VSplit:
             the index to ``<cache_dir>/opv2v_index``. Never the data folder.
         use_point_cache: load clouds through PointCloudCache (.npy) instead of parsing the PCD.
         index_cache: persist the parsed yaml of the split as JSON and reuse it when unchanged.
+        require_points: False for camera-only inputs: a frame then needs its yaml only (no
+            ``.pcd``; its cameras are checked when read, :meth:`load_cameras`).
     """
 
     # What a subclass for another format of the same tree (V2V4Real) changes: its cache folder
@@ -509,13 +512,14 @@ class OPV2VSplit:
         return {}
 
     def __init__(self, split_dir, com_range: float = DEFAULT_COMM_RANGE, max_cav: int = 5,
-                 cache_dir=None, use_point_cache: bool = True, index_cache: bool = True):
+                 cache_dir=None, use_point_cache: bool = True, index_cache: bool = True,
+                 require_points: bool = True):
         if max_cav < 1:
             raise ValueError(f"max_cav must be >= 1, got {max_cav}")
         self.split_dir = Path(split_dir)
         self.com_range = float(com_range)
         self.max_cav = int(max_cav)
-        layouts = _scan_split(self.split_dir)
+        layouts = _scan_split(self.split_dir, points=require_points)
         self._frames = self._load_frames(layouts, cache_dir, index_cache)
         self._cav_order = {layout.name: layout.cav_ids for layout in layouts}
         self._timestamps = {layout.name: layout.timestamps for layout in layouts}
@@ -599,6 +603,14 @@ class OPV2VSplit:
         for V2V4Real (no copy of the frame's yaml)."""
         return np.asarray(self._frame_params(scenario, cav_id, timestamp)["lidar_pose"],
                           dtype=np.float64)
+
+    def load_cameras(self, scenario: str, cav_id: str, timestamp: str) -> "CameraFrame":
+        """The frame's 4 cameras: images, intrinsics, camera -> LiDAR (opencood.data.cameras,
+        HEAL's conversion of the yaml's ``camera<i>.cords``)."""
+        from opencood.data.cameras import read_opv2v_cameras    # PIL only for camera inputs
+        params = self._frame_params(scenario, cav_id, timestamp)
+        return read_opv2v_cameras(self.split_dir / scenario / cav_id, timestamp, params,
+                                  params["lidar_pose"])
 
     def vehicles(self, scenario: str, cav_id: str, timestamp: str) -> dict:
         """The frame's ``vehicles`` mapping itself, shared with the index: read, never modify."""

@@ -219,6 +219,12 @@ class V2V4RealSplit(OPV2VSplit):
         frame["cav_id"] = cav_id
         return frame
 
+    def load_cameras(self, scenario: str, cav_id: str, timestamp: str):
+        """V2V4Real's release has no camera files: a one-line error naming the frame."""
+        from opencood.data.cameras import CameraFileError
+        raise CameraFileError(f"{self.split_dir / scenario / cav_id / timestamp}: V2V4Real has "
+                              f"no camera files (its inputs are LiDAR only)")
+
     def vehicle_arrays(self, scenario: str, cav_id: str, timestamp: str):
         """(ids (V,), corners (V, 8, 3)) of the frame's objects in the CAV's own frame
         (:func:`own_frame_objects`), built on the frame's first use and kept: what OPV2V's
