@@ -143,13 +143,22 @@ def data_folder(data_root: Path, data_format: str) -> Path:
     return folder
 
 
+def split_paths(folder: Path, data_format: str) -> List[Path]:
+    """train, validate, test of a synthetic folder (DAIR-V2X-C: split json files)."""
+    if data_format == "dairv2x":
+        base = folder / "cooperative-vehicle-infrastructure"
+        return [base / name for name in ("train.json", "val.json", "test.json")]
+    return [folder / name for name in ("train", "validate", "test")]
+
+
 def data_fingerprint(cfg: Dict, folder: Path) -> Dict[str, str]:
     from opencood.data.collate import collate_samples
     from opencood.data.datasets import build_dataset
     out: Dict[str, str] = {}
     cfg = json.loads(json.dumps(cfg))
-    for key, split in (("root_dir", "train"), ("validate_dir", "validate"), ("test_dir", "test")):
-        cfg[key] = str(folder / split)
+    for key, split_path in zip(("root_dir", "validate_dir", "test_dir"),
+                               split_paths(folder, cfg["fusion"]["dataset"])):
+        cfg[key] = str(split_path)
     for split, train in (("train", True), ("test", False)):
         dataset = build_dataset(cfg, split, train=train, cache_dir=folder / ".cache")
         count = min(len(dataset), 3)
@@ -172,7 +181,7 @@ def fingerprint(paths: List[Path], data_root: Path | None) -> Dict[str, Dict[str
         except Exception as error:           # a config that cannot run is part of the print
             record = {"error": f"{type(error).__name__}: {error}"}
         results[name] = record
-        print(f"{name}: {len(record)} entries", flush=True)
+        print(f"{name}: {record.get('error') or f'{len(record)} entries'}", flush=True)
     return results
 
 
