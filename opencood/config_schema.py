@@ -23,7 +23,9 @@ How a section class reads:
   no name is checked and every ``args_of`` field is an open mapping;
 * ``ALIASES``: an accepted other spelling of a key, rewritten to the key on load, so the
   resolved config has one spelling;
-* ``problems()``: cross-field errors, as (key, what is wrong) pairs.
+* ``problems()``: cross-field errors, as (key, what is wrong) pairs;
+* ``completed()``: the section with the defaults of the form it was given in (e.g. a model's
+  OpenCOOD-form pillar keys), so the resolved config stays complete.
 """
 from __future__ import annotations
 
@@ -157,6 +159,17 @@ class PreprocessSection:
     core_method: Literal["SpVoxelPreprocessor"] = "SpVoxelPreprocessor"   # pillars only
     args: PreprocessArgs
     cav_lidar_range: Tuple[float, ...] = spec(DEFAULT_LIDAR_RANGE, check=box_range)
+
+
+@section
+class BevGridSection:
+    """``bev_grid``: the BEV map every encoder writes, the backbone and heads run on and the
+    anchors sit on (a cell of ``cell_size`` metres over ``range``). Unset: the pillar grid of
+    ``preprocess`` (``cav_lidar_range`` and the first two of ``voxel_size``), so a LiDAR config
+    need not name it; a camera encoder writes it without pillars."""
+
+    range: Optional[Tuple[float, ...]] = spec(None, check=box_range)
+    cell_size: Optional[Tuple[float, float]] = spec(None, check=all_positive)
 
 
 @section
@@ -450,6 +463,7 @@ class Config:
     camera: Optional[CameraSection] = None           # with input_source camera
     train_params: TrainParams
     preprocess: PreprocessSection
+    bev_grid: BevGridSection
     data_augment: Tuple[Augmentation, ...] = ()
     postprocess: PostprocessSection
     model: ModelSection
@@ -546,7 +560,8 @@ def parse(cls: type, data: Any, prefix: str = "", registered: Registered | None 
     obj = cls(**parsed)
     for name, problem in getattr(obj, "problems", lambda: ())():
         raise SchemaError(f"key {_join(prefix, name)!r} {problem}")
-    return obj
+    # A section whose defaults depend on which of its forms was given completes itself.
+    return obj.completed() if hasattr(obj, "completed") else obj
 
 
 def _field_value(item: dataclasses.Field, hint: Any, data: dict, key: str,
@@ -642,16 +657,22 @@ def to_plain(value: Any) -> Any:
 
 def derive(config: Config) -> Config:
     """Fill what the data sections determine and a config left out: ``postprocess.gt_range``
-    (the crop range) and the model's ``lidar_range``, ``voxel_size``, ``max_points_per_voxel``
-    and ``anchor_number`` (one anchor per yaw). Computed here, never by ``eval`` of a yaml
+    (the crop range), ``bev_grid`` (the pillar grid) and the model's ``lidar_range``,
+    ``voxel_size``, ``max_points_per_voxel``, ``anchor_number`` (one anchor per yaw),
+    ``bev_range`` and ``bev_cell_size``. Computed here, never by ``eval`` of a yaml
     string; a value the config gives wins."""
     pre = config.preprocess
     post = config.postprocess
     if post.gt_range is None:
         post = dataclasses.replace(post, gt_range=pre.cav_lidar_range)
+    grid = config.bev_grid
+    grid = dataclasses.replace(
+        grid, range=grid.range if grid.range is not None else pre.cav_lidar_range,
+        cell_size=grid.cell_size if grid.cell_size is not None else pre.args.voxel_size[:2])
     derived = {"lidar_range": pre.cav_lidar_range, "voxel_size": pre.args.voxel_size,
                "max_points_per_voxel": pre.args.max_points_per_voxel,
-               "anchor_number": len(post.anchor_args.r)}
+               "anchor_number": len(post.anchor_args.r),
+               "bev_range": grid.range, "bev_cell_size": grid.cell_size}
     args = config.model.args
     if is_dataclass(args):      # the model's schema: its fields of these names left at None
         args = dataclasses.replace(args, **{key: value for key, value in derived.items()
@@ -659,7 +680,7 @@ def derive(config: Config) -> Config:
     else:       # a model without a schema: its open mapping gets what it lacks
         args = {**to_plain(derived), **args}
     model = dataclasses.replace(config.model, args=args)
-    return dataclasses.replace(config, postprocess=post, model=model)
+    return dataclasses.replace(config, postprocess=post, model=model, bev_grid=grid)
 
 
 def section_schema(name: str) -> type:

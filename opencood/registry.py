@@ -140,11 +140,14 @@ DATASETS = Registry("dataset")
 STRATEGIES = Registry("fusion method", package="opencood.strategies")
 MODELS = Registry("model", package="opencood.models")
 FUSIONS = Registry("fusion", package="opencood.models")
+# What turns an agent's sensor data into its BEV map (``model.args.encoder``): pillars, lift-splat.
+ENCODERS = Registry("encoder", package="opencood.models")
 LOSSES = Registry("loss", package="opencood.losses")
 POSTPROCESSORS = Registry("postprocessor")
 # The registries the config schema looks names up in (``spec(args_of=...)``,
 # ``spec(registered=...)``), by kind.
-BY_KIND = {registry.kind: registry for registry in (STRATEGIES, MODELS, FUSIONS, LOSSES)}
+BY_KIND = {registry.kind: registry for registry in (STRATEGIES, MODELS, FUSIONS, ENCODERS,
+                                                         LOSSES)}
 
 
 def registered_schemas() -> config_schema.Registered:

@@ -258,7 +258,19 @@ def test_a_model_without_a_schema_keeps_open_args_with_the_derived_geometry(tmp_
     cfg["model"] = {"core_method": "some_baseline", "args": {"depth": 3}}
     args = load_config(_write(tmp_path / "baseline.yaml", cfg))["model"]["args"]
     assert args == {"lidar_range": OPV2V_RANGE, "voxel_size": [0.8, 0.8, 4.0],
-                    "max_points_per_voxel": 32, "anchor_number": 2, "depth": 3}
+                    "max_points_per_voxel": 32, "anchor_number": 2, "depth": 3,
+                    "bev_range": OPV2V_RANGE, "bev_cell_size": [0.8, 0.8]}
+
+
+def test_bev_grid_defaults_to_the_pillar_grid_and_can_be_set_apart(tmp_path):
+    cfg = load_config(_write(tmp_path / "minimal.yaml", MINIMAL))
+    assert cfg["bev_grid"] == {"range": OPV2V_RANGE, "cell_size": [0.8, 0.8]}
+    camera = copy.deepcopy(MINIMAL)
+    camera["bev_grid"] = {"range": [-51.2, -51.2, -3, 51.2, 51.2, 1], "cell_size": [0.4, 0.4]}
+    resolved = load_config(_write(tmp_path / "camera.yaml", camera))
+    assert resolved["model"]["args"]["bev_range"] == [-51.2, -51.2, -3, 51.2, 51.2, 1]
+    assert resolved["model"]["args"]["bev_cell_size"] == [0.4, 0.4]
+    assert resolved["model"]["args"]["lidar_range"] == OPV2V_RANGE      # pillars unchanged
 
 
 # -- --set ------------------------------------------------------------------------------------

@@ -1,29 +1,11 @@
 """Collate samples into batches (any number of agents each); seed and start loader workers;
 prefetch the next batch onto the GPU while the current step runs (:class:`DevicePrefetcher`).
 
-Batch layout (CPU tensors; ``opencood.data.pipeline`` moves them and pillarises on the device)::
-
-    points            (N, 4) float32   every agent's points, concatenated agent after agent
-    agent_index       (N,) int64       global agent index of each point (0 .. sum(record_len)-1)
-    record_len        (B,) int64       agents per sample (ego first within each sample)
-    agent_types       (A,) int64       per agent: 0 vehicle, 1 infrastructure (A = sum(record_len))
-    agent_latency     (A,) int64       per agent: frames its data lags the ego's (0 for the ego)
-    transforms_to_ego (A, 4, 4) float32, A = sum(record_len): agent -> ego as reported (noisy
-                      for non-ego); own-frame batches: what the model warps features with
-    transforms_to_ego_clean (A, 4, 4) float32: the same from the true poses
-    gt_boxes          (B, M_max, 7) float32, zero padded
-    gt_mask           (B, M_max) bool
-    shared_points     (B,) int64   points each non-ego agent sent (early fusion)
-    sample_keys       list of B keys (scenario, timestamp[, cav])
-    gt_ids            list of B int64 arrays
-    gt_ego_points     list of B int64 arrays: ego points in each GT box (-1: not computed)
-    points_in_agent_frame  bool: clouds in their agent's own frame (late fusion, own-frame
-                      intermediate fusion) or the ego's
-    early_fusion      only when samples carry ``early_fusion_points`` (DiscoNet's teacher
-                      input): a batch of one merged cloud per sample with the keys above that
-                      ``BatchPreparer.model_inputs`` reads (points, agent_index = the sample,
-                      record_len of ones, agent_types, shared_points, transforms_to_ego and
-                      transforms_to_ego_clean)
+The batch layout (CPU tensors; ``opencood.data.pipeline`` moves them and pillarises on the
+device) is declared in ``opencood.batch_keys.BATCH``, grouped by modality: the common keys
+always, ``points`` / ``agent_index`` when the samples carry clouds, the camera keys when they
+carry images. ``early_fusion`` (DiscoNet's teacher input) only when samples carry
+``early_fusion_points``.
 """
 from __future__ import annotations
 
@@ -37,11 +19,11 @@ import torch
 
 
 def collate_samples(samples: List[Dict]) -> Dict:
-    """List of dataset samples -> batch dict (see module docstring)."""
-    clouds, record_len, transforms, clean = [], [], [], []
+    """List of dataset samples -> batch dict (``opencood.batch_keys.BATCH``)."""
+    record_len, transforms, clean = [], [], []
     for sample in samples:
-        record_len.append(len(sample["agent_points"]))
-        clouds.extend(points[:, :4] for points in sample["agent_points"])
+        # One transform per agent of the model input, whatever sensors the sample carries.
+        record_len.append(len(sample["transforms_to_ego"]))
         transforms.append(torch.from_numpy(sample["transforms_to_ego"]))
         clean.append(torch.from_numpy(sample["transforms_to_ego_clean"]))
     max_gt = max([len(s["gt_boxes"]) for s in samples] + [1])
@@ -52,13 +34,12 @@ def collate_samples(samples: List[Dict]) -> Dict:
         gt_boxes[row, :count] = torch.from_numpy(sample["gt_boxes"])
         gt_mask[row, :count] = True
     batch = {
-        "points": concatenate_points(clouds),
-        "agent_index": agent_index_of([len(cloud) for cloud in clouds]),
+        **collate_lidar(samples),
         "record_len": torch.tensor(record_len, dtype=torch.int64),
         "agent_types": torch.from_numpy(np.concatenate(
             [np.asarray(s["agent_types"], dtype=np.int64) for s in samples])),
         "agent_latency": torch.from_numpy(np.concatenate(
-            [np.asarray(s.get("agent_latency", np.zeros(len(s["agent_points"]))),
+            [np.asarray(s.get("agent_latency", np.zeros(len(s["transforms_to_ego"]))),
                         dtype=np.int64) for s in samples])),
         "transforms_to_ego": torch.cat(transforms).reshape(-1, 4, 4),
         "transforms_to_ego_clean": torch.cat(clean).reshape(-1, 4, 4),
@@ -72,7 +53,26 @@ def collate_samples(samples: List[Dict]) -> Dict:
     }
     if "early_fusion_points" in samples[0]:
         batch["early_fusion"] = collate_early_fusion([s["early_fusion_points"] for s in samples])
+    batch.update(collate_camera(samples))
     return batch
+
+
+def collate_lidar(samples: List[Dict]) -> Dict:
+    """``points`` (N, 4) and ``agent_index`` (N,) of samples carrying ``agent_points``; nothing
+    for samples without clouds (camera-only)."""
+    if "agent_points" not in samples[0]:
+        return {}
+    clouds = [points[:, :4] for sample in samples for points in sample["agent_points"]]
+    return {"points": concatenate_points(clouds),
+            "agent_index": agent_index_of([len(cloud) for cloud in clouds])}
+
+
+def collate_camera(samples: List[Dict]) -> Dict:
+    """The camera keys of ``opencood.batch_keys`` (each (n, C, ...) per sample) concatenated over
+    the batch's agents -> (A, C, ...); nothing for samples without images."""
+    from opencood.batch_keys import CAMERA, SAMPLE, keys_of
+    return {key: torch.cat([torch.as_tensor(s[key]) for s in samples])
+            for key in keys_of(SAMPLE, CAMERA) if key in samples[0]}
 
 
 # The batch's big arrays: in a loader worker they are made in shared memory at once (as torch's

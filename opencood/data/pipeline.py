@@ -11,8 +11,13 @@ from typing import Dict, Tuple
 
 import torch
 
+from opencood.batch_keys import CAMERA, MODEL_INPUT, keys_of
 from opencood.ops.voxelize import PillarizeConfig
 from opencood.postprocess import build_postprocessor
+
+# Batch keys the model gets as they are (moved to the device).
+PASSED_KEYS = ("record_len", "agent_types", "shared_points", "transforms_to_ego",
+               "agent_latency") + keys_of(MODEL_INPUT, CAMERA)
 
 
 class BatchPreparer:
@@ -41,18 +46,20 @@ class BatchPreparer:
                    postprocessor=build_postprocessor(cfg, torch.device(device)), device=device)
 
     def model_inputs(self, batch: Dict) -> Dict:
-        """Pillarise on the device. Returns the model's input dict (see opencood.models), with
-        ``agent_types`` (sum(record_len),) int64 (0 vehicle, 1 infrastructure) for models that
-        treat roadside units apart (V2X-ViT); the others ignore it; ``points_in_agent_frame``
-        (bool) for own-frame data, whose features the intermediate detector warps with
-        ``transforms_to_ego``."""
-        points = self.to_device(batch["points"])
-        agent_index = self.to_device(batch["agent_index"])
-        # The agent count as a shape (no host sync): one transform per agent.
-        num_agents = batch["transforms_to_ego"].shape[0]
-        inputs = dict(self.pillarize(points, agent_index, num_agents))
-        for key in ("record_len", "agent_types", "shared_points", "transforms_to_ego",
-                    "agent_latency"):           # agent_latency: V2X-ViT's delay encoding
+        """The model's input dict on the device (``opencood.batch_keys.MODEL_INPUT``): pillars
+        of the batch's points (when it has points), the camera keys as they are, and
+        ``record_len``, ``agent_types`` (V2X-ViT treats roadside units apart), ``shared_points``,
+        ``transforms_to_ego``, ``agent_latency`` (V2X-ViT's delay encoding) and
+        ``points_in_agent_frame`` (own-frame data, whose features the intermediate detector
+        warps with ``transforms_to_ego``)."""
+        inputs = {}
+        if "points" in batch:
+            points = self.to_device(batch["points"])
+            agent_index = self.to_device(batch["agent_index"])
+            # The agent count as a shape (no host sync): one transform per agent.
+            num_agents = batch["transforms_to_ego"].shape[0]
+            inputs.update(self.pillarize(points, agent_index, num_agents))
+        for key in PASSED_KEYS:
             if key in batch:
                 inputs[key] = self.to_device(batch[key])
         # The own-frame flag (fusion.args.proj_first: false): the detector warps with it.

@@ -15,7 +15,7 @@ direction classifier; channel ``a * bins + j`` as ours). Our ``point_pillar_inte
 with ``shrink_header``, fusion at stage ``backbone`` and ``use_dir: true`` is the same network:
 
 HEAL ``fusion_method``   our fusion   HEAL key prefix -> ours
-max                      fcooper      encoder_m.pillar_vfe.pfn_layers -> vfe.layers
+max                      fcooper      encoder_m.pillar_vfe.pfn_layers -> encoder.vfe.layers
 att                      attfuse      backbone_m. -> backbone. (ZeroPad2d shift as OpenCOOD)
 v2vnet                   v2vnet       shrinker_m.layers.0.double_conv.{0,2} -> shrink.layers.{0,2}
                                       fusion_net.* as OpenCOOD's V2VNet; dir_head -> head.dir_conv

@@ -10,7 +10,7 @@ could not place.
 The rules follow the two codebases' module structure (read from opencoodx 0.1.19):
 
 OpenCOOD key                                      our key                             transform
-pillar_vfe.pfn_layers.{i}.{linear,norm}.*         vfe.layers.{i}.{linear,norm}.*      copy
+pillar_vfe.pfn_layers.{i}.{linear,norm}.*         encoder.vfe.layers.{i}.{linear,norm}.*  copy
 backbone.blocks.{i}.{j}.*  (j = 0: ZeroPad2d)     backbone.blocks.{i}.{j-1}.*         copy (1)
 backbone.deblocks.{i}.{j}.*                       backbone.deblocks.{i}.{j}.*         copy
 cls_head.*, reg_head.*                            head.cls_conv.*, head.reg_conv.*    copy (2)
@@ -210,8 +210,8 @@ class Rule:
 
 
 PILLAR_RULES = (
-    Rule("pillar_vfe.pfn_layers.{i}.linear.{p}", "vfe.layers.{i}.linear.{p}"),
-    Rule("pillar_vfe.pfn_layers.{i}.norm.{p}", "vfe.layers.{i}.norm.{p}"),
+    Rule("pillar_vfe.pfn_layers.{i}.linear.{p}", "encoder.vfe.layers.{i}.linear.{p}"),
+    Rule("pillar_vfe.pfn_layers.{i}.norm.{p}", "encoder.vfe.layers.{i}.norm.{p}"),
     Rule("backbone.blocks.{i}.{j}.{p}", "backbone.blocks.{i}.{j}.{p}", shift={"j": -1}),
     Rule("backbone.deblocks.{i}.{j}.{p}", "backbone.deblocks.{i}.{j}.{p}"),
     Rule("cls_head.{p}", "head.cls_conv.{p}"),

@@ -1,42 +1,47 @@
-"""PointPillars detectors: single-agent (no / early / late fusion) and intermediate fusion.
+"""The detectors: single-agent (no / early / late fusion) and intermediate fusion, each an
+encoder (``model.args.encoder``, ``opencood.models.encoders``: pillars, lift-splat) writing every
+agent's BEV map, a BEV backbone, optional fusion and an anchor head.
 
-Input ``batch`` (tensors on the model's device):
-  voxel_features (P, M, 4), voxel_num_points (P,), voxel_coords (P, 4) [agent, z, y, x] with the
-  agents of a sample consecutive and the ego first; record_len (B,) agents per sample;
-  optional shared_points (B,) and num_agents_sent (B,) for early fusion's byte count.
-  optional agent_types (N_agents,) int64 (0 vehicle, 1 infrastructure) and agent_latency
-  (N_agents,) int64 (frames each agent's data is late), and spatial_correction_matrix
-  (B, L >= max agents, 4, 4) per sample slot (V2X-ViT's STTF; absent: identity), passed to
-  fusion modules that ask for them (``FusionModule.extra_inputs``; V2X-ViT).
-  Own-frame data (``points_in_agent_frame`` True, from ``fusion.args.proj_first: false``): each
-  agent's pillars are in its own frame and ``transforms_to_ego`` (N_agents, 4, 4) maps it into
-  the ego frame; the intermediate detector warps every agent's map with exactly that key (pose
-  correction replaces it before the model runs) before fusing.
+Input ``batch`` (tensors on the model's device): the model-input keys of
+``opencood.batch_keys.MODEL_INPUT`` (listed at the end of this docstring), of which the encoder
+reads its modality's (pillars: voxel_*), the detectors record_len (B,) (agents of a sample
+consecutive, the ego first), early fusion's shared_points / num_agents_sent, and the fusion
+module the per-agent keys it asks for (``FusionModule.extra_inputs``: V2X-ViT's agent_types,
+agent_latency, spatial_correction_matrix). Own-frame data (``points_in_agent_frame`` True, from
+``fusion.args.proj_first: false``): each agent's map is in its own frame and
+``transforms_to_ego`` (N_agents, 4, 4) maps it into the ego frame; the intermediate detector
+warps every agent's map with exactly that key (pose correction replaces it before the model
+runs) before fusing.
 Output dict: cls_preds (B, A, H, W), reg_preds (B, 7A, H, W), dir_preds (B, 2A, H, W) (not with
   ``use_dir: false``),
   comm_bytes (B,) float, and for where2comm conf_preds (N_agents, A, H, W) with
   conf_sample_index (N_agents,) (the sample each confidence map belongs to); intermediate
   fusion also fused_features (B, C, H, W), the map the head reads, and the fusion module's
   auxiliary outputs (DiscoNet: edge_weights (B, L, H, W)).
-H, W = (ny, nx) / backbone output stride (2 for layer_strides [2, 2, 2], upsample [1, 2, 4]).
+H, W = the BEV grid (``bev_grid``) / backbone output stride (2 for layer_strides [2, 2, 2],
+upsample [1, 2, 4]).
 
 Both detectors are built from their parsed ``model.args`` (:class:`PillarArgs`).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal, Optional, Tuple
 
 import torch
 from torch import nn
 
+from opencood.batch_keys import describe
 from opencood.config_schema import Problems, all_positive, box_range, positive, section, spec
 from opencood.models.backbone import BackboneArgs, BaseBEVBackbone
+from opencood.models.encoders import (EncoderGeometry, ModelEncoder, PillarEncoderArgs,
+                                      has_static_pillars, rename_legacy_keys)
 from opencood.models.fusion import FusionModule, agent_slots, pad_by_sample
 from opencood.models.heads import AnchorHead
-from opencood.models.pillar_vfe import PillarVFE, PillarVFEArgs
-from opencood.models.scatter import PointPillarScatter, ScatterArgs
+from opencood.models.pillar_vfe import PillarVFEArgs
+from opencood.models.scatter import ScatterArgs
 from opencood.models.warp import BevGrid, warp_to_ego
-from opencood.registry import FUSIONS, MODELS
+from opencood.registry import ENCODERS, FUSIONS, MODELS
 
 POINT_BYTES = 16  # x, y, z, intensity as fp32: what early fusion sends per point
 
@@ -62,15 +67,21 @@ class ModelFusion:
 
 @section
 class PillarArgs:
-    """PointPillars arguments. The first four are derived from the data sections unless given."""
+    """Detector arguments. The first six are derived from the data sections unless given."""
 
     lidar_range: Optional[Tuple[float, ...]] = spec(None, check=box_range)
     voxel_size: Optional[Tuple[float, float, float]] = spec(None, check=all_positive)
     max_points_per_voxel: Optional[int] = spec(None, check=positive)
     anchor_number: Optional[int] = spec(None, check=positive)
+    # The BEV map the encoder writes and the heads read (the config's ``bev_grid`` section).
+    bev_range: Optional[Tuple[float, ...]] = spec(None, check=box_range)
+    bev_cell_size: Optional[Tuple[float, float]] = spec(None, check=all_positive)
     bn_momentum: Optional[float] = None             # None: PyTorch's BatchNorm momentum
-    pillar_vfe: PillarVFEArgs
-    point_pillar_scatter: ScatterArgs
+    # The encoder slot (opencood.models.encoders); None: the pillar encoder from the two keys
+    # below, OpenCOOD's form.
+    encoder: Optional[ModelEncoder] = None
+    pillar_vfe: Optional[PillarVFEArgs] = None
+    point_pillar_scatter: Optional[ScatterArgs] = None
     base_bev_backbone: BackboneArgs
     fusion: Optional[ModelFusion] = None
     # intermediate fusion: before (stage "backbone") or after fusion; point_pillar: before the
@@ -80,10 +91,27 @@ class PillarArgs:
     use_dir: bool = True
     uncertainty_dim: Literal[0, 2, 3] = 0   # CoAlign's head: log variances of x, y (, yaw)
 
+    def problems(self) -> Problems:
+        legacy = [key for key in ("pillar_vfe", "point_pillar_scatter")
+                  if getattr(self, key) is not None]
+        if self.encoder is not None and legacy:
+            yield legacy[0], ("belongs in model.args.encoder.args when model.args.encoder is "
+                              "given (or drop encoder for OpenCOOD's form)")
+        elif self.encoder is None and self.point_pillar_scatter is None:
+            yield "point_pillar_scatter", ("is required (or give model.args.encoder: "
+                                           "{core_method, args})")
+
+    def completed(self) -> "PillarArgs":
+        """OpenCOOD's form (no ``encoder``): ``pillar_vfe`` gets its defaults when absent."""
+        if self.encoder is None and self.pillar_vfe is None:
+            return dataclasses.replace(self, pillar_vfe=PillarVFEArgs())
+        return self
+
 
 @section
 class PointPillarArgs(PillarArgs):
     def problems(self) -> Problems:
+        yield from super().problems()
         if self.fusion is not None:
             yield "fusion", ("must be null: point_pillar is single-agent (point_pillar_intermediate "
                              "fuses features)")
@@ -92,6 +120,7 @@ class PointPillarArgs(PillarArgs):
 @section
 class PointPillarIntermediateArgs(PillarArgs):
     def problems(self) -> Problems:
+        yield from super().problems()
         if self.fusion is None:
             yield "fusion", "is required by point_pillar_intermediate ({core_method, args})"
 
@@ -109,44 +138,45 @@ def set_bn_momentum(model: nn.Module, momentum: Optional[float]) -> None:
             module.momentum = float(momentum)
 
 
-def build_pillar_parts(args: PillarArgs):
-    """Parsed model args -> (vfe, scatter, backbone, head), widths chained from one to the
-    next."""
+def bev_grid(args: PillarArgs) -> BevGrid:
+    """The model's BEV geometry (``bev_grid``: range and cell size), for the encoder and for
+    warping maps of any stage. A ``model`` section parsed alone (no config to derive from) has
+    the pillar grid's."""
     from opencood.ops.voxelize import grid_size
 
-    nx, ny, _ = grid_size(args.lidar_range, args.voxel_size)
-    vfe = PillarVFE(args.pillar_vfe, args.voxel_size, args.lidar_range)
-    scatter = PointPillarScatter(args.point_pillar_scatter.num_features, nx=nx, ny=ny)
-    if scatter.num_features != vfe.out_channels:
-        raise ValueError(f"point_pillar_scatter.num_features ({scatter.num_features}) must equal "
-                         f"the last pillar_vfe filter ({vfe.out_channels})")
-    backbone = BaseBEVBackbone(args.base_bev_backbone, scatter.num_features)
+    grid_range = tuple(args.bev_range if args.bev_range is not None else args.lidar_range)
+    cell = tuple(args.bev_cell_size if args.bev_cell_size is not None else args.voxel_size[:2])
+    nx, ny, _ = grid_size(grid_range, (*cell, grid_range[5] - grid_range[2]))
+    return BevGrid(grid_range, cell, int(nx), int(ny))
+
+
+def build_encoder(args: PillarArgs) -> nn.Module:
+    """``model.args.encoder`` (or OpenCOOD's ``pillar_vfe`` + ``point_pillar_scatter``) ->
+    the ENCODERS module writing (N_agents, out_channels, ny, nx) maps of the BEV grid."""
+    geometry = EncoderGeometry(bev_grid(args), args.lidar_range, args.voxel_size)
+    if args.encoder is None:
+        legacy = PillarEncoderArgs(pillar_vfe=args.pillar_vfe,
+                                   point_pillar_scatter=args.point_pillar_scatter)
+        return ENCODERS.get("pillar")(legacy, geometry=geometry)
+    return ENCODERS.get(args.encoder.core_method)(args.encoder.args, geometry=geometry)
+
+
+def build_pillar_parts(args: PillarArgs):
+    """Parsed model args -> (encoder, backbone, head), widths chained from one to the next."""
+    encoder = build_encoder(args)
+    backbone = BaseBEVBackbone(args.base_bev_backbone, encoder.out_channels)
     head = AnchorHead(backbone.out_channels, num_anchors=args.anchor_number,
                       use_dir=args.use_dir, uncertainty_dim=args.uncertainty_dim)
-    return vfe, scatter, backbone, head
+    return encoder, backbone, head
 
 
-def has_static_pillars(batch: dict) -> bool:
-    """The batch comes from ``pillarize_static`` (``voxel_valid`` (A, K)): the model then runs
-    without data-dependent sizes or host syncs where it can (``performance.static_pillars``)."""
-    return batch.get("voxel_valid") is not None
+class LegacyKeys:
+    """Mixin of the detectors: checkpoints saved before the encoder slot load (their ``vfe.`` /
+    ``scatter.`` keys are the encoder's, ``opencood.models.encoders.LEGACY_PREFIXES``)."""
 
-
-def encode_agents(vfe: PillarVFE, scatter: PointPillarScatter, batch: dict) -> torch.Tensor:
-    """Pillars of every agent -> (N_agents, C, ny, nx) BEV canvases."""
-    static = has_static_pillars(batch)
-    pillar_features = vfe(batch["voxel_features"], batch["voxel_num_points"],
-                          batch["voxel_coords"], static_shapes=static)
-    return scatter(pillar_features, batch["voxel_coords"], batch["record_len"],
-                   batch["voxel_valid"] if static else None)
-
-
-def bev_grid(args: PillarArgs) -> BevGrid:
-    """The model's BEV geometry (range, pillar size and grid), for warping maps of any stage."""
-    from opencood.ops.voxelize import grid_size
-
-    nx, ny, _ = grid_size(args.lidar_range, args.voxel_size)
-    return BevGrid(tuple(args.lidar_range), tuple(args.voxel_size[:2]), int(nx), int(ny))
+    def _register_legacy_hook(self) -> None:
+        self._register_load_state_dict_pre_hook(
+            lambda state_dict, prefix, *_: rename_legacy_keys(state_dict, prefix))
 
 
 def is_own_frame(batch: dict) -> bool:
@@ -177,7 +207,7 @@ def early_fusion_bytes(batch: dict, batch_size: int, device) -> torch.Tensor:
 
 
 @MODELS.register("point_pillar", args=PointPillarArgs)
-class PointPillar(nn.Module):
+class PointPillar(LegacyKeys, nn.Module):
     """Single-agent PointPillars, used for no fusion (ego points), early fusion (all agents'
     points merged at the ego) and late fusion (each CAV run as its own sample): every
     ``record_len`` entry must be 1. comm_bytes: early fusion's shared points x 16 B when the
@@ -188,18 +218,19 @@ class PointPillar(nn.Module):
 
     def __init__(self, args: PointPillarArgs):
         super().__init__()
-        self.vfe, self.scatter, self.backbone, self.head = build_pillar_parts(args)
+        self.encoder, self.backbone, self.head = build_pillar_parts(args)
         self.shrink = nn.Identity()
         if args.shrink_header is not None:
             self.shrink = ShrinkHeader(args.shrink_header, self.backbone.out_channels)
             self.head = AnchorHead(self.shrink.out_channels, num_anchors=args.anchor_number,
                                    use_dir=args.use_dir, uncertainty_dim=args.uncertainty_dim)
         set_bn_momentum(self, args.bn_momentum)
+        self._register_legacy_hook()
 
     def bev_features(self, batch: dict) -> torch.Tensor:
         """The BEV map the head reads: (B, C, H, W). An early-fusion model's map is DiscoNet's
         distillation target (``opencood.engine.teacher``)."""
-        canvas = encode_agents(self.vfe, self.scatter, batch)
+        canvas = self.encoder(batch)
         if canvas.shape[0] != batch["record_len"].shape[0]:
             raise ValueError("point_pillar is single-agent: every record_len entry must be 1 "
                              "(merge points for early fusion, one sample per CAV for late)")
@@ -247,7 +278,7 @@ def fusion_stage(fusion: FusionModule, stage: Optional[str]) -> str:
 
 
 @MODELS.register("point_pillar_intermediate", args=PointPillarIntermediateArgs)
-class PointPillarIntermediate(nn.Module):
+class PointPillarIntermediate(LegacyKeys, nn.Module):
     """PointPillars with per-agent BEV features fused at the ego by a FUSIONS module.
 
     ``stage`` is where fusion happens: "scatter" (on the pillar canvas, before the backbone),
@@ -264,7 +295,7 @@ class PointPillarIntermediate(nn.Module):
 
     def __init__(self, args: PointPillarIntermediateArgs):
         super().__init__()
-        vfe, scatter, backbone, head = build_pillar_parts(args)
+        encoder, backbone, head = build_pillar_parts(args)
         shrink = None
         if args.shrink_header is not None:
             shrink = ShrinkHeader(args.shrink_header, backbone.out_channels)
@@ -274,13 +305,14 @@ class PointPillarIntermediate(nn.Module):
                               use_dir=args.use_dir, uncertainty_dim=args.uncertainty_dim)
         fusion = build_fusion(args.fusion, shrink.out_channels if shrink is not None
                               else backbone.out_channels, head.num_anchors)
-        self.vfe, self.scatter, self.backbone, self.head = vfe, scatter, backbone, head
+        self.encoder, self.backbone, self.head = encoder, backbone, head
         self.fusion = fusion
         self.stage = fusion_stage(fusion, args.fusion.stage)
         fusion.stage = self.stage
         self.shrink = shrink if shrink is not None else nn.Identity()
         self.grid = bev_grid(args)
         set_bn_momentum(self, args.bn_momentum)
+        self._register_legacy_hook()
 
     def fuse_features(self, canvas: torch.Tensor, record_len: torch.Tensor,
                       extra: Optional[dict] = None, to_ego: Optional[torch.Tensor] = None):
@@ -312,7 +344,7 @@ class PointPillarIntermediate(nn.Module):
 
     def forward(self, batch: dict) -> dict:
         record_len = batch["record_len"]
-        canvas = encode_agents(self.vfe, self.scatter, batch)
+        canvas = self.encoder(batch)
         # Absent keys reach the module as None (hand-made batches, older loaders).
         extra = {name: batch.get(name) for name in self.fusion.extra_inputs}
         if has_static_pillars(batch) and self.fusion.pads_to_max_agents:
@@ -334,3 +366,6 @@ class PointPillarIntermediate(nn.Module):
         if "conf_preds" in outputs:
             outputs["conf_sample_index"] = agent_slots(record_len, canvas.shape[0])[0]
         return outputs
+
+
+__doc__ += "\nModel-input keys (opencood.batch_keys.MODEL_INPUT):\n" + describe("model input")

@@ -63,16 +63,17 @@ def select_top(boxes: torch.Tensor, scores: torch.Tensor, limit: int) -> Detecti
     return boxes[top], scores[top]
 
 
-def anchors_from_config(anchor_args: dict, preprocess: dict, order: str,
+def anchors_from_config(anchor_args: dict, bev_grid: dict, order: str,
                         device=None) -> torch.Tensor:
     """Anchors (H, W, A, 7) from the resolved ``postprocess.anchor_args`` (``h``, ``w``, ``l``,
-    ``z``, ``r`` yaws in degrees, ``feature_stride``) on the pillar grid of ``preprocess``
-    (``cav_lidar_range``, ``args.voxel_size``). OpenCOOD's ``W``/``H``/``D`` and
-    ``cav_lidar_range`` entries of ``anchor_args`` are not read: the grid is derived
-    (docs/DESIGN.md §5)."""
+    ``z``, ``r`` yaws in degrees, ``feature_stride``) on the resolved ``bev_grid`` section
+    (``range``, ``cell_size``). OpenCOOD's ``W``/``H``/``D`` and ``cav_lidar_range`` entries
+    of ``anchor_args`` are not read: the grid is derived (docs/DESIGN.md §5)."""
+    grid_range = bev_grid["range"]
+    # One cell over the whole height: anchors use the x and y cells only.
+    cell = (*bev_grid["cell_size"], grid_range[5] - grid_range[2])
     return generate_anchors(
-        preprocess["cav_lidar_range"], preprocess["args"]["voxel_size"],
-        feature_stride=anchor_args["feature_stride"],
+        grid_range, cell, feature_stride=anchor_args["feature_stride"],
         anchor_hwl=tuple(anchor_args[key] for key in "hwl"),
         anchor_z=anchor_args["z"], yaws=tuple(math.radians(y) for y in anchor_args["r"]),
         order=order, device=device, placement=anchor_args["placement"])
@@ -113,11 +114,11 @@ class VoxelPostprocessor:
     def from_config(cls, cfg: dict, device) -> "VoxelPostprocessor":
         """From the resolved config's ``postprocess`` section (``anchor_args``, ``target_args``,
         ``order``, ``nms_thresh``, ``max_num``, ``pre_nms_max``; the schema checks them), the
-        pillar grid of ``preprocess``, and ``loss.args.dir_offset`` (where OpenCOOD keeps it)."""
+        ``bev_grid``, and ``loss.args.dir_offset`` (where OpenCOOD keeps it)."""
         post = cfg["postprocess"]
         target_args = post["target_args"]
         return cls(
-            anchors=anchors_from_config(post["anchor_args"], cfg["preprocess"], post["order"],
+            anchors=anchors_from_config(post["anchor_args"], cfg["bev_grid"], post["order"],
                                         device),
             # The one registered loss (point_pillar_loss) has dir_offset; OpenCOOD keeps it there.
             box_coder=ResidualBoxCoder(dir_offset=cfg["loss"]["args"]["dir_offset"],

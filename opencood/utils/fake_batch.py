@@ -20,7 +20,8 @@ def fake_collated_batch(cfg: Dict, batch_size: int = 2, agents_per_sample: int =
                         pillars_per_agent: int = 16000, points_per_pillar: int = 6,
                         max_gt: int = 20, single_agent: bool = False,
                         seed: int = 0) -> Dict:
-    """A batch in the layout of ``opencood.data.collate.collate_samples``.
+    """A batch in the layout of ``opencood.data.collate.collate_samples``
+    (``opencood.batch_keys.BATCH``: its common and LiDAR keys).
 
     single_agent: one agent per sample (no/early/late fusion models), else
     ``agents_per_sample`` agents (intermediate fusion).
@@ -59,6 +60,7 @@ def fake_collated_batch(cfg: Dict, batch_size: int = 2, agents_per_sample: int =
         "points": torch.cat(clouds), "agent_index": torch.cat(agent_index),
         "record_len": torch.full((batch_size,), agents, dtype=torch.int64),
         "agent_types": torch.zeros(total_agents, dtype=torch.int64),      # all vehicles
+        "agent_latency": torch.zeros(total_agents, dtype=torch.int64),    # no delays
         "transforms_to_ego": torch.eye(4).repeat(total_agents, 1, 1),
         "transforms_to_ego_clean": torch.eye(4).repeat(total_agents, 1, 1),
         "gt_boxes": gt_boxes, "gt_mask": torch.ones(batch_size, max_gt, dtype=torch.bool),
