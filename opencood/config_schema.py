@@ -116,8 +116,8 @@ class FusionArgs:
 class FusionSection:
     core_method: str = spec(registered="fusion method")     # no, early, late, intermediate
     args: FusionArgs
-    # The format of the data folders (HEAL's key): opencood.data.sources reads each.
-    dataset: Literal["opv2v", "v2xset", "v2v4real", "dairv2x"] = "opv2v"
+    # The format of the data folders (HEAL's key): a name of opencood.data.formats.
+    dataset: str = spec("opv2v", registered="data set format")
     # DAIR-V2X-C's GT: "cooperative" (cooperative/label_world; CoAlign's DAIR tables),
     # "single_side" (the two single-side label sets merged in the ego frame; HEAL's LiDAR
     # tables). opencood.data.dairv2x; other formats have one GT.
@@ -486,10 +486,8 @@ class Config:
         if self.camera is not None and "camera" not in self.input_source:
             yield "camera", (f"is set but input_source is {list(self.input_source)}: add "
                              f"'camera' to read the cameras")
-        if self.kd is not None and self.fusion.core_method != "intermediate":
-            yield "kd", (f"is for an intermediate-fusion student (distillation trains its "
-                         f"fused map on the teacher's); fusion.core_method is "
-                         f"{self.fusion.core_method!r}")
+        # kd needs an intermediate-fusion student: the run's strategy checks it
+        # (opencood.strategies.choose_strategy).
 
 
 # -- parsing -------------------------------------------------------------------------------------

@@ -80,7 +80,8 @@ class Registry:
         self._discovered = True        # before importing: a module may look a name up
         try:
             package = importlib.import_module(self.package)
-            for module in pkgutil.iter_modules(package.__path__):
+            # A plain module (no __path__) registers its entries when imported.
+            for module in pkgutil.iter_modules(getattr(package, "__path__", [])):
                 importlib.import_module(f"{self.package}.{module.name}")
         except BaseException:
             self._discovered = False   # the next lookup raises the import error again
@@ -144,10 +145,12 @@ FUSIONS = Registry("fusion", package="opencood.models")
 ENCODERS = Registry("encoder", package="opencood.models")
 LOSSES = Registry("loss", package="opencood.losses")
 POSTPROCESSORS = Registry("postprocessor")
+# Data set formats (``fusion.dataset``): opencood.data.formats registers each.
+DATA_FORMATS = Registry("data set format", package="opencood.data.formats")
 # The registries the config schema looks names up in (``spec(args_of=...)``,
 # ``spec(registered=...)``), by kind.
 BY_KIND = {registry.kind: registry for registry in (STRATEGIES, MODELS, FUSIONS, ENCODERS,
-                                                         LOSSES)}
+                                                         LOSSES, DATA_FORMATS)}
 
 
 def registered_schemas() -> config_schema.Registered:

@@ -8,6 +8,7 @@ from opencood.data.collate import WORKER_PRELOAD, collate_samples, seed_worker, 
 from opencood.data.datasets import (EarlyFusionDataset, IntermediateFusionDataset,
                                     LateFusionDataset, NoFusionDataset, build_dataset)
 from opencood.data.wild import WildSetting
+from opencood.strategies import choose_strategy
 from opencood.ops.transforms import points_in_boxes_mask
 from tests.opv2v_factory import write_road_rsu, write_simple_split
 
@@ -159,9 +160,9 @@ def test_build_dataset_errors_are_clear(road):
     from opencood.config import load_config
     cfg = load_config("hypes_yaml/synthetic/smoke.yaml", [f"root_dir={road}", "validate_dir=null"])
     with pytest.raises(ValueError, match="validate_dir"):
-        build_dataset(cfg, "validate", train=False)
+        build_dataset(cfg, "validate", train=False, strategy=choose_strategy(cfg))
     with pytest.raises(KeyError, match="registered fusion methods: early, intermediate, late, late_box_align, no"):
-        build_dataset(cfg, "train", train=True, fusion_method="mid")
+        choose_strategy(cfg, "mid")
     with pytest.raises(ValueError, match="unknown augmentation 'flip'"):
         make(EarlyFusionDataset, road, train=True, augment_cfg=[{"NAME": "flip"}])
 
@@ -200,7 +201,8 @@ def test_empty_cloud_and_no_vehicles_train_a_step(tmp_path, config):
 
 def build_dataset_for_test(cfg, split):
     from opencood.data.datasets import build_dataset
-    return build_dataset(cfg, "train", train=False, cache_dir=split.parent / "cache")
+    return build_dataset(cfg, "train", train=False, strategy=choose_strategy(cfg),
+                         cache_dir=split.parent / "cache")
 
 
 def test_gt_ego_points_count_the_egos_own_returns(road):

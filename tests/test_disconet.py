@@ -24,6 +24,7 @@ from opencood.errors import ConfigError
 from opencood.losses import DetectionLoss
 from opencood.losses.distillation import feature_distillation_loss
 from opencood.models import build_model
+from opencood.strategies import choose_strategy
 from opencood.utils.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from dist_helpers import free_port, run_on_ranks
 from opv2v_factory import frame_stamps, write_simple_split
@@ -244,8 +245,8 @@ def test_build_teacher_loads_a_frozen_model_and_refuses_mismatches(tmp_path):
     assert "lying.pth does not fit the model" in refused({"teacher": str(tmp_path / "lying.pth")},
                                                          CheckpointError)
     with pytest.raises(ConfigError, match="key 'kd' is for an intermediate-fusion student"):
-        load_config(fusion_yaml(tmp_path, "point_pillar_disconet"),
-                    ["fusion.core_method=early"])
+        choose_strategy(load_config(fusion_yaml(tmp_path, "point_pillar_disconet"),
+                                    ["fusion.core_method=early"]))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -112,6 +112,37 @@ def test_base_modules_import_nothing_above_them():
         assert graph[module] <= allowed, (module, sorted(graph[module] - allowed))
 
 
+# Packages that receive the fusion strategy from the engine (opencood.strategies.choose_strategy)
+# and must not look one up themselves: strategies/ imports eval/ (late_box_align's correction),
+# so an import back would run upward.
+STRATEGY_FREE_PACKAGES = ("opencood.data", "opencood.eval")
+
+
+def test_data_and_eval_import_nothing_from_strategies():
+    graph = import_graph()
+    upward = sorted((module, target) for module, targets in graph.items()
+                    if module.startswith(STRATEGY_FREE_PACKAGES)
+                    for target in targets if target.startswith("opencood.strategies"))
+    assert not upward, f"imports running upward: {upward}"
+
+
+def test_strategy_names_are_compared_only_inside_strategies():
+    """A strategy's behaviour is asked of its object; comparing ``fusion`` names as strings
+    elsewhere re-decides what the engine chose once."""
+    names = ("no", "early", "late", "intermediate", "late_box_align")
+    offenders = []
+    for module, path in module_files(PACKAGE_ROOT).items():
+        if module.startswith(("opencood.strategies", "opencood.interop")):
+            continue          # interop translates other codebases' dataset names
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.Compare):
+                continue
+            text = ast.unparse(node)
+            if "fusion" in text and any(repr(name) in text for name in names):
+                offenders.append(f"{module}: {text}")
+    assert not offenders, offenders
+
+
 def test_the_graph_reader_sees_deferred_relative_and_submodule_imports(tmp_path):
     package = tmp_path / "opencood"
     (package / "sub").mkdir(parents=True)

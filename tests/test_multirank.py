@@ -25,6 +25,7 @@ from process_state import preserved_opencood_logger
 from opencood.config import load_config
 from opencood.data.collate import collate_samples
 from opencood.data.datasets import build_dataset
+from opencood.strategies import choose_strategy
 from opencood.data.pipeline import BatchPreparer
 from opencood.engine import recipe, state as train_state, trainer
 from opencood.engine.hooks import NO_HOOKS, TrainHooks
@@ -355,7 +356,8 @@ def validation_losses(root: Path, rank: int, world_size: int) -> list:
     model = _fixed_model(cfg)
     loss_fn = DetectionTask(BatchPreparer.from_config(cfg, CPU),
                             build_loss(cfg["loss"])).validation_loss
-    dataset = build_dataset(cfg, "validate", train=False, count_ego_points=False)
+    dataset = build_dataset(cfg, "validate", train=False, strategy=choose_strategy(cfg),
+                            count_ego_points=False)
     losses = []
     for batch_size in VAL_BATCHES:
         loader = torch.utils.data.DataLoader(
@@ -375,7 +377,8 @@ def _losses_of_samples_alone(root: Path) -> tuple:
     model = _fixed_model(cfg).eval()
     loss_fn = DetectionTask(BatchPreparer.from_config(cfg, CPU),
                             build_loss(cfg["loss"])).training_loss
-    dataset = build_dataset(cfg, "validate", train=False, count_ego_points=False)
+    dataset = build_dataset(cfg, "validate", train=False, strategy=choose_strategy(cfg),
+                            count_ego_points=False)
     with torch.no_grad():
         alone = [float(loss_fn(model, collate_samples([dataset[i]]))[0])
                  for i in range(len(dataset))]

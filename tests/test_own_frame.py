@@ -8,7 +8,8 @@ import torch
 import yaml
 
 from opencood.data.collate import collate_samples
-from opencood.data.datasets import IntermediateFusionDataset, build_dataset
+from opencood.data.datasets import IntermediateFusionDataset
+from opencood.strategies import choose_strategy
 from opencood.data.wild import WildSetting
 from opencood.errors import ConfigError
 from opencood.models import build_model
@@ -176,7 +177,8 @@ def test_proj_first_false_is_refused_for_a_strategy_without_own_frame_samples(ro
     cfg = {"root_dir": str(road), "fusion": {"core_method": "early",
                                              "args": {"proj_first": False}}}
     with pytest.raises(ConfigError, match="proj_first"):
-        build_dataset(cfg, "train", train=True)
+        choose_strategy(cfg)
+    choose_strategy(cfg, "late")       # another strategy than the config's reads its own samples
 
 
 def test_pairwise_transforms_map_agent_j_into_agent_i():

@@ -13,6 +13,7 @@ from opencood.engine.evaluator import correction_modes
 from opencood.errors import ConfigError
 from opencood.eval.pose_error import PoseErrorTally, stage1_box_offsets, transform_pose_errors
 from opencood.postprocess import build_postprocessor
+from opencood.strategies import get_strategy
 
 CONFIGS = Path(__file__).resolve().parents[1] / "hypes_yaml" / "synthetic"
 
@@ -175,16 +176,17 @@ def test_correction_modes():
     late = load_config(CONFIGS / "point_pillar_late_fusion.yaml")
     inter = load_config(CONFIGS / "point_pillar_attfuse.yaml")
     with_section = ["box_align={stage1_model_dir: runs/stage1}"]
-    assert correction_modes(inter, "intermediate") == [
+    assert correction_modes(inter, get_strategy("intermediate")) == [
         {"suffix": "", "fusion": "intermediate", "correct": False}]
-    assert correction_modes(late, "late_box_align") == [
+    assert correction_modes(late, get_strategy("late_box_align")) == [
         {"suffix": "", "fusion": "late", "correct": False},
         {"suffix": "_aligned", "fusion": "late_box_align", "correct": False}]
     late_aligned = load_config(CONFIGS / "point_pillar_late_fusion.yaml", with_section)
-    assert [m["fusion"] for m in correction_modes(late_aligned, "late")] == ["late",
+    assert [m["fusion"] for m in correction_modes(late_aligned, get_strategy("late"))] == ["late",
                                                                              "late_box_align"]
     inter_aligned = load_config(CONFIGS / "point_pillar_attfuse.yaml", with_section)
-    assert [m["correct"] for m in correction_modes(inter_aligned, "intermediate")] == [False,
+    intermediate = get_strategy("intermediate")
+    assert [m["correct"] for m in correction_modes(inter_aligned, intermediate)] == [False,
                                                                                       True]
 
 
@@ -195,28 +197,29 @@ def never_loaded(cfg, path):
 def test_load_pose_corrector_refusals(tmp_path):
     proj_first = load_config(CONFIGS / "point_pillar_attfuse.yaml",
                              ["box_align={stage1_model_dir: runs/stage1}"])
+    intermediate, late = get_strategy("intermediate"), get_strategy("late")
     assert pose_correction.load_pose_corrector(
-        load_config(CONFIGS / "point_pillar_attfuse.yaml"), "intermediate", "cpu",
+        load_config(CONFIGS / "point_pillar_attfuse.yaml"), intermediate, "cpu",
         never_loaded) is None
-    assert pose_correction.load_pose_corrector(proj_first, "late", "cpu", never_loaded) is None
+    assert pose_correction.load_pose_corrector(proj_first, late, "cpu", never_loaded) is None
     with pytest.raises(ConfigError, match="proj_first"):
-        pose_correction.load_pose_corrector(proj_first, "intermediate", "cpu", never_loaded)
+        pose_correction.load_pose_corrector(proj_first, intermediate, "cpu", never_loaded)
     own_frame = ["fusion.args.proj_first=false"]
     no_dir = load_config(CONFIGS / "point_pillar_attfuse.yaml",
                          own_frame + ["box_align={stage1_model_dir: null}"])
     with pytest.raises(ConfigError, match="box_align.stage1_model_dir: an intermediate run"):
-        pose_correction.load_pose_corrector(no_dir, "intermediate", "cpu", never_loaded)
+        pose_correction.load_pose_corrector(no_dir, intermediate, "cpu", never_loaded)
     missing = load_config(CONFIGS / "point_pillar_attfuse.yaml",
                           own_frame + [f"box_align={{stage1_model_dir: {tmp_path / 'none'}}}"])
     with pytest.raises(ConfigError, match="config.yaml not found"):
-        pose_correction.load_pose_corrector(missing, "intermediate", "cpu", never_loaded)
+        pose_correction.load_pose_corrector(missing, intermediate, "cpu", never_loaded)
     stage1_dir = tmp_path / "stage1"
     stage1_dir.mkdir()
     cfg = load_config(CONFIGS / "point_pillar_attfuse.yaml",
                       own_frame + [f"box_align={{stage1_model_dir: {stage1_dir}}}"])
     save_config(load_config(CONFIGS / "point_pillar_attfuse.yaml"), stage1_dir / "config.yaml")
     with pytest.raises(ConfigError, match="must be a single-agent run"):
-        pose_correction.load_pose_corrector(cfg, "intermediate", "cpu", never_loaded)
+        pose_correction.load_pose_corrector(cfg, intermediate, "cpu", never_loaded)
 
 
 def test_clean_and_latency_settings_switch_training_noise_off():

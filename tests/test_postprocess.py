@@ -11,6 +11,7 @@ from opencood.config import load_config, resolve_section
 from opencood.errors import ConfigError
 from opencood.data.collate import collate_samples
 from opencood.data.datasets import build_dataset
+from opencood.strategies import choose_strategy
 from opencood.data.pipeline import BatchPreparer
 from opencood.engine.recipe import check_registered_names
 from opencood.eval.inference import run_inference
@@ -138,13 +139,13 @@ def test_lwh_run_and_hwl_run_give_the_same_loss_and_ap(tmp_path):
     results = {}
     for order, cfg, model in (("hwl", cfg_hwl, model_hwl), ("lwh", cfg_lwh, model_lwh)):
         preparer = BatchPreparer.from_config(cfg, CPU, training=False)
-        dataset = build_dataset(cfg, "test", train=False)
+        dataset = build_dataset(cfg, "test", train=False, strategy=choose_strategy(cfg))
         inputs, targets = preparer(collate_samples([dataset[0], dataset[1]]))
         model.train()
         terms = criterion(model(inputs), targets)[1]
         loader = torch.utils.data.DataLoader(dataset, batch_size=2, collate_fn=collate_samples)
         boxes = {}
-        metrics = run_inference(model, loader, preparer, cfg, CPU,
+        metrics = run_inference(model, loader, preparer, CPU, choose_strategy(cfg),
                                 on_sample=lambda key, b, r, det, s: boxes.update({key: det})
                                 )["accumulator"].compute()
         results[order] = (dataset[0]["gt_boxes"], terms, boxes, metrics)

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from opencood.data.dairv2x import DairV2XSplit
-from opencood.data.sources import open_split
+from opencood.data.formats import open_split
 from opencood.data.synthetic import generate_dataset
 from opencood.eval.ap import boxes_inside_bev_range
 from opencood.eval.protocols import PROTOCOLS

@@ -339,6 +339,7 @@ def test_every_parameter_receives_a_gradient(name, data_root, tmp_path):
     from opencood.config import load_config
     from opencood.data.collate import collate_samples
     from opencood.data.datasets import build_dataset
+    from opencood.strategies import choose_strategy
     from opencood.data.pipeline import BatchPreparer
     from opencood.losses import build_loss
     cfg = load_config(fusion_yaml(tmp_path, name),
@@ -346,7 +347,7 @@ def test_every_parameter_receives_a_gradient(name, data_root, tmp_path):
     info = DistInfo(0, 1, 0, False, None, CPU)
     model, model_without_ddp, _ = recipe.prepare_model(cfg, info, None, None)
     assert model is model_without_ddp  # no DDP wrapper in one process
-    dataset = build_dataset(cfg, "train", train=True)
+    dataset = build_dataset(cfg, "train", train=True, strategy=choose_strategy(cfg))
     task = DetectionTask(BatchPreparer.from_config(cfg, CPU), build_loss(cfg["loss"]))
     loss, _, count = task.training_loss(model, collate_samples([dataset[0], dataset[1]]))
     loss.backward()
@@ -363,7 +364,9 @@ def test_model_summary_does_not_change_the_model(data_root):
     info = DistInfo(0, 1, 0, False, None, CPU)
     from opencood.data.collate import collate_samples
     from opencood.data.datasets import build_dataset
-    loader = torch.utils.data.DataLoader(build_dataset(cfg, "train", train=True), batch_size=2,
+    from opencood.strategies import choose_strategy
+    loader = torch.utils.data.DataLoader(build_dataset(cfg, "train", train=True,
+                                                       strategy=choose_strategy(cfg)), batch_size=2,
                                          collate_fn=collate_samples)
     model, _, _ = recipe.prepare_model(cfg, info, None, None)
     before = {key: value.clone() for key, value in model.state_dict().items()}

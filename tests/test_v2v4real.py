@@ -14,10 +14,11 @@ import yaml
 from opencood.data.check import check_folder
 from opencood.config import load_config
 from opencood.data.datasets import IntermediateFusionDataset, LateFusionDataset, build_dataset
+from opencood.strategies import choose_strategy
 from opencood.data.numpy_yaml import NumpyYamlDumper, NumpyYamlLoader
 from opencood.data.opv2v import OPV2VFormatError, OPV2VSplit, vehicles_to_boxes
 from opencood.data.pcd import write_pcd
-from opencood.data.sources import open_split
+from opencood.data.formats import open_split
 from opencood.data.synthetic import generate_dataset, get_preset
 from opencood.data.synthetic.writer import SPLITS, scan_frames
 from opencood.data.synthetic.writer_v2v4real import adapt_preset
@@ -334,7 +335,7 @@ def test_datasets_built_from_a_config_crop_filter_with_its_cav_lidar_range(hand_
                       [f"root_dir={hand_tree}", "preprocess.cav_lidar_range="
                        "[0.75, -20, -5, 10, 20, 5]", "postprocess.gt_range="
                        "[-100, -40, -5, 100, 40, 3]"])
-    dataset = build_dataset(cfg, "train", train=False)
+    dataset = build_dataset(cfg, "train", train=False, strategy=choose_strategy(cfg))
     assert dataset.split.crop_range == [0.75, -20.0, -5.0, 10.0, 20.0, 5.0]
     assert dataset.split.sample_gt(0, dataset.gt_range)[0].tolist() == [77, 103]
     ids, boxes = dataset.split.sample_gt(0, dataset.gt_range)

@@ -765,9 +765,8 @@ def bench_eval_inference(suite: Suite) -> List[Dict]:
     """What tools/eval.py times per batch (opencood.eval.inference.detect, with the evaluation
     pillar cap): pillarise + forward + decode + NMS (fp32, eval)."""
     from opencood.eval.inference import detect
-    from opencood.strategies import get_strategy
     bench = suite.model_bench
-    strategy = get_strategy(bench.cfg["fusion"]["core_method"])
+    strategy = bench.parts.task.strategy
     model, preparer = bench.parts.model_without_ddp, bench.parts.task.eval_preparer
     counts = []
 
@@ -796,8 +795,9 @@ def build_bench_loader(bench: ModelBench, split_dir: Path, batches: int, workers
     is small) without restarting its workers."""
     from opencood.data.collate import build_loader
     from opencood.data.datasets import build_dataset
+    from opencood.strategies import choose_strategy
     cfg = dict(bench.cfg, root_dir=str(split_dir))
-    dataset = build_dataset(cfg, "train", train=True, fusion_method=fusion)
+    dataset = build_dataset(cfg, "train", train=True, strategy=choose_strategy(cfg, fusion))
     if len(dataset) == 0:
         raise BenchError(f"--data: no samples in {split_dir}")
     generator = torch.Generator().manual_seed(int(cfg["seed"]))
@@ -887,6 +887,7 @@ def bench_loader_cpu(suite: Suite) -> List[Dict]:
     """
     from opencood.data.collate import collate_samples
     from opencood.data.datasets import build_dataset
+    from opencood.strategies import choose_strategy
     reference_file = REPO_ROOT / "tests" / "reference_pipeline.py"
     reference = None
     if reference_file.is_file():
@@ -903,7 +904,8 @@ def bench_loader_cpu(suite: Suite) -> List[Dict]:
     try:
         with tempfile.TemporaryDirectory(prefix="loader_cpu_") as cache_root:
             for fusion in dataset_strategies():
-                dataset = build_dataset(cfg, "train", train=True, fusion_method=fusion,
+                dataset = build_dataset(cfg, "train", train=True,
+                                        strategy=choose_strategy(cfg, fusion),
                                         cache_dir=Path(cache_root) / fusion)
                 batches = [list(range(start, start + batch_size))
                            for start in range(0, len(dataset) - batch_size + 1, batch_size)]
@@ -1149,21 +1151,8 @@ def bench_pcd(suite: Suite) -> List[Dict]:
 
 # -- loader_by_format (issue 25) ---------------------------------------------------------------
 
-FORMAT_SPLITS = {"opv2v": ("train", "validate", "test"), "v2v4real": ("train", "validate", "test"),
-                 "dairv2x": ("train.json", "val.json", "test.json")}
-# The range each reader filters its GT with, as the reference readers do (V2V4Real's GT_RANGE,
-# HEAL's DAIR range with z widened by 1 m, OpenCOOD's OPV2V GT range).
-FORMAT_GT_RANGE = {"opv2v": [-140.8, -40.0, -3.0, 140.8, 40.0, 1.0],
-                   "v2v4real": [-100.0, -40.0, -5.0, 100.0, 40.0, 3.0],
-                   "dairv2x": [-102.4, -51.2, -4.5, 102.4, 51.2, 2.5]}
 # Every agent of a sample is read (tiny OPV2V has up to 4 CAVs), as the references' base data do.
 FORMAT_MAX_CAV = 5
-
-
-def format_split_dirs(root: Path, data_format: str) -> List[Path]:
-    """The split folders (DAIR-V2X-C: split files) of a synthetic data set written in a format."""
-    base = root / "cooperative-vehicle-infrastructure" if data_format == "dairv2x" else root
-    return [base / split for split in FORMAT_SPLITS[data_format]]
 
 
 def samples_per_s(suite: Suite, load_all: Callable[[], int]) -> Dict:
@@ -1183,15 +1172,16 @@ def bench_loader_by_format(suite: Suite) -> List[Dict]:
     build theirs) and of IntermediateFusionDataset.__getitem__ (the training path: point cache
     warm after the first pass, no augmentation), over every sample of the three splits."""
     from opencood.data.datasets import IntermediateFusionDataset
-    from opencood.data.sources import open_split
+    from opencood.data.formats import get_format, open_split, writer_formats
     from opencood.data.synthetic import generate_dataset
     formats = {}
     with tempfile.TemporaryDirectory(prefix="loader_by_format_") as folder:
-        for data_format in FORMAT_SPLITS:
+        # Each reader filters its GT with its format's published range, as the references do.
+        for data_format in writer_formats():
             root = Path(folder) / data_format
             generate_dataset(root, preset="tiny", seed=0, progress=False, data_format=data_format)
-            gt_range = FORMAT_GT_RANGE[data_format]
-            splits = format_split_dirs(root, data_format)
+            gt_range = list(get_format(data_format).gt_range)
+            splits = get_format(data_format).split_paths(root)
             readers = [open_split(data_format, split, com_range=1e6, max_cav=FORMAT_MAX_CAV,
                                   use_point_cache=False, cache_dir=Path(folder) / "cache")
                        for split in splits]

@@ -102,7 +102,7 @@ def model_fingerprint(cfg: Dict) -> Dict[str, str]:
     from opencood.engine.task import DetectionTask
     from opencood.eval.ap import APAccumulator
     from opencood.eval.inference import detect
-    from opencood.strategies import get_strategy
+    from opencood.strategies import choose_strategy
     out: Dict[str, str] = {}
     device = torch.device("cpu")
     model = build_model(cfg)
@@ -118,7 +118,7 @@ def model_fingerprint(cfg: Dict) -> Dict[str, str]:
                        if p.grad is not None}, out)
     hash_tree("buffers_after_step", dict(model.named_buffers()), out)
     model.eval()
-    strategy = get_strategy(cfg["fusion"]["core_method"]).configure(cfg)
+    strategy = choose_strategy(cfg)
     with torch.no_grad():
         inputs, _ = task.eval_preparer(batch, with_targets=False)
         hash_tree("eval_outputs", model(strategy.model_inputs(inputs)), out)
@@ -134,7 +134,9 @@ def model_fingerprint(cfg: Dict) -> Dict[str, str]:
 
 
 def data_folder(data_root: Path, data_format: str) -> Path:
-    """A tiny synthetic data set of ``data_format`` under ``data_root`` (written once)."""
+    """A tiny synthetic data set of ``data_format`` under ``data_root`` (written once; V2XSet
+    data is OPV2V's layout)."""
+    data_format = "opv2v" if data_format == "v2xset" else data_format
     folder = data_root / data_format
     if not (folder / "generation.yaml").exists() and not any(folder.glob("*/generation.yaml")):
         subprocess.run([sys.executable, str(ROOT / "tools/generate_synthetic.py"), "--out",
@@ -143,24 +145,19 @@ def data_folder(data_root: Path, data_format: str) -> Path:
     return folder
 
 
-def split_paths(folder: Path, data_format: str) -> List[Path]:
-    """train, validate, test of a synthetic folder (DAIR-V2X-C: split json files)."""
-    if data_format == "dairv2x":
-        base = folder / "cooperative-vehicle-infrastructure"
-        return [base / name for name in ("train.json", "val.json", "test.json")]
-    return [folder / name for name in ("train", "validate", "test")]
-
-
 def data_fingerprint(cfg: Dict, folder: Path) -> Dict[str, str]:
     from opencood.data.collate import collate_samples
     from opencood.data.datasets import build_dataset
+    from opencood.strategies import choose_strategy
     out: Dict[str, str] = {}
     cfg = json.loads(json.dumps(cfg))
+    from opencood.data.formats import get_format
     for key, split_path in zip(("root_dir", "validate_dir", "test_dir"),
-                               split_paths(folder, cfg["fusion"]["dataset"])):
+                               get_format(cfg["fusion"]["dataset"]).split_paths(folder)):
         cfg[key] = str(split_path)
     for split, train in (("train", True), ("test", False)):
-        dataset = build_dataset(cfg, split, train=train, cache_dir=folder / ".cache")
+        dataset = build_dataset(cfg, split, train=train, strategy=choose_strategy(cfg),
+                                cache_dir=folder / ".cache")
         count = min(len(dataset), 3)
         batch = collate_samples([dataset[index] for index in range(count)])
         hash_tree(f"data_{split}", batch, out)

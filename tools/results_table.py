@@ -252,6 +252,7 @@ def data_overrides(data: Optional[str]) -> List[str]:
 def count_train_examples(cfg: Dict, source: str) -> int:
     """Training examples of one epoch (late fusion: one per (sample, CAV)), no model built."""
     from opencood.data.datasets import build_dataset
+    from opencood.strategies import choose_strategy
     from opencood.data.opv2v import OPV2VFormatError
     from opencood.data.pcd import PcdError
     from opencood.registry import RegistryError
@@ -260,7 +261,7 @@ def count_train_examples(cfg: Dict, source: str) -> int:
         raise TableError(f"{source}: training folder {train_dir} (root_dir) not found; "
                          f"generate it or pass --data DIR")
     try:
-        return len(build_dataset(cfg, "train", train=True))
+        return len(build_dataset(cfg, "train", train=True, strategy=choose_strategy(cfg)))
     except (ValueError, OSError, OPV2VFormatError, PcdError, RegistryError) as error:
         raise TableError(f"{source}: {str(error).splitlines()[0]}") from None
 

@@ -19,7 +19,9 @@ from tqdm import tqdm
 
 from opencood.data.opv2v import SPLITS, OPV2VFormatError, load_frame_yaml, scenario_timestamps
 from opencood.data.pcd import PcdError, read_pcd
-from opencood.data.sources import DATASET_NAMES, split_class
+from opencood.data.formats import format_names, get_format
+
+DATASET_NAMES = tuple(format_names())        # the --dataset choices of tools/check_data.py
 
 
 @dataclass
@@ -46,13 +48,32 @@ def split_folders(root: Path) -> List[Path]:
 
 
 def check_folder(root, progress: bool = True, dataset: str = "opv2v") -> CheckReport:
-    """Check a data set folder (holding train/validate/test) or one split folder; a missing
-    folder raises OPV2VFormatError (nothing to report on). ``dataset`` (opencood.data.sources):
-    v2v4real frames are parsed by its reader; dairv2x has its own layout (dairv2x.check_root)."""
-    if dataset == "dairv2x":
-        from opencood.data.dairv2x import check_root
-        return check_root(root, CheckReport())
-    load_frame = _frame_loader(dataset)
+    """Check a data set folder (holding train/validate/test) or one split folder with the
+    checker of format ``dataset`` (opencood.data.formats); a missing folder raises the format's
+    error (nothing to report on)."""
+    return get_format(dataset).check(root, progress)
+
+
+def check_opv2v_tree(root, progress: bool = True) -> CheckReport:
+    """:func:`check_folder` of the OPV2V / V2XSet layout."""
+    return check_frame_tree(root, progress, load_frame_yaml)
+
+
+def check_v2v4real_tree(root, progress: bool = True) -> CheckReport:
+    """:func:`check_folder` of V2V4Real: OPV2V's tree, frames parsed by its reader."""
+    from opencood.data.v2v4real import load_v2v4real_yaml
+    return check_frame_tree(root, progress, load_v2v4real_yaml)
+
+
+def check_dairv2x_root(root, progress: bool = True) -> CheckReport:
+    """:func:`check_folder` of DAIR-V2X-C: its own layout (dairv2x.check_root)."""
+    from opencood.data.dairv2x import check_root
+    return check_root(root, CheckReport())
+
+
+def check_frame_tree(root, progress: bool, load_frame) -> CheckReport:
+    """Every layout problem of an OPV2V-style tree and every frame parsed with ``load_frame``
+    (a yaml path -> its parameters; raises OPV2VFormatError)."""
     root = Path(root)
     if not root.is_dir():
         raise OPV2VFormatError(f"{root}: folder not found")
@@ -65,15 +86,6 @@ def check_folder(root, progress: bool = True, dataset: str = "opv2v") -> CheckRe
                                     disable=not progress, leave=False):
         _check_frame(yaml_path, pcd_path, report, load_frame)
     return report
-
-
-def _frame_loader(dataset: str):
-    """The per-frame yaml parser of an OPV2V-tree data set (raises OPV2VFormatError)."""
-    split_class(dataset)                       # an unknown name: a ValueError listing them
-    if dataset == "v2v4real":
-        from opencood.data.v2v4real import load_v2v4real_yaml
-        return load_v2v4real_yaml
-    return load_frame_yaml
 
 
 def _layout_problems(split_dir: Path, report: CheckReport) -> Iterator[tuple]:

@@ -418,7 +418,7 @@ class _Sequence:
 
 
 class DairV2XSplit:
-    """Index of one DAIR-V2X-C split, with the interface of OPV2VSplit (opencood.data.sources).
+    """Index of one DAIR-V2X-C split, with the interface of OPV2VSplit (opencood.data.formats).
 
     Args:
         split_path: the split json (``<root>/train.json``); its folder is the data root.

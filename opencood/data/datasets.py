@@ -56,12 +56,11 @@ from opencood.data.augment import (augment_boxes, augmentation_matrix, check_aug
                                    draw_augmentation)
 from opencood.data.cameras import camera_inputs, stack_agents
 from opencood.data.opv2v import DEFAULT_GT_RANGE, is_infrastructure
-from opencood.data.sources import open_split, split_class
+from opencood.data.formats import open_split, split_class
 from opencood.data.wild import WildSetting, delayed_timestamp, noisy_pose
-from opencood.errors import ConfigError, alike_on_every_rank
+from opencood.errors import alike_on_every_rank
 from opencood.ops.transforms import count_points_in_boxes, project_and_crop, relative_transform
 from opencood.registry import DATASETS
-from opencood.strategies import get_strategy
 from opencood.utils.collectives import get_rank
 
 VEHICLE, INFRASTRUCTURE = 0, 1             # agent types (V2X-ViT's "infra" flag)
@@ -109,7 +108,7 @@ class BaseFusionDataset(torch.utils.data.Dataset):
         count_ego_points: fill ``gt_ego_points`` (the AP visibility split); default: not in
             training. A loss-only loader turns it off: nothing reads the counts there.
         dataset: the format of ``split_dir`` (``fusion.dataset``: opv2v, v2xset, v2v4real,
-            dairv2x; opencood.data.sources).
+            dairv2x; opencood.data.formats).
         reader_options: the format's own reader options (its split class's
             ``reader_options(cfg)``: V2V4Real's crop filter, DAIR-V2X-C's GT source).
         input_source: the inputs read, HEAL's key: ("lidar",), ("camera",) or both. Without
@@ -195,7 +194,7 @@ class BaseFusionDataset(torch.utils.data.Dataset):
         "T_to_ego" (4, 4) float64 from its reported (noisy) pose, "T_to_ego_clean" from its true
         pose, "latency" (frames)}. Non-ego agents get latency and pose noise from the wild
         setting; the noise draws go agent after agent. The split gives every piece by the
-        frame's key (opencood.data.sources: each format's reader has these methods).
+        frame's key (the SplitReader protocol of opencood.data.formats).
         """
         info = self.split.info(index)
         ego_pose = self.split.lidar_pose(info.scenario, info.ego_id, info.timestamp)
@@ -499,9 +498,10 @@ class LateFusionDataset(BaseFusionDataset):
 SPLIT_KEYS = {"train": "root_dir", "validate": "validate_dir", "test": "test_dir"}
 
 
-def build_dataset(cfg: dict, split: str, train: bool, fusion_method: str | None = None,
+def build_dataset(cfg: dict, split: str, train: bool, strategy,
                   cache_dir=None, **extra) -> BaseFusionDataset:
-    """Dataset of ``fusion_method`` (default ``cfg.fusion.core_method``) for a split.
+    """The dataset ``strategy`` reads (``strategy.dataset_name`` in ``DATASETS``; the engine's
+    ``opencood.strategies.choose_strategy``) for a split.
 
     ``split`` is "train", "validate" or "test", mapped to ``root_dir``, ``validate_dir`` and
     ``test_dir`` of the config.
@@ -511,15 +511,7 @@ def build_dataset(cfg: dict, split: str, train: bool, fusion_method: str | None 
     split_dir = cfg[SPLIT_KEYS[split]]
     if not split_dir:
         raise ValueError(f"config key {SPLIT_KEYS[split]!r} (the {split} folder) is not set")
-    strategy = get_strategy(fusion_method or cfg["fusion"]["core_method"])
     dataset_cls = DATASETS.get(strategy.dataset_name)
-    # The config's own strategy only: another one (eval's --fusion_method late) of an
-    # own-frame model reads its samples as they always are.
-    if (not cfg["fusion"]["args"]["proj_first"] and fusion_method in (None, cfg["fusion"]["core_method"])
-            and not issubclass(dataset_cls, IntermediateFusionDataset)):
-        raise ConfigError(f"fusion.args.proj_first: false is for intermediate fusion (features "
-                          f"warped to the ego before fusing); fusion.core_method "
-                          f"{strategy.name!r} reads {strategy.dataset_name!r} samples")
     # Every rank indexes the same split: a layout or yaml error is printed by rank 0 alone.
     with alike_on_every_rank(get_rank()):
         return dataset_cls.from_config(cfg, split_dir, train=train, cache_dir=cache_dir, **extra)

@@ -38,7 +38,7 @@ from opencood.eval.records import (RECORDS_DIR, build_record, checkpoint_facts, 
                                    uses_validation_as_test, write_record)
 from opencood.eval.report import format_metrics, format_spread, spread_by_group
 from opencood.models.build import build_model
-from opencood.strategies import get_strategy, strategy_names
+from opencood.strategies import choose_strategy, strategy_names
 from opencood.utils import dist as dist_utils
 from opencood.utils.checkpoint import (CheckpointError, check_state_dict_compatible,
                                        load_checkpoint, run_checkpoint)
@@ -153,16 +153,17 @@ def vis_callback(run_dir: Path, tag: str, count: int, bev_range):
     return on_sample
 
 
-def correction_modes(cfg: Dict, fusion: str) -> List[Dict]:
+def correction_modes(cfg: Dict, strategy) -> List[Dict]:
     """How each setting is evaluated: [{"suffix", "fusion", "correct"}], once as is and, when
     the run has pose correction (a ``box_align`` section, or fusion ``late_box_align``), once
     more with it (suffix ``_aligned``), so the table shows AP with and without correction.
     Late fusion's correction is the ``late_box_align`` strategy; intermediate fusion's a stage-1
     ``PoseCorrector`` (``opencood.eval.pose_correction``)."""
-    if fusion in ("late", "late_box_align") and (cfg["box_align"] is not None
-                                                   or fusion == "late_box_align"):
-        return [{"suffix": "", "fusion": "late", "correct": False},
-                {"suffix": "_aligned", "fusion": "late_box_align", "correct": False}]
+    fusion = strategy.name
+    if strategy.late_variants and (cfg["box_align"] is not None or strategy.corrects_poses):
+        plain, aligned = strategy.late_variants
+        return [{"suffix": "", "fusion": plain, "correct": False},
+                {"suffix": "_aligned", "fusion": aligned, "correct": False}]
     if cfg["box_align"] is None:
         return [{"suffix": "", "fusion": fusion, "correct": False}]
     return [{"suffix": "", "fusion": fusion, "correct": False},
@@ -185,7 +186,9 @@ def evaluate_setting(cfg, args, run_dir, model, info, setting, checkpoint: Dict,
         if mode["suffix"]:      # what corrected the poses, in the record (and its hash)
             correction = {"box_align": cfg_run["box_align"] or {"args": to_plain(
                 BoxAlignArgs())}, "stage1": "stage1_model_dir" if mode["correct"] else "own"}
-    dataset = build_dataset(cfg_run, args.split, train=False, fusion_method=fusion)
+    # The engine's one choice for this setting, handed to the data and the evaluation.
+    strategy = choose_strategy(cfg_run, fusion)
+    dataset = build_dataset(cfg_run, args.split, train=False, strategy=strategy)
     loader = build_loader(dataset, info.device, args.num_workers, batch_size=args.batch_size,
                           sampler=InferenceSampler(len(dataset)))
     preparer = BatchPreparer.from_config(cfg_run, info.device, training=False)
@@ -194,7 +197,7 @@ def evaluate_setting(cfg, args, run_dir, model, info, setting, checkpoint: Dict,
         on_sample = vis_callback(run_dir, tag, args.vis_count,
                                  cfg_run["preprocess"]["cav_lidar_range"])
     collector = DetectionCollector(then=on_sample) if args.save_detections else None
-    metrics = evaluate_loader(model, loader, preparer, cfg_run, info.device, fusion,
+    metrics = evaluate_loader(model, loader, preparer, info.device, strategy,
                               collector or on_sample, protocol, corrector)
     if collector is not None:
         save_detections(collector, run_dir, args, fusion, tag, cfg_run)
@@ -300,19 +303,19 @@ def evaluate(args) -> List[Dict]:
         with alike_on_every_rank(info.rank):
             checkpoint_path = run_checkpoint(run_dir, args.checkpoint)
             model, checkpoint = load_eval_model(cfg, checkpoint_path, args.use_ema, info.device)
-            get_strategy(args.fusion_method or cfg["fusion"]["core_method"]).check_model(
-                model, cfg["model"]["core_method"])
+            strategy = choose_strategy(cfg, args.fusion_method)
+            strategy.check_model(model, cfg["model"]["core_method"])
         logger.info("evaluating %s on %s", checkpoint_path, args.split)
         results = []
         writer = None
         if dist_utils.is_main_process():
             from torch.utils.tensorboard import SummaryWriter
             writer = SummaryWriter(log_dir=str(run_dir))
-        fusion = args.fusion_method or cfg["fusion"]["core_method"]
-        modes = correction_modes(cfg, fusion)
+        fusion = strategy.name
+        modes = correction_modes(cfg, strategy)
         with alike_on_every_rank(info.rank):
             corrector = load_pose_corrector(
-                cfg, fusion, info.device,
+                cfg, strategy, info.device,
                 lambda stage1_cfg, path: load_eval_model(stage1_cfg, path, True, info.device)[0])
         settings = settings_to_run(args.pose_noise, args.latency, args.seeds,
                                    cfg["wild_setting"]["seed"])

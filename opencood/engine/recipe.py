@@ -31,7 +31,6 @@ from opencood.errors import alike_on_every_rank
 from opencood.eval.inference import evaluate_loader
 from opencood.models.build import build_model, use_channels_last
 from opencood.registry import FUSIONS, LOSSES, MODELS, POSTPROCESSORS, RegistryError
-from opencood.strategies import get_strategy
 from opencood.utils import dist as dist_utils
 from opencood.utils.batching import epochs_for_steps, split_global_batch
 from opencood.utils.checkpoint import check_state_dict_compatible
@@ -193,16 +192,15 @@ def step_budget(train_params: Dict, steps_per_epoch: int) -> tuple:
 
 # -- data ------------------------------------------------------------------------------------
 
-def build_validation_loaders(cfg: Dict, info: dist_utils.DistInfo, micro_batch: int):
-    """(loss loader, AP loader) over the validation split, each sample once across ranks
-    (unpadded shards); None without ``validate_dir``."""
+def build_validation_loaders(cfg: Dict, info: dist_utils.DistInfo, micro_batch: int, strategy):
+    """(loss loader, AP loader) over the validation split of the run's ``strategy``, each
+    sample once across ranks (unpadded shards); None without ``validate_dir``."""
     if not cfg.get("validate_dir"):
         return None
-    ap_set = build_dataset(cfg, "validate", train=False)
+    ap_set = build_dataset(cfg, "validate", train=False, strategy=strategy)
     # The loss needs no visibility counts (AP does); its examples are what the strategy trains on.
-    strategy = get_strategy(cfg["fusion"]["core_method"])
-    loss_set = build_dataset(cfg, "validate", train=False, count_ego_points=False,
-                             **strategy.loss_dataset_args())
+    loss_set = build_dataset(cfg, "validate", train=False, strategy=strategy,
+                             count_ego_points=False, **strategy.loss_dataset_args())
     workers = cfg["train_params"]["num_workers"]
     return tuple(
         build_loader(dataset, info.device, workers, batch_size=micro_batch,
@@ -291,7 +289,8 @@ def compile_for_training(model: torch.nn.Module, cfg: Dict) -> torch.nn.Module:
 
 def build_training_parts(cfg: Dict, info: dist_utils.DistInfo, checkpoint: Dict | None = None,
                          ckpt_path=None, teacher: FrozenTeacher | None = None,
-                         schedule: Tuple[int, int] | None = None) -> TrainingParts:
+                         schedule: Tuple[int, int] | None = None,
+                         strategy=None) -> TrainingParts:
     """What a training step uses, in §6.4's order: the model (prepare_model: resumed from
     ``checkpoint`` when given; compiled for the steps when ``performance.compile``), the task
     (forward + loss, with ``teacher``), the optimizer, the lr schedule over ``schedule`` =
@@ -300,7 +299,7 @@ def build_training_parts(cfg: Dict, info: dist_utils.DistInfo, checkpoint: Dict 
     trainer and tools/bench.py both build their parts here."""
     model, model_without_ddp, ema = prepare_model(cfg, info, checkpoint, ckpt_path)
     model = compile_for_training(model, cfg)
-    task = DetectionTask.from_config(cfg, info.device, teacher)
+    task = DetectionTask.from_config(cfg, info.device, teacher, strategy)
     optimizer = build_optimizer(model_without_ddp.parameters(), cfg["optimizer"])
     scheduler = (None if schedule is None
                  else build_scheduler(optimizer, cfg["lr_scheduler"], *schedule))
@@ -313,7 +312,8 @@ def build_training_parts(cfg: Dict, info: dist_utils.DistInfo, checkpoint: Dict 
 
 def build_teacher(cfg: Dict, device: torch.device) -> FrozenTeacher | None:
     """The frozen early-fusion teacher of the resolved config's ``kd`` section, or None without
-    one. The section (keys, weight, an intermediate-fusion student) is checked by the schema;
+    one. The section (keys, weight) is checked by the schema, an intermediate-fusion student by
+    the strategy (choose_strategy);
     the teacher's file (it exists, holds an early-fusion model of the student's grid) here,
     before any file is written, each a one-line error."""
     kd = cfg["kd"]
@@ -359,9 +359,8 @@ def validate(model_for_eval, val_loaders, task: DetectionTask, info, amp_dtype, 
     results, pictures = {"loss": loss}, []
     eval_freq = cfg["train_params"]["eval_freq"]
     if epoch % eval_freq == 0:
-        metrics = evaluate_loader(model_for_eval, ap_loader, task.eval_preparer, cfg,
-                                  info.device,
-                                  on_sample=first_sample_picture(cfg, pictures))
+        metrics = evaluate_loader(model_for_eval, ap_loader, task.eval_preparer, info.device,
+                                  task.strategy, on_sample=first_sample_picture(cfg, pictures))
         if metrics is not None:
             results.update({k: metrics[k] for k in ("ap_30", "ap_50", "ap_70")})
             if "visibility" in metrics:

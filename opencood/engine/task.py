@@ -30,24 +30,30 @@ class DetectionTask:
         host_terms: the loss terms as host floats (False with ``performance.sync_free_step``:
             detached device tensors, read in the step's one host read).
         eval_preparer: the preparer of validation batches (default ``preparer``).
+        strategy: the run's fusion strategy (``opencood.strategies.choose_strategy``), which
+            validation's AP hands to the evaluation.
     """
 
     def __init__(self, preparer: BatchPreparer, criterion: torch.nn.Module,
                  teacher: FrozenTeacher | None = None, host_terms: bool = True,
-                 eval_preparer: BatchPreparer | None = None):
+                 eval_preparer: BatchPreparer | None = None, strategy=None):
         self.preparer, self.criterion, self.teacher = preparer, criterion, teacher
         self.host_terms = host_terms
         self.eval_preparer = eval_preparer or preparer
+        self.strategy = strategy
 
     @classmethod
-    def from_config(cls, cfg: Dict, device: torch.device,
-                    teacher: FrozenTeacher | None = None) -> "DetectionTask":
+    def from_config(cls, cfg: Dict, device: torch.device, teacher: FrozenTeacher | None = None,
+                    strategy=None) -> "DetectionTask":
+        """``strategy``: the run's (default: the config's own, chosen here)."""
+        from opencood.strategies import choose_strategy
         if teacher is not None:
             logger.info("loss: detection + %g x feature distillation from the frozen teacher %s",
                         teacher.weight, teacher.source)
         return cls(BatchPreparer.from_config(cfg, device), build_loss(cfg["loss"]).to(device),
                    teacher, host_terms=not cfg["performance"]["sync_free_step"],
-                   eval_preparer=BatchPreparer.from_config(cfg, device, training=False))
+                   eval_preparer=BatchPreparer.from_config(cfg, device, training=False),
+                   strategy=strategy or choose_strategy(cfg))
 
     def training_loss(self, model: torch.nn.Module,
                       batch: Dict) -> Tuple[torch.Tensor, Dict, int]:

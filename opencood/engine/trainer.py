@@ -36,6 +36,7 @@ from opencood.engine.state import (MidEpochCheckpoints, TrainingParts, TrainStat
                                    save_mid_epoch_checkpoint, save_run_checkpoints,
                                    training_state)
 from opencood.errors import run_cli
+from opencood.strategies import choose_strategy
 from opencood.utils import dist as dist_utils
 from opencood.utils.batching import describe_batch
 from opencood.utils.samplers import build_train_sampler
@@ -79,6 +80,8 @@ def train(cfg: Dict, args, info: dist_utils.DistInfo, hooks: TrainHooks = NO_HOO
     # Checked before any file is written; every rank fails alike, so none waits in a collective.
     micro, accum = split_batch_or_refuse(train_params, info.world_size)
     check_registered_names(cfg, args.hypes_yaml or str(Path(args.model_dir) / "config.yaml"))
+    # The fusion strategy, chosen once here and handed to the data and the evaluation.
+    strategy = choose_strategy(cfg)
     # Distillation (yaml kd, DiscoNet): a frozen early-fusion teacher, None without kd; never in
     # DDP, the optimizer, the EMA or a checkpoint.
     teacher = build_teacher(cfg, info.device)
@@ -87,7 +90,8 @@ def train(cfg: Dict, args, info: dist_utils.DistInfo, hooks: TrainHooks = NO_HOO
     # rank the same number of shuffled micro-batches (DistributedSampler pads its shard,
     # BatchSampler drops the incomplete tail); the validation split unpadded.
     train_set = hooks.wrap_train_set(
-        build_dataset(cfg, "train", train=True, **distillation_dataset_args(teacher)))
+        build_dataset(cfg, "train", train=True, strategy=strategy,
+                      **distillation_dataset_args(teacher)))
     try:   # same length on every rank, so every rank fails alike
         batch_sampler, train_sampler = build_train_sampler(   # BatchSampler(DistributedSampler)
             len(train_set), micro, info.rank, info.world_size, seed=seed, shuffle=True)
@@ -96,7 +100,7 @@ def train(cfg: Dict, args, info: dist_utils.DistInfo, hooks: TrainHooks = NO_HOO
     workers = train_params["num_workers"]
     train_loader = build_loader(train_set, info.device, workers, batch_sampler=batch_sampler,
                                 generator=torch.Generator())
-    val_loaders = build_validation_loaders(cfg, info, micro)
+    val_loaders = build_validation_loaders(cfg, info, micro, strategy)
     steps_per_epoch = len(train_loader) // accum
     if steps_per_epoch == 0:
         raise ConfigError(f"train_params.batch_size {train_params['batch_size']} is larger than "
@@ -119,7 +123,7 @@ def train(cfg: Dict, args, info: dist_utils.DistInfo, hooks: TrainHooks = NO_HOO
     # training steps, by max_voxel_test in validation), the criterion, the teacher; the
     # optimizer, the lr schedule, AMP.
     parts = build_training_parts(cfg, info, checkpoint, ckpt_path, teacher,
-                                 schedule=(total_steps, steps_per_epoch))
+                                 schedule=(total_steps, steps_per_epoch), strategy=strategy)
     # Initialised alike on every rank above; from here each rank draws its own dropout masks.
     seed_model_randomness(seed, info.rank)
     hooks.on_parts(parts, info)

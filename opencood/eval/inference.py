@@ -17,7 +17,6 @@ from opencood.eval.ap import APAccumulator
 from opencood.eval.pose_correction import correction_pairs
 from opencood.eval.pose_error import PoseErrorTally
 from opencood.eval.protocols import DEFAULT_PROTOCOL, PROTOCOLS, APProtocol
-from opencood.strategies import get_strategy
 from opencood.utils import dist as dist_utils
 
 
@@ -51,18 +50,18 @@ def tally_pose_errors(tally: PoseErrorTally, batch: Dict, inputs: Dict) -> None:
 
 
 @torch.no_grad()
-def run_inference(model, loader, preparer, cfg: Dict, device, fusion_method: str | None = None,
-                  on_sample=None, protocol: APProtocol = PROTOCOLS[DEFAULT_PROTOCOL],
-                  corrector=None) -> Dict:
+def run_inference(model, loader, preparer, device, strategy, on_sample=None,
+                  protocol: APProtocol = PROTOCOLS[DEFAULT_PROTOCOL], corrector=None) -> Dict:
     """This rank's shard -> {"accumulator": APAccumulator, "frames", "seconds", "bytes_sum",
     "pose_errors": PoseErrorTally}.
 
+    ``strategy``: the engine's fusion strategy (``opencood.strategies.choose_strategy``): its
+    model-input adapter and its box merge.
     ``on_sample(key, batch_row, boxes, scores)`` is called per sample (e.g. to draw pictures).
     ``protocol`` sets the detection sort and range of the AP (opencood.eval.protocols).
     ``corrector``: the pose correction of intermediate runs (``detect``).
     """
     postprocessor = preparer.postprocessor
-    strategy = get_strategy(fusion_method or cfg["fusion"]["core_method"]).configure(cfg)
     accumulator = APAccumulator(order=postprocessor.order, **protocol.accumulator_args())
     pose_errors = PoseErrorTally()
     was_training = model.training
@@ -129,15 +128,15 @@ def merge_gathered(gathered: List[Dict], expected_frames: int) -> Dict:
     return metrics
 
 
-def evaluate_loader(model, loader, preparer, cfg: Dict, device, fusion_method=None,
-                    on_sample=None, protocol: APProtocol = PROTOCOLS[DEFAULT_PROTOCOL],
+def evaluate_loader(model, loader, preparer, device, strategy, on_sample=None,
+                    protocol: APProtocol = PROTOCOLS[DEFAULT_PROTOCOL],
                     corrector=None) -> Dict | None:
     """Run, gather, compute. All ranks must call it; rank 0 gets the metrics, others None.
 
     A failure on any rank (inference on its shard, rank 0's AP) raises on every rank.
     """
     local = dist_utils.run_together(
-        lambda: run_inference(model, loader, preparer, cfg, device, fusion_method, on_sample,
-                              protocol, corrector),
+        lambda: run_inference(model, loader, preparer, device, strategy, on_sample, protocol,
+                              corrector),
         "inference")
     return gather_results(local, expected_frames=len(loader.dataset))

@@ -111,7 +111,7 @@ def check_stage1_config(stage1_cfg: Dict, stage1_dir: Path) -> None:
                           f"{stage1_cfg['model']['core_method']!r}")
 
 
-def load_pose_corrector(cfg: Dict, fusion: str, device,
+def load_pose_corrector(cfg: Dict, strategy, device,
                         load_model: Callable[[Dict, Path], torch.nn.Module]
                         ) -> Optional[PoseCorrector]:
     """The stage-1 corrector of an intermediate run with a ``box_align`` section (None where
@@ -122,10 +122,10 @@ def load_pose_corrector(cfg: Dict, fusion: str, device,
     already in the ego frame through the noisy poses) or a run without ``stage1_model_dir``.
     """
     section = cfg["box_align"]
-    if section is None or fusion in ("late", "late_box_align"):
+    if section is None or strategy.merges_late:
         return None
-    if fusion != "intermediate" or cfg["fusion"]["args"]["proj_first"]:
-        raise ConfigError(f"box_align corrects own-frame data: fusion {fusion!r} with "
+    if not strategy.supports_own_frame or cfg["fusion"]["args"]["proj_first"]:
+        raise ConfigError(f"box_align corrects own-frame data: fusion {strategy.name!r} with "
                           f"fusion.args.proj_first true has its points in the ego frame already "
                           f"(set fusion.args.proj_first: false, or use late_box_align)")
     if section["stage1_model_dir"] is None:

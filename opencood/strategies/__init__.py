@@ -21,6 +21,10 @@ import torch
 from opencood.errors import ConfigError
 from opencood.registry import STRATEGIES
 
+# The data and evaluation packages receive the strategy object from the engine and never look
+# one up (nor compare strategy names): they import nothing from this package
+# (tests/test_import_graph.py).
+
 
 def fuses_agents(model: torch.nn.Module) -> bool:
     """Whether ``model`` fuses several agents itself (it has a fusion module)."""
@@ -35,6 +39,13 @@ class FusionStrategy:
     merges_late = False                  # detections merged from per-CAV boxes
     # True: needs a model with a fusion module; False: needs a single-agent one; None: either.
     needs_fusing_model: bool | None = None
+    # Reads own-frame samples (fusion.args.proj_first: false): features warped to the ego.
+    supports_own_frame = False
+    # Corrects the agents' poses itself from its own per-agent boxes (late_box_align).
+    corrects_poses = False
+    # Late merges: (the strategy as is, the same with pose correction), evaluated side by side
+    # when the run corrects poses; None for the others.
+    late_variants: tuple | None = None
 
     def configure(self, cfg: Dict) -> "FusionStrategy":
         """Read what the strategy takes from the resolved config (nothing by default)."""
@@ -76,3 +87,24 @@ def strategy_names() -> List[str]:
 def get_strategy(name: str) -> FusionStrategy:
     """The strategy registered as ``name`` (an unknown name lists the registered ones)."""
     return STRATEGIES.get(name)()
+
+
+def choose_strategy(cfg: Dict, name: str | None = None) -> FusionStrategy:
+    """The engine's choice, made once per run or evaluated setting and handed to the data and
+    evaluation code: strategy ``name`` (default: the config's ``fusion.core_method``),
+    configured from the resolved ``cfg``. The config's own strategy must read what its
+    ``fusion.args.proj_first`` asks for (own-frame data is intermediate fusion's); another one
+    (eval's ``--fusion_method late`` of an own-frame model) reads its samples as they always
+    are."""
+    fusion = cfg["fusion"]
+    strategy = get_strategy(name or fusion["core_method"]).configure(cfg)
+    own = name is None or name == fusion["core_method"]
+    if own and not fusion["args"]["proj_first"] and not strategy.supports_own_frame:
+        raise ConfigError(f"fusion.args.proj_first: false is for intermediate fusion (features "
+                          f"warped to the ego before fusing); fusion.core_method "
+                          f"{strategy.name!r} reads {strategy.dataset_name!r} samples")
+    if own and cfg.get("kd") is not None and not strategy.needs_fusing_model:
+        raise ConfigError(f"key 'kd' is for an intermediate-fusion student (distillation "
+                          f"trains its fused map on the teacher's); fusion.core_method is "
+                          f"{strategy.name!r}")
+    return strategy

@@ -7,3 +7,4 @@ from opencood.strategies import FusionStrategy
 class IntermediateFusion(FusionStrategy):
     name = dataset_name = "intermediate"
     needs_fusing_model = True
+    supports_own_frame = True

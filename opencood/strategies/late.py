@@ -11,6 +11,7 @@ class LateFusion(FusionStrategy):
     name = dataset_name = "late"
     merges_late = True
     needs_fusing_model = False
+    late_variants = ("late", "late_box_align")
 
     def loss_dataset_args(self) -> Dict:
         # Training examples are per CAV; so is the validation loss (AP uses whole samples).

@@ -18,6 +18,7 @@ from opencood.strategies.late import LateFusion
 class LateFusionBoxAlign(LateFusion):
     name = "late_box_align"
     dataset_name = "late"                # the same samples as late fusion
+    corrects_poses = True
     box_align_args = BoxAlignArgs()
 
     def configure(self, cfg: Dict) -> "LateFusionBoxAlign":

@@ -22,6 +22,7 @@ import numpy as np
 import yaml
 from tqdm import tqdm
 
+from opencood.data.formats import get_format, writer_formats
 from opencood.data.opv2v import vehicles_to_boxes
 from opencood.data.pcd import write_pcd
 from opencood.data.synthetic.camera import (CameraConfig, camera_entry, depth_png, render_camera,
@@ -288,21 +289,20 @@ def generate_scenario(out_dir, preset: Preset, seed: int, split: str, index: int
     return stats
 
 
-# The file formats the synthetic world writes (tools/generate_synthetic.py --format).
-FORMATS = ("opv2v", "v2v4real", "dairv2x")
+# The file formats the synthetic world writes (tools/generate_synthetic.py --format): those of
+# opencood.data.formats with a writer.
+FORMATS = tuple(writer_formats())
 
 
 def format_writer(data_format: str):
-    """The module writing ``data_format``: ``generate_scenario(out_dir, preset, seed, split,
-    index, global_index) -> stats`` and, optionally, ``adapt_preset(preset) -> preset``,
-    ``OUTPUT_NAMES`` (what it creates in ``out_dir``) and ``finish(out_dir, results)``."""
+    """The module writing ``data_format`` (its ``DataFormat.writer``): ``generate_scenario(
+    out_dir, preset, seed, split, index, global_index) -> stats`` and, optionally,
+    ``adapt_preset(preset) -> preset``, ``OUTPUT_NAMES`` (what it creates in ``out_dir``) and
+    ``finish(out_dir, results)``."""
     if data_format not in FORMATS:
         raise ValueError(f"unknown format {data_format!r}; expected one of {', '.join(FORMATS)}")
     import importlib
-    import sys
-    if data_format == "opv2v":
-        return sys.modules[__name__]
-    return importlib.import_module(f"opencood.data.synthetic.writer_{data_format}")
+    return importlib.import_module(get_format(data_format).writer)
 
 
 def _scenario_job(job):
