@@ -58,7 +58,8 @@ def test_every_dataset_sample_batch_and_model_input_uses_declared_keys(road):
 
 def test_fake_batch_has_the_collated_layout():
     cfg = {"preprocess": {"cav_lidar_range": RANGE, "args": {"voxel_size": VOXEL}}}
-    fake = fake_collated_batch(cfg, batch_size=2, agents_per_sample=2, pillars_per_agent=20)
+    fake = fake_collated_batch(cfg["preprocess"], batch_size=2, agents_per_sample=2,
+                               pillars_per_agent=20)
     batch_keys.check_keys("batch", fake, "fake_collated_batch")
     # The fake batch holds every common key a collated batch of a LiDAR sample has.
     declared_common = set(batch_keys.keys_of(batch_keys.BATCH, batch_keys.COMMON))

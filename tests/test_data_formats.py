@@ -81,7 +81,7 @@ def test_a_reader_missing_a_method_is_named():
 
 def test_every_format_checks_its_own_files_clean(written):
     for name, root in written.items():
-        report = check_folder(root, progress=False, dataset=name)
+        report = check_folder(get_format(name).base(root), progress=False, dataset=name)
         assert not report.problems, (name, report.problems[:3])
 
 

@@ -134,7 +134,7 @@ def test_the_flow_trains_the_xavier_initialised_model(data_root, tmp_path):
     trained = load_checkpoint(run_dir / "last.pth")["model"]
     torch.manual_seed(3)
     reference = build_model(cfg["model"])
-    init_weights(reference, **recipe.init_settings(cfg))
+    init_weights(reference, **recipe.init_settings(cfg["init"]))
     torch.manual_seed(3)
     default_init = build_model(cfg["model"])
     for name, value in reference.named_parameters():

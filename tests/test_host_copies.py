@@ -23,7 +23,8 @@ CUDA_INFO = DistInfo(rank=0, world_size=1, local_rank=0, distributed=False, back
 
 def test_every_copy_of_a_batch_to_the_device_is_non_blocking(monkeypatch):
     cfg = load_config(REPO / "hypes_yaml" / "synthetic" / "point_pillar_v2xvit.yaml")
-    batch = fake_collated_batch(cfg, batch_size=2, agents_per_sample=2, pillars_per_agent=50)
+    batch = fake_collated_batch(cfg["preprocess"], batch_size=2, agents_per_sample=2,
+                                pillars_per_agent=50)
     batch["agent_latency"] = torch.zeros(4, dtype=torch.int64)
     batch_tensors = {id(value): key for key, value in batch.items() if torch.is_tensor(value)}
     copies, real_to = {}, torch.Tensor.to

@@ -176,18 +176,18 @@ def test_correction_modes():
     late = load_config(CONFIGS / "point_pillar_late_fusion.yaml")
     inter = load_config(CONFIGS / "point_pillar_attfuse.yaml")
     with_section = ["box_align={stage1_model_dir: runs/stage1}"]
-    assert correction_modes(inter, get_strategy("intermediate")) == [
+    assert correction_modes(inter["box_align"], get_strategy("intermediate")) == [
         {"suffix": "", "fusion": "intermediate", "correct": False}]
-    assert correction_modes(late, get_strategy("late_box_align")) == [
+    assert correction_modes(late["box_align"], get_strategy("late_box_align")) == [
         {"suffix": "", "fusion": "late", "correct": False},
         {"suffix": "_aligned", "fusion": "late_box_align", "correct": False}]
     late_aligned = load_config(CONFIGS / "point_pillar_late_fusion.yaml", with_section)
-    assert [m["fusion"] for m in correction_modes(late_aligned, get_strategy("late"))] == ["late",
-                                                                             "late_box_align"]
+    late_modes = correction_modes(late_aligned["box_align"], get_strategy("late"))
+    assert [m["fusion"] for m in late_modes] == ["late", "late_box_align"]
     inter_aligned = load_config(CONFIGS / "point_pillar_attfuse.yaml", with_section)
     intermediate = get_strategy("intermediate")
-    assert [m["correct"] for m in correction_modes(inter_aligned, intermediate)] == [False,
-                                                                                      True]
+    inter_modes = correction_modes(inter_aligned["box_align"], intermediate)
+    assert [m["correct"] for m in inter_modes] == [False, True]
 
 
 def never_loaded(cfg, path):
@@ -242,7 +242,7 @@ def test_the_authors_box_align_args_load_as_written():
     theirs = ("{use_uncertainty: true, landmark_SE2: true, adaptive_landmark: false, "
               "normalize_uncertainty: false, abandon_hard_cases: true, drop_hard_boxes: true}")
     cfg = load_config(CONFIGS / "point_pillar_uncertainty.yaml", [f"box_align={{args: {theirs}}}"])
-    assert pose_correction.box_align_args(cfg) == pose_correction.BoxAlignArgs()
+    assert pose_correction.box_align_args(cfg["box_align"]) == pose_correction.BoxAlignArgs()
     with pytest.raises(ConfigError, match="box_align.args.landmark_se2"):
         load_config(CONFIGS / "point_pillar_uncertainty.yaml",
                     ["box_align={args: {landmark_se2: false}}"])

@@ -171,7 +171,8 @@ def pillars_per_agent(inputs: dict, agents: int) -> list:
 
 def test_max_voxel_caps_pillars_per_agent_by_mode():
     cfg = smoke_config()
-    batch = fake_collated_batch(cfg, batch_size=1, agents_per_sample=3, pillars_per_agent=300,
+    batch = fake_collated_batch(cfg["preprocess"], batch_size=1, agents_per_sample=3,
+                                pillars_per_agent=300,
                                 points_per_pillar=2, seed=0)
     uncapped = BatchPreparer.from_config(cfg, CPU).model_inputs(batch)
     occupied = pillars_per_agent(uncapped, 3)
@@ -190,7 +191,8 @@ def test_max_voxel_caps_pillars_per_agent_by_mode():
 
 def test_max_voxel_cap_not_hit_changes_nothing():
     cfg = smoke_config()
-    batch = fake_collated_batch(cfg, batch_size=2, agents_per_sample=2, pillars_per_agent=300,
+    batch = fake_collated_batch(cfg["preprocess"], batch_size=2, agents_per_sample=2,
+                                pillars_per_agent=300,
                                 points_per_pillar=3, seed=1)
     uncapped = BatchPreparer.from_config(cfg, CPU).model_inputs(batch)
     cfg["preprocess"]["args"].update(max_voxel_train=2048, max_voxel_test=2048)  # the whole grid

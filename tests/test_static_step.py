@@ -122,7 +122,8 @@ def lite_step_parts(config: str, overrides=()):
     torch.manual_seed(0)
     model, _, _ = prepare_model(cfg, DistInfo(0, 1, 0, False, None, CPU), None, None)
     model.train()
-    batch = fake_collated_batch(cfg, batch_size=2, agents_per_sample=3, pillars_per_agent=300,
+    batch = fake_collated_batch(cfg["preprocess"], batch_size=2, agents_per_sample=3,
+                                pillars_per_agent=300,
                                 points_per_pillar=4, max_gt=6,
                                 single_agent=config == "point_pillar_no_fusion")
     keep = batch["agent_index"] != 1

@@ -411,7 +411,8 @@ class ModelBench:
     def _fake_batch(self) -> Dict:
         from opencood.utils.fake_batch import fake_collated_batch
         args = self.args
-        cpu_batch = fake_collated_batch(self.cfg, self.batch_size, args.agents, args.pillars,
+        cpu_batch = fake_collated_batch(self.cfg["preprocess"], self.batch_size, args.agents,
+                                        args.pillars,
                                         points_per_pillar=args.points_per_pillar,
                                         max_gt=args.gt_boxes, single_agent=self.single_agent,
                                         seed=int(self.cfg["seed"]))
@@ -476,7 +477,7 @@ def training_parts(cfg: Dict, device: torch.device):
     from opencood.engine.recipe import build_training_parts, configure_cuda
     from opencood.utils.dist import DistInfo
     torch.manual_seed(int(cfg["seed"]))
-    configure_cuda(cfg)
+    configure_cuda(cfg["performance"])
     parts = build_training_parts(cfg, DistInfo(0, 1, 0, False, None, device))
     parts.model_without_ddp.train()
     return parts

@@ -10,11 +10,11 @@ exactly (``--compare``), naming the first keys that differ.
 
     python tools/fingerprint.py --out before.json [--data /tmp/fp_data] [--configs GLOB ...]
     python tools/fingerprint.py --out after.json  [--data /tmp/fp_data]
-    python tools/fingerprint.py --compare before.json after.json
+    python tools/fingerprint.py --compare before.json after.json [--rename vfe.=encoder.vfe.]
 
-Run from the repository root with ``PYTHONPATH=.``. CPU, float32, deterministic; the 256-channel
-``opv2v`` configs take a few seconds each (fewer pillars than a real frame: the fingerprint is of
-the code path, not of the data's size).
+Run from the repository root with ``PYTHONPATH=.``. CPU, float32, deterministic. The fingerprint
+is of the code paths, not of the data's size: fewer pillars than a real frame, and the real-data
+configs (256 channels) on a 128 x 64-cell crop of their own cell size (:func:`shrunk_range`).
 """
 from __future__ import annotations
 
@@ -79,7 +79,11 @@ def build_model(cfg: Dict):
 def fake_batch(cfg: Dict, model) -> Dict:
     from opencood.strategies import fuses_agents
     from opencood.utils.fake_batch import fake_collated_batch
-    return fake_collated_batch(cfg, batch_size=2, agents_per_sample=3, pillars_per_agent=1500,
+    import inspect
+    # The whole config before issue 35, its preprocess section after.
+    first = inspect.signature(fake_collated_batch).parameters
+    source = cfg if "cfg" in first else cfg["preprocess"]
+    return fake_collated_batch(source, batch_size=2, agents_per_sample=3, pillars_per_agent=1500,
                                points_per_pillar=4, max_gt=12,
                                single_agent=not fuses_agents(model), seed=0)
 
@@ -98,11 +102,30 @@ class ShiftedScores(torch.nn.Module):
         return outputs
 
 
+# The tool runs on trees before and after a refactor: these two ask whichever API the tree has.
+def config_strategy(cfg: Dict):
+    """The config's own fusion strategy."""
+    try:
+        from opencood.strategies import choose_strategy
+    except ImportError:          # before the strategy was chosen once (issue 35)
+        from opencood.strategies import get_strategy
+        return get_strategy(cfg["fusion"]["core_method"]).configure(cfg)
+    return choose_strategy(cfg)
+
+
+def config_dataset(cfg: Dict, split: str, train: bool, cache_dir: Path):
+    from opencood.data.datasets import build_dataset
+    try:
+        return build_dataset(cfg, split, train=train, strategy=config_strategy(cfg),
+                             cache_dir=cache_dir)
+    except TypeError:            # build_dataset without a strategy argument
+        return build_dataset(cfg, split, train=train, cache_dir=cache_dir)
+
+
 def model_fingerprint(cfg: Dict) -> Dict[str, str]:
     from opencood.engine.task import DetectionTask
     from opencood.eval.ap import APAccumulator
     from opencood.eval.inference import detect
-    from opencood.strategies import choose_strategy
     out: Dict[str, str] = {}
     device = torch.device("cpu")
     model = build_model(cfg)
@@ -118,7 +141,7 @@ def model_fingerprint(cfg: Dict) -> Dict[str, str]:
                        if p.grad is not None}, out)
     hash_tree("buffers_after_step", dict(model.named_buffers()), out)
     model.eval()
-    strategy = choose_strategy(cfg)
+    strategy = config_strategy(cfg)
     with torch.no_grad():
         inputs, _ = task.eval_preparer(batch, with_targets=False)
         hash_tree("eval_outputs", model(strategy.model_inputs(inputs)), out)
@@ -145,23 +168,48 @@ def data_folder(data_root: Path, data_format: str) -> Path:
     return folder
 
 
+def split_paths(folder: Path, data_format: str) -> List[Path]:
+    """train, validate, test of a synthetic folder (DAIR-V2X-C: split json files)."""
+    try:
+        from opencood.data.formats import get_format
+    except ImportError:          # before the format registry (issue 35)
+        base = (folder / "cooperative-vehicle-infrastructure" if data_format == "dairv2x"
+                else folder)
+        names = (("train.json", "val.json", "test.json") if data_format == "dairv2x"
+                 else ("train", "validate", "test"))
+        return [base / name for name in names]
+    return get_format(data_format).split_paths(folder)
+
+
 def data_fingerprint(cfg: Dict, folder: Path) -> Dict[str, str]:
     from opencood.data.collate import collate_samples
-    from opencood.data.datasets import build_dataset
-    from opencood.strategies import choose_strategy
     out: Dict[str, str] = {}
     cfg = json.loads(json.dumps(cfg))
-    from opencood.data.formats import get_format
     for key, split_path in zip(("root_dir", "validate_dir", "test_dir"),
-                               get_format(cfg["fusion"]["dataset"]).split_paths(folder)):
+                               split_paths(folder, cfg["fusion"]["dataset"])):
         cfg[key] = str(split_path)
     for split, train in (("train", True), ("test", False)):
-        dataset = build_dataset(cfg, split, train=train, strategy=choose_strategy(cfg),
-                                cache_dir=folder / ".cache")
+        dataset = config_dataset(cfg, split, train, folder / ".cache")
         count = min(len(dataset), 3)
         batch = collate_samples([dataset[index] for index in range(count)])
         hash_tree(f"data_{split}", batch, out)
     return out
+
+
+def shrunk_range(path: Path) -> List[str]:
+    """``--set`` overrides narrowing a config's crop to 128 x 64 of its own cells (its
+    256-channel real-data geometry takes minutes a step on a CPU); the synthetic configs are
+    fingerprinted as they are."""
+    from opencood.config import load_config
+    if "synthetic" in path.parts:
+        return []
+    cfg = load_config(str(path))
+    voxel = cfg["preprocess"]["args"]["voxel_size"]
+    z_low, z_high = cfg["preprocess"]["cav_lidar_range"][2::3]
+    half_x, half_y = 64 * voxel[0], 32 * voxel[1]
+    crop = [-half_x, -half_y, z_low, half_x, half_y, z_high]
+    return [f"preprocess.cav_lidar_range=[{', '.join(repr(v) for v in crop)}]",
+            f"postprocess.gt_range=[{', '.join(repr(v) for v in crop)}]"]
 
 
 def fingerprint(paths: List[Path], data_root: Path | None) -> Dict[str, Dict[str, str]]:
@@ -169,7 +217,7 @@ def fingerprint(paths: List[Path], data_root: Path | None) -> Dict[str, Dict[str
     results = {}
     for path in paths:
         name = str(path.relative_to(ROOT))
-        cfg = load_config(str(path))
+        cfg = load_config(str(path), shrunk_range(path))
         try:
             record = model_fingerprint(cfg)
             if data_root is not None:
@@ -182,7 +230,23 @@ def fingerprint(paths: List[Path], data_root: Path | None) -> Dict[str, Dict[str
     return results
 
 
-def compare(before: Dict, after: Dict) -> int:
+def renamed(record: Dict[str, str], renames: List[str]) -> Dict[str, str]:
+    """``record`` with parameter names renamed by ``OLD=NEW`` prefixes (``vfe.=encoder.vfe.``:
+    a module moved), matched right after a section name (``grad.vfe.`` -> ``grad.encoder.vfe.``)."""
+    pairs = [rename.split("=", 1) for rename in renames]
+    out = {}
+    for key, value in record.items():
+        section, _, rest = key.partition(".")
+        for old, new in pairs:
+            if rest.startswith(old):
+                rest = new + rest[len(old):]
+                break
+        out[f"{section}.{rest}" if rest else key] = value
+    return out
+
+
+def compare(before: Dict, after: Dict, renames: List[str] = ()) -> int:
+    before = {name: renamed(record, renames) for name, record in before.items()}
     differing = 0
     for name in sorted(set(before) | set(after)):
         old, new = before.get(name), after.get(name)
@@ -207,10 +271,12 @@ def main(argv=None) -> int:
     parser.add_argument("--data", type=Path, help="also fingerprint the datasets' batches "
                         "(tiny synthetic folders are written here once per format)")
     parser.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"))
+    parser.add_argument("--rename", nargs="*", default=[], metavar="OLD=NEW",
+                        help="with --compare: parameter name prefixes of BEFORE renamed")
     args = parser.parse_args(argv)
     if args.compare:
         before, after = (json.loads(Path(p).read_text()) for p in args.compare)
-        return compare(before, after)
+        return compare(before, after, args.rename)
     if not args.out:
         parser.error("--out is required unless --compare")
     torch.use_deterministic_algorithms(True)

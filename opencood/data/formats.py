@@ -78,7 +78,8 @@ class DataFormat(NamedTuple):
     reader: "module:Class" of its split index (a :class:`SplitReader`), opened as
         ``Class(split_path, **options)`` with options ``com_range``, ``max_cav``, ``cache_dir``
         (+ ``use_point_cache``, ``index_cache``, and ``Class.reader_options(cfg)``).
-    checker: "module:function" ``(root, progress) -> CheckReport`` (``tools/check_data.py``).
+    checker: "module:function" ``(base, progress) -> CheckReport`` (``tools/check_data.py``;
+        ``base``: the folder holding the splits).
     splits: the train, validate and test paths relative to a data set root.
     subfolder: where the splits lie under the root a user passes ("" for the root itself).
     gt_range: the GT range its published results were scored in.
@@ -102,10 +103,13 @@ class DataFormat(NamedTuple):
     def check(self, root, progress: bool = True):
         return _resolve(self.checker)(root, progress)
 
+    def base(self, root) -> Path:
+        """The folder holding the splits (and what ``check`` takes) of a data set at ``root``."""
+        return Path(root) / self.subfolder if self.subfolder else Path(root)
+
     def split_paths(self, root) -> List[Path]:
         """The train, validate and test paths of a data set under ``root``."""
-        base = Path(root) / self.subfolder if self.subfolder else Path(root)
-        return [base / split for split in self.splits]
+        return [self.base(root) / split for split in self.splits]
 
 
 def _resolve(dotted: str):

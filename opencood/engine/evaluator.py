@@ -153,18 +153,18 @@ def vis_callback(run_dir: Path, tag: str, count: int, bev_range):
     return on_sample
 
 
-def correction_modes(cfg: Dict, strategy) -> List[Dict]:
+def correction_modes(box_align: Dict | None, strategy) -> List[Dict]:
     """How each setting is evaluated: [{"suffix", "fusion", "correct"}], once as is and, when
     the run has pose correction (a ``box_align`` section, or fusion ``late_box_align``), once
     more with it (suffix ``_aligned``), so the table shows AP with and without correction.
     Late fusion's correction is the ``late_box_align`` strategy; intermediate fusion's a stage-1
     ``PoseCorrector`` (``opencood.eval.pose_correction``)."""
     fusion = strategy.name
-    if strategy.late_variants and (cfg["box_align"] is not None or strategy.corrects_poses):
+    if strategy.late_variants and (box_align is not None or strategy.corrects_poses):
         plain, aligned = strategy.late_variants
         return [{"suffix": "", "fusion": plain, "correct": False},
                 {"suffix": "_aligned", "fusion": aligned, "correct": False}]
-    if cfg["box_align"] is None:
+    if box_align is None:
         return [{"suffix": "", "fusion": fusion, "correct": False}]
     return [{"suffix": "", "fusion": fusion, "correct": False},
             {"suffix": "_aligned", "fusion": fusion, "correct": True}]
@@ -299,7 +299,7 @@ def evaluate(args) -> List[Dict]:
             backend=dist_cfg["backend"],
             timeout_minutes=float(dist_cfg["timeout_minutes"])) as info:
         dist_utils.setup_logging(None, info.rank)
-        configure_cuda(cfg)      # the TF32 switches training validated with
+        configure_cuda(cfg["performance"])      # the TF32 switches training validated with
         with alike_on_every_rank(info.rank):
             checkpoint_path = run_checkpoint(run_dir, args.checkpoint)
             model, checkpoint = load_eval_model(cfg, checkpoint_path, args.use_ema, info.device)
@@ -312,7 +312,7 @@ def evaluate(args) -> List[Dict]:
             from torch.utils.tensorboard import SummaryWriter
             writer = SummaryWriter(log_dir=str(run_dir))
         fusion = strategy.name
-        modes = correction_modes(cfg, strategy)
+        modes = correction_modes(cfg["box_align"], strategy)
         with alike_on_every_rank(info.rank):
             corrector = load_pose_corrector(
                 cfg, strategy, info.device,

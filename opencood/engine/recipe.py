@@ -149,11 +149,10 @@ def seed_model_randomness(seed: int, rank: int) -> None:
     torch.manual_seed(rank_seed(seed, rank))
 
 
-def configure_cuda(cfg: Dict) -> None:
-    """TF32 and cudnn.benchmark from the config's ``performance`` section, for training (and its
+def configure_cuda(perf: Dict) -> None:
+    """TF32 and cudnn.benchmark from the resolved ``performance`` section, for training (and its
     validation) and for tools/eval.py alike: the same checkpoint then scores the same in both.
     Set on every machine (the switches are inert without CUDA), so CPU tests can see them."""
-    perf = cfg["performance"]
     torch.backends.cuda.matmul.allow_tf32 = perf["tf32"]
     torch.backends.cudnn.allow_tf32 = perf["tf32"]
     torch.backends.cudnn.benchmark = perf["cudnn_benchmark"]
@@ -216,9 +215,9 @@ def use_sync_batchnorm(info: dist_utils.DistInfo) -> bool:
     return info.device.type == "cuda" and info.world_size > 1
 
 
-def init_settings(cfg: Dict) -> Dict:
-    """Keyword arguments of ``init_weights`` from the yaml's ``init`` section."""
-    return {"method": cfg["init"]["method"], "cls_prior": cfg["init"]["cls_prior"]}
+def init_settings(init: Dict) -> Dict:
+    """Keyword arguments of ``init_weights`` from the resolved ``init`` section."""
+    return {"method": init["method"], "cls_prior": init["cls_prior"]}
 
 
 def make_ema(model: torch.nn.Module, ema_cfg: Dict) -> ModelEMA:
@@ -227,9 +226,9 @@ def make_ema(model: torch.nn.Module, ema_cfg: Dict) -> ModelEMA:
     return ModelEMA(model, decay=ema_cfg["decay"], tau=ema_cfg["tau"])
 
 
-def build_ema(model: torch.nn.Module, cfg: Dict, checkpoint: Dict | None) -> ModelEMA | None:
-    """The EMA of ``model`` (before DDP wraps it) when ``ema.enabled``, resumed if saved."""
-    ema_cfg = cfg["ema"]
+def build_ema(model: torch.nn.Module, ema_cfg: Dict, checkpoint: Dict | None) -> ModelEMA | None:
+    """The EMA of ``model`` (before DDP wraps it) when the resolved ``ema`` section is
+    enabled, resumed if saved."""
     if not ema_cfg["enabled"]:
         return None
     ema = make_ema(model, ema_cfg)
@@ -238,9 +237,9 @@ def build_ema(model: torch.nn.Module, cfg: Dict, checkpoint: Dict | None) -> Mod
     return ema
 
 
-def ddp_settings(cfg: Dict, info: dist_utils.DistInfo) -> Dict:
-    """Keyword arguments of ``DistributedDataParallel`` for this run."""
-    dist_cfg = cfg["distributed"]
+def ddp_settings(dist_cfg: Dict, info: dist_utils.DistInfo) -> Dict:
+    """Keyword arguments of ``DistributedDataParallel`` for this run (the resolved
+    ``distributed`` section)."""
     return {"device_ids": [info.device.index] if info.device.type == "cuda" else None,
             "find_unused_parameters": dist_cfg["find_unused_parameters"],
             "gradient_as_bucket_view": True}
@@ -261,27 +260,28 @@ def prepare_model(cfg: Dict, info: dist_utils.DistInfo, checkpoint: Dict | None,
     on the device, and the checkpoint saved from ``model_without_ddp`` (no ``module.`` prefix).
     """
     model = build_model(cfg["model"])
-    init_weights(model, **init_settings(cfg))
+    init_weights(model, **init_settings(cfg["init"]))
     if use_sync_batchnorm(info):           # CUDA with world > 1
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model.to(info.device)
     if cfg["performance"]["channels_last"]:   # before the EMA copies the weights' layout
         use_channels_last(model)
     load_model_weights(model, checkpoint, ckpt_path)
-    ema = build_ema(model, cfg, checkpoint)
+    ema = build_ema(model, cfg["ema"], checkpoint)
     model_without_ddp = model
     if info.distributed:
-        model = DistributedDataParallel(model, **ddp_settings(cfg, info))
+        model = DistributedDataParallel(model, **ddp_settings(cfg["distributed"], info))
     return model, model_without_ddp, ema
 
 
-def compile_for_training(model: torch.nn.Module, cfg: Dict) -> torch.nn.Module:
-    """``torch.compile(model)`` for training steps when ``performance.compile``, else ``model``.
+def compile_for_training(model: torch.nn.Module, perf: Dict) -> torch.nn.Module:
+    """``torch.compile(model)`` for training steps when the resolved ``performance`` section's
+    ``compile`` is set, else ``model``.
 
     Compiled lazily, on the first step. Parameters are shared with ``model``, so checkpoints,
     the EMA and evaluation keep using the uncompiled ``model_without_ddp``. Without graph
     breaks only with ``performance.static_pillars`` (tests/test_static_step.py)."""
-    if not cfg["performance"]["compile"]:
+    if not perf["compile"]:
         return model
     logger.info("performance.compile: the training model is compiled on its first step")
     return torch.compile(model)
@@ -298,7 +298,7 @@ def build_training_parts(cfg: Dict, info: dist_utils.DistInfo, checkpoint: Dict 
     the AMP settings. Draws nothing from the random streams beyond prepare_model's init. The
     trainer and tools/bench.py both build their parts here."""
     model, model_without_ddp, ema = prepare_model(cfg, info, checkpoint, ckpt_path)
-    model = compile_for_training(model, cfg)
+    model = compile_for_training(model, cfg["performance"])
     task = DetectionTask.from_config(cfg, info.device, teacher, strategy)
     optimizer = build_optimizer(model_without_ddp.parameters(), cfg["optimizer"])
     scheduler = (None if schedule is None
@@ -330,16 +330,16 @@ def distillation_dataset_args(teacher: FrozenTeacher | None) -> Dict:
 
 # -- validation ------------------------------------------------------------------------------
 
-def first_sample_picture(cfg: Dict, pictures: list):
-    """on_sample hook: rank 0 renders its first validation sample (points, GT, detections)."""
+def first_sample_picture(bev_range, pictures: list):
+    """on_sample hook: rank 0 renders its first validation sample (points, GT, detections)
+    over ``bev_range`` [xmin, ymin, zmin, xmax, ymax, zmax]."""
     if not dist_utils.is_main_process():
         return None
     from opencood.eval.vis import frame_title, render_detection_sample
 
     def on_sample(key, batch, row, boxes, scores):
         if not pictures:
-            pictures.append(render_detection_sample(batch, row, boxes,
-                                                    cfg["preprocess"]["cav_lidar_range"],
+            pictures.append(render_detection_sample(batch, row, boxes, bev_range,
                                                     frame_title(key)))
 
     return on_sample
@@ -360,7 +360,8 @@ def validate(model_for_eval, val_loaders, task: DetectionTask, info, amp_dtype, 
     eval_freq = cfg["train_params"]["eval_freq"]
     if epoch % eval_freq == 0:
         metrics = evaluate_loader(model_for_eval, ap_loader, task.eval_preparer, info.device,
-                                  task.strategy, on_sample=first_sample_picture(cfg, pictures))
+                                  task.strategy, on_sample=first_sample_picture(cfg["preprocess"]["cav_lidar_range"],
+                                                                 pictures))
         if metrics is not None:
             results.update({k: metrics[k] for k in ("ap_30", "ap_50", "ap_70")})
             if "visibility" in metrics:

@@ -110,7 +110,7 @@ def train(cfg: Dict, args, info: dist_utils.DistInfo, hooks: TrainHooks = NO_HOO
     run_dir = make_run_dir(cfg["name"], args.model_dir, args.runs_root)
     dist_utils.setup_logging(run_dir, info.rank)
     seed_everything(seed)
-    configure_cuda(cfg)
+    configure_cuda(cfg["performance"])
     ckpt_path, checkpoint = find_resume_checkpoint(run_dir)
     if dist_utils.is_main_process() and checkpoint is None:
         save_config(cfg, run_dir / "config.yaml")

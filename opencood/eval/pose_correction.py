@@ -64,10 +64,9 @@ def mark_corrected(inputs: Dict, corrected: torch.Tensor,
     return marked
 
 
-def box_align_args(cfg: Dict) -> BoxAlignArgs:
-    """``box_align.args`` of a resolved config as :class:`BoxAlignArgs` (defaults without the
-    section)."""
-    section = cfg["box_align"]
+def box_align_args(section: Dict | None) -> BoxAlignArgs:
+    """The resolved ``box_align`` section's ``args`` as :class:`BoxAlignArgs` (defaults without
+    the section: None)."""
     return BoxAlignArgs(**section["args"]) if section is not None else BoxAlignArgs()
 
 
@@ -141,7 +140,7 @@ def load_pose_corrector(cfg: Dict, strategy, device,
     check_stage1_config(stage1_cfg, stage1_dir)
     model = load_model(stage1_cfg, run_checkpoint(stage1_dir, None))
     preparer = BatchPreparer.from_config(stage1_cfg, device, training=False)
-    return PoseCorrector(model, preparer, box_align_args(cfg))
+    return PoseCorrector(model, preparer, box_align_args(cfg["box_align"]))
 
 
 def correction_pairs(inputs: Dict) -> List[torch.Tensor]:

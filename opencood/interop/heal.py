@@ -38,6 +38,7 @@ import re
 from pathlib import Path
 from typing import List, Optional, Tuple
 
+from opencood.data.formats import format_names
 from opencood.interop.opencood_ckpt import (PILLAR_RULES, SHRINK_RULES, V2VNET_RULES,
                                             InteropError, Rule)
 from opencood.interop.opencood_config import translate_config
@@ -47,7 +48,6 @@ FUSIONS = {"max": ("point_pillar_fcooper", "fcooper"),
            "att": ("point_pillar_intermediate", "attfuse"),
            "v2vnet": ("point_pillar_v2vnet", "v2vnet")}
 UNMAPPED_FUSIONS = ("disconet", "v2xvit", "cobevt", "where2comm", "who2com")
-DATASETS = ("opv2v", "v2xset", "v2v4real", "dairv2x")
 BESTVAL_FILE = re.compile(r"net_epoch_bestval_at(\d+)\.pth")
 ANY_EPOCH_FILE = re.compile(r".*epoch(\d+)\.pth")
 PROJ_FIRST_NOTE = ("imported with fusion.args.proj_first: false, as HEAL fuses (each agent's "
@@ -184,9 +184,9 @@ def set_own_frame_dataset(cfg: dict, data: dict, source: str) -> None:
     """The peer's ``fusion.dataset`` (a reader we have) and own-frame fusion: HEAL and CoAlign
     compute every agent's map in its own frame and warp it to the ego, so do we."""
     dataset = _get(data, "fusion.dataset", source, "opv2v")
-    if dataset not in DATASETS:
+    if dataset not in format_names():
         raise InteropError(f"{source}: fusion.dataset {dataset!r} has no reader here "
-                           f"({', '.join(DATASETS)})")
+                           f"({', '.join(format_names())})")
     cfg["fusion"]["dataset"] = dataset
     cfg["fusion"]["args"] = {"proj_first": False}
 

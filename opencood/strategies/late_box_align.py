@@ -22,7 +22,7 @@ class LateFusionBoxAlign(LateFusion):
     box_align_args = BoxAlignArgs()
 
     def configure(self, cfg: Dict) -> "LateFusionBoxAlign":
-        self.box_align_args = box_align_args(cfg)
+        self.box_align_args = box_align_args(cfg["box_align"])
         return self
 
     def detections(self, postprocessor, outputs: Dict, inputs: Dict) -> List:

@@ -16,7 +16,7 @@ from opencood.config_schema import ANCHOR_HWL, ANCHOR_Z
 from opencood.ops.voxelize import grid_size
 
 
-def fake_collated_batch(cfg: Dict, batch_size: int = 2, agents_per_sample: int = 3,
+def fake_collated_batch(preprocess: Dict, batch_size: int = 2, agents_per_sample: int = 3,
                         pillars_per_agent: int = 16000, points_per_pillar: int = 6,
                         max_gt: int = 20, single_agent: bool = False,
                         seed: int = 0) -> Dict:
@@ -27,8 +27,8 @@ def fake_collated_batch(cfg: Dict, batch_size: int = 2, agents_per_sample: int =
     ``agents_per_sample`` agents (intermediate fusion).
     """
     generator = torch.Generator().manual_seed(seed)
-    lidar_range = cfg["preprocess"]["cav_lidar_range"]
-    voxel = cfg["preprocess"]["args"]["voxel_size"]
+    lidar_range = preprocess["cav_lidar_range"]
+    voxel = preprocess["args"]["voxel_size"]
     nx, ny, _ = grid_size(lidar_range, voxel)
     agents = 1 if single_agent else agents_per_sample
     total_agents = batch_size * agents
