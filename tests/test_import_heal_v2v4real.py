@@ -84,7 +84,7 @@ def test_import_then_strict_load(name, tmp_path):
     pairs = [("cls_head.weight", "head.cls_conv.weight"),
              ("reg_head.bias", "head.reg_conv.bias"),
              (f"{prefix[0]}pillar_vfe.pfn_layers.0.norm.running_var",
-              "vfe.layers.0.norm.running_var"),
+              "encoder.vfe.layers.0.norm.running_var"),
              (f"{prefix[1]}blocks.0.1.weight", "backbone.blocks.0.0.weight")]
     if f"{prefix[2]}layers.0.double_conv.0.weight" in source:
         pairs.append((f"{prefix[2]}layers.0.double_conv.0.weight", "shrink.layers.0.weight"))

@@ -466,7 +466,7 @@ def test_coalign_parity_needs_the_warp_and_the_reference_options():
     to_ego = coalign_to_ego(fixture)
     assert min(coalign_differences(model, fixture, torch.linalg.inv(to_ego)).values()) \
         > 100 * TOLERANCE
-    for layer in model.vfe.layers:                  # our default (pillar_vfe.padded_slots)
+    for layer in model.encoder.vfe.layers:                  # our default (pillar_vfe.padded_slots)
         layer.padded_slots = "ignore"
     assert min(coalign_differences(model, fixture).values()) > 100 * TOLERANCE
     plain = coalign_model(device="meta", **{"model.args.base_bev_backbone.resnet": "false"})
@@ -662,7 +662,7 @@ def test_import_refuses_in_one_line_and_writes_nothing(defect, tmp_path, capsys)
     assert message.startswith("error: ") and "\n" not in message
     assert "net_epoch7.pth" in message
     assert ("weight_extra" in message) if defect == "extra key" else \
-        ("vfe.layers.0.norm.running_mean" in message)
+        ("encoder.vfe.layers.0.norm.running_mean" in message)
     assert _listing(work) == []                              # not even a temporary folder
 
 
@@ -819,7 +819,7 @@ def test_reference_model_trained_here_exports(tmp_path, test_split):
     peer = torch.load(exported / f"net_epoch{epoch}.pth", weights_only=True)
     assert torch.equal(peer["cls_head.weight"], state["head.cls_conv.weight"])
     assert torch.equal(peer["pillar_vfe.pfn_layers.0.norm.running_mean"],
-                       state["vfe.layers.0.norm.running_mean"])
+                       state["encoder.vfe.layers.0.norm.running_mean"])
 
 
 # ----------------------------------------------------------------------------------------------

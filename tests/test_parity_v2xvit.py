@@ -29,7 +29,6 @@ from opencood.interop.importer import import_opencood_run
 from opencood.interop.opencood_ckpt import opencood_to_ours, ours_to_opencood, state_shapes
 from opencood.interop.opencood_config import read_opencood_yaml, translate_config
 from opencood.models.build import build_model
-from opencood.models.detectors import encode_agents
 from opencood.models.v2vnet import bev_affine
 from opencood.models.v2xvit import reference_sttf, sinusoid_table
 from test_parity_opencood import (TOLERANCE, load_fixture, peer_state, relative_differences,
@@ -82,7 +81,7 @@ def reference_model(fixture) -> torch.nn.Module:
 def shrunk(reference_model, fixture) -> torch.Tensor:
     """The maps entering the fusion (N, 256, 8, 16): the same for every fusion option."""
     with torch.no_grad():
-        canvas = encode_agents(reference_model.vfe, reference_model.scatter, our_batch(fixture))
+        canvas = reference_model.encoder(our_batch(fixture))
         return reference_model.shrink(reference_model.backbone(canvas))
 
 

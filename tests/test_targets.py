@@ -56,8 +56,8 @@ def test_small_anchor_grid_and_config():
                                torch.tensor([5.0, 3.0, -1.0, 1.5, 1.0, 2.0, math.pi / 2]))
     anchor_args = resolve_section("postprocess", {"anchor_args": {
         "h": 1.5, "w": 1.0, "l": 2.0, "z": -1.0, "r": [0, 90], "feature_stride": 2}})["anchor_args"]
-    preprocess = {"cav_lidar_range": SMALL_RANGE, "args": {"voxel_size": [1, 1, 4]}}
-    from_yaml = anchors_from_config(anchor_args, preprocess, order="hwl")
+    bev_grid = {"range": SMALL_RANGE, "cell_size": [1, 1]}
+    from_yaml = anchors_from_config(anchor_args, bev_grid, order="hwl")
     torch.testing.assert_close(from_yaml, anchors)
 
 
