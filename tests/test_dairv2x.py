@@ -19,6 +19,7 @@ from opencood.data.synthetic.writer import SPLITS, scan_frames
 from opencood.data.synthetic.writer_dairv2x import WORLD_ORIGIN, adapt_preset, virtual_lidar
 from opencood.data.wild import WildSetting
 from opencood.ops.transforms import pose_to_matrix
+from opencood.strategies import choose_strategy
 from test_v2v4real import _match_boxes
 
 BIG_RANGE = [-1000.0, -1000.0, -100.0, 1000.0, 1000.0, 100.0]
@@ -304,12 +305,14 @@ def test_the_gt_source_comes_from_the_config_and_the_dairv2x_preset_uses_heal_s(
     config = Path(__file__).resolve().parents[1] / "hypes_yaml/dairv2x/base.yaml"
     cfg = load_config(config, [f"root_dir={sides_root / 'train.json'}"])
     assert cfg["fusion"]["gt_source"] == "single_side"
-    dataset = build_dataset(cfg, "train", train=False, fusion_method="intermediate")
+    dataset = build_dataset(cfg, "train", train=False,
+                            strategy=choose_strategy(cfg, "intermediate"))
     assert dataset.split.gt_source == "single_side" and len(dataset.split.sample_gt(
         0, BIG_RANGE)[0]) == 4
     cfg = load_config(config, [f"root_dir={sides_root / 'train.json'}",
                                "fusion.gt_source=cooperative"])
-    dataset = build_dataset(cfg, "train", train=False, fusion_method="intermediate")
+    dataset = build_dataset(cfg, "train", train=False,
+                            strategy=choose_strategy(cfg, "intermediate"))
     assert dataset.split.sample_gt(0, BIG_RANGE)[0].tolist() == [1]
 
 

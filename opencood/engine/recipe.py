@@ -359,9 +359,9 @@ def validate(model_for_eval, val_loaders, task: DetectionTask, info, amp_dtype, 
     results, pictures = {"loss": loss}, []
     eval_freq = cfg["train_params"]["eval_freq"]
     if epoch % eval_freq == 0:
+        picture = first_sample_picture(cfg["preprocess"]["cav_lidar_range"], pictures)
         metrics = evaluate_loader(model_for_eval, ap_loader, task.eval_preparer, info.device,
-                                  task.strategy, on_sample=first_sample_picture(cfg["preprocess"]["cav_lidar_range"],
-                                                                 pictures))
+                                  task.strategy, on_sample=picture)
         if metrics is not None:
             results.update({k: metrics[k] for k in ("ap_30", "ap_50", "ap_70")})
             if "visibility" in metrics:
