@@ -445,10 +445,20 @@ def _run_jobs(jobs, workers: int, progress: bool) -> list:
     # fork where possible: workers inherit the imported modules instead of re-importing them.
     # The pool is made before the bar so that no tqdm monitor thread exists at fork time.
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-    with multiprocessing.get_context(method).Pool(min(workers, len(jobs))) as pool:
+    with multiprocessing.get_context(method).Pool(min(workers, len(jobs)),
+                                                  initializer=_one_thread_worker) as pool:
         with tqdm(total=len(jobs), unit="scenario", desc="synthetic", disable=not progress) as bar:
             return [_tick(bar, result)
                     for result in pool.imap(_scenario_job, jobs, chunksize=1)]
+
+
+def _one_thread_worker() -> None:
+    """Pool initializer: torch runs single-threaded in a forked worker. A fork of a process whose
+    OpenMP pool has run (the caller's torch ops) hangs in the child's first parallel region
+    (GNU libgomp is not fork-safe); one thread never enters one, and the workers are the
+    parallelism here anyway."""
+    import torch
+    torch.set_num_threads(1)
 
 
 def _tick(bar, result):
