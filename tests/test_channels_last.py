@@ -20,7 +20,7 @@ def test_maps_stay_channels_last_from_the_canvas_to_the_heads():
     def keep(name):
         return lambda module, inputs, output: seen.setdefault(name, output)
 
-    model.scatter.register_forward_hook(keep("canvas"))
+    model.encoder.scatter.register_forward_hook(keep("canvas"))
     model.backbone.register_forward_hook(keep("backbone"))
     model.head.cls_conv.register_forward_hook(keep("cls_preds"))
     loss_fn(model, batch)[0].backward()
@@ -42,12 +42,12 @@ def test_the_ema_copies_the_channels_last_layout():
                                   None, None)
     for (name, weight), ema_weight in zip(model.named_parameters(), ema.module.parameters()):
         assert weight.stride() == ema_weight.stride(), name
-    assert ema.module.scatter.memory_format == torch.channels_last
+    assert ema.module.encoder.scatter.memory_format == torch.channels_last
 
 
 def test_off_by_default():
     _, model, _, _ = lite_step_parts("point_pillar_attfuse")
-    assert model.scatter.memory_format == torch.contiguous_format
+    assert model.encoder.scatter.memory_format == torch.contiguous_format
     assert all(p.is_contiguous() for p in model.parameters())
 
 

@@ -598,7 +598,7 @@ def test_training_validation_and_eval_give_the_same_ap_on_one_checkpoint(runs, t
     cpu = torch.device("cpu")
     info = DistInfo(rank=0, world_size=1, local_rank=0, distributed=False, backend=None,
                     device=cpu)
-    model, _ = evaluator.load_eval_model(cfg, run_dir / "last.pth", True, cpu)
+    model, _ = evaluator.load_eval_model(cfg["model"], run_dir / "last.pth", True, cpu)
     task = DetectionTask.from_config(cfg, cpu)
     loaders = recipe.build_validation_loaders(cfg, info, micro_batch=2)
     results, count, _ = recipe.validate(model, loaders, task, info, None, cfg,

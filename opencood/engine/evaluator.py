@@ -96,14 +96,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def load_eval_model(cfg: Dict, checkpoint_path: Path, use_ema: bool,
+def load_eval_model(model_cfg: Dict, checkpoint_path: Path, use_ema: bool,
                     device) -> Tuple[torch.nn.Module, Dict]:
-    """(model with the checkpoint's EMA weights (if present and wanted) or raw weights, the
-    checkpoint's facts for the record: file, epoch, step, sha256, weights)."""
+    """(the resolved ``model`` section's model with the checkpoint's EMA weights (if present and
+    wanted) or raw weights, the checkpoint's facts for the record: file, epoch, step, sha256,
+    weights)."""
     checkpoint = load_checkpoint(checkpoint_path)
     if "model" not in checkpoint:
         raise CheckpointError(f"{checkpoint_path}: not a training checkpoint (no 'model' entry)")
-    model = build_model(cfg["model"])
+    model = build_model(model_cfg)
     weights = "ema" if use_ema and checkpoint.get("ema") else "raw"
     state = checkpoint["ema"]["module"] if weights == "ema" else checkpoint["model"]
     check_state_dict_compatible(model, state, checkpoint_path)
@@ -200,33 +201,33 @@ def evaluate_setting(cfg, args, run_dir, model, info, setting, checkpoint: Dict,
     metrics = evaluate_loader(model, loader, preparer, info.device, strategy,
                               collector or on_sample, protocol, corrector)
     if collector is not None:
-        save_detections(collector, run_dir, args, fusion, tag, cfg_run)
+        save_detections(collector, run_dir, args, fusion, tag, cfg_run["postprocess"]["order"])
     if metrics is None:
         return None
     metrics["protocol"] = {"name": protocol.name, "description": protocol.description,
-                           **scored_gt_range(protocol, cfg_run)}
+                           **scored_gt_range(protocol, cfg_run["postprocess"]["gt_range"])}
     return setting_record(cfg_run, args, tag, fusion, checkpoint, info, metrics, correction)
 
 
-def scored_gt_range(protocol, cfg_run: Dict) -> Dict:
+def scored_gt_range(protocol, gt_range) -> Dict:
     """{"gt_range": the range the GT was scored in, "gt_range_of": whose it is}: the protocol's
-    own range where it has one (set as the data set's gt_range), else the config's
-    ``postprocess.gt_range`` (for an imported run: the peer's test range cut to its LiDAR range,
+    own range where it has one (set as the data set's gt_range: ``gt_range``, the evaluated
+    config's ``postprocess.gt_range``), else the config's own (for an imported run: the peer's test range cut to its LiDAR range,
     so another number of GT boxes than the peer's own evaluation counts)."""
-    return {"gt_range": [float(v) for v in cfg_run["postprocess"]["gt_range"]],
+    return {"gt_range": [float(v) for v in gt_range],
             "gt_range_of": (f"protocol {protocol.name}" if protocol.box_range is not None
                             else "postprocess.gt_range")}
 
 
 def save_detections(collector: DetectionCollector, run_dir: Path, args, fusion: str, tag: str,
-                    cfg_run: Dict) -> None:
-    """Every rank's frames to rank 0, written there (every rank calls it)."""
+                    order: str) -> None:
+    """Every rank's frames to rank 0, written there (every rank calls it); ``order``: the box
+    size order (``postprocess.order``)."""
     frames = collector.gather()
     protocol = "" if args.protocol == DEFAULT_PROTOCOL else f"_{args.protocol}"
     path = Path(run_dir) / detections_name(args.split, fusion, tag, protocol)
     written = dist_utils.run_together(
-        lambda: None if frames is None else write_detections(path, frames,
-                                                             cfg_run["postprocess"]["order"]),
+        lambda: None if frames is None else write_detections(path, frames, order),
         "writing detections")
     if written is not None:
         print(f"detections: {written}", flush=True)
@@ -302,7 +303,8 @@ def evaluate(args) -> List[Dict]:
         configure_cuda(cfg["performance"])      # the TF32 switches training validated with
         with alike_on_every_rank(info.rank):
             checkpoint_path = run_checkpoint(run_dir, args.checkpoint)
-            model, checkpoint = load_eval_model(cfg, checkpoint_path, args.use_ema, info.device)
+            model, checkpoint = load_eval_model(cfg["model"], checkpoint_path, args.use_ema,
+                                                info.device)
             strategy = choose_strategy(cfg, args.fusion_method)
             strategy.check_model(model, cfg["model"]["core_method"])
         logger.info("evaluating %s on %s", checkpoint_path, args.split)
@@ -316,7 +318,8 @@ def evaluate(args) -> List[Dict]:
         with alike_on_every_rank(info.rank):
             corrector = load_pose_corrector(
                 cfg, strategy, info.device,
-                lambda stage1_cfg, path: load_eval_model(stage1_cfg, path, True, info.device)[0])
+                lambda stage1_cfg, path: load_eval_model(stage1_cfg["model"], path, True,
+                                                         info.device)[0])
         settings = settings_to_run(args.pose_noise, args.latency, args.seeds,
                                    cfg["wild_setting"]["seed"])
         evaluated = []

@@ -71,8 +71,8 @@ def translate_coalign_config(data: dict, source: str) -> dict:
     dir_args = _get(data, "model.args.dir_args", source, None)
     args["use_dir"] = dir_args is not None
     if dir_args is not None:
-        set_direction_head(cfg, data, source)
-    set_own_frame_dataset(cfg, data, source)
+        set_direction_head(cfg["loss"], data, source)
+    set_own_frame_dataset(cfg["fusion"], data, source)
     return cfg
 
 

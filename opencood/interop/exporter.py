@@ -163,12 +163,12 @@ def peer_config(cfg: dict, source: str) -> Tuple[str, dict]:
         "name": str(cfg.get("name") or "opencood_export"),
         "root_dir": cfg.get("root_dir") or "", "validate_dir": cfg.get("validate_dir") or "",
         "yaml_parser": "load_point_pillar_params",
-        "train_params": peer_train_params(cfg),
+        "train_params": peer_train_params(cfg["train_params"]),
         "fusion": {"core_method": STRATEGY_DATASET[strategy],
                    "args": {"proj_first": True} if fusion is not None else []},
-        "preprocess": peer_preprocess(cfg, lidar_range),
+        "preprocess": peer_preprocess(cfg["preprocess"], lidar_range),
         "data_augment": [dict(entry) for entry in cfg.get("data_augment") or []],
-        "postprocess": peer_postprocess(cfg, lidar_range),
+        "postprocess": peer_postprocess(cfg["postprocess"], lidar_range),
         "model": {"core_method": core_method,
                   "args": peer_model_args(cfg, lidar_range, fusion)},
         "loss": {"core_method": "point_pillar_loss",
@@ -182,14 +182,13 @@ def peer_config(cfg: dict, source: str) -> Tuple[str, dict]:
     return core_method, hypes
 
 
-def peer_train_params(cfg: dict) -> dict:
-    params = cfg["train_params"]
+def peer_train_params(params: dict) -> dict:
     return {key: int(params[key]) for key in ("batch_size", "epoches", "eval_freq",
                                                  "save_freq", "max_cav")}
 
 
-def peer_preprocess(cfg: dict, lidar_range: list) -> dict:
-    args = cfg["preprocess"]["args"]
+def peer_preprocess(preprocess: dict, lidar_range: list) -> dict:
+    args = preprocess["args"]
     out = {"voxel_size": [float(v) for v in args["voxel_size"]],
            "max_points_per_voxel": int(args["max_points_per_voxel"])}
     for key in ("max_voxel_train", "max_voxel_test"):
@@ -198,8 +197,7 @@ def peer_preprocess(cfg: dict, lidar_range: list) -> dict:
     return {"core_method": "SpVoxelPreprocessor", "args": out, "cav_lidar_range": lidar_range}
 
 
-def peer_postprocess(cfg: dict, lidar_range: list) -> dict:
-    post = cfg["postprocess"]
+def peer_postprocess(post: dict, lidar_range: list) -> dict:
     anchors = post["anchor_args"]
     rotations = [float(r) for r in anchors["r"]]
     return {"core_method": "VoxelPostprocessor",

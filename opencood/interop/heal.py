@@ -169,26 +169,27 @@ def as_opencood_hypes(data: dict, source: str) -> dict:
     return hypes
 
 
-def set_direction_head(cfg: dict, data: dict, source: str) -> None:
+def set_direction_head(loss: dict, data: dict, source: str) -> None:
     """The peer's ``model.args.dir_args`` (HEAL's and CoAlign's direction head) -> our 2-bin
-    head's loss offset; other bin counts are refused."""
+    head's loss offset (in our ``loss`` section); other bin counts are refused."""
     bins = _get(data, "model.args.dir_args.num_bins", source)
     if bins != 2:
         raise InteropError(f"{source}: model.args.dir_args.num_bins is {bins!r}; our direction "
                            "head has 2 bins")
-    cfg["loss"]["args"]["dir_offset"] = float(_get(data, "model.args.dir_args.dir_offset",
+    loss["args"]["dir_offset"] = float(_get(data, "model.args.dir_args.dir_offset",
                                                    source))
 
 
-def set_own_frame_dataset(cfg: dict, data: dict, source: str) -> None:
-    """The peer's ``fusion.dataset`` (a reader we have) and own-frame fusion: HEAL and CoAlign
-    compute every agent's map in its own frame and warp it to the ego, so do we."""
+def set_own_frame_dataset(fusion: dict, data: dict, source: str) -> None:
+    """The peer's ``fusion.dataset`` (a reader we have) and own-frame fusion in our ``fusion``
+    section: HEAL and CoAlign compute every agent's map in its own frame and warp it to the
+    ego, so do we."""
     dataset = _get(data, "fusion.dataset", source, "opv2v")
     if dataset not in format_names():
         raise InteropError(f"{source}: fusion.dataset {dataset!r} has no reader here "
                            f"({', '.join(format_names())})")
-    cfg["fusion"]["dataset"] = dataset
-    cfg["fusion"]["args"] = {"proj_first": False}
+    fusion["dataset"] = dataset
+    fusion["args"] = {"proj_first": False}
 
 
 def translate_heal_config(data: dict, source: str) -> dict:
@@ -197,8 +198,8 @@ def translate_heal_config(data: dict, source: str) -> dict:
     args = cfg["model"]["args"]
     args["use_dir"] = True
     args["fusion"]["stage"] = "backbone"            # after the shrinker, single scale
-    set_direction_head(cfg, data, source)
-    set_own_frame_dataset(cfg, data, source)
+    set_direction_head(cfg["loss"], data, source)
+    set_own_frame_dataset(cfg["fusion"], data, source)
     if cfg["fusion"]["dataset"] == "dairv2x":
         # every HEAL DAIR data set trains and evaluates on the two sides' own labels merged
         # (opencood.data.dairv2x), not on cooperative/label_world as CoAlign's do
