@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 NOT_OUR_CONFIG = {
     ("opencood/eval/ap.py", "order"): "an APAccumulator state dict saved by an older version",
     ("opencood/eval/records.py", "name"): "an evaluation record of an older version",
-    ("opencood/engine/evaluator.py", "name"): "evaluation results (protocol of older ones)",
+    ("opencood/eval/report.py", "name"): "evaluation results (protocol of older ones)",
     ("tools/results_table.py", "seed"): "a table row, and a run folder's config.yaml read raw "
                                         "(folders of older versions)",
 }

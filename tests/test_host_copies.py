@@ -12,6 +12,7 @@ from opencood.config import load_config
 from opencood.data.collate import build_loader
 from opencood.data.pipeline import BatchPreparer
 from opencood.engine import recipe
+from opencood.strategies import choose_strategy
 from opencood.utils.dist import DistInfo
 from opencood.utils.fake_batch import fake_collated_batch
 
@@ -51,5 +52,6 @@ def test_loaders_pin_memory_for_a_gpu_and_not_for_the_cpu(tmp_path):
     split = write_simple_split(tmp_path / "validate", num_cavs=2, timestamps=("000000",))
     cfg = load_config(REPO / "hypes_yaml" / "synthetic" / "smoke.yaml",
                       [f"root_dir={split}", f"validate_dir={split}", "train_params.num_workers=0"])
-    loss_loader, ap_loader = recipe.build_validation_loaders(cfg, CUDA_INFO, micro_batch=1)
+    loss_loader, ap_loader = recipe.build_validation_loaders(cfg, CUDA_INFO, micro_batch=1,
+                                                             strategy=choose_strategy(cfg))
     assert loss_loader.pin_memory and ap_loader.pin_memory

@@ -272,7 +272,7 @@ def test_cameras_same_seed_same_bytes_and_lidar_files_unchanged(camera_data, tmp
 
 
 def test_cameras_refused_for_other_formats(tmp_path):
-    with pytest.raises(ValueError, match="dairv2x formats only, not 'v2v4real'"):
+    with pytest.raises(ValueError, match="opv2v and dairv2x formats only, not 'v2v4real'"):
         generate_dataset(tmp_path / "x", preset=TINY_CAMERAS, data_format="v2v4real",
                          progress=False)
 

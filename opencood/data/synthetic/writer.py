@@ -292,6 +292,8 @@ def generate_scenario(out_dir, preset: Preset, seed: int, split: str, index: int
 # The file formats the synthetic world writes (tools/generate_synthetic.py --format): those of
 # opencood.data.formats with a writer.
 FORMATS = tuple(writer_formats())
+# This module writes OPV2V's layout; a writer module that writes camera files says so.
+WRITES_CAMERAS = True
 
 
 def format_writer(data_format: str):
@@ -405,10 +407,12 @@ def generate_dataset(out_dir, preset="small", seed: int = 0, workers: int = 1,
     unknown = sorted(set(splits) - set(SPLITS))
     if unknown or not splits:
         raise ValueError(f"splits must be some of {', '.join(SPLITS)}, got {list(splits)}")
-    if preset.cameras is not None and data_format not in ("opv2v", "dairv2x"):
-        raise ValueError(f"cameras are written in the opv2v (V2XSet's layout included) and "
-                         f"dairv2x formats only, not {data_format!r}")
     writer = format_writer(data_format)
+    if preset.cameras is not None and not getattr(writer, "WRITES_CAMERAS", False):
+        with_cameras = [name for name in FORMATS
+                        if getattr(format_writer(name), "WRITES_CAMERAS", False)]
+        raise ValueError(f"cameras are written in the {' and '.join(with_cameras)} formats "
+                         f"only, not {data_format!r} (V2XSet's layout is opv2v's)")
     preset = getattr(writer, "adapt_preset", lambda p: p)(preset)
     out_dir = Path(out_dir)
     _prepare_out_dir(out_dir, overwrite, getattr(writer, "OUTPUT_NAMES", SPLITS))

@@ -70,6 +70,9 @@ VIRTUAL_LIDAR_HEIGHT = 1.9                                   # metres above the 
 SIDE_LABEL_ERROR = {"xy": 0.08, "z": 0.04, "size": 0.02, "yaw": 0.02}
 SIDE_LABEL_MISS = 0.1
 
+# The DAIR-V2X-C writer writes its image folders and camera calibration (--cameras).
+WRITES_CAMERAS = True
+
 
 def virtual_lidar(points: np.ndarray, pose) -> tuple:
     """A roadside unit's cloud (N, 4) and pose [x, y, z, roll, yaw, pitch] (level, z its height
