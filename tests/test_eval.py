@@ -28,7 +28,7 @@ from process_state import TORCH_SWITCHES, preserved_torch_switches
 from opencood.config import load_config, save_config
 from opencood.engine import evaluator
 from opencood.eval import inference, report
-from opencood.strategies import get_strategy
+from opencood.strategies import choose_strategy, get_strategy
 from opencood.eval.ap import APAccumulator
 from opencood.eval.pose_error import PoseErrorTally
 from opencood.models.build import build_model
@@ -600,7 +600,8 @@ def test_training_validation_and_eval_give_the_same_ap_on_one_checkpoint(runs, t
                     device=cpu)
     model, _ = evaluator.load_eval_model(cfg["model"], run_dir / "last.pth", True, cpu)
     task = DetectionTask.from_config(cfg, cpu)
-    loaders = recipe.build_validation_loaders(cfg, info, micro_batch=2)
+    loaders = recipe.build_validation_loaders(cfg, info, micro_batch=2,
+                                              strategy=choose_strategy(cfg))
     results, count, _ = recipe.validate(model, loaders, task, info, None, cfg,
                                         cfg["train_params"]["eval_freq"])
     assert count == len(TIMESTAMPS) and eval_metrics["num_frames"] == len(TIMESTAMPS)

@@ -25,6 +25,7 @@ from opencood.engine.hooks import TrainHooks
 from opencood.engine.task import DetectionTask
 from opencood.losses import build_loss
 from opencood.models.build import build_model
+from opencood.strategies import choose_strategy
 from opencood.utils.checkpoint import load_checkpoint
 from opencood.utils.dist import DistInfo
 from opencood.utils.init import init_weights
@@ -108,8 +109,10 @@ def test_validation_and_best_checkpoint_use_the_ema_weights(data_root, tmp_path)
     cfg = load_config(run_dir / "config.yaml")
     checkpoint = load_checkpoint(run_dir / "last.pth")
     info = DistInfo(0, 1, 0, False, None, CPU)
-    val_loaders = recipe.build_validation_loaders(cfg, info, micro_batch=2)
-    task = DetectionTask(BatchPreparer.from_config(cfg, CPU), build_loss(cfg["loss"]))
+    val_loaders = recipe.build_validation_loaders(cfg, info, micro_batch=2,
+                                              strategy=choose_strategy(cfg))
+    task = DetectionTask(BatchPreparer.from_config(cfg, CPU), build_loss(cfg["loss"]),
+                         strategy=choose_strategy(cfg))
 
     def loss_of(weights):
         model, _, _ = recipe.prepare_model(cfg, info, None, None)

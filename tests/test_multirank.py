@@ -25,13 +25,13 @@ from process_state import preserved_opencood_logger
 from opencood.config import load_config
 from opencood.data.collate import collate_samples
 from opencood.data.datasets import build_dataset
-from opencood.strategies import choose_strategy
 from opencood.data.pipeline import BatchPreparer
 from opencood.engine import recipe, state as train_state, trainer
 from opencood.engine.hooks import NO_HOOKS, TrainHooks
 from opencood.engine.loop import validation_loss
 from opencood.engine.task import DetectionTask
 from opencood.losses import build_loss
+from opencood.strategies import choose_strategy
 from opencood.utils import dist as dist_utils
 from opencood.utils.dist import DistInfo
 from opencood.utils.samplers import InferenceSampler
@@ -423,11 +423,12 @@ def _validate_in_one_process(run_dir: Path, checkpoint_name: str) -> dict:
     from opencood.utils.checkpoint import load_checkpoint
     cfg = load_config(run_dir / "config.yaml")
     info = DistInfo(0, 1, 0, False, None, CPU)
-    val_loaders = recipe.build_validation_loaders(cfg, info, micro_batch=1)
+    val_loaders = recipe.build_validation_loaders(cfg, info, micro_batch=1,
+                                              strategy=choose_strategy(cfg))
     path = run_dir / checkpoint_name
     _, model, _ = recipe.prepare_model(cfg, info, load_checkpoint(path), path)
     preparer = BatchPreparer.from_config(cfg, CPU)
-    task = DetectionTask(preparer, build_loss(cfg["loss"]))
+    task = DetectionTask(preparer, build_loss(cfg["loss"]), strategy=choose_strategy(cfg))
     results, count, _ = recipe.validate(model, val_loaders, task, info, None, cfg, 1)
     assert count == VAL_SAMPLES
     return results
