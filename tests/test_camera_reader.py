@@ -18,15 +18,23 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from opencood.config import load_config
-from opencood.data import cameras
+from opencood.data import cameras, datasets
 from opencood.data.cameras import (CameraFileError, ImageAugmentation, camera_inputs,
                                    image_augmentation_matrices)
-from opencood.data.datasets import build_dataset
 from opencood.errors import ConfigError
 from opencood.ops.transforms import boxes_to_corners_3d
+from opencood.strategies import choose_strategy
 from tests.tool_modules import load_tool
+
+
+def build_dataset(cfg, split, train, **options):
+    """The dataset of the config's own strategy (the engine's choice)."""
+    return datasets.build_dataset(cfg, split, train=train, strategy=choose_strategy(cfg),
+                                  **options)
+
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "camera_reader"
 IMAGE_TOL, MATRIX_TOL = 1e-6, 1e-8
@@ -295,3 +303,23 @@ def test_camera_picture_tool_draws_the_gt_through_the_sample_matrices(folders, t
     assert picture.shape == (rows * 32 * tool.SCALE, columns * 48 * tool.SCALE, 3)
     assert (picture == tool.GT_COLOUR).all(axis=-1).sum() > 50      # GT edges drawn
     assert tool.main(["--config", CONFIG, "--out", str(out)]) == 2   # a LiDAR config: refused
+
+
+def test_camera_samples_batches_and_model_inputs_use_the_declared_keys(folders):
+    from opencood import batch_keys
+    from opencood.data.collate import collate_samples
+    from opencood.data.pipeline import BatchPreparer
+    _, meta = _fixture("v2xset")
+    cfg = camera_config(_split_dir("v2xset", folders["v2xset"]), meta["data_aug_conf"])
+    dataset = build_dataset(cfg, "validate", train=False)
+    samples = [dataset[0], dataset[1]]
+    for sample in samples:
+        batch_keys.check_keys("sample", sample, "camera dataset")
+    batch = collate_samples(samples)
+    batch_keys.check_keys("batch", batch, "collate of camera samples")
+    agents = sum(len(sample["agent_ids"]) for sample in samples)
+    assert batch["images"].shape[:2] == (agents, 4) and batch["record_len"].sum() == agents
+    inputs = BatchPreparer.from_config(cfg, "cpu", training=False).model_inputs(batch)
+    batch_keys.check_keys("model input", inputs, "preparer of camera samples")
+    for key in batch_keys.keys_of(batch_keys.MODEL_INPUT, batch_keys.CAMERA):
+        assert torch.equal(inputs[key], batch[key]), key

@@ -25,6 +25,7 @@ from opencood.config import load_config
 from opencood.data.cameras import IMAGENET_MEAN, IMAGENET_STD
 from opencood.data.datasets import build_dataset
 from opencood.ops.transforms import boxes_to_corners_3d
+from opencood.strategies import choose_strategy
 from opencood.utils.vis_bev import save_image
 
 EDGES = ((0, 1), (1, 2), (2, 3), (3, 0), (4, 5), (5, 6), (6, 7), (7, 4),
@@ -104,7 +105,7 @@ def main(argv=None) -> int:
         print(f"error: {args.config}: input_source {cfg['input_source']} has no camera "
               f"(--set input_source=[lidar,camera] and a camera section)", file=sys.stderr)
         return 2
-    dataset = build_dataset(cfg, args.split, train=args.train)
+    dataset = build_dataset(cfg, args.split, train=args.train, strategy=choose_strategy(cfg))
     dataset.set_epoch(args.epoch)
     if not 0 <= args.index < len(dataset):
         print(f"error: --index {args.index}: the split has {len(dataset)} samples",

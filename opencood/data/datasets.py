@@ -58,7 +58,7 @@ from opencood.data.cameras import camera_inputs, stack_agents
 from opencood.data.opv2v import DEFAULT_GT_RANGE, is_infrastructure
 from opencood.data.formats import open_split, split_class
 from opencood.data.wild import WildSetting, delayed_timestamp, noisy_pose
-from opencood.errors import alike_on_every_rank
+from opencood.errors import ConfigError, alike_on_every_rank
 from opencood.ops.transforms import count_points_in_boxes, project_and_crop, relative_transform
 from opencood.registry import DATASETS
 from opencood.utils.collectives import get_rank

@@ -61,6 +61,10 @@ class SplitReader(Protocol):
                   order: str = "hwl") -> Tuple[np.ndarray, np.ndarray]:
         """(ids (M,) int64, boxes (M, 7)) of sample ``index`` in the ego's LiDAR frame."""
 
+    def load_cameras(self, scenario: str, cav_id: str, timestamp: str) -> Any:
+        """The frame's cameras (``opencood.data.cameras.CameraFrame``: images, intrinsics,
+        camera -> LiDAR extrinsics), for configs whose ``input_source`` has "camera"."""
+
     def frame_boxes(self, scenario: str, cav_id: str, timestamp: str,
                     gt_range: Sequence[float],
                     order: str = "hwl") -> Tuple[np.ndarray, np.ndarray]:
