@@ -43,7 +43,8 @@ _CAMERA_KEYS = (
     Key("images", CAMERA, "(A, C, 3, H, W) float32", "camera images, normalised as the encoder "
         "expects, after the image augmentation"),
     Key("intrinsics", CAMERA, "(A, C, 3, 3) float32", "pinhole intrinsics of each camera"),
-    Key("extrinsics", CAMERA, "(A, C, 4, 4) float32", "camera -> agent (its LiDAR frame)"),
+    Key("extrinsics", CAMERA, "(A, C, 4, 4) float32", "camera (OpenCV axes) -> the frame of "
+        "the agent's points: its own (augmented) LiDAR frame, the ego's with proj_first"),
     Key("post_rots", CAMERA, "(A, C, 3, 3) float32", "the image augmentation's rotation and "
         "resize (pixels of the original image -> the augmented one)"),
     Key("post_trans", CAMERA, "(A, C, 3) float32", "the image augmentation's translation"),

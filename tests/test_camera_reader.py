@@ -203,7 +203,7 @@ def test_camera_only_needs_no_pcd_and_lidar_configs_still_do(folders, tmp_path):
         pcd.unlink()
     cfg = camera_config(copy, meta["data_aug_conf"])
     sample = build_dataset(cfg, "validate", train=False)[0]
-    assert [len(points) for points in sample["agent_points"]] == [0] * len(sample["agent_ids"])
+    assert "agent_points" not in sample                    # camera-only: no LiDAR keys
     assert (sample["gt_ego_points"] == -1).all()          # no LiDAR: visibility not counted
     assert sample["images"].shape[:2] == (len(sample["agent_ids"]), 4)
     lidar = load_config(CONFIG, [f"validate_dir={copy}"])

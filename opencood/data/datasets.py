@@ -18,6 +18,9 @@ A sample is a dict::
                                                      ego's (wild_setting.latency_frames, fewer at
                                                      a scenario's start; 0 for the ego)
     agent_points      [(N_i, 4) float32, ...]        one entry per agent of the model input
+                                                     (LiDAR inputs only)
+    images, intrinsics, extrinsics, post_rots, post_trans   camera inputs only, (n, C, ...):
+                                                     opencood.data.cameras, ``_camera_keys``
     transforms_to_ego (n, 4, 4) float32              agent -> ego as used (noisy for non-ego)
     transforms_to_ego_clean (n, 4, 4) float32        the same from the true poses (pose-error
                                                      metrics; equal to the above without noise)
@@ -112,8 +115,8 @@ class BaseFusionDataset(torch.utils.data.Dataset):
         reader_options: the format's own reader options (its split class's
             ``reader_options(cfg)``: V2V4Real's crop filter, DAIR-V2X-C's GT source).
         input_source: the inputs read, HEAL's key: ("lidar",), ("camera",) or both. Without
-            "lidar" no point cloud is read (every agent's cloud is empty, ``gt_ego_points``
-            -1); with "camera" each sample carries the camera keys (:meth:`_camera_keys`).
+            "lidar" no point cloud is read: samples carry no ``agent_points``, ``gt_ego_points``
+            is -1; with "camera" each sample carries the camera keys (:meth:`_camera_keys`).
         data_aug_conf: the image augmentation (``camera.data_aug_conf``), with "camera".
     """
 
@@ -314,7 +317,9 @@ class BaseFusionDataset(torch.utils.data.Dataset):
             "agent_ids": list(agent_ids),
             "agent_types": agent_types(agent_ids),
             "agent_latency": np.asarray(agent_latency, dtype=np.int64),
-            "agent_points": agent_points,
+            # camera-only samples carry no points (opencood.batch_keys: a sample has the keys of
+            # its sensors)
+            **({"agent_points": agent_points} if self.uses_lidar else {}),
             "transforms_to_ego": np.asarray(transforms, dtype=np.float32).reshape(-1, 4, 4),
             "transforms_to_ego_clean": np.asarray(clean_transforms,
                                                   dtype=np.float32).reshape(-1, 4, 4),

@@ -20,7 +20,10 @@ def agent_label(position: int, agent_type: int) -> str:
 
 
 def sample_agent_points(batch: Dict, row: int) -> Dict[str, torch.Tensor]:
-    """{agent label: (N_k, 4) points in the ego frame} for batch element ``row``."""
+    """{agent label: (N_k, 4) points in the ego frame} for batch element ``row``; {} for a
+    batch without points (camera inputs only)."""
+    if "points" not in batch:
+        return {}
     record_len = batch["record_len"].tolist()
     first = sum(record_len[:row])
     agent_types = batch.get("agent_types")
