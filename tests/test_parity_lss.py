@@ -17,6 +17,7 @@ the EfficientNet each move the outputs by far more than the tolerance.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from pathlib import Path
@@ -25,7 +26,9 @@ from typing import NamedTuple
 import pytest
 import torch
 
+from opencood.config import load_config
 from opencood.config_schema import SchemaError, parse
+from opencood.models import build_model
 from opencood.models import lift_splat
 from opencood.models.camera_backbones import (EfficientNetB0, SamePadConv2d, WeightMappingError,
                                               efficientnet_pytorch_to_ours)
@@ -34,6 +37,7 @@ from opencood.models.lift_splat import (BevGridSpec, CumsumPool, LiftSplat, Lift
                                         args_from_heal, depth_bin_indices, depth_bin_starts,
                                         depth_focal_loss, frustum_to_agent, heal_to_ours,
                                         lidar_depth_maps, make_frustum, splat)
+from opencood.registry import ENCODERS
 from parity_weights import generated_tensor, materialize
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "parity" / "lift_splat.pt"
@@ -468,3 +472,33 @@ def test_grid_from_the_bev_grid():
         LiftSplat(args, geometry=FakeGeometry(geometry.bev._replace(nx=65)))
     with pytest.raises(ValueError, match="xbound and ybound are needed without a BEV grid"):
         LiftSplat(args)
+
+
+# -- the encoder slot --------------------------------------------------------------------------
+
+def test_registered_as_lss_and_a_detector_runs_on_cameras_alone():
+    """``model.args.encoder: {core_method: lss}`` in a LiDAR config's detector: the splat is
+    the bev_grid's map (128 x 64 cells of 0.8 m), the heads run on it and train the cameras."""
+    cfg = load_config("hypes_yaml/synthetic/point_pillar_attfuse.yaml")
+    model_section = copy.deepcopy(cfg["model"])
+    for key in ("pillar_vfe", "point_pillar_scatter"):
+        model_section["args"].pop(key)
+    model_section["args"]["encoder"] = {"core_method": "lss", "args": {
+        "image_size": [64, 128], "camera_encoder": "Resnet101", "img_features": 8,
+        "ddiscr": [1, 25, 8]}}
+    assert ENCODERS.get("lss") is LiftSplat
+    model = build_model(model_section)
+    assert isinstance(model.encoder, LiftSplat) and model.encoder.out_channels == 8
+    assert model.encoder.cells == (128, 64, 1)
+    agents, cams = 3, 2
+    batch = {"images": torch.randn(agents, cams, 3, 64, 128),
+             "intrinsics": torch.tensor([[100.0, 0, 64], [0, 100.0, 32], [0, 0, 1]]).repeat(
+                 agents, cams, 1, 1),
+             "extrinsics": torch.tensor([[0.0, 0, 1, 0], [-1, 0, 0, 0], [0, -1, 0, 1.5],
+                                         [0, 0, 0, 1]]).repeat(agents, cams, 1, 1),
+             "post_rots": torch.eye(3).repeat(agents, cams, 1, 1),
+             "post_trans": torch.zeros(agents, cams, 3), "record_len": torch.tensor([2, 1])}
+    outputs = model(batch)
+    assert outputs["cls_preds"].shape == (2, 2, 32, 64)
+    outputs["cls_preds"].sum().backward()
+    assert model.encoder.camera_encoder.depth_head.weight.grad.abs().sum() > 0

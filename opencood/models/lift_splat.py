@@ -45,6 +45,7 @@ from opencood.config_schema import Problems, positive, section, spec
 from opencood.models.camera_backbones import (EfficientNetB0, ResNet101Stem, ResNetBevEncode,
                                               UpConcat,
                                               efficientnet_pytorch_to_ours)
+from opencood.registry import ENCODERS
 
 CAMERA_KEYS = ("images", "intrinsics", "extrinsics", "post_rots", "post_trans")
 EFFICIENTNET_WIDTHS = {32: 320, 16: 112, 8: 40}      # channels of the trunk's endpoints
@@ -353,6 +354,7 @@ class CameraEncoder(nn.Module):
         return self.image_head(features), self.depth_head(features)
 
 
+@ENCODERS.register("lss", args=LiftSplatArgs)
 class LiftSplat(nn.Module):
     """Camera inputs (module doc) -> BEV features (N_agents, out_channels, ny, nx).
 
