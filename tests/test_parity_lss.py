@@ -426,6 +426,9 @@ def test_heal_args_translate_and_refuse_ground_truth_depth(fixture):
     assert (args["xbound"], args["ddiscr"], args["depth_mode"], args["image_size"],
             args["bev_encoder_channels"]) == ([-16.0, 16.0, 1.0], [1.0, 25.0, 12], "LID",
                                               [64, 128], 16)
+    spelled_as_heal = parse(LiftSplatArgs, dict(image_size=[64, 128], mode="UD",
+                                                bevout_feature=16))
+    assert (spelled_as_heal.depth_mode, spelled_as_heal.bev_encoder_channels) == ("UD", 16)
     with pytest.raises(ValueError, match="use_depth_gt: true is not reproduced"):
         args_from_heal(dict(heal, use_depth_gt=True))
 

@@ -70,6 +70,8 @@ class LiftSplatArgs:
     """``model.args.encoder.args`` of ``core_method: lss``: HEAL's ``encoder_args`` of
     ``lift_splat_shoot``, its ``grid_conf`` and ``data_aug_conf.final_dim`` flattened in."""
 
+    ALIASES = {"mode": "depth_mode", "bevout_feature": "bev_encoder_channels"}   # HEAL's names
+
     # metres: min, max, cell; None: from the model's BEV grid (``geometry.bev``: bev_grid)
     xbound: Optional[Tuple[float, float, float]] = spec(None, check=axis_bound)
     ybound: Optional[Tuple[float, float, float]] = spec(None, check=axis_bound)
