@@ -323,3 +323,34 @@ def test_camera_samples_batches_and_model_inputs_use_the_declared_keys(folders):
     batch_keys.check_keys("model input", inputs, "preparer of camera samples")
     for key in batch_keys.keys_of(batch_keys.MODEL_INPUT, batch_keys.CAMERA):
         assert torch.equal(inputs[key], batch[key]), key
+
+
+@pytest.mark.parametrize("method", ["no", "late"])
+def test_no_and_late_fusion_carry_one_camera_row_per_agent_of_the_model_input(folders, method):
+    """no: the ego's cameras only; late: every agent's, each in its own frame (training: one
+    (sample, CAV) example with that CAV's cameras)."""
+    _, meta = _fixture("v2xset")
+    split_dir = _split_dir("v2xset", folders["v2xset"])
+    cfg = camera_config(split_dir, meta["data_aug_conf"], f"fusion.core_method={method}",
+                        "fusion.args.proj_first=true")
+    intermediate = build_dataset(camera_config(split_dir, meta["data_aug_conf"]), "validate",
+                                 train=False)[0]
+    for train in (False, True):
+        dataset = build_dataset(cfg, "validate", train=train)
+        sample = dataset[len(dataset) - 1 if train else 0]
+        assert sample["images"].shape[0] == len(sample["agent_ids"])
+        if not train:
+            rows = 1 if method == "no" else len(intermediate["agent_ids"])
+            assert sample["images"].shape[0] == rows
+            # evaluation, no BEV augmentation: each agent's cameras as the own-frame read
+            np.testing.assert_array_equal(sample["extrinsics"], intermediate["extrinsics"][:rows])
+            np.testing.assert_array_equal(sample["images"], intermediate["images"][:rows])
+
+
+def test_a_batch_without_points_draws_no_points(folders):
+    from opencood.data.collate import collate_samples
+    from opencood.eval.vis import sample_agent_points
+    _, meta = _fixture("v2xset")
+    cfg = camera_config(_split_dir("v2xset", folders["v2xset"]), meta["data_aug_conf"])
+    batch = collate_samples([build_dataset(cfg, "validate", train=False)[0]])
+    assert "points" not in batch and sample_agent_points(batch, 0) == {}
