@@ -110,3 +110,55 @@ def fake_detection_frames(num_frames: int, seed: int = 0, num_gt: int = 30, num_
                                              dtype=torch.float64)])
         frames.append((torch.cat([near, clutter]), torch.round(scores, decimals=2), gt))
     return frames
+
+
+# OPV2V's camera rig (``camera0..3``: front, right, left, back), yaw in degrees, mounted 1.8 m up
+# at the vehicle's centre; UE4 axes (x forward, y right, z up) -> OpenCV's (x right, y down,
+# z forward), as the camera-to-agent extrinsics of the batch are (``opencood.batch_keys``).
+OPV2V_CAMERA_YAWS = (0.0, 90.0, -90.0, 180.0)
+UE4_TO_OPENCV = ((0.0, 0.0, 1.0, 0.0), (1.0, 0.0, 0.0, 0.0), (0.0, -1.0, 0.0, 0.0),
+                 (0.0, 0.0, 0.0, 1.0))
+
+
+def camera_rig_extrinsics(yaws_deg: Sequence[float] = OPV2V_CAMERA_YAWS,
+                          height: float = 1.8) -> torch.Tensor:
+    """(C, 4, 4) camera (OpenCV axes) -> agent transforms of level cameras at ``height``
+    looking along each yaw (from the agent's x axis towards its y axis: OPV2V's camera1, yaw
+    90, looks along +y, the right side in its UE4 frame)."""
+    rigs = []
+    for yaw in yaws_deg:
+        c, s = math.cos(math.radians(yaw)), math.sin(math.radians(yaw))
+        pose = torch.eye(4, dtype=torch.float64)
+        pose[:2, :2] = torch.tensor([[c, -s], [s, c]], dtype=torch.float64)
+        pose[2, 3] = height
+        rigs.append(pose @ torch.tensor(UE4_TO_OPENCV, dtype=torch.float64))
+    return torch.stack(rigs).float()
+
+
+def fake_camera_batch(num_agents: int, image_size: Tuple[int, int] = (64, 128),
+                      original_size: Tuple[int, int] = (600, 800), cameras: int = 4,
+                      seed: int = 0) -> Dict[str, torch.Tensor]:
+    """The camera keys of a batch (``opencood.batch_keys``) for ``num_agents`` agents of
+    ``cameras`` cameras each: images (A, C, 3, H, W) standard-normal (already normalised),
+    intrinsics (A, C, 3, 3) of an ``original_size`` (H, W) camera with a 90-degree field of
+    view (OPV2V's), extrinsics (A, C, 4, 4) camera -> agent (:func:`camera_rig_extrinsics`),
+    post_rots (A, C, 3, 3) / post_trans (A, C, 3): the resize of the original image onto
+    ``image_size`` (HEAL's ``img_transform`` without crop, flip or rotation).
+
+    Every camera sees the ground around its agent, so a lift-splat encoder's frustum reaches
+    the BEV grid in front of each camera."""
+    generator = torch.Generator().manual_seed(seed)
+    height, width = image_size
+    original_h, original_w = original_size
+    focal = original_w / 2.0                        # tan(45 deg) = 1: a 90-degree view
+    intrinsic = torch.tensor([[focal, 0.0, original_w / 2.0], [0.0, focal, original_h / 2.0],
+                              [0.0, 0.0, 1.0]])
+    resize = torch.diag(torch.tensor([width / original_w, height / original_h, 1.0]))
+    rig = camera_rig_extrinsics(OPV2V_CAMERA_YAWS[:cameras] if cameras <= 4 else
+                                [360.0 * k / cameras for k in range(cameras)])
+    shape = (num_agents, cameras)
+    return {"images": torch.randn(*shape, 3, height, width, generator=generator),
+            "intrinsics": intrinsic.expand(*shape, 3, 3).clone(),
+            "extrinsics": rig.expand(num_agents, -1, -1, -1).clone(),
+            "post_rots": resize.expand(*shape, 3, 3).clone(),
+            "post_trans": torch.zeros(*shape, 3)}
