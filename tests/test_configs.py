@@ -41,3 +41,25 @@ def test_opv2v_family_has_the_opv2v_geometry():
     cfg = load_config(Path(CONFIGS[0]).parents[1] / "opv2v" / "point_pillar_attfuse.yaml")
     assert grid_size(cfg["preprocess"]["cav_lidar_range"],
                      cfg["preprocess"]["args"]["voxel_size"]) == (704, 200, 1)
+
+
+CAMERA_CONFIGS = [path for path in CONFIGS if path.stem.startswith("camera_")
+                  and path.stem != "camera_base"]
+
+
+def test_both_families_ship_the_camera_models():
+    names = {(path.parent.name, path.stem) for path in CAMERA_CONFIGS}
+    for family in ("synthetic", "opv2v"):
+        for model in ("no_fusion", "late_fusion", "attfuse", "fcooper", "v2xvit", "cobevt"):
+            assert (family, f"camera_{model}") in names
+
+
+@pytest.mark.parametrize("path", CAMERA_CONFIGS, ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_camera_config_feeds_the_encoder_the_images_the_reader_makes(path):
+    """The reader resizes and crops every image to camera.data_aug_conf.final_dim; the lss
+    encoder's frustum is built for image_size: the two must be one size, and no .pcd is read."""
+    cfg = load_config(path)
+    encoder = cfg["model"]["args"]["encoder"]
+    assert encoder["core_method"] == "lss"
+    assert list(cfg["input_source"]) == ["camera"]
+    assert list(cfg["camera"]["data_aug_conf"]["final_dim"]) == list(encoder["args"]["image_size"])

@@ -1,18 +1,21 @@
-"""Detectors and fusion modules on a tiny hand-made pillar batch (CPU, 32x32 grid)."""
+"""Detectors and fusion modules on a tiny hand-made pillar batch (CPU, 32x32 grid), and the
+camera models of hypes_yaml/synthetic/camera_*.yaml on a fake camera batch."""
 import copy
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
-from opencood.config import resolve_section
+from opencood.config import load_config, resolve_section
 from opencood.losses import DetectionLoss
 from opencood.models import build_model
 from opencood.models.backbone import BackboneArgs, BaseBEVBackbone
 from opencood.models.fusion import DenseFusionArgs, Where2comm, Where2commArgs
 from opencood.models.pillar_vfe import PillarVFE, PillarVFEArgs
 from opencood.models.scatter import PointPillarScatter
-from opencood.registry import FUSIONS, MODELS, RegistryError
+from opencood.registry import ENCODERS, FUSIONS, MODELS, RegistryError
+from opencood.utils.fake_batch import fake_camera_batch
 
 LIDAR_RANGE = [0.0, -8.0, -3.0, 16.0, 8.0, 1.0]
 VOXEL_SIZE = [0.5, 0.5, 4.0]
@@ -76,9 +79,9 @@ def make_batch(record_len, seed=0):
             "record_len": torch.tensor(record_len, dtype=torch.int64)}
 
 
-def make_targets(batch_size, seed=0):
+def make_targets(batch_size, seed=0, cells=H * W):
     generator = torch.Generator().manual_seed(seed + 100)
-    num_anchors = H * W * NUM_ANCHORS
+    num_anchors = cells * NUM_ANCHORS
     draw = torch.rand(batch_size, num_anchors, generator=generator)
     labels = torch.where(draw < 0.05, 1, torch.where(draw < 0.1, -1, 0)).long()
     positive = labels == 1
@@ -124,6 +127,52 @@ def test_every_registered_model_and_fusion_is_covered():
     covered_fusions |= set(BASELINES)
     assert covered_models == set(MODELS.names())
     assert covered_fusions == set(FUSIONS.names())
+    camera_encoders = {load_config(path)["model"]["args"]["encoder"]["core_method"]
+                       for path in CAMERA_CONFIGS.values()}
+    assert camera_encoders | {"pillar"} == set(ENCODERS.names())
+
+
+CAMERA_CONFIGS = {path.stem: path for path in sorted(
+    (Path(__file__).resolve().parents[1] / "hypes_yaml" / "synthetic").glob("camera_*.yaml"))
+    if path.stem != "camera_base"}
+# the configs' networks on smaller images (EfficientNet: multiples of 32) and a 32 x 16 grid
+CAMERA_IMAGE = (32, 64)
+CAMERA_BEV_RANGE = [-12.8, -6.4, -3.0, 12.8, 6.4, 1.0]
+
+
+@pytest.mark.parametrize("name", list(CAMERA_CONFIGS))
+def test_camera_model_forward_backward_every_parameter_gets_a_finite_grad(name):
+    """Every camera model (no / late fusion and each intermediate fusion on the lift-splat
+    BEV): a fake camera batch of two samples (1 and 2 agents, own-frame maps warped to the
+    ego), head maps of the BEV grid / feature stride, a finite loss and a finite gradient
+    for every parameter."""
+    torch.manual_seed(0)
+    cfg = load_config(CAMERA_CONFIGS[name])
+    args = cfg["model"]["args"]
+    args["encoder"]["args"]["image_size"] = list(CAMERA_IMAGE)
+    args["bev_range"] = CAMERA_BEV_RANGE
+    model = build_model(cfg["model"])
+    single_agent = cfg["model"]["core_method"] == "point_pillar"
+    record_len = [1, 1] if single_agent else [1, 2]
+    agents = sum(record_len)
+    batch = {**fake_camera_batch(agents, image_size=CAMERA_IMAGE),
+             "record_len": torch.tensor(record_len),
+             "transforms_to_ego": torch.eye(4).repeat(agents, 1, 1),
+             "points_in_agent_frame": True}
+    outputs = model(batch)
+
+    grid_range, cell = args["bev_range"], args["bev_cell_size"]
+    stride = cfg["postprocess"]["anchor_args"]["feature_stride"]
+    rows = round((grid_range[4] - grid_range[1]) / cell[1]) // stride
+    cols = round((grid_range[3] - grid_range[0]) / cell[0]) // stride
+    assert outputs["cls_preds"].shape == (2, NUM_ANCHORS, rows, cols)
+    assert outputs["reg_preds"].shape == (2, 7 * NUM_ANCHORS, rows, cols)
+    loss, _ = DetectionLoss()(outputs, make_targets(2, cells=rows * cols))
+    assert torch.isfinite(loss) and loss > 0
+    loss.backward()
+    for param_name, param in model.named_parameters():
+        assert param.grad is not None, f"{param_name} got no gradient"
+        assert torch.isfinite(param.grad).all(), f"{param_name} has a non-finite gradient"
 
 
 @pytest.mark.parametrize("agents", list(RECORD_LENS))

@@ -3,13 +3,14 @@
 # intermediate-fusion model (F-Cooper) with torchrun, evaluate it and print the AP table.
 # CPU: 2 processes (gloo). GPUs: one process per visible GPU (nccl).
 # Environment knobs: CONFIG (yaml), RUN (run folder), DATA (data folder), EPOCHS.
+# A camera config (input_source: [camera], e.g. hypes_yaml/synthetic/camera_small.yaml) gets the
+# preset generated with --cameras, in its own folder (data/synthetic_small_cameras).
 # RUN defaults to one folder per config (runs/quickstart_fcooper, runs/quickstart_attfuse, ...):
 # a run folder belongs to one config, and train.py refuses another one's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 CONFIG=${CONFIG:-hypes_yaml/synthetic/point_pillar_fcooper.yaml}
-DATA=${DATA:-data/synthetic_small}
 CONFIG_NAME=$(basename "$CONFIG" .yaml)
 RUN=${RUN:-runs/quickstart_${CONFIG_NAME#point_pillar_}}
 if [ ! -f "$CONFIG" ]; then
@@ -20,8 +21,18 @@ fi
 python -m pip install -q -r requirements.txt
 python -m pip install -q -e . --no-deps
 
+CAMERAS=$(python -c "import sys; from opencood.config import load_config
+print('camera' in load_config(sys.argv[1])['input_source'])" "$CONFIG")
+if [ "$CAMERAS" = True ]; then
+  DATA=${DATA:-data/synthetic_small_cameras}
+  CAMERA_FLAGS=(--cameras)
+else
+  DATA=${DATA:-data/synthetic_small}
+  CAMERA_FLAGS=()
+fi
 if [ ! -f "$DATA/generation.yaml" ]; then
-  python tools/generate_synthetic.py --out "$DATA" --preset small --seed 0 --workers 2
+  python tools/generate_synthetic.py --out "$DATA" --preset small --seed 0 --workers 2 \
+    "${CAMERA_FLAGS[@]}"
 fi
 
 NPROC=$(python -c "import torch; print(torch.cuda.device_count() or 2)")

@@ -20,8 +20,11 @@ att                      attfuse      backbone_m. -> backbone. (ZeroPad2d shift 
 v2vnet                   v2vnet       shrinker_m.layers.0.double_conv.{0,2} -> shrink.layers.{0,2}
                                       fusion_net.* as OpenCOOD's V2VNet; dir_head -> head.dir_conv
 
+Camera modalities (``lift_splat_shoot`` encoders, HEAL's CameraOnly runs) import the same way
+with our ``lss`` encoder in the slot (:mod:`opencood.interop.heal_camera`).
+
 Refused, each in one line: another ``model.core_method`` (pyramid, multiscale, late, DiscoNet's
-own model), more than one modality or a non-LiDAR / non-PointPillar encoder, the fusions whose
+own model), more than one modality or an encoder other than PointPillar and lift-splat-shoot, the fusions whose
 key mapping is not established here (``disconet``, ``v2xvit``, ``cobevt``, ``where2comm``,
 ``who2com``), single-supervision heads, a compressor, a second shrink after fusion, direction
 bins other than 2.
@@ -39,6 +42,7 @@ from pathlib import Path
 from typing import List, Optional, Tuple
 
 from opencood.data.formats import format_names
+from opencood.interop import heal_camera
 from opencood.interop.opencood_ckpt import (PILLAR_RULES, SHRINK_RULES, V2VNET_RULES,
                                             InteropError, Rule)
 from opencood.interop.opencood_config import translate_config
@@ -87,8 +91,8 @@ def _get(data: dict, dotted: str, source: str, default=KeyError):
 
 
 def heal_modality(data: dict, source: str) -> str:
-    """The one modality (``m1`` ...) of a single-modality LiDAR PointPillar heter model;
-    refuses anything else in one line."""
+    """The one modality (``m1`` ...) of a single-modality heter model, a LiDAR PointPillar or
+    a lift-splat camera agent; refuses anything else in one line."""
     core = _get(data, "model.core_method", source)
     if core != "heter_model_baseline":
         raise InteropError(f"{source}: model.core_method {core!r} has no counterpart here "
@@ -100,7 +104,11 @@ def heal_modality(data: dict, source: str) -> str:
         raise InteropError(f"{source}: model.args has modalities {modalities}: only one "
                            "(LiDAR-only training) has a counterpart here")
     name = modalities[0]
-    for key, expected in (("core_method", "point_pillar"), ("sensor_type", "lidar")):
+    if heal_camera.is_camera(_get(data, f"model.args.{name}", source)):
+        expected_pairs = (("core_method", heal_camera.CAMERA_ENCODER), ("sensor_type", "camera"))
+    else:
+        expected_pairs = (("core_method", "point_pillar"), ("sensor_type", "lidar"))
+    for key, expected in expected_pairs:
         value = _get(data, f"model.args.{name}.{key}", source)
         if value != expected:
             raise InteropError(f"{source}: model.args.{name}.{key} is {value!r}; only "
@@ -141,13 +149,20 @@ def as_opencood_hypes(data: dict, source: str) -> dict:
         or _get(data, "preprocess", source)
     args = {"lidar_range": encoder.get("lidar_range", _get(data, "model.args.lidar_range",
                                                            source)),
-            "voxel_size": _get(data, f"{m}.encoder_args.voxel_size", source),
             "anchor_number": _get(data, "model.args.anchor_number", source),
-            "pillar_vfe": _get(data, f"{m}.encoder_args.pillar_vfe", source),
-            "point_pillar_scatter": _get(data, f"{m}.encoder_args.point_pillar_scatter",
-                                         source),
             "base_bev_backbone": _get(data, f"{m}.backbone_args", source),
             "shrink_header": _get(data, f"{m}.shrink_header", source)}
+    if heal_camera.is_camera(_get(data, m, source)):
+        # the BEV grid is the preprocess grid; the encoder replaces the pillar arguments after
+        # the translation (translate_heal_config)
+        args.update(voxel_size=_get(data, "preprocess.args.voxel_size", source),
+                    pillar_vfe=heal_camera.PLACEHOLDER_PILLARS,
+                    point_pillar_scatter={"num_features": 64})
+    else:
+        args.update(voxel_size=_get(data, f"{m}.encoder_args.voxel_size", source),
+                    pillar_vfe=_get(data, f"{m}.encoder_args.pillar_vfe", source),
+                    point_pillar_scatter=_get(data, f"{m}.encoder_args.point_pillar_scatter",
+                                              source))
     if method == "v2vnet":
         v2v = dict(_get(data, "model.args.v2vnet", source))
         v2v.update(voxel_size=args["voxel_size"],
@@ -200,6 +215,13 @@ def translate_heal_config(data: dict, source: str) -> dict:
     args["fusion"]["stage"] = "backbone"            # after the shrinker, single scale
     set_direction_head(cfg["loss"], data, source)
     set_own_frame_dataset(cfg["fusion"], data, source)
+    modality = heal_modality(data, source)
+    setting = _get(data, f"model.args.{modality}", source)
+    if heal_camera.is_camera(setting):
+        del args["pillar_vfe"], args["point_pillar_scatter"]
+        args["encoder"] = heal_camera.camera_encoder(
+            setting, cfg["preprocess"]["cav_lidar_range"],
+            cfg["preprocess"]["args"]["voxel_size"], f"{source}: model.args.{modality}")
     if cfg["fusion"]["dataset"] == "dairv2x":
         # every HEAL DAIR data set trains and evaluates on the two sides' own labels merged
         # (opencood.data.dairv2x), not on cooperative/label_world as CoAlign's do
@@ -227,10 +249,30 @@ def heal_rules(data: dict, source: str) -> Tuple[Rule, ...]:
 
     rules = [rename(rule) for rule in PILLAR_RULES + SHRINK_RULES]
     rules.append(Rule("dir_head.{p}", "head.dir_conv.{p}"))
+    setting = _get(data, f"model.args.{modality}", source)
+    if heal_camera.is_camera(setting):
+        kind = _get(data, f"model.args.{modality}.encoder_args.camera_encoder", source)
+        rules = [rule for rule in rules if not rule.peer.startswith(f"encoder_{modality}.")]
+        rules.extend(heal_camera.camera_encoder_rules(modality, kind))
     if method == "v2vnet":
         rules.extend(V2VNET_RULES)
     return tuple(rules)
 
 
 def heal_notes(data: dict) -> List[str]:
-    return [PROJ_FIRST_NOTE]
+    notes = [PROJ_FIRST_NOTE]
+    if heal_camera.is_camera(data["model"]["args"][heal_modality(data, "config.yaml")]):
+        notes.append(heal_camera.DEPTH_NOTE)
+    return notes
+
+
+def heal_unused_keys(data: dict) -> Tuple[str, ...]:
+    """Key prefixes of HEAL's state dict that its forward never runs and ours does not have
+    (the EfficientNet's classification head of a camera agent): left out of the strict
+    import."""
+    modality = heal_modality(data, "config.yaml")
+    setting = data["model"]["args"][modality]
+    if not heal_camera.is_camera(setting) or \
+            setting["encoder_args"].get("camera_encoder") != "EfficientNet":
+        return ()
+    return heal_camera.unused_trunk_prefixes(modality)

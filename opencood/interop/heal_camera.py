@@ -33,7 +33,8 @@ from typing import List, Mapping, Tuple
 import torch
 
 from opencood.interop.opencood_ckpt import InteropError, Rule
-from opencood.models.camera_backbones import efficientnet_pytorch_to_ours
+from opencood.models.camera_backbones import (EFFICIENTNET_UNUSED_PREFIXES,
+                                              efficientnet_pytorch_to_ours)
 from opencood.models.lift_splat import args_from_heal
 
 CAMERA_ENCODER = "lift_splat_shoot"        # HEAL's modality core_method of a camera agent
@@ -120,3 +121,10 @@ def camera_encoder_rules(modality: str, camera_encoder_kind: str) -> Tuple[Rule,
              Rule(f"{peer}depth_head.{{p}}", f"{ours}depth_head.{{p}}"),
              Rule(f"{peer}image_head.{{p}}", f"{ours}image_head.{{p}}"))
     return trunk + heads
+
+
+def unused_trunk_prefixes(modality: str) -> Tuple[str, ...]:
+    """HEAL's EfficientNet keys its camera forward never reaches (``_conv_head``, ``_bn1``,
+    ``_fc``: the classifier after the last stage), which our trunk does not build."""
+    return tuple(f"encoder_{modality}.camencode.trunk.{prefix}"
+                 for prefix in EFFICIENTNET_UNUSED_PREFIXES)

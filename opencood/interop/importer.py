@@ -31,8 +31,10 @@ import torch
 
 from opencood.config import ConfigError, resolve, save_config
 from opencood.interop.coalign import coalign_notes, coalign_rules, translate_coalign_config
-from opencood.interop.heal import heal_notes, heal_rules, pick_heal_checkpoint, translate_heal_config
+from opencood.interop.heal import (heal_notes, heal_rules, heal_unused_keys, pick_heal_checkpoint,
+                                   translate_heal_config)
 from opencood.interop.opencood_ckpt import (InteropError, peer_state_to_ours, rules_for,
+                                            strip_ddp_prefix,
                                             state_shapes)
 from opencood.interop.opencood_config import read_opencood_yaml, translate_config
 from opencood.interop.v2v4real import translate_v2v4real_config
@@ -91,6 +93,9 @@ class Codebase:
     rules: Callable[[dict, str], tuple]
     model_name: Callable[[dict], str]
     notes: Callable[[dict], List[str]] = lambda data: []
+    # key prefixes of the peer's state dict its forward never runs (HEAL's EfficientNet
+    # classifier): dropped before the strict match, nothing else is
+    unused_keys: Callable[[dict], Tuple[str, ...]] = lambda data: ()
 
 
 def _opencood_rules(data: dict, source: str) -> tuple:
@@ -107,7 +112,7 @@ CODEBASES: Dict[str, Codebase] = {
     "v2v4real": Codebase("v2v4real", "V2V4Real", translate_v2v4real_config, pick_v2v4real_checkpoint,
                          _opencood_rules, lambda data: str(data["model"]["core_method"])),
     "heal": Codebase("heal", "HEAL", translate_heal_config, pick_heal_checkpoint, heal_rules,
-                     _heal_model_name, heal_notes),
+                     _heal_model_name, heal_notes, heal_unused_keys),
     # CoAlign's train.py saves and its load_saved_model picks as HEAL's
     "coalign": Codebase("coalign", "CoAlign", translate_coalign_config, pick_heal_checkpoint,
                         coalign_rules, lambda data: str(data["model"]["core_method"]),
@@ -141,7 +146,9 @@ def translate_run(peer_dir, checkpoint: Optional[str] = None,
     rules = peer_format.rules(peer, source)
     model_name = peer_format.model_name(peer)
     path, epoch = peer_format.pick_checkpoint(peer_dir, checkpoint)
-    state = load_checkpoint(path)
+    unused = peer_format.unused_keys(peer)
+    state = {key: value for key, value in strip_ddp_prefix(load_checkpoint(path)).items()
+             if not (unused and key.startswith(unused))}
     ours = peer_state_to_ours(state, rules, our_state_shapes(cfg["model"]), str(path),
                               f"our model (for {peer_format.display}'s {model_name})")
     provenance = {"codebase": codebase, "run_dir": str(peer_dir.resolve()),

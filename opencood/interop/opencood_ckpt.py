@@ -406,6 +406,14 @@ def peer_state_to_ours(state: Mapping[str, torch.Tensor], rules: Tuple[Rule, ...
     return _translate(strip_ddp_prefix(state), rules, True, our_shapes, source, what)
 
 
+def ours_to_peer_state(state: Mapping[str, torch.Tensor], rules: Tuple[Rule, ...],
+                       peer_shapes: Mapping[str, Tuple[int, ...]], source: str,
+                       what: str) -> Dict[str, torch.Tensor]:
+    """The inverse of :func:`peer_state_to_ours`: our state dict -> the peer's keys and shapes
+    ``peer_shapes``, strictly; ``what`` names the peer's model in the errors."""
+    return _translate(strip_ddp_prefix(state), rules, False, peer_shapes, source, what)
+
+
 def opencood_to_ours(state: Mapping[str, torch.Tensor], core_method: str,
                      our_shapes: Mapping[str, Tuple[int, ...]],
                      source: str = "checkpoint") -> Dict[str, torch.Tensor]:

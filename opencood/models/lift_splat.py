@@ -358,7 +358,9 @@ class CameraEncoder(nn.Module):
 
 @ENCODERS.register("lss", args=LiftSplatArgs)
 class LiftSplat(nn.Module):
-    """Camera inputs (module doc) -> BEV features (N_agents, out_channels, ny, nx).
+    """Camera inputs (module doc) -> BEV features (N_agents, out_channels, ny, nx): the
+    encoder ``lss`` of the detectors' slot (``model.args.encoder: {core_method: lss, args}``,
+    ``opencood.models.encoders``).
 
     ``geometry``: the encoder slot's (its ``bev`` grid gives x / y bounds the args leave out)."""
 

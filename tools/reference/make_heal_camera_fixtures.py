@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Make ``tests/fixtures/peer_runs/heal_camera_<fusion>.*``: HEAL's camera-only cooperative runs
 (``heter_model_baseline`` with one ``lift_splat_shoot`` camera modality, HEAL's
-``hypes_yaml/opv2v/CameraOnly/camera_{fcooper,attfuse}.yaml``), shrunk, as its ``train.py``
+``hypes_yaml/opv2v/CameraOnly/camera_{fcooper,attfuse}.yaml``; AttFuse also with m4's
+ResNet-101 camera encoder), shrunk, as its ``train.py``
 leaves them, for ``tools/import_checkpoint.py --from heal``. Never run in CI.
 
 Per model: the authors' yaml with widths and range made small (a 32 x 32 m grid of 1 m cells,
@@ -37,7 +38,12 @@ GRID = {"xbound": [-16.0, 16.0, 1.0], "ybound": [-16.0, 16.0, 1.0], "zbound": [-
 BACKBONE = {"layer_nums": [1, 1, 1], "layer_strides": [2, 2, 2], "num_filters": [8, 16, 32],
             "upsample_strides": [1, 2, 4], "num_upsample_filter": [16, 16, 16], "inplanes": 8}
 SHRINK = {"kernal_size": [3], "stride": [1], "padding": [1], "dim": [32], "input_dim": 48}
-MODELS = {"fcooper": "camera_fcooper.yaml", "attfuse": "camera_attfuse.yaml"}
+# name -> (HEAL's yaml, its camera_encoder: m2's EfficientNet or m4's Resnet101, fusion_method).
+# HEAL's camera_fcooper.yaml says fusion_method: att (as camera_attfuse.yaml, its name
+# notwithstanding): its F-Cooper fusion, max, is set here so that the fixtures cover it.
+MODELS = {"fcooper": ("camera_fcooper.yaml", "EfficientNet", "max"),
+          "attfuse": ("camera_attfuse.yaml", "EfficientNet", "att"),
+          "attfuse_resnet": ("camera_attfuse.yaml", "Resnet101", "att")}
 
 
 def load_by_path(name: str, path: Path):
@@ -47,8 +53,9 @@ def load_by_path(name: str, path: Path):
     return module
 
 
-def small_hypes(hypes: dict, lss) -> dict:
-    """The CameraOnly yaml shrunk (module doc); every other key as the authors wrote it."""
+def small_hypes(hypes: dict, lss, camera_encoder: str, fusion_method: str) -> dict:
+    """The CameraOnly yaml shrunk (module doc) with ``fusion_method``; every other key as the
+    authors wrote it."""
     hypes["cav_lidar_range"] = RANGE
     hypes["preprocess"]["cav_lidar_range"] = RANGE
     hypes["preprocess"]["args"]["voxel_size"] = [1.0, 1.0, 4]
@@ -61,11 +68,12 @@ def small_hypes(hypes: dict, lss) -> dict:
     args["lidar_range"] = RANGE
     m2 = args["m2"]
     m2["encoder_args"].update(grid_conf=dict(GRID), data_aug_conf=dict(setting["data_aug_conf"]),
-                              img_features=8)
+                              img_features=8, camera_encoder=camera_encoder)
     m2["camera_mask_args"] = {"cav_lidar_range": RANGE, "grid_conf": dict(GRID)}
     m2["backbone_args"] = dict(BACKBONE)
     m2["shrink_header"] = dict(SHRINK, stride=m2["shrink_header"]["stride"])
     args["in_head"] = 32
+    args["fusion_method"] = fusion_method
     if "att" in args:
         args["att"]["feat_dim"] = 32
     return hypes
@@ -102,8 +110,9 @@ def main(source: str, out_dir: str) -> None:
     folder = Path(source) / "opencood" / "hypes_yaml" / "opv2v" / "CameraOnly"
     shapes_path = out / "state_shapes.json"
     shapes = json.loads(shapes_path.read_text()) if shapes_path.exists() else {}
-    for name, filename in MODELS.items():
-        raw = small_hypes(yaml.load((folder / filename).read_text(), Loader=yaml.Loader), lss)
+    for name, (filename, camera_encoder, fusion_method) in MODELS.items():
+        raw = small_hypes(yaml.load((folder / filename).read_text(), Loader=yaml.Loader), lss,
+                          camera_encoder, fusion_method)
         with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as handle:
             yaml.dump(raw, handle)
         hypes = yaml_utils.load_yaml(handle.name)         # its yaml_parser, as train.py runs it

@@ -1,0 +1,154 @@
+"""``tools/import_checkpoint.py --from heal`` of HEAL's camera runs (issue 36, point 6).
+
+The run folders are HEAL's ``heter_model_baseline`` with one ``lift_splat_shoot`` camera
+modality (its CameraOnly yamls, shrunk), as its ``train.py`` writes them: ``config.yaml``,
+state-dict keys and the heads of HEAL's own forward on generated weights
+(``tests/fixtures/peer_runs/heal_camera_*``, made by
+``tools/reference/make_heal_camera_fixtures.py`` from HEAL's sources; CI never runs it).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import pytest
+import torch
+
+from opencood.interop.importer import translate_run
+from opencood.interop.opencood_ckpt import InteropError
+from opencood.models.build import build_model
+from parity_weights import materialize
+from test_import_heal_v2v4real import FIXTURES, peer_state, write_peer_run
+from tool_modules import load_tool
+
+CAMERA_RUNS = ("heal_camera_fcooper", "heal_camera_attfuse", "heal_camera_attfuse_resnet")
+HEADS = ("cls_preds", "reg_preds", "dir_preds")
+
+
+def fixture_of(name: str) -> dict:
+    return torch.load(FIXTURES / f"{name}.parity.pt", weights_only=True)
+
+
+def heal_state(name: str) -> "OrderedDict[str, torch.Tensor]":
+    """HEAL's state dict with the fixture's generated weights (every key of its model)."""
+    return OrderedDict(materialize(fixture_of(name)["state_dict"]))
+
+
+def camera_batch(fixture: dict) -> dict:
+    """The fixture's one sample of two camera agents in our batch keys (HEAL's intrins ->
+    intrinsics; its extrinsics are camera -> agent, as ours)."""
+    inputs = materialize(fixture["image_recipes"])
+    geometry = fixture["geometry"]
+    return {"images": inputs["images"], "intrinsics": geometry["intrins"],
+            "extrinsics": geometry["extrinsics"], "post_rots": geometry["post_rots"],
+            "post_trans": geometry["post_trans"], "record_len": torch.tensor([2]),
+            "transforms_to_ego": torch.eye(4).repeat(2, 1, 1), "points_in_agent_frame": True}
+
+
+def import_camera_run(name: str, tmp_path, state=None):
+    peer = write_peer_run(tmp_path / "peer", name, state=heal_state(name) if state is None
+                          else state)
+    out = tmp_path / "ours"
+    load_tool("import_checkpoint").main(["--from", "heal", str(peer), "--out", str(out)])
+    from opencood.config import load_config
+    cfg = load_config(out / "config.yaml")
+    model = build_model(cfg["model"])
+    checkpoint = torch.load(out / "last.pth", weights_only=True)
+    model.load_state_dict(checkpoint["model"], strict=True)
+    return cfg, model.eval(), checkpoint
+
+
+@pytest.mark.parametrize("name", CAMERA_RUNS)
+def test_imported_camera_run_gives_heal_s_heads(name, tmp_path):
+    """HEAL's weights through the tool, loaded strictly, give HEAL's cls / reg / dir maps on its
+    own inputs within 1e-5 relative (EfficientNet-b0 or ResNet-101 trunk, LID depth bins, two
+    agents)."""
+    cfg, model, checkpoint = import_camera_run(name, tmp_path)
+    encoder = cfg["model"]["args"]["encoder"]
+    assert encoder["core_method"] == "lss"
+    assert encoder["args"]["camera_encoder"] == ("Resnet101" if name.endswith("resnet")
+                                                 else "EfficientNet")
+    assert encoder["args"]["depth_supervision"] is False
+    fixture = fixture_of(name)
+    with torch.no_grad():
+        outputs = model(camera_batch(fixture))
+    for head in HEADS:
+        expected = fixture["outputs"][head]
+        assert outputs[head].shape == expected.shape
+        error = float((outputs[head] - expected).abs().max() / expected.abs().max())
+        assert error <= 1e-5, (head, error)
+
+
+def test_camera_keys_land_where_heal_has_them(tmp_path):
+    """Distinct values per tensor: the trunk's stem, a stage-1 block (no expansion conv: its
+    layers one index lower), the depth head and the backbone land on our keys."""
+    name = "heal_camera_fcooper"
+    source = peer_state(name)
+    _, _, checkpoint = import_camera_run(name, tmp_path, state=source)
+    ours = checkpoint["model"]
+    trunk = "encoder_m2.camencode.trunk."
+    pairs = [(f"{trunk}_conv_stem.weight", "encoder.camera_encoder.trunk.features.0.0.weight"),
+             (f"{trunk}_blocks.0._depthwise_conv.weight",
+              "encoder.camera_encoder.trunk.features.1.0.block.0.0.weight"),
+             (f"{trunk}_blocks.1._expand_conv.weight",
+              "encoder.camera_encoder.trunk.features.2.0.block.0.0.weight"),
+             ("encoder_m2.camencode.depth_head.bias", "encoder.camera_encoder.depth_head.bias"),
+             ("encoder_m2.camencode.up2.conv.4.running_var",
+              "encoder.camera_encoder.up2.conv.4.running_var"),
+             ("backbone_m2.blocks.0.1.weight", "backbone.blocks.0.0.weight"),
+             ("dir_head.weight", "head.dir_conv.weight")]
+    for theirs, mine in pairs:
+        assert torch.equal(ours[mine], source[theirs]), (theirs, mine)
+
+
+def test_a_tensor_without_a_place_is_refused(tmp_path):
+    """Strict: the classifier keys HEAL's forward never runs are dropped by name, nothing
+    else; a stray tensor under the encoder fails the import."""
+    state = heal_state("heal_camera_attfuse")
+    state["encoder_m2.camencode.extra.weight"] = torch.zeros(1)
+    peer = write_peer_run(tmp_path / "peer", "heal_camera_attfuse", state=state)
+    with pytest.raises(InteropError, match="encoder_m2.camencode.extra.weight"):
+        translate_run(peer, None, "heal")
+
+
+def test_a_camera_grid_other_than_the_bev_grid_is_refused(tmp_path):
+    """HEAL centre-crops a camera map whose grid_conf is wider than cav_lidar_range; ours
+    writes the BEV grid itself, so such a run is refused naming the key."""
+    import yaml
+
+    from opencood.data.numpy_yaml import NumpyYamlDumper, NumpyYamlLoader
+    peer = write_peer_run(tmp_path / "peer", "heal_camera_fcooper")
+    config = peer / "config.yaml"
+    data = yaml.load(config.read_text(), Loader=NumpyYamlLoader)
+    data["model"]["args"]["m2"]["encoder_args"]["grid_conf"]["xbound"] = [-32.0, 32.0, 1.0]
+    config.write_text(yaml.dump(data, Dumper=NumpyYamlDumper))
+    with pytest.raises(InteropError, match="grid_conf.xbound"):
+        translate_run(peer, None, "heal")
+
+
+def test_camera_import_notes_say_depth_supervision_is_off(tmp_path):
+    _, _, provenance = translate_run(write_peer_run(tmp_path / "p", "heal_camera_attfuse"),
+                                     None, "heal")
+    assert provenance["model"] == "heter_model_baseline/att"
+    assert any("depth_supervision: false" in note for note in provenance["notes"])
+
+
+@pytest.mark.parametrize("name", CAMERA_RUNS)
+def test_camera_key_rules_run_both_ways(name, tmp_path):
+    """Our imported state dict back through the same rules gives HEAL's state dict (every key
+    but the classifier HEAL never runs), tensor for tensor: the mapping is one-to-one, what an
+    export back to HEAL needs."""
+    from opencood.interop.heal import heal_rules, heal_unused_keys
+    from opencood.interop.opencood_ckpt import ours_to_peer_state
+    from opencood.interop.opencood_config import read_opencood_yaml
+    source = peer_state(name)
+    _, _, checkpoint = import_camera_run(name, tmp_path, state=source)
+    config = str(FIXTURES / f"{name}.config.yaml")
+    data = read_opencood_yaml(config)
+    unused = heal_unused_keys(data)
+    expected = {key: value for key, value in source.items()
+                if not (unused and key.startswith(unused))}
+    back = ours_to_peer_state(checkpoint["model"], heal_rules(data, config),
+                              {key: tuple(value.shape) for key, value in expected.items()},
+                              "ours", f"HEAL's {name}")
+    assert list(back) == list(expected)
+    assert all(torch.equal(back[key], expected[key]) for key in expected)
