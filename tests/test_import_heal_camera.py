@@ -152,3 +152,19 @@ def test_camera_key_rules_run_both_ways(name, tmp_path):
                               "ours", f"HEAL's {name}")
     assert list(back) == list(expected)
     assert all(torch.equal(back[key], expected[key]) for key in expected)
+
+
+def test_heal_s_single_agent_camera_pretraining_is_refused_in_one_line(tmp_path):
+    """HEAL's camera pretraining runs (heter_model_late: a two-part ResNet BEV backbone and an
+    aligner) have no counterpart: one line naming the key."""
+    import yaml
+
+    from opencood.data.numpy_yaml import NumpyYamlDumper, NumpyYamlLoader
+    peer = write_peer_run(tmp_path / "peer", "heal_camera_attfuse")
+    config = peer / "config.yaml"
+    data = yaml.load(config.read_text(), Loader=NumpyYamlLoader)
+    data["model"]["core_method"] = "heter_model_late"
+    config.write_text(yaml.dump(data, Dumper=NumpyYamlDumper))
+    with pytest.raises(InteropError, match="model.core_method 'heter_model_late'.*camera") as error:
+        translate_run(peer, None, "heal")
+    assert "\n" not in str(error.value)

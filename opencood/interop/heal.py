@@ -96,13 +96,13 @@ def heal_modality(data: dict, source: str) -> str:
     core = _get(data, "model.core_method", source)
     if core != "heter_model_baseline":
         raise InteropError(f"{source}: model.core_method {core!r} has no counterpart here "
-                           "(supported: heter_model_baseline with one LiDAR PointPillar "
-                           "modality)")
+                           "(supported: heter_model_baseline with one LiDAR PointPillar or "
+                           "lift-splat camera modality)")
     args = _get(data, "model.args", source)
     modalities = [key for key in args if re.fullmatch(r"m\d+", str(key))]
     if len(modalities) != 1:
         raise InteropError(f"{source}: model.args has modalities {modalities}: only one "
-                           "(LiDAR-only training) has a counterpart here")
+                           "(single-modality training) has a counterpart here")
     name = modalities[0]
     if heal_camera.is_camera(_get(data, f"model.args.{name}", source)):
         expected_pairs = (("core_method", heal_camera.CAMERA_ENCODER), ("sensor_type", "camera"))
