@@ -414,3 +414,48 @@ def test_attention_fusion_weights_agents_by_similarity_to_the_ego():
     # scores: ego.ego / sqrt(2) = 1/sqrt(2), ego.other = 0
     weight_ego = math.exp(1 / math.sqrt(2)) / (math.exp(1 / math.sqrt(2)) + 1)
     torch.testing.assert_close(fused, weight_ego * ego + (1 - weight_ego) * other)
+
+
+def test_an_own_frame_camera_map_warped_to_the_ego_is_the_map_its_cameras_write_there():
+    """The lss map and the own-frame warp share one layout (rows y, columns x, cell (0, 0) at
+    (xmin, ymin)): an agent's own-frame camera map warped by T (what the intermediate detectors
+    do with proj_first: false) equals the map its cameras write with their extrinsics composed
+    with T (proj_first: true) on every cell whose source lies inside the grid. T: a 90-degree
+    yaw and a shift of (3, -2) cells, so cell centres land on cell centres."""
+    from opencood.models.lift_splat import LiftSplat, LiftSplatArgs
+    from opencood.models.warp import BevGrid, warp_to_ego
+    torch.manual_seed(0)
+    half, cell = 8.0, 0.5
+    encoder = LiftSplat(LiftSplatArgs(
+        xbound=(-half, half, cell), ybound=(-half, half, cell), ddiscr=(1.0, 12.0, 12),
+        image_size=(32, 64), img_downsample=16, img_features=4)).eval()
+    own = fake_camera_batch(1, image_size=(32, 64))
+    # the rig off the cell lines: at the agent's origin a camera's frustum points (x = depth
+    # ahead, bin depths such as 1.0 m) sit exactly on cell edges, where rounding picks the cell
+    off_lines = torch.eye(4)
+    off_lines[:2, 3] = torch.tensor([0.13, -0.07])
+    own["extrinsics"] = off_lines @ own["extrinsics"]
+    to_ego = torch.tensor([[0.0, -1.0, 0.0, 3 * cell], [1.0, 0.0, 0.0, -2 * cell],
+                           [0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 1.0]])
+    moved = {**own, "extrinsics": to_ego @ own["extrinsics"]}
+    with torch.no_grad():
+        own_map, ego_map = encoder(own), encoder(moved)
+    cells = int(2 * half / cell)
+    grid = BevGrid((-half, -half, -3.0, half, half, 1.0), (cell, cell), cells, cells)
+    warped = warp_to_ego(own_map, to_ego[None], grid)
+
+    # ego cell centres -> the own frame: inside the grid there, the warp has their source.
+    # Border cells of either grid are left out: the splat truncates toward zero, so points
+    # up to a cell below the lower edge land in the first cell (HEAL's, DESIGN §2.3), points a
+    # rotation moves out of the other grid.
+    centres = -half + cell / 2 + cell * torch.arange(cells, dtype=torch.float64)
+    y, x = torch.meshgrid(centres, centres, indexing="ij")
+    ego_points = torch.stack([x, y, torch.zeros_like(x), torch.ones_like(x)], -1)
+    own_points = ego_points @ torch.linalg.inv(to_ego.double()).T
+    inside = (own_points[..., :2].abs() < half - cell).all(-1) & \
+        (ego_points[..., :2].abs() < half - cell).all(-1)
+    assert 0.3 < inside.float().mean() < 0.9
+    seen = ego_map[0].abs().sum(0) > 0
+    assert (seen & inside).sum() >= 20          # the comparison covers cameras' cells
+    scale = float(ego_map.abs().max())
+    assert torch.allclose(warped[0][:, inside], ego_map[0][:, inside], atol=1e-5 * scale)
