@@ -48,6 +48,8 @@ _CAMERA_KEYS = (
     Key("post_rots", CAMERA, "(A, C, 3, 3) float32", "the image augmentation's rotation and "
         "resize (pixels of the original image -> the augmented one)"),
     Key("post_trans", CAMERA, "(A, C, 3) float32", "the image augmentation's translation"),
+    Key("depth_maps", CAMERA, "(A, C, H, W) float32", "metres per pixel of the augmented image "
+        "(0: no measurement), for lift-splat's depth supervision (lift_splat.lidar_depth_maps)"),
 )
 
 SAMPLE = _table(

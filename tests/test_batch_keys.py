@@ -118,6 +118,6 @@ def test_keys_are_grouped_by_modality():
     assert batch_keys.keys_of(batch_keys.BATCH, batch_keys.LIDAR)[:2] == ("points",
                                                                          "agent_index")
     assert set(batch_keys.keys_of(batch_keys.MODEL_INPUT, batch_keys.CAMERA)) == {
-        "images", "intrinsics", "extrinsics", "post_rots", "post_trans"}
+        "images", "intrinsics", "extrinsics", "post_rots", "post_trans", "depth_maps"}
     for table in batch_keys.STAGES.values():
         assert all(key.modality in batch_keys.MODALITIES for key in table.values())
