@@ -22,6 +22,8 @@ NOT_OUR_CONFIG = {
     ("opencood/eval/ap.py", "order"): "an APAccumulator state dict saved by an older version",
     ("opencood/eval/records.py", "name"): "an evaluation record of an older version",
     ("opencood/eval/report.py", "name"): "evaluation results (protocol of older ones)",
+    ("opencood/models/lift_splat.py", "depth_supervision"): "HEAL's encoder args "
+                                                            "(args_from_heal: HEAL's default)",
     ("tools/results_table.py", "seed"): "a table row, and a run folder's config.yaml read raw "
                                         "(folders of older versions)",
 }
