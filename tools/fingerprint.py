@@ -83,9 +83,24 @@ def fake_batch(cfg: Dict, model) -> Dict:
     # The whole config before issue 35, its preprocess section after.
     first = inspect.signature(fake_collated_batch).parameters
     source = cfg if "cfg" in first else cfg["preprocess"]
-    return fake_collated_batch(source, batch_size=2, agents_per_sample=3, pillars_per_agent=1500,
+    batch = fake_collated_batch(source, batch_size=2, agents_per_sample=3, pillars_per_agent=1500,
                                points_per_pillar=4, max_gt=12,
                                single_agent=not fuses_agents(model), seed=0)
+    return with_cameras(cfg, batch)
+
+
+def with_cameras(cfg: Dict, batch: Dict) -> Dict:
+    """A camera config's batch: the camera keys of ``fake_camera_batch`` at the encoder's image
+    size for every agent, and no points without "lidar" in ``input_source``."""
+    sources = cfg.get("input_source", ["lidar"])
+    if "camera" not in sources:
+        return batch
+    from opencood.utils.fake_batch import fake_camera_batch
+    image_size = tuple(cfg["model"]["args"]["encoder"]["args"]["image_size"])
+    batch.update(fake_camera_batch(int(batch["record_len"].sum()), image_size=image_size))
+    if "lidar" not in sources:
+        batch.pop("points"), batch.pop("agent_index")
+    return batch
 
 
 class ShiftedScores(torch.nn.Module):
@@ -156,15 +171,17 @@ def model_fingerprint(cfg: Dict) -> Dict[str, str]:
     return out
 
 
-def data_folder(data_root: Path, data_format: str) -> Path:
+def data_folder(data_root: Path, data_format: str, cameras: bool = False) -> Path:
     """A tiny synthetic data set of ``data_format`` under ``data_root`` (written once; V2XSet
-    data is OPV2V's layout)."""
+    data is OPV2V's layout; ``cameras``: a second one with OPV2V's 4 cameras per agent)."""
     data_format = "opv2v" if data_format == "v2xset" else data_format
-    folder = data_root / data_format
+    folder = data_root / (data_format + ("_cameras" if cameras else ""))
+    extra = ["--cameras"] if cameras else []          # 800 x 600, what the configs read
     if not (folder / "generation.yaml").exists() and not any(folder.glob("*/generation.yaml")):
         subprocess.run([sys.executable, str(ROOT / "tools/generate_synthetic.py"), "--out",
                         str(folder), "--preset", "tiny", "--format", data_format, "--seed", "0",
-                        "--frames", "3", "--scenarios", "1", "1", "1", "--quiet"], check=True)
+                        "--frames", "3", "--scenarios", "1", "1", "1", "--quiet", *extra],
+                       check=True)
     return folder
 
 
@@ -221,8 +238,10 @@ def fingerprint(paths: List[Path], data_root: Path | None) -> Dict[str, Dict[str
         try:
             record = model_fingerprint(cfg)
             if data_root is not None:
+                cameras = "camera" in cfg.get("input_source", ["lidar"])
                 record.update(data_fingerprint(cfg, data_folder(data_root,
-                                                                cfg["fusion"]["dataset"])))
+                                                                cfg["fusion"]["dataset"],
+                                                                cameras)))
         except Exception as error:           # a config that cannot run is part of the print
             record = {"error": f"{type(error).__name__}: {error}"}
         results[name] = record
