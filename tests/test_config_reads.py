@@ -24,6 +24,8 @@ NOT_OUR_CONFIG = {
     ("opencood/eval/report.py", "name"): "evaluation results (protocol of older ones)",
     ("opencood/models/lift_splat.py", "depth_supervision"): "HEAL's encoder args "
                                                             "(args_from_heal: HEAL's default)",
+    ("tools/fingerprint.py", "input_source"): "configs of trees older than the camera "
+                                              "readers (it fingerprints before/after trees)",
     ("tools/results_table.py", "seed"): "a table row, and a run folder's config.yaml read raw "
                                         "(folders of older versions)",
 }
