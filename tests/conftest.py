@@ -19,3 +19,9 @@ def fixture_root() -> Path:
                     "(it is part of the repository; see tools/reference/make_opv2v_fixture.py)",
                     pytrace=False)
     return OPV2V_FIXTURE_ROOT
+
+
+@pytest.fixture
+def private_point_cache(tmp_path, monkeypatch):
+    """The point cache of one test (``$OPENCOOD_CACHE``) in its own tmp folder."""
+    monkeypatch.setenv("OPENCOOD_CACHE", str(tmp_path / "cache"))

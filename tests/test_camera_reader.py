@@ -24,9 +24,11 @@ from opencood.config import load_config
 from opencood.data import cameras, datasets
 from opencood.data.cameras import (CameraFileError, ImageAugmentation, camera_inputs,
                                    image_augmentation_matrices)
+from opencood.data.formats import get_format
 from opencood.errors import ConfigError
 from opencood.ops.transforms import boxes_to_corners_3d
 from opencood.strategies import choose_strategy
+from tests.reference_fixtures import load_npz_fixture
 from tests.tool_modules import load_tool
 
 
@@ -42,14 +44,11 @@ MATRIX_KEYS = ("intrinsics", "extrinsics", "post_rots", "post_trans")
 CONFIG = "hypes_yaml/synthetic/point_pillar_attfuse.yaml"
 
 
-def _fixture(name: str):
-    data = np.load(FIXTURES / f"{name}.npz")
-    return {key: data[key] for key in data.files}, json.loads(str(data["meta"]))
+def _fixture(name: str) -> tuple[dict, dict]:
+    return load_npz_fixture(FIXTURES / f"{name}.npz")
 
 
-@pytest.fixture(autouse=True)
-def _private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("OPENCOOD_CACHE", str(tmp_path / "cache"))
+pytestmark = pytest.mark.usefixtures("private_point_cache")
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +59,8 @@ def folders(tmp_path_factory):
 
 
 def _split_dir(name: str, root: Path) -> Path:
-    return root / "cooperative-vehicle-infrastructure" / "val.json" if name == "dairv2x" \
-        else root / "validate"
+    """The validation split of the fixture's folders (the format's own layout)."""
+    return get_format(name).split_paths(root)[1]
 
 
 def camera_config(split_dir, conf: dict, *extra: str, seed: int = 0) -> dict:

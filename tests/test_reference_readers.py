@@ -26,29 +26,25 @@ import numpy as np
 import pytest
 
 from opencood.data.dairv2x import DairV2XSplit
-from opencood.data.formats import open_split
+from opencood.data.formats import get_format, open_split
 from opencood.data.synthetic import generate_dataset
 from opencood.eval.ap import boxes_inside_bev_range
 from opencood.eval.protocols import PROTOCOLS
 from opencood.ops.transforms import relative_transform
+from tests.reference_fixtures import load_npz_fixture
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "reference_readers"
 CENTRE_TOL = 1e-4            # m
 SIZE_TOL = 1e-4              # m
 YAW_TOL = 1e-5               # rad
 TRANSFORM_TOL = 1e-8
-SPLIT_NAMES = {"v2v4real": ("train", "validate", "test"),
-               "dairv2x": ("train.json", "val.json", "test.json")}
 
 
 def _fixture(name: str) -> tuple[dict, dict]:
-    data = np.load(FIXTURES / f"{name}.npz")
-    return {key: data[key] for key in data.files}, json.loads(str(data["meta"]))
+    return load_npz_fixture(FIXTURES / f"{name}.npz")
 
 
-@pytest.fixture(autouse=True)
-def _private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("OPENCOOD_CACHE", str(tmp_path / "cache"))
+pytestmark = pytest.mark.usefixtures("private_point_cache")
 
 
 @pytest.fixture(scope="module")
@@ -61,11 +57,6 @@ def folders(tmp_path_factory):
         generate_dataset(out[name], preset=meta["preset"], seed=meta["seed"], progress=False,
                          data_format=name)
     return out
-
-
-def _split_path(name: str, root: Path, split: str) -> Path:
-    return root / "cooperative-vehicle-infrastructure" / split if name == "dairv2x" \
-        else root / split
 
 
 def _yaw_gap(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -85,8 +76,9 @@ def _reader_options(name: str, meta: dict) -> dict:
 
 def _ours(name: str, root: Path, meta: dict):
     """Per sample, in our order: (split, key, ids, boxes, [(agent id, points, agent -> ego)])."""
-    for split in SPLIT_NAMES[name]:
-        reader = open_split(name, _split_path(name, root, split), **_reader_options(name, meta))
+    for split_path in get_format(name).split_paths(root):
+        split = split_path.name
+        reader = open_split(name, split_path, **_reader_options(name, meta))
         for index in range(len(reader)):
             info = reader.info(index)
             ego_pose = reader.lidar_pose(info.scenario, info.ego_id, info.timestamp)

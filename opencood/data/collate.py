@@ -17,6 +17,12 @@ from typing import Dict, Iterator, List
 import numpy as np
 import torch
 
+from opencood.batch_keys import CAMERA, SAMPLE, keys_of
+
+
+# Looked up once: collate runs for every batch.
+CAMERA_SAMPLE_KEYS = keys_of(SAMPLE, CAMERA)
+
 
 def collate_samples(samples: List[Dict]) -> Dict:
     """List of dataset samples -> batch dict (``opencood.batch_keys.BATCH``)."""
@@ -70,9 +76,8 @@ def collate_lidar(samples: List[Dict]) -> Dict:
 def collate_camera(samples: List[Dict]) -> Dict:
     """The camera keys of ``opencood.batch_keys`` (each (n, C, ...) per sample) concatenated over
     the batch's agents -> (A, C, ...); nothing for samples without images."""
-    from opencood.batch_keys import CAMERA, SAMPLE, keys_of
     return {key: torch.cat([torch.as_tensor(s[key]) for s in samples])
-            for key in keys_of(SAMPLE, CAMERA) if key in samples[0]}
+            for key in CAMERA_SAMPLE_KEYS if key in samples[0]}
 
 
 # The batch's big arrays: in a loader worker they are made in shared memory at once (as torch's
