@@ -11,7 +11,15 @@ Three stages, one table each:
 
 Modalities: ``lidar`` (points and the pillars made of them), ``camera`` (images and their
 geometry), ``common`` (agents, transforms, GT). A sample or batch carries the keys of the
-sensors it has: a camera-only sample has no points. A key that no table declares is a bug that
+sensors it has: a camera-only sample has no points.
+
+Heterogeneous agents (a ``heter`` config, opencood.data.heter): every agent has a modality
+(``agent_modality``, the model's name such as ``m1``); LiDAR agents' clouds are in
+``agent_points`` / ``points`` as always (a camera agent's cloud is empty), the camera agents'
+inputs are grouped by modality in ``modality_cameras`` (each modality has its own image size),
+and the preparer pillarises each LiDAR modality on its own grid (``modality_pillars``). Within
+a modality the agents keep their batch order: the k-th agent of modality m in
+``agent_modality`` is row k of m's group. A key that no table declares is a bug that
 ``check_keys`` (and tests/test_batch_keys.py) reports, so adding a key means adding a line here.
 
 Shapes: B samples, A agents in the batch (sum of record_len), N points, P pillars, M points per
@@ -51,6 +59,15 @@ _CAMERA_KEYS = (
     Key("depth_maps", CAMERA, "(A, C, H, W) float32", "metres per pixel of the augmented image "
         "(0: no measurement), for lift-splat's depth supervision (lift_splat.lidar_depth_maps)"),
 )
+# The per-agent camera tensors (a modality group of ``modality_cameras`` holds the same keys).
+CAMERA_TENSORS = tuple(key.name for key in _CAMERA_KEYS)
+# Keys only a heterogeneous (``heter``) sample, batch or model input carries.
+HETER_KEYS = ("agent_modality", "modality_cameras", "modality_pillars")
+_MODALITY_KEY = Key("agent_modality", COMMON, "list of A str", "heter: each agent's modality "
+                    "(the model's name, after heter.mapping_dict), ego first per sample")
+_MODALITY_CAMERAS = Key("modality_cameras", CAMERA, "{modality: {camera key: (A_m, C, ...)}}",
+                        "heter: the camera tensors of each camera modality's agents, in agent "
+                        "order (image sizes differ per modality; depth_maps with 'depth')")
 
 SAMPLE = _table(
     Key("sample_key", COMMON, "(scenario, timestamp[, cav])", "the sample's identity"),
@@ -73,6 +90,8 @@ SAMPLE = _table(
     Key("early_fusion_points", LIDAR, "(N, 4) float32", "the merged early-fusion cloud of the "
         "same sample (DiscoNet's teacher input)"),
     *_CAMERA_KEYS,
+    _MODALITY_KEY._replace(shape="list of n str"),
+    _MODALITY_CAMERAS,
 )
 
 BATCH = _table(
@@ -96,6 +115,8 @@ BATCH = _table(
         "per sample with points, agent_index, record_len of ones, agent_types, shared_points "
         "and the transforms"),
     *_CAMERA_KEYS,
+    _MODALITY_KEY,
+    _MODALITY_CAMERAS,
 )
 
 MODEL_INPUT = _table(
@@ -118,7 +139,12 @@ MODEL_INPUT = _table(
     Key("voxel_coords", LIDAR, "(P, 4) int64", "[agent, z, y, x] cell of each pillar"),
     Key("voxel_valid", LIDAR, "(A, K) bool", "static pillars: which of each agent's K slots "
         "are real (performance.static_pillars)"),
+    Key("modality_pillars", LIDAR, "{modality: {voxel_features, voxel_num_points, "
+        "voxel_coords}}", "heter: each LiDAR modality's pillars on its own grid (its "
+        "preprocess), voxel_coords[:, 0] the agent's index among that modality's agents"),
     *_CAMERA_KEYS,
+    _MODALITY_KEY,
+    _MODALITY_CAMERAS,
 )
 
 STAGES = {"sample": SAMPLE, "batch": BATCH, "model input": MODEL_INPUT}

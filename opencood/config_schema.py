@@ -441,11 +441,99 @@ class CameraSection:
 
 
 def input_sources(value) -> Optional[str]:
-    if not value:
+    if not {"lidar", "camera"} & set(value):
         return "must name at least one of lidar, camera"
     if len(set(value)) != len(value):
         return "names an input twice"
+    if "depth" in value and "camera" not in value:
+        return "has 'depth' (the cameras' depth images) without 'camera'"
     return None
+
+
+# The LiDARs of HEAL's OPV2V-H beside OPV2V's 64-beam one (opencood.data.heter reads them).
+LIDAR_CHANNELS = (16, 32, 64)
+# The formats whose folders HEAL reads with its modality assignment (the OPV2V layout).
+HETER_FORMATS = ("opv2v", "v2xset")
+
+
+@section
+class ModalitySetting:
+    """``heter.modality_setting.<name>`` (HEAL's keys): the sensor an agent of this modality
+    carries and what its data set reads for it (opencood.data.heter)."""
+
+    sensor_type: Literal["lidar", "camera"]
+    # HEAL's encoder name (point_pillar, lift_splat_shoot, second, ...): kept as HEAL's yamls
+    # have it; the model builds the modality's encoder from its own section.
+    core_method: str = spec(check=non_empty)
+    # lidar: the modality's pillar grid and crop (HEAL's per-modality preprocess); None: the
+    # top-level ``preprocess``.
+    preprocess: Optional[PreprocessSection] = None
+    # camera: the modality's image augmentation (required) and HEAL's lift-splat grid (read by
+    # the model's encoder, not by the data set).
+    data_aug_conf: Optional[DataAugConf] = None
+    grid_conf: Optional[Dict[str, Any]] = None
+
+    def problems(self) -> Problems:
+        if self.sensor_type == "camera":
+            if self.data_aug_conf is None:
+                yield "data_aug_conf", ("is missing: a camera modality needs its image "
+                                        "augmentation (HEAL's keys: H, W, final_dim, ...)")
+            if self.preprocess is not None:
+                yield "preprocess", "is a LiDAR setting; this modality's sensor_type is camera"
+        else:
+            for key in ("data_aug_conf", "grid_conf"):
+                if getattr(self, key) is not None:
+                    yield key, "is a camera setting; this modality's sensor_type is lidar"
+
+
+@section
+class HeterSection:
+    """``heter``: a modality per agent, HEAL's section read as HEAL reads it
+    (opencood.data.heter; docs/DESIGN.md §4.4).
+
+    ``assignment_path``: a json {scenario: {cav id: modality}} (HEAL's
+    ``heter_modality_assign``; the synthetic world writes one, ``--heter``).
+    Evaluation: each agent's modality is ``mapping_dict[assigned]``; training draws them (the
+    ego from ``ego_modality``, the others by ``cav_preference``). Agents whose modality is not
+    in ``modality_setting`` take no part; ``lidar_channels_dict`` picks OPV2V-H's 32- or
+    16-beam LiDAR of a modality."""
+
+    assignment_path: Optional[str] = None            # required by the OPV2V layout
+    ego_modality: str = spec(check=non_empty)        # "m1", or "m1&m2": one of them
+    mapping_dict: Dict[str, str]                     # assigned modality -> the model's
+    # lidar modality -> beams (HEAL's yamls also name modalities they leave out: ignored)
+    lidar_channels_dict: Optional[Dict[str, int]] = None     # None: all read <ts>.pcd (64)
+    cav_preference: Optional[Dict[str, float]] = None        # None: uniform (training draws)
+    modality_setting: Dict[str, ModalitySetting] = spec(check=non_empty)
+
+    def problems(self) -> Problems:
+        names = set(self.modality_setting)
+        known = f"modality_setting has {', '.join(sorted(names))}"
+        for name in self.ego_modalities:
+            if name not in names:
+                yield "ego_modality", f"names {name!r}; {known}"
+        for assigned, mapped in self.mapping_dict.items():
+            if mapped not in names:
+                yield f"mapping_dict.{assigned}", f"is {mapped!r}; {known}"
+        for name, channels in (self.lidar_channels_dict or {}).items():
+            if name in names and self.modality_setting[name].sensor_type != "lidar":
+                yield f"lidar_channels_dict.{name}", "names a camera modality"
+            elif channels not in LIDAR_CHANNELS:
+                yield f"lidar_channels_dict.{name}", (f"is {channels}; OPV2V-H has LiDARs of "
+                                                      f"{', '.join(map(str, LIDAR_CHANNELS))} "
+                                                      f"beams")
+        for name, weight in (self.cav_preference or {}).items():
+            if name not in names:
+                yield f"cav_preference.{name}", f"is not a modality; {known}"
+            elif weight < 0:
+                yield f"cav_preference.{name}", f"is {weight}; weights must be >= 0"
+        if self.cav_preference is not None and sum(self.cav_preference.values()) <= 0:
+            yield "cav_preference", "has no positive weight"
+
+    @property
+    def ego_modalities(self) -> Tuple[str, ...]:
+        """``ego_modality`` split at '&' (HEAL's "m1&m2")."""
+        return tuple(self.ego_modality.split("&"))
 
 
 @section
@@ -458,9 +546,14 @@ class Config:
     comm_range: float = spec(DEFAULT_COMM_RANGE, check=positive)   # metres
     fusion: FusionSection
     # HEAL's key: the inputs the datasets read ("camera": the camera keys, camera.data_aug_conf;
-    # without "lidar" no .pcd is read).
-    input_source: Tuple[Literal["lidar", "camera"], ...] = spec(("lidar",), check=input_sources)
+    # "depth": the cameras' depth images too; without "lidar" no .pcd is read).
+    input_source: Tuple[Literal["lidar", "camera", "depth"], ...] = spec(
+        ("lidar",), check=input_sources)
+    # HEAL's key: which labels a sample's GT is made of. "lidar": the agents' ``vehicles``
+    # (what their LiDARs see); HEAL's "camera" (OPV2V's bev_visibility.png) is not read.
+    label_type: Literal["lidar", "camera"] = "lidar"
     camera: Optional[CameraSection] = None           # with input_source camera
+    heter: Optional[HeterSection] = None             # a modality per agent (HEAL's)
     train_params: TrainParams
     preprocess: PreprocessSection
     bev_grid: BevGridSection
@@ -480,6 +573,12 @@ class Config:
     box_align: Optional[BoxAlignSection] = None      # None: no pose correction at evaluation
 
     def problems(self) -> Problems:
+        if self.label_type != "lidar":
+            yield "label_type", ("is 'camera': HEAL's camera labels need OPV2V's "
+                                 "bev_visibility.png, which is not read; use 'lidar'")
+        if self.heter is not None:
+            yield from self._heter_problems()
+            return
         if "camera" in self.input_source and self.camera is None:
             yield "camera", ("is missing: input_source has 'camera' (give at least "
                              "camera: {data_aug_conf: {H: ..., W: ...}})")
@@ -488,6 +587,23 @@ class Config:
                              f"'camera' to read the cameras")
         # kd needs an intermediate-fusion student: the run's strategy checks it
         # (opencood.strategies.choose_strategy).
+
+    def _heter_problems(self) -> Problems:
+        """A heter config: its modalities' sensors are inputs, their settings replace the
+        ``camera`` section, and the folders are in the OPV2V layout."""
+        for name, setting in self.heter.modality_setting.items():
+            if setting.sensor_type not in self.input_source:
+                yield "input_source", (f"is {list(self.input_source)}; heter modality {name!r} "
+                                       f"is a {setting.sensor_type} one")
+        if self.camera is not None:
+            yield "camera", ("is set with heter: each camera modality gives its data_aug_conf "
+                             "(heter.modality_setting.<name>.data_aug_conf)")
+        if self.fusion.dataset not in HETER_FORMATS:
+            yield "heter", (f"reads the OPV2V layout ({', '.join(HETER_FORMATS)}); "
+                            f"fusion.dataset is {self.fusion.dataset!r}")
+        elif self.heter.assignment_path is None:
+            yield "heter.assignment_path", ("is not set: each agent's modality comes from "
+                                            "this json (scenario -> cav id -> modality)")
 
 
 # -- parsing -------------------------------------------------------------------------------------
@@ -636,7 +752,11 @@ def convert(hint: Any, value: Any, key: str, registered: Registered | None = Non
     if origin is dict:
         if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
             raise SchemaError(f"key {key!r} must be a mapping, got {value!r}")
-        return copy.deepcopy(value)
+        if params[1] is Any:
+            return copy.deepcopy(value)
+        # a typed mapping (heter's per-modality sections, its name -> name tables)
+        return {name: convert(params[1], item, f"{key}.{name}", registered)
+                for name, item in value.items()}
     return _scalar(hint, value, key)
 
 

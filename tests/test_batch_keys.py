@@ -61,8 +61,10 @@ def test_fake_batch_has_the_collated_layout():
     fake = fake_collated_batch(cfg["preprocess"], batch_size=2, agents_per_sample=2,
                                pillars_per_agent=20)
     batch_keys.check_keys("batch", fake, "fake_collated_batch")
-    # The fake batch holds every common key a collated batch of a LiDAR sample has.
-    declared_common = set(batch_keys.keys_of(batch_keys.BATCH, batch_keys.COMMON))
+    # The fake batch holds every common key a collated batch of a LiDAR sample has (a
+    # heterogeneous batch has its agents' modalities too).
+    declared_common = set(batch_keys.keys_of(batch_keys.BATCH, batch_keys.COMMON)) - set(
+        batch_keys.HETER_KEYS)
     assert declared_common <= set(fake)
 
 
@@ -118,6 +120,9 @@ def test_keys_are_grouped_by_modality():
     assert batch_keys.keys_of(batch_keys.BATCH, batch_keys.LIDAR)[:2] == ("points",
                                                                          "agent_index")
     assert set(batch_keys.keys_of(batch_keys.MODEL_INPUT, batch_keys.CAMERA)) == {
-        "images", "intrinsics", "extrinsics", "post_rots", "post_trans", "depth_maps"}
+        "images", "intrinsics", "extrinsics", "post_rots", "post_trans", "depth_maps",
+        "modality_cameras"}
+    assert batch_keys.CAMERA_TENSORS == ("images", "intrinsics", "extrinsics", "post_rots",
+                                         "post_trans", "depth_maps")
     for table in batch_keys.STAGES.values():
         assert all(key.modality in batch_keys.MODALITIES for key in table.values())

@@ -17,11 +17,10 @@ from typing import Dict, Iterator, List
 import numpy as np
 import torch
 
-from opencood.batch_keys import CAMERA, SAMPLE, keys_of
+from opencood.batch_keys import CAMERA_TENSORS
 
-
-# Looked up once: collate runs for every batch.
-CAMERA_SAMPLE_KEYS = keys_of(SAMPLE, CAMERA)
+# The per-agent camera tensors, concatenated over a batch's agents.
+CAMERA_SAMPLE_KEYS = CAMERA_TENSORS
 
 
 def collate_samples(samples: List[Dict]) -> Dict:

@@ -11,13 +11,13 @@ from typing import Dict, Tuple
 
 import torch
 
-from opencood.batch_keys import CAMERA, MODEL_INPUT, keys_of
+from opencood.batch_keys import CAMERA_TENSORS
 from opencood.ops.voxelize import PillarizeConfig
 from opencood.postprocess import build_postprocessor
 
 # Batch keys the model gets as they are (moved to the device).
 PASSED_KEYS = ("record_len", "agent_types", "shared_points", "transforms_to_ego",
-               "agent_latency") + keys_of(MODEL_INPUT, CAMERA)
+               "agent_latency") + CAMERA_TENSORS
 
 
 class BatchPreparer:
