@@ -262,3 +262,128 @@ def test_visibility_needs_every_count():
     with pytest.raises(ValueError, match="gt_ego_points"):
         APAccumulator().add_frame(cars((0, 0)), np.array([0.5]), cars((0, 0)),
                                   gt_ego_points=[1, 2])
+
+
+# ------------------------------------------------------------------------------- several classes
+# Two classes, 0 "car" and 1 "pedestrian" (every box a 2 x 4 cars() box: only the labels differ,
+# so the IoUs are those of cars()), three frames; (class) after each box:
+#   "a": GT g1 (10, 0) (car), g2 (30, 0) (ped)
+#        d1 (10, 0) car s=.90 -> TP car;  d2 (30, 0) car s=.80 -> IoU 1 with g2, a pedestrian:
+#        FP car;  d3 (30, 0) ped s=.70 -> TP ped
+#   "b": GT g3 (-20, 0) (ped)
+#        d4 (-20, 0) car s=.95 -> FP car;  d5 (-21, 0) ped s=.60 -> IoU 0.6 with g3: TP ped @.3
+#        and @.5, FP @.7
+#   "c": GT g4 (40, 0) (car)
+#        d6 (40, 0) ped s=.85 -> FP ped;  d7 (40, 0) car s=.50 -> TP car
+# Global sort, car (2 GT): d4 FP .95, d1 TP .9, d2 FP .8, d7 TP .5 -> precision 0 1/2 1/3 1/2 at
+#   recall 0 .5 .5 1; envelope 1/2 at both recall steps -> AP .5*.5 + .5*.5 = 1/2 (all IoUs 1).
+# Pedestrian (2 GT): d6 FP .85, d3 TP .7, d5 .6 -> @.3/.5 FP TP TP: precision 0 1/2 2/3, recall
+#   0 .5 1, envelope 2/3 twice -> AP 2/3; @.7 FP TP FP -> AP .5*.5 = 1/4.
+# Class mean: @.3/.5 (1/2 + 2/3)/2 = 7/12; @.7 (1/2 + 1/4)/2 = 3/8.
+# Per-frame sort (frames a, b, c): car TP FP FP TP -> precision 1 1/2 1/3 1/2 -> AP .5*1 + .5*.5
+#   = 3/4; pedestrian (a: d3, b: d5, c: d6) @.5 TP TP FP -> 1, @.7 TP FP FP -> 1/2.
+#   Class mean @.5 (3/4 + 1)/2 = 7/8, @.7 (3/4 + 1/2)/2 = 5/8.
+CAR, PED = 0, 1
+CLASS_FRAMES = {
+    "a": (cars((10, 0), (30, 0), (30, 0)), [0.90, 0.80, 0.70], [CAR, CAR, PED],
+          cars((10, 0), (30, 0)), [CAR, PED]),
+    "b": (cars((-20, 0), (-21, 0)), [0.95, 0.60], [CAR, PED], cars((-20, 0)), [PED]),
+    "c": (cars((40, 0), (40, 0)), [0.85, 0.50], [PED, CAR], cars((40, 0)), [CAR]),
+}
+
+
+def accumulate_classes(keys="abc", class_names=("car", "pedestrian"), **kwargs) -> APAccumulator:
+    accumulator = APAccumulator(class_names=class_names, **kwargs)
+    for key in keys:
+        pred, scores, pred_classes, gt, gt_classes = CLASS_FRAMES[key]
+        accumulator.add_frame(pred, np.array(scores), gt, sample_key=key,
+                              pred_classes=pred_classes, gt_classes=gt_classes)
+    return accumulator
+
+
+def test_two_classes_three_frames_by_hand():
+    result = accumulate_classes().compute()
+    car, ped = result["per_class"]["car"], result["per_class"]["pedestrian"]
+    assert (car["num_gt"], car["num_det"], ped["num_gt"], ped["num_det"]) == (2, 4, 2, 3)
+    assert car["ap_30"] == car["ap_50"] == car["ap_70"] == pytest.approx(0.5, abs=1e-12)
+    assert ped["ap_30"] == ped["ap_50"] == pytest.approx(2 / 3, abs=1e-12)
+    assert ped["ap_70"] == pytest.approx(0.25, abs=1e-12)
+    for key, mean in (("ap_30", 7 / 12), ("ap_50", 7 / 12), ("ap_70", 3 / 8)):
+        assert result[key] == result["class_mean"][key] == pytest.approx(mean, abs=1e-12), key
+    assert result["class_mean"]["classes"] == ["car", "pedestrian"]
+    assert (result["num_gt"], result["num_det"], result["num_frames"]) == (4, 7, 3)
+    # distance rows: the class mean of each bin (g1 10 m, g3 20 m: 0-30; g2 30 m, g4 40 m: 30-50)
+    near = result["distance"]["0-30"]
+    assert near["num_gt"] == 2 and result["distance"]["30-50"]["num_gt"] == 2
+    # car 0-30: g1 with d1 TP (.9) and the FPs d4 (.95, 20 m) -> FP TP: AP 1/2; pedestrian
+    # 0-30: g3 with d5 (TP @.5) alone -> AP 1; mean 3/4
+    assert near["ap_50"] == pytest.approx(0.75, abs=1e-12)
+    per_frame = accumulate_classes(detection_sort="per_frame").compute()
+    assert per_frame["per_class"]["car"]["ap_50"] == pytest.approx(0.75, abs=1e-12)
+    assert per_frame["ap_50"] == pytest.approx(7 / 8, abs=1e-12)
+    assert per_frame["ap_70"] == pytest.approx(5 / 8, abs=1e-12)
+
+
+def test_class_blind_matching_would_differ():
+    """The same boxes scored as one class: d2 and d4 become TPs of pedestrian GT, d3 and d6
+    duplicates: a different AP, so the class check above is what the numbers test."""
+    accumulator = APAccumulator()
+    for key in "abc":
+        pred, scores, _, gt, _ = CLASS_FRAMES[key]
+        accumulator.add_frame(pred, np.array(scores), gt, sample_key=key)
+    assert accumulator.compute()["ap_50"] != pytest.approx(7 / 12, abs=1e-3)
+
+
+def test_one_class_list_gives_the_single_class_result():
+    """A class list of one name (all ids 0) changes nothing: same keys, same numbers."""
+    single = accumulate("abc").compute()
+    named = APAccumulator(class_names=["car"])
+    for key in "abc":
+        named.add_frame(*FRAMES[key], sample_key=key)
+    assert named.compute() == single
+    assert "per_class" not in single and "det_class" not in accumulate("a").state_dict()[
+        "frames"][0]
+
+
+def test_a_class_without_gt_is_left_out_or_counted_as_zero():
+    """Three classes, the third ("truck") without GT or detections: ``ours`` leaves it out of
+    the mean (7/12 @.5, as above); V2X-Real's rule counts it as 0: (1/2 + 2/3 + 0)/3 = 7/18."""
+    names = ("car", "pedestrian", "truck")
+    left_out = accumulate_classes(class_names=names).compute()
+    assert left_out["per_class"]["truck"]["ap_50"] is None
+    assert left_out["ap_50"] == pytest.approx(7 / 12, abs=1e-12)
+    assert left_out["class_mean"]["classes"] == list(names)
+    counted = accumulate_classes(class_names=names, empty_class_ap=0.0).compute()
+    assert counted["per_class"]["truck"]["ap_50"] == 0.0
+    assert counted["ap_50"] == pytest.approx(7 / 18, abs=1e-12)
+    # no GT of any class: the headline stays numeric (0.0), as for one class
+    empty = APAccumulator(class_names=names)
+    empty.add_frame(cars((0, 0)), np.array([0.9]), cars(), pred_classes=[2], gt_classes=[])
+    assert empty.compute()["ap_50"] == 0.0
+
+
+def test_classes_survive_gather_and_refuse_other_class_lists():
+    reference = accumulate_classes().compute()
+    state = json.loads(json.dumps(accumulate_classes("b").state_dict()))
+    assert accumulate_classes("ac").merge(state).compute() == reference
+    assert APAccumulator.from_state_dict(json.loads(json.dumps(
+        accumulate_classes().state_dict()))).compute() == reference
+    with pytest.raises(ValueError, match="classes"):
+        accumulate_classes("a", class_names=("car", "cyclist")).merge(state)
+    with pytest.raises(ValueError, match="classes"):
+        accumulate("a").merge(state)
+
+
+def test_bad_class_ids_are_rejected():
+    accumulator = APAccumulator(class_names=["car", "pedestrian"])
+    with pytest.raises(ValueError, match="pred_classes needed"):
+        accumulator.add_frame(cars((0, 0)), np.array([0.5]), cars(), gt_classes=[])
+    with pytest.raises(ValueError, match=r"\[0, 2\)"):
+        accumulator.add_frame(cars((0, 0)), np.array([0.5]), cars(), pred_classes=[2],
+                              gt_classes=[])
+    with pytest.raises(ValueError, match="1 boxes but 2 gt_classes"):
+        accumulator.add_frame(cars(), np.zeros(0), cars((0, 0)), pred_classes=[],
+                              gt_classes=[0, 1])
+    with pytest.raises(ValueError, match="whole class ids"):
+        accumulator.add_frame(cars((0, 0)), np.array([0.5]), cars(), pred_classes=[0.5],
+                              gt_classes=[])

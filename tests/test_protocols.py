@@ -166,3 +166,55 @@ def test_heal_dairv2x_protocol_equals_heal_s_own_evaluation_code():
     # the data set's GT range: HEAL's single-side GT widens z by 1 m each way
     assert protocol.config_overrides() == ["postprocess.gt_range=[-102.4, -102.4, -4.5, 102.4, "
                                            "102.4, 2.5]"]
+
+
+# ------------------------------------------------------------------- V2X-Real's evaluation
+
+def _v2xreal_fixture_ap(data, drop_class=None, **changes) -> dict:
+    """Our AP of tests/fixtures/reference_eval/v2xreal_eval.npz's frames (without the boxes of
+    ``drop_class``) under the v2xreal protocol with ``changes`` to its accumulator arguments."""
+    args = {**PROTOCOLS["v2xreal"].accumulator_args(), **changes}
+    accumulator = APAccumulator(class_names=[str(n) for n in data["class_names"]], **args)
+    for index in range(len(data["frame_start"]) - 1):
+        det = slice(*data["frame_start"][index:index + 2])
+        gt = slice(*data["gt_start"][index:index + 2])
+        keep_det = data["pred_classes"][det] != drop_class
+        keep_gt = data["gt_classes"][gt] != drop_class
+        accumulator.add_frame(data["pred_boxes"][det][keep_det], data["pred_scores"][det][keep_det],
+                              data["gt_boxes"][gt][keep_gt], sample_key=index,
+                              pred_classes=data["pred_classes"][det][keep_det],
+                              gt_classes=data["gt_classes"][gt][keep_gt])
+    return accumulator.compute()
+
+
+def test_v2xreal_protocol_equals_v2x_real_s_own_evaluation_code():
+    """tests/fixtures/reference_eval/v2xreal_eval.npz: made-up frames of three classes scored
+    by V2X-Real's inference loop and eval_utils.eval_final_results
+    (tools/reference/v2xreal_eval.py, side environment): per class and the mean, at 0.3 / 0.5 /
+    0.7, also with the truck class empty (V2X-Real counts it as 0)."""
+    data = np.load(FIXTURES / "v2xreal_eval.npz")
+    names = [str(n) for n in data["class_names"]]
+    box_range = PROTOCOLS["v2xreal"].box_range
+    pred_kept = boxes_inside_bev_range(data["pred_boxes"].astype(np.float64), box_range, "hwl")
+    gt_kept = boxes_inside_bev_range(data["gt_boxes"].astype(np.float64), box_range, "hwl")
+    assert pred_kept.tolist() == data["pred_kept"].tolist()
+    assert gt_kept.tolist() == data["gt_kept"].tolist()
+    assert 0 < gt_kept.sum() < len(gt_kept) and 0 < pred_kept.sum() < len(pred_kept)
+    keys = ("ap_30", "ap_50", "ap_70")
+    for drop, ap, mean in ((None, data["ap"], data["mean_ap"]),
+                           (2, data["ap_no_truck"], data["mean_ap_no_truck"])):
+        result = _v2xreal_fixture_ap(data, drop_class=drop)
+        for row, name in enumerate(names):
+            for column, key in enumerate(keys):
+                assert result["per_class"][name][key] == pytest.approx(ap[row, column],
+                                                                       abs=1e-6), (drop, name, key)
+        for column, key in enumerate(keys):
+            assert result[key] == pytest.approx(mean[column], abs=1e-6), (drop, key)
+    # the case is not trivial: every class scored, APs apart, and each rule matters
+    assert (0.2 < data["ap"][:, 1]).all() and (data["ap"][:, 1] < 1).all()
+    assert data["ap_no_truck"][2].tolist() == [0.0, 0.0, 0.0]
+    for drop, change in ((None, {"detection_sort": "global"}), (None, {"gt_range": None}),
+                         (2, {"empty_class_ap": None})):
+        other = _v2xreal_fixture_ap(data, drop_class=drop, **change)
+        reference = data["mean_ap"] if drop is None else data["mean_ap_no_truck"]
+        assert abs(other["ap_50"] - reference[1]) > 1e-3, change

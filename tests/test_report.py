@@ -53,3 +53,19 @@ def test_format_pose_spread_prefers_the_corrected_stage():
 def test_markdown_table():
     assert report.markdown_table(["model", "AP@0.5"], [["a", "0.5"], ["b", "–"]]) == [
         "| model | AP@0.5 |", "| --- | --- |", "| a | 0.5 |", "| b | – |"]
+
+
+def test_the_table_of_two_classes_prints_the_class_mean_and_each_class():
+    """tests/test_ap.py's hand-computed 2-class case: class mean 7/12, 7/12, 3/8 first, then a
+    row per class (car 1/2 everywhere; pedestrian 2/3, 2/3, 1/4), then the bins' class means."""
+    from test_ap import accumulate_classes
+    metrics = {**accumulate_classes().compute(), "bytes_per_agent": 0.0, "frames_per_s": 1.0}
+    lines = report.format_metrics("test", metrics).splitlines()
+    assert lines[2].split() == ["class", "mean", "0.5833", "0.5833", "0.3750", "4"]
+    assert lines[3].split() == ["car", "0.5000", "0.5000", "0.5000", "2"]
+    assert lines[4].split() == ["pedestrian", "0.6667", "0.6667", "0.2500", "2"]
+    assert lines[5].split()[:2] == ["0-30", "m"] and lines[5].split()[3] == "0.7500"
+    single = {key: value for key, value in metrics.items() if key not in ("per_class",
+                                                                          "class_mean")}
+    assert report.format_metrics("test", single).splitlines()[2].split()[0] == "overall"
+    assert len(report.format_metrics("test", single).splitlines()) == len(lines) - 2

@@ -7,6 +7,9 @@
   recall follow, and AP is the VOC all-point interpolated area (:func:`voc_ap`).
 * A split with no GT at all has AP 0.0 by definition (recall is undefined; reporting 0 keeps the
   table numeric and never flatters a model).
+* Several classes (``class_names`` of two or more): a detection matches only GT of its own
+  class; each class gets its AP from its own detections and GT, and the headline AP is the class
+  mean (:meth:`APAccumulator.compute`).
 
 The accumulator's state is plain per-frame records (scores, distances, matched GT indices), so
 per-rank accumulators can be gathered (``state_dict`` -> ``all_gather_object``) and merged.
@@ -17,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from opencood.eval.report import mean_of_known
 from opencood.ops.iou import boxes_bev_iou_pairs
 from opencood.ops.transforms import (boxes_to_bev_corners, boxes_to_corners_3d,
                                      corners_in_range_mask)
@@ -159,6 +163,23 @@ def _key_name(threshold: float) -> str:
     return f"ap_{int(round(threshold * 100))}"
 
 
+def _class_ids(classes, count: int, num_classes: int, name: str) -> np.ndarray:
+    """(count,) int64 class ids in [0, num_classes); None: every box of class 0 (one class)."""
+    if classes is None:
+        if num_classes > 1:
+            raise ValueError(f"{name} needed: the accumulator scores {num_classes} classes")
+        return np.zeros(count, dtype=np.int64)
+    ids = torch.as_tensor(classes).detach().reshape(-1).cpu()
+    if ids.is_floating_point() and not bool((ids == ids.round()).all()):
+        raise ValueError(f"{name} must be whole class ids; got {ids.tolist()[:5]}")
+    ids = ids.to(torch.int64).numpy().copy()
+    if ids.shape[0] != count:
+        raise ValueError(f"{count} boxes but {ids.shape[0]} {name}")
+    if ids.shape[0] and (ids.min() < 0 or ids.max() >= num_classes):
+        raise ValueError(f"{name} must lie in [0, {num_classes}); got {ids.min()}..{ids.max()}")
+    return ids
+
+
 class APAccumulator:
     """Collects per-frame matches and computes overall and per-distance AP.
 
@@ -183,6 +204,12 @@ class APAccumulator:
     the GT (V2V4Real's evaluation: its data sets keep boxes with 2 corners in range, its
     evaluation only those with all 8); None keeps the GT the data set gave.
 
+    Classes (``class_names``, a list of names; ``add_frame``'s ``pred_classes`` / ``gt_classes``
+    are 0-based indices into it): a detection matches only GT of its class. With two or more
+    classes ``compute`` scores each class alone and reports the class mean (below); None or one
+    name: the single-class result, unchanged. ``empty_class_ap`` is the AP of a class without GT:
+    None (undefined, left out of the mean), or 0.0 counted in it (V2X-Real's evaluation).
+
     Ordering: detections with equal scores are ordered by (sample key, index in the frame), so
     the result does not depend on the order frames were added. Frames added without a
     ``sample_key`` come after keyed ones in insertion order (only ties among them can then
@@ -193,7 +220,8 @@ class APAccumulator:
     def __init__(self, iou_thresholds=(0.3, 0.5, 0.7), distance_bins=((0, 30), (30, 50), (50, 100)),
                  order: str = "hwl", match_batch_frames: int = 256, visible_min_points: int = 1,
                  detection_sort: str = "global", detection_range=None, gt_range=None,
-                 detection_range_z: bool = False):
+                 detection_range_z: bool = False, class_names=None,
+                 empty_class_ap: float | None = None):
         if detection_sort not in DETECTION_SORTS:
             raise ValueError(f"detection_sort {detection_sort!r}: expected one of "
                              f"{', '.join(DETECTION_SORTS)}")
@@ -202,6 +230,8 @@ class APAccumulator:
             float(v) for v in detection_range]
         self.gt_range = None if gt_range is None else [float(v) for v in gt_range]
         self.detection_range_z = bool(detection_range_z)
+        self.class_names = None if class_names is None else [str(n) for n in class_names]
+        self.empty_class_ap = None if empty_class_ap is None else float(empty_class_ap)
         self.visible_min_points = int(visible_min_points)
         self.iou_thresholds = tuple(float(t) for t in iou_thresholds)
         self.distance_bins = tuple((float(low), float(high)) for low, high in distance_bins)
@@ -214,10 +244,16 @@ class APAccumulator:
     def __len__(self) -> int:
         return len(self._frames) + len(self._pending)
 
+    @property
+    def num_classes(self) -> int:
+        return 1 if self.class_names is None else len(self.class_names)
+
     def add_frame(self, pred_boxes, pred_scores, gt_boxes, sample_key=None,
-                  gt_ego_points=None) -> None:
+                  gt_ego_points=None, pred_classes=None, gt_classes=None) -> None:
         """Add one frame: pred_boxes (K, 7), pred_scores (K,), gt_boxes (G, 7), in the ego frame;
-        gt_ego_points (G,) ego points inside each GT box (None or negative: unknown).
+        gt_ego_points (G,) ego points inside each GT box (None or negative: unknown);
+        pred_classes (K,) and gt_classes (G,) 0-based class ids (None: all class 0; needed
+        with two or more ``class_names``).
 
         Tensors (any device) or numpy; copied to CPU float64. Matching runs in batches of
         ``match_batch_frames`` frames (one IoU call for all of them: per-frame calls would be
@@ -229,18 +265,21 @@ class APAccumulator:
         if scores.shape[0] != pred.shape[0]:
             raise ValueError(f"{pred.shape[0]} boxes but {scores.shape[0]} scores")
         ego_points = _ego_points_or_unknown(gt_ego_points, gt.shape[0])
+        det_class = _class_ids(pred_classes, pred.shape[0], self.num_classes, "pred_classes")
+        gt_class = _class_ids(gt_classes, gt.shape[0], self.num_classes, "gt_classes")
         if self.detection_range is not None:
             inside = boxes_inside_bev_range(pred, self.detection_range, self.order)
             if self.detection_range_z and pred.shape[0]:
                 inside &= corners_in_range_mask(boxes_to_corners_3d(pred, self.order),
                                                 self.detection_range, min_corners=8)
-            pred, scores = pred[inside], scores[inside]
+            pred, scores, det_class = pred[inside], scores[inside], det_class[inside]
         if self.gt_range is not None:
             inside = boxes_inside_bev_range(gt, self.gt_range, self.order)
-            gt, ego_points = gt[inside], ego_points[inside]
+            gt, ego_points, gt_class = gt[inside], ego_points[inside], gt_class[inside]
         self._register_key(sample_key)
         self._pending.append({"key": sample_key, "pred_boxes": pred, "scores": scores.copy(),
-                              "gt_boxes": gt, "gt_ego_points": ego_points})
+                              "gt_boxes": gt, "gt_ego_points": ego_points,
+                              "det_class": det_class, "gt_class": gt_class})
         if len(self._pending) >= self.match_batch_frames:
             self._match_pending()
 
@@ -253,6 +292,8 @@ class APAccumulator:
         thresholds = np.asarray(self.iou_thresholds)
         for frame, iou in zip(self._pending, tables):
             pred_xy, gt_xy = frame["pred_boxes"][:, :2], frame["gt_boxes"][:, :2]
+            # -1 is below every threshold: a detection never matches GT of another class
+            iou = np.where(frame["det_class"][:, None] == frame["gt_class"][None, :], iou, -1.0)
             self._frames.append({
                 "key": frame["key"],
                 "scores": frame["scores"],
@@ -260,6 +301,7 @@ class APAccumulator:
                 "gt_distance": np.hypot(gt_xy[:, 0], gt_xy[:, 1]),
                 "gt_ego_points": frame["gt_ego_points"],
                 "matched_gt": greedy_match(iou, frame["scores"], thresholds),
+                "det_class": frame["det_class"], "gt_class": frame["gt_class"],
             })
         self._pending = []
 
@@ -279,13 +321,19 @@ class APAccumulator:
                    "gt_distance": f["gt_distance"].tolist(),
                    "gt_ego_points": f["gt_ego_points"].tolist(),
                    "matched_gt": f["matched_gt"].tolist()} for f in self._frames]
-        return {"iou_thresholds": list(self.iou_thresholds),
+        if self.class_names is not None:        # single-class states keep their old layout
+            for plain_frame, frame in zip(frames, self._frames):
+                plain_frame["det_class"] = frame["det_class"].tolist()
+                plain_frame["gt_class"] = frame["gt_class"].tolist()
+        state = {"iou_thresholds": list(self.iou_thresholds),
                 "distance_bins": [list(b) for b in self.distance_bins],
                 "visible_min_points": self.visible_min_points,
                 "order": self.order, "detection_sort": self.detection_sort,
                 "detection_range": self.detection_range, "gt_range": self.gt_range,
-                "detection_range_z": self.detection_range_z,
-                "frames": frames}
+                "detection_range_z": self.detection_range_z}
+        if self.class_names is not None:
+            state.update(class_names=self.class_names, empty_class_ap=self.empty_class_ap)
+        return {**state, "frames": frames}
 
     @classmethod
     def from_state_dict(cls, state: dict) -> "APAccumulator":
@@ -295,7 +343,9 @@ class APAccumulator:
                           detection_sort=state.get("detection_sort", "global"),
                           detection_range=state.get("detection_range"),
                           gt_range=state.get("gt_range"),
-                          detection_range_z=state.get("detection_range_z", False))
+                          detection_range_z=state.get("detection_range_z", False),
+                          class_names=state.get("class_names"),
+                          empty_class_ap=state.get("empty_class_ap"))
         accumulator._merge_frames(state["frames"])
         return accumulator
 
@@ -310,10 +360,14 @@ class APAccumulator:
         same_protocol = (state.get("detection_sort", "global") == self.detection_sort
                          and state.get("detection_range") == self.detection_range
                          and state.get("gt_range") == self.gt_range
-                         and state.get("detection_range_z", False) == self.detection_range_z)
-        if not (same_thresholds and same_bins and same_visibility and same_protocol):
+                         and state.get("detection_range_z", False) == self.detection_range_z
+                         and state.get("empty_class_ap") == self.empty_class_ap)
+        same_classes = state.get("class_names") == self.class_names
+        if not (same_thresholds and same_bins and same_visibility and same_protocol
+                and same_classes):
             raise ValueError("cannot merge accumulators with different thresholds or bins "
-                             "(or visible_min_points, detection sort or range, GT range)")
+                             "(or visible_min_points, detection sort or range, GT range, "
+                             "classes)")
         self._merge_frames(state["frames"])
         return self
 
@@ -323,6 +377,7 @@ class APAccumulator:
             # A JSON round trip turns tuple keys such as (scenario, timestamp) into lists.
             key = tuple(frame["key"]) if isinstance(frame["key"], list) else frame["key"]
             self._register_key(key)
+            num_det, num_gt = len(frame["scores"]), len(frame["gt_distance"])
             self._frames.append({
                 "key": key,
                 "scores": np.asarray(frame["scores"], dtype=np.float64),
@@ -332,6 +387,8 @@ class APAccumulator:
                                                         len(frame["gt_distance"])),
                 "matched_gt": np.asarray(frame["matched_gt"], dtype=np.int64).reshape(
                     num_thresholds, -1),
+                "det_class": np.asarray(frame.get("det_class", np.zeros(num_det)), np.int64),
+                "gt_class": np.asarray(frame.get("gt_class", np.zeros(num_gt)), np.int64),
             })
 
     # ---- AP ------------------------------------------------------------------------------------
@@ -354,6 +411,8 @@ class APAccumulator:
         det_index = _concat([np.arange(f["scores"].shape[0]) for f in frames])
         det_distance = _concat([f["det_distance"] for f in frames])
         gt_distance = _concat([f["gt_distance"] for f in frames])
+        det_class = _concat([f["det_class"] for f in frames]).astype(np.int64)
+        gt_class = _concat([f["gt_class"] for f in frames]).astype(np.int64)
         if self.detection_sort == "global":
             order = np.lexsort((det_index, frame_rank, -scores))
         else:
@@ -366,7 +425,8 @@ class APAccumulator:
         gt_ego_points = np.concatenate([f["gt_ego_points"] for f in frames]
                                        + [np.zeros(0, dtype=np.int64)])
         return {"is_tp": matched >= 0, "matched": matched, "bin_distance": bin_distance,
-                "gt_distance": gt_distance, "gt_ego_points": gt_ego_points}
+                "gt_distance": gt_distance, "gt_ego_points": gt_ego_points,
+                "det_class": det_class[order], "gt_class": gt_class}
 
     def _split_wide_matches(self, frames: list) -> np.ndarray:
         """Per-frame matched GT indices -> (T, D) indices into the split's GT list, -1 for FP."""
@@ -380,32 +440,89 @@ class APAccumulator:
         """-> {"ap_30": float, ..., "num_gt", "num_det", "num_frames",
         "distance": {"0-30": {"ap_30": float or None (no GT in the bin), ..., "num_gt": int}, ...},
         "visibility": {"ego-visible": {...}, "ego-occluded": {...}} (only when every GT's ego
-        point count is known)}."""
+        point count is known)}.
+
+        Two or more classes: every AP above is the mean over the classes of that class's AP
+        (classes without an AP left out; the headline AP, with none, 0.0) and ``num_gt`` the
+        sum; added are "per_class": {name: {"ap_30", ..., "num_gt", "num_det"}} (a class
+        without GT: ``empty_class_ap``) and "class_mean": {"ap_30", ..., "classes": the names
+        averaged}.
+        """
         self._match_pending()
         flat = self._flatten()
-        result = {}
-        for t, threshold in enumerate(self.iou_thresholds):
-            result[_key_name(threshold)] = ap_from_sorted_tp(flat["is_tp"][t],
-                                                             flat["gt_distance"].shape[0])
+        if self.num_classes < 2:
+            every_det = np.ones(flat["is_tp"].shape[1], dtype=bool)
+            every_gt = np.ones(flat["gt_distance"].shape[0], dtype=bool)
+            summary = self._summary(flat, every_det, every_gt, empty_ap=0.0)
+        else:
+            summary = self._class_mean_summary(flat)
+        result = {key: summary.pop(key) for key in self._ap_keys()}
         result["num_gt"] = int(flat["gt_distance"].shape[0])
         result["num_det"] = int(flat["is_tp"].shape[1])
         result["num_frames"] = len(self._frames)
-        result["distance"] = {}
-        for low, high in self.distance_bins:
-            gt_in_bin = (flat["gt_distance"] >= low) & (flat["gt_distance"] < high)
-            row = {}
-            for t, threshold in enumerate(self.iou_thresholds):
-                det_in_bin = (flat["bin_distance"][t] >= low) & (flat["bin_distance"][t] < high)
-                row[_key_name(threshold)] = group_ap(flat["is_tp"][t][det_in_bin],
-                                                     int(gt_in_bin.sum()))
-            row["num_gt"] = int(gt_in_bin.sum())
-            result["distance"][f"{low:g}-{high:g}"] = row
-        visibility = self._visibility_rows(flat)
-        if visibility is not None:
-            result["visibility"] = visibility
+        result.update(summary)
         return result
 
-    def _visibility_rows(self, flat: dict) -> dict | None:
+    def _ap_keys(self) -> list:
+        return [_key_name(threshold) for threshold in self.iou_thresholds]
+
+    def _summary(self, flat: dict, det_kept: np.ndarray, gt_kept: np.ndarray,
+                 empty_ap: float | None) -> dict:
+        """AP over the detections ``det_kept`` (D,) and GT ``gt_kept`` (G,) of ``flat`` (one
+        class, or all): {"ap_30", ..., "distance", "visibility" (when known)}; ``empty_ap`` is
+        the overall AP when no GT is kept."""
+        is_tp = flat["is_tp"][:, det_kept]
+        num_gt = int(gt_kept.sum())
+        summary = {}
+        for t, key in enumerate(self._ap_keys()):
+            summary[key] = empty_ap if num_gt == 0 else ap_from_sorted_tp(is_tp[t], num_gt)
+        summary["distance"] = {}
+        for low, high in self.distance_bins:
+            gt_in_bin = gt_kept & (flat["gt_distance"] >= low) & (flat["gt_distance"] < high)
+            row = {}
+            for t, key in enumerate(self._ap_keys()):
+                bin_distance = flat["bin_distance"][t][det_kept]
+                det_in_bin = (bin_distance >= low) & (bin_distance < high)
+                row[key] = group_ap(is_tp[t][det_in_bin], int(gt_in_bin.sum()))
+            row["num_gt"] = int(gt_in_bin.sum())
+            summary["distance"][f"{low:g}-{high:g}"] = row
+        visibility = self._visibility_rows(flat, det_kept, gt_kept)
+        if visibility is not None:
+            summary["visibility"] = visibility
+        return summary
+
+    def _class_mean_summary(self, flat: dict) -> dict:
+        """Every class scored alone (``_summary``), then each AP averaged over the classes."""
+        per_class, summaries = {}, []
+        for class_id, name in enumerate(self.class_names):
+            det_kept, gt_kept = flat["det_class"] == class_id, flat["gt_class"] == class_id
+            summary = self._summary(flat, det_kept, gt_kept, empty_ap=self.empty_class_ap)
+            summaries.append(summary)
+            per_class[name] = {**{key: summary[key] for key in self._ap_keys()},
+                               "num_gt": int(gt_kept.sum()), "num_det": int(det_kept.sum())}
+        result = {}
+        for key in self._ap_keys():
+            mean = mean_of_known([summary[key] for summary in summaries])
+            result[key] = 0.0 if mean is None else mean
+        result["distance"] = {name: self._mean_row([s["distance"][name] for s in summaries])
+                              for name in summaries[0]["distance"]}
+        if all("visibility" in summary for summary in summaries):
+            result["visibility"] = {
+                group: self._mean_row([s["visibility"][group] for s in summaries])
+                for group in summaries[0]["visibility"]}
+        result["per_class"] = per_class
+        result["class_mean"] = {**{key: result[key] for key in self._ap_keys()},
+                                "classes": list(self.class_names)}
+        return result
+
+    def _mean_row(self, rows: list) -> dict:
+        """One breakdown row (a distance bin, a visibility group) of every class -> the mean AP
+        of the classes with GT in it, and their GT count."""
+        mean = {key: mean_of_known([row[key] for row in rows]) for key in self._ap_keys()}
+        return {**mean, "num_gt": sum(row["num_gt"] for row in rows)}
+
+    def _visibility_rows(self, flat: dict, det_kept: np.ndarray,
+                         gt_kept: np.ndarray) -> dict | None:
         """AP of ego-visible and ego-occluded GT (class docstring), None if counts are unknown."""
         ego_points = flat["gt_ego_points"]
         if ego_points.shape[0] == 0 or (ego_points < 0).any():
@@ -413,13 +530,13 @@ class APAccumulator:
         occluded = ego_points < self.visible_min_points
         rows = {}
         for name, in_group in (("ego-visible", ~occluded), ("ego-occluded", occluded)):
+            in_group = in_group & gt_kept
             # Index -1 (an FP) reads the appended False: FPs are never "in the other group".
             other_group = np.append(~in_group, False)[flat["matched"]]            # (T, D)
             row = {}
-            for t, threshold in enumerate(self.iou_thresholds):
-                counted = ~other_group[t]
-                row[_key_name(threshold)] = group_ap(flat["is_tp"][t][counted],
-                                                     int(in_group.sum()))
+            for t, key in enumerate(self._ap_keys()):
+                counted = ~other_group[t] & det_kept
+                row[key] = group_ap(flat["is_tp"][t][counted], int(in_group.sum()))
             row["num_gt"] = int(in_group.sum())
             rows[name] = row
         return rows

@@ -28,6 +28,19 @@ OPV2V AP is reported under two incompatible protocols, and mixing them explains 
   crop. tests/test_protocols.py compares it with HEAL's own evaluation code
   (tools/reference/heal_eval.py).
 
+* ``v2xreal`` (V2X-Real's ``tools/inference.py`` + ``eval_utils.eval_final_results``): per class
+  (its meta-classes vehicle, pedestrian, truck), detections and GT of that class only, each
+  frame's detections sorted by score and the frames concatenated in data-set order, as
+  ``v2v4real``; GT and detections with 8 corners (x, y) in its GT_RANGE [-100, -40, -15, 100,
+  40, 15] (``get_mask_for_boxes_within_range_torch`` in ``generate_gt_bbx`` and
+  ``post_process``); AP per class at 0.3 / 0.5 / 0.7, and their plain mean over every class,
+  a class without GT counting as AP 0. tests/test_protocols.py compares it with V2X-Real's own
+  evaluation code (tools/reference/v2xreal_eval.py).
+
+Several classes (the config's class list): under every protocol a detection matches only GT of
+its class, each class is scored alone and the headline AP is the class mean (opencood.eval.ap);
+``ours`` and the others leave a class without GT out of the mean, ``v2xreal`` counts it as 0.
+
 Matching (highest-IoU free GT, by descending score within the frame) and VOC all-point
 interpolation are the same in all of them.
 """
@@ -52,13 +65,17 @@ class APProtocol:
     detection_range_z: bool = False
     # metres the data set's GT range widens box_range's z by, each way (HEAL's DAIR GT: 1)
     gt_z_margin: float = 0.0
+    # AP of a class without GT in a multi-class split: None (left out of the class mean) or the
+    # value counted in it (V2X-Real's eval_final_results averages every class, an empty one as 0)
+    empty_class_ap: Optional[float] = None
 
     def accumulator_args(self) -> Dict:
         """Keyword arguments of APAccumulator for this protocol."""
         box_range = None if self.box_range is None else list(self.box_range)
         return {"detection_sort": self.detection_sort, "detection_range": box_range,
                 "gt_range": box_range if self.filters_gt else None,
-                "detection_range_z": self.detection_range_z}
+                "detection_range_z": self.detection_range_z,
+                "empty_class_ap": self.empty_class_ap}
 
     def config_overrides(self) -> List[str]:
         """--set overrides that make the data set keep this protocol's GT."""
@@ -86,6 +103,12 @@ PROTOCOLS = {
                                "HEAL DAIR-V2X-C: global score sort, GT and detections with 8 "
                                "corners in +-102.4 m (detections: z too)", filters_gt=True,
                                detection_range_z=True, gt_z_margin=1.0),
+    # V2X-Real's inference.py + eval_utils.eval_final_results: per class, V2V4Real's per-frame
+    # sort and 8-corner filters with its GT_RANGE; the class mean counts an empty class as 0
+    "v2xreal": APProtocol("v2xreal", "per_frame", (-100.0, -40.0, -15.0, 100.0, 40.0, 15.0),
+                          "V2X-Real: per class, per-frame score sort, GT and detections with 8 "
+                          "corners in +-100 x +-40 m, mean over every class", filters_gt=True,
+                          empty_class_ap=0.0),
 }
 DEFAULT_PROTOCOL = "ours"
 

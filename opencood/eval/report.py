@@ -113,20 +113,26 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> List
 
 def format_metrics(name: str, metrics: Dict) -> str:
     """One evaluated setting: AP overall, by distance and by visibility, GT counts, bandwidth,
-    speed and the pose error; the GT range it was scored in where the metrics say."""
+    speed and the pose error; the GT range it was scored in where the metrics say. A run of
+    several classes: the class mean first, then one row per class ("–": no GT of it), and the
+    breakdowns as class means."""
     protocol = metrics.get("protocol", {})
     lines = [f"{name} (AP protocol: {protocol.get('name', DEFAULT_PROTOCOL)})"]
     if protocol.get("gt_range") is not None:       # records before issue 39 have none
         lines.append(f"GT scored in {format_range(protocol['gt_range'])} "
                      f"({protocol['gt_range_of']})")
-    lines += [f"{'':>12} {'AP@0.3':>8} {'AP@0.5':>8} {'AP@0.7':>8} {'#GT':>6}",
-              f"{'overall':>12} {metrics['ap_30']:8.4f} {metrics['ap_50']:8.4f} "
-              f"{metrics['ap_70']:8.4f} {metrics['num_gt']:6d}"]
-    rows = [(f"{bin_name} m", row) for bin_name, row in metrics["distance"].items()]
+    per_class = metrics.get("per_class", {})
+    width = max([12] + [len(name) for name in per_class])
+    # several classes: the first row and the breakdowns are class means (opencood.eval.ap)
+    lines += [f"{'':>{width}} {'AP@0.3':>8} {'AP@0.5':>8} {'AP@0.7':>8} {'#GT':>6}",
+              f"{'class mean' if per_class else 'overall':>{width}} {metrics['ap_30']:8.4f} "
+              f"{metrics['ap_50']:8.4f} {metrics['ap_70']:8.4f} {metrics['num_gt']:6d}"]
+    rows = list(per_class.items())
+    rows += [(f"{bin_name} m", row) for bin_name, row in metrics["distance"].items()]
     rows += list(metrics.get("visibility", {}).items())
     for row_name, row in rows:
         aps = " ".join(ap_cell(row[key]) for key in AP_KEYS)
-        lines.append(f"{row_name:>12} {aps} {row['num_gt']:6d}")
+        lines.append(f"{row_name:>{width}} {aps} {row['num_gt']:6d}")
     lines.append(f"bytes per agent per frame {metrics['bytes_per_agent']:.0f}, "
                  f"{metrics['frames_per_s']:.2f} frames/s, {metrics['num_frames']} frames")
     lines += format_pose_errors(metrics.get("pose_error", {}))
