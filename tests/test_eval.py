@@ -13,6 +13,7 @@ import hashlib
 import math
 import os
 import shutil
+from collections import namedtuple
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -476,6 +477,45 @@ def test_perfect_detections_give_ap_one_through_gather():
     for row in metrics["distance"].values():
         assert row["num_gt"] == 4 and (row["ap_30"], row["ap_50"], row["ap_70"]) == (1.0, 1.0, 1.0)
 
+
+
+def test_run_inference_scores_each_class_from_the_detections_and_gt_class_ids():
+    """run_inference on test_ap.py's hand-computed 2-class frames (a stand-in model whose
+    detections carry ``classes``, batches with ``gt_classes``): the per-class APs and the class
+    mean computed there by hand (car 1/2, pedestrian 2/3 @.5; mean 7/12); one padded GT row
+    (class 1, masked out) must not count. Without class names: one class, no per_class."""
+    from test_ap import CLASS_FRAMES
+    frame_type = namedtuple("FrameDetections", "boxes scores sent classes")
+    batches, detections = [], {}
+    for key, (pred, scores, pred_classes, gt, gt_classes) in CLASS_FRAMES.items():
+        padded_gt = torch.cat([torch.from_numpy(gt), torch.zeros(1, 7)])
+        batches.append({"gt_boxes": padded_gt[None], "sample_keys": [("s", key)],
+                        "gt_mask": torch.arange(len(padded_gt))[None] < len(gt),
+                        "gt_classes": torch.tensor(list(gt_classes) + [1])[None]})
+        detections[key] = frame_type(torch.from_numpy(pred), torch.tensor(scores), 0.0,
+                                     torch.tensor(pred_classes))
+    strategy = SimpleNamespace(
+        model_inputs=lambda inputs: inputs,
+        detections=lambda post, outputs, inputs: [detections[outputs["sample_keys"][0][1]]])
+
+    def prepare(batch, with_targets):           # the preparer: the batch is the model input
+        return batch, None
+    prepare.postprocessor = SimpleNamespace(order="hwl")
+
+    def run(class_names):
+        local = inference.run_inference(torch.nn.Identity(), batches, prepare,
+                                        torch.device("cpu"), strategy, class_names=class_names)
+        return local["accumulator"].compute()
+
+    result = run(["car", "pedestrian"])
+    assert result["per_class"]["car"]["ap_50"] == pytest.approx(0.5, abs=1e-12)
+    assert result["per_class"]["pedestrian"]["ap_50"] == pytest.approx(2 / 3, abs=1e-12)
+    assert result["ap_50"] == pytest.approx(7 / 12, abs=1e-12) and result["num_gt"] == 4
+    assert "per_class" not in run(None)
+    assert inference.detection_class_names({"postprocess": {}}) is None
+    assert inference.detection_class_names(
+        {"postprocess": {"classes": [{"name": "car"}, {"name": "pedestrian"}]}}) == \
+        ["car", "pedestrian"]
 
 def test_pictures_draw_ego_occluded_gt_in_their_own_colour():
     from opencood.eval.vis import render_detection_sample

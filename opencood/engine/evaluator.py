@@ -30,7 +30,7 @@ from opencood.data.pipeline import BatchPreparer
 from opencood.engine.recipe import check_registered_names, configure_cuda
 from opencood.errors import alike_on_every_rank, run_cli
 from opencood.eval.detections import DetectionCollector, detections_name, write_detections
-from opencood.eval.inference import evaluate_loader
+from opencood.eval.inference import detection_class_names, evaluate_loader
 from opencood.eval.pose_correction import load_pose_corrector
 from opencood.eval.protocols import DEFAULT_PROTOCOL, PROTOCOLS
 from opencood.eval.records import (RECORDS_DIR, build_record, checkpoint_facts, format_record_line,
@@ -70,8 +70,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="sweep: latency in frames of non-ego agents")
     parser.add_argument("--protocol", choices=sorted(PROTOCOLS), default=DEFAULT_PROTOCOL,
                         help="AP protocol: ours (global sort, the config's gt range), opencood "
-                             "(per-frame sort, +-140 x +-40 m) or coalign (global sort, "
-                             "+-102.4 m); see opencood/eval/protocols.py")
+                             "(per-frame sort, +-140 x +-40 m), coalign (global sort, "
+                             "+-102.4 m), v2v4real, heal_dairv2x, v2xreal (per class, as "
+                             "V2X-Real); see opencood/eval/protocols.py")
     parser.add_argument("--seeds", type=int, default=1,
                         help="noise seeds per --pose_noise level; > 1 prints mean ± std")
     parser.add_argument("--batch_size", type=int, default=2)
@@ -199,7 +200,8 @@ def evaluate_setting(cfg, args, run_dir, model, info, setting, checkpoint: Dict,
                                  cfg_run["preprocess"]["cav_lidar_range"])
     collector = DetectionCollector(then=on_sample) if args.save_detections else None
     metrics = evaluate_loader(model, loader, preparer, info.device, strategy,
-                              collector or on_sample, protocol, corrector)
+                              collector or on_sample, protocol, corrector,
+                              detection_class_names(cfg_run))
     if collector is not None:
         save_detections(collector, run_dir, args, fusion, tag, cfg_run["postprocess"]["order"])
     if metrics is None:

@@ -28,7 +28,7 @@ from opencood.engine.state import TrainingParts
 from opencood.engine.task import DetectionTask
 from opencood.engine.teacher import FrozenTeacher, load_teacher
 from opencood.errors import alike_on_every_rank
-from opencood.eval.inference import evaluate_loader
+from opencood.eval.inference import detection_class_names, evaluate_loader
 from opencood.models.build import build_model, use_channels_last
 from opencood.registry import FUSIONS, LOSSES, MODELS, POSTPROCESSORS, RegistryError
 from opencood.utils import dist as dist_utils
@@ -361,7 +361,8 @@ def validate(model_for_eval, val_loaders, task: DetectionTask, info, amp_dtype, 
     if epoch % eval_freq == 0:
         picture = first_sample_picture(cfg["preprocess"]["cav_lidar_range"], pictures)
         metrics = evaluate_loader(model_for_eval, ap_loader, task.eval_preparer, info.device,
-                                  task.strategy, on_sample=picture)
+                                  task.strategy, on_sample=picture,
+                                  class_names=detection_class_names(cfg))
         if metrics is not None:
             results.update({k: metrics[k] for k in ("ap_30", "ap_50", "ap_70")})
             if "visibility" in metrics:

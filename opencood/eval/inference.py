@@ -9,7 +9,7 @@ gathered to rank 0, checked to hold every sample exactly once, and AP is compute
 from __future__ import annotations
 
 import time
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -36,6 +36,24 @@ def detect(model, batch: Dict, preparer, strategy, corrector=None) -> Tuple[List
     return strategy.detections(preparer.postprocessor, outputs, inputs), inputs
 
 
+def detection_class_names(cfg: Dict) -> Optional[List[str]]:
+    """The names of the resolved config's ``postprocess.classes`` (class id k is entry k), None
+    without a class list (one class)."""
+    classes = cfg["postprocess"].get("classes")
+    return None if classes is None else [entry["name"] for entry in classes]
+
+
+def frame_classes(batch: Dict, row: int, detections) -> Dict:
+    """``add_frame``'s class ids of one sample: the detections' ``classes`` (K,) and the GT's
+    (``gt_classes``, the rows ``gt_mask`` keeps), those present."""
+    classes = {}
+    if getattr(detections, "classes", None) is not None:
+        classes["pred_classes"] = detections.classes.cpu()
+    if "gt_classes" in batch:
+        classes["gt_classes"] = batch["gt_classes"][row][batch["gt_mask"][row]]
+    return classes
+
+
 def tally_pose_errors(tally: PoseErrorTally, batch: Dict, inputs: Dict) -> None:
     """Add a batch's relative pose errors (reported, and corrected if a correction ran) against
     the true transforms (``transforms_to_ego_clean``; batches without it are skipped)."""
@@ -51,7 +69,8 @@ def tally_pose_errors(tally: PoseErrorTally, batch: Dict, inputs: Dict) -> None:
 
 @torch.no_grad()
 def run_inference(model, loader, preparer, device, strategy, on_sample=None,
-                  protocol: APProtocol = PROTOCOLS[DEFAULT_PROTOCOL], corrector=None) -> Dict:
+                  protocol: APProtocol = PROTOCOLS[DEFAULT_PROTOCOL], corrector=None,
+                  class_names: Optional[List[str]] = None) -> Dict:
     """This rank's shard -> {"accumulator": APAccumulator, "frames", "seconds", "bytes_sum",
     "pose_errors": PoseErrorTally}.
 
@@ -60,9 +79,13 @@ def run_inference(model, loader, preparer, device, strategy, on_sample=None,
     ``on_sample(key, batch_row, boxes, scores)`` is called per sample (e.g. to draw pictures).
     ``protocol`` sets the detection sort and range of the AP (opencood.eval.protocols).
     ``corrector``: the pose correction of intermediate runs (``detect``).
+    ``class_names``: the detector's classes (``detection_class_names``); with two or more, AP
+    is scored per class (``opencood.eval.ap``) from the detections' and the GT's class ids
+    (None: one class, ids not read).
     """
     postprocessor = preparer.postprocessor
-    accumulator = APAccumulator(order=postprocessor.order, **protocol.accumulator_args())
+    accumulator = APAccumulator(order=postprocessor.order, class_names=class_names,
+                                **protocol.accumulator_args())
     pose_errors = PoseErrorTally()
     was_training = model.training
     model.eval()
@@ -74,12 +97,15 @@ def run_inference(model, loader, preparer, device, strategy, on_sample=None,
             torch.cuda.synchronize(device)
         seconds += time.perf_counter() - start
         tally_pose_errors(pose_errors, batch, inputs)
-        for row, (boxes, scores, sent) in enumerate(results):
+        for row, detections in enumerate(results):
+            boxes, scores, sent = detections[:3]
             gt = batch["gt_boxes"][row][batch["gt_mask"][row]]
             key = tuple(batch["sample_keys"][row])
             ego_points = batch["gt_ego_points"][row] if "gt_ego_points" in batch else None
             accumulator.add_frame(boxes.float().cpu(), scores.float().cpu(), gt, sample_key=key,
-                                  gt_ego_points=ego_points)
+                                  gt_ego_points=ego_points,
+                                  **(frame_classes(batch, row, detections) if class_names
+                                     else {}))
             bytes_sum += sent
             frames += 1
             if on_sample is not None:
@@ -130,13 +156,13 @@ def merge_gathered(gathered: List[Dict], expected_frames: int) -> Dict:
 
 def evaluate_loader(model, loader, preparer, device, strategy, on_sample=None,
                     protocol: APProtocol = PROTOCOLS[DEFAULT_PROTOCOL],
-                    corrector=None) -> Dict | None:
+                    corrector=None, class_names: Optional[List[str]] = None) -> Dict | None:
     """Run, gather, compute. All ranks must call it; rank 0 gets the metrics, others None.
 
     A failure on any rank (inference on its shard, rank 0's AP) raises on every rank.
     """
     local = dist_utils.run_together(
         lambda: run_inference(model, loader, preparer, device, strategy, on_sample, protocol,
-                              corrector),
+                              corrector, class_names),
         "inference")
     return gather_results(local, expected_frames=len(loader.dataset))
