@@ -31,7 +31,8 @@ BENCH_FIGURES = {"pillarise", "targets", "profile", "train_step_model_only",
                  "eval_postprocess_per_frame", "eval_inference_per_frame", "dataloader",
                  "dataloader_by_fusion", "train_step_end_to_end", "bev_iou", "ap",
                  "visibility_count", "pcd", "host_syncs_per_step", "pose_graph_solve_ms",
-                 "loader_cpu_ms", "loader_by_format", "operators_per_step"}
+                 "loader_cpu_ms", "loader_by_format", "operators_per_step", "camera_loader_ms",
+                 "lss_forward_backward_ms"}
 DATA_FIGURES = {"dataloader", "dataloader_by_fusion", "train_step_end_to_end", "loader_cpu_ms"}
 # Figures timing ours against a reference on the same input.
 RATIO_FIGURES = {"pillarise", "targets", "bev_iou", "ap", "visibility_count"}
@@ -177,7 +178,8 @@ def check_figure(record: dict) -> None:
         assert record["reference_ms"] > 0, record
         assert record["speedup"] == pytest.approx(record["reference_ms"] / record["ms"],
                                                   rel=0.05, abs=0.1), record
-    if record["figure"] in ("bev_iou", "ap", "visibility_count", "pose_graph_solve_ms"):
+    if record["figure"] in ("bev_iou", "ap", "visibility_count", "pose_graph_solve_ms",
+                            "camera_loader_ms", "lss_forward_backward_ms"):
         return
     for key in ("batch_per_gpu", "agents", "amp", "grid"):
         assert key in record, (key, record)
@@ -229,6 +231,15 @@ def test_bench_quick_cpu_prints_only_json_lines(tmp_path):
         for path in ("reader", "dataset"):
             assert figures[path]["samples"] == 9 and figures[path]["samples_per_s"] > 0
     assert step["static_pillars"] == 0 and not step["sync_free_step"] and not step["compile"]
+    # the camera path: quick writes the tiny test split's 1 frame with cameras (3 agents of 4
+    # cameras, one sample) and runs camera_small's encoder on 2 x 3 agents
+    cameras = by_name["camera_loader_ms"]
+    assert (cameras["agent_frames"], cameras["samples"], cameras["cameras_per_agent"]) == (3, 1, 4)
+    assert cameras["read_ms"] > 0 and cameras["augment_ms"] > 0
+    assert cameras["image_size"] == [800, 600] and cameras["final_dim"] == [64, 96]
+    lss = by_name["lss_forward_backward_ms"]
+    assert (lss["agents"], lss["cameras"], lss["image_size"]) == (6, 4, [64, 96])
+    assert lss["grid"] == "128x64x1" and lss["depth_bins"] == 24 and lss["forward_ms"] > 0
     syncs = by_name["host_syncs_per_step"]
     assert syncs["syncs"] == sum(syncs["by_kind"].values()) and syncs["by_kind"]["unique"] >= 1
     count = len(BENCH_FIGURES)

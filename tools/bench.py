@@ -93,6 +93,8 @@ class Preset(NamedTuple):
     visibility_points: int
     pcd_points: int
     cpu_seconds: Dict[str, float]
+    camera_yaml: str = "hypes_yaml/synthetic/camera_base.yaml"   # the camera figures' config
+    camera_frames: int = 3    # frames of the tiny split the camera_loader_ms figure writes
 
 
 PRESETS = {
@@ -102,7 +104,9 @@ PRESETS = {
                     cpu_seconds={"setup": 4, "pillarise": 0.2, "train_step_model_only": 0.1,
                                  "host_syncs_per_step": 0.2, "operators_per_step": 0.2,
                                  "train_step_no_pillarise": 0.1, "ap": 0.1, "pcd": 1,
-                                 "loader_by_format": 3}),
+                                 "loader_by_format": 3, "camera_loader_ms": 3,
+                                 "lss_forward_backward_ms": 2},
+                    camera_yaml="hypes_yaml/synthetic/camera_small.yaml", camera_frames=1),
     "lite": Preset("hypes_yaml/synthetic/point_pillar_attfuse.yaml", steps=10, warmup=3,
                    pillars=2_000, gt_boxes=10, loader_batches=20, eval_frames=64, ap_frames=100,
                    iou_pairs=20_000, visibility_points=105_000, pcd_points=120_000,
@@ -111,7 +115,8 @@ PRESETS = {
                                 "eval_inference_per_frame": 1.2, "train_step_model_only": 2.6,
                                 "host_syncs_per_step": 0.6, "operators_per_step": 0.6,
                                 "train_step_no_pillarise": 2.5, "bev_iou": 1.3, "ap": 2.0,
-                                "visibility_count": 0.6, "pcd": 4.5, "loader_by_format": 6}),
+                                "visibility_count": 0.6, "pcd": 4.5, "loader_by_format": 6,
+                                "camera_loader_ms": 15, "lss_forward_backward_ms": 10}),
     "opv2v": Preset("hypes_yaml/opv2v/point_pillar_attfuse.yaml", steps=10, warmup=3,
                     pillars=16_000, gt_boxes=20, loader_batches=30, eval_frames=64,
                     ap_frames=200, iou_pairs=100_000, visibility_points=105_000,
@@ -121,7 +126,9 @@ PRESETS = {
                                  "eval_inference_per_frame": 59, "train_step_model_only": 173,
                                  "host_syncs_per_step": 30, "operators_per_step": 30,
                                  "train_step_no_pillarise": 158, "bev_iou": 5.1, "ap": 4.2,
-                                 "visibility_count": 0.4, "pcd": 4.5, "loader_by_format": 6}),
+                                 "visibility_count": 0.4, "pcd": 4.5, "loader_by_format": 6,
+                                 "camera_loader_ms": 20, "lss_forward_backward_ms": 60},
+                    camera_yaml="hypes_yaml/opv2v/camera_base.yaml"),
 }
 
 # What --list prints, in the order the figures are measured.
@@ -171,6 +178,14 @@ FIGURES = {
                         "bench_reference_readers.py times the reference readers on such files",
     "pcd": "ms per cloud: np.loadtxt, read_pcd (ascii, general ascii, binary), point-cache "
            "miss and hit",
+    "camera_loader_ms": "CPU ms of the camera inputs on one thread, on a tiny synthetic split "
+                        "with cameras (800 x 600): per agent frame, its 4 PNGs read and their "
+                        "calibration (read_opv2v_cameras) and HEAL's image augmentation + "
+                        "normalisation (camera_inputs, training draws); per sample, the "
+                        "camera-only intermediate dataset's __getitem__ (all agents)",
+    "lss_forward_backward_ms": "ms per batch of the lift-splat encoder (the preset's camera "
+                               "config) on batch x agents x 4 cameras of fake images: forward "
+                               "+ backward of the BEV map's sum, and forward alone (no grad)",
 }
 
 
@@ -1211,6 +1226,102 @@ def bench_loader_by_format(suite: Suite) -> List[Dict]:
                                    "environment): the reference readers on the same files")]
 
 
+# -- the camera path (issue 36) ----------------------------------------------------------------
+
+def camera_config(suite: Suite) -> Dict:
+    """The preset's camera config, resolved (without depth supervision: its loss input, the
+    depth maps, is not part of these figures)."""
+    from opencood.config import load_config
+    return load_config(REPO_ROOT / suite.preset.camera_yaml,
+                       ["model.args.encoder.args.depth_supervision=false"])
+
+
+def bench_camera_loader(suite: Suite) -> List[Dict]:
+    """The tiny preset's test split written with OPV2V's cameras (seed 0, ``camera_frames``
+    frames, a temporary folder); then, on one thread, the ms of reading one agent frame's
+    cameras, of augmenting them (the training draws of the config's data_aug_conf), and of one
+    training sample of the camera-only intermediate dataset (every agent: both, plus the
+    extrinsics composed), each the median over timed passes over all frames."""
+    import dataclasses
+    from opencood.data.cameras import camera_inputs
+    from opencood.data.datasets import IntermediateFusionDataset
+    from opencood.data.synthetic import generate_dataset
+    from opencood.data.synthetic.camera import CameraConfig
+    from opencood.data.synthetic.presets import get_preset
+    cfg = camera_config(suite)
+    conf = cfg["camera"]["data_aug_conf"]
+    preset = dataclasses.replace(get_preset("tiny"), frames=suite.preset.camera_frames,
+                                 cameras=CameraConfig(width=conf["W"], height=conf["H"]))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with tempfile.TemporaryDirectory(prefix="camera_loader_") as folder:
+            generate_dataset(folder, preset=preset, seed=0, progress=False, splits=("test",))
+            dataset = IntermediateFusionDataset.from_config(
+                cfg, Path(folder) / "test", train=True, cache_dir=Path(folder) / "cache")
+            frames = [agent["frame"] for index in range(len(dataset))
+                      for agent in dataset._agents(index)[1]]
+            read = [dataset.split.load_cameras(*frame) for frame in frames]
+            rng = np.random.default_rng(0)
+            timings = {
+                "read_ms": suite.time(lambda: [dataset.split.load_cameras(*frame)
+                                               for frame in frames], torch.device("cpu")),
+                "augment_ms": suite.time(lambda: [camera_inputs(frame, conf, rng)
+                                                  for frame in read], torch.device("cpu")),
+                "sample_ms": suite.time(lambda: [dataset[index] for index in
+                                                 range(len(dataset))], torch.device("cpu"))}
+            samples = len(dataset)
+    finally:
+        torch.set_num_threads(threads)
+    per_frame = {name: round(statistics.median(times) / len(frames), 3)
+                 for name, times in timings.items() if name != "sample_ms"}
+    sample_ms = round(statistics.median(timings["sample_ms"]) / samples, 3)
+    return [suite.record("camera_loader_ms", ms=sample_ms, **per_frame,
+                         agent_frames=len(frames), samples=samples,
+                         agents_per_sample=round(len(frames) / samples, 2),
+                         cameras_per_agent=len(read[0].images),
+                         image_size=[conf["W"], conf["H"]],
+                         final_dim=list(conf["final_dim"]),
+                         config=display_path(REPO_ROOT / suite.preset.camera_yaml),
+                         threads=1, data="tiny synthetic test split with cameras, seed 0")]
+
+
+def bench_lift_splat(suite: Suite) -> List[Dict]:
+    """The lift-splat encoder of the preset's camera config on ``--batch_size`` x ``--agents``
+    agents of 4 fake cameras (``fake_camera_batch`` at the encoder's image size) on the
+    device: forward, sum of the BEV map, backward (weights' gradients cleared first), and the
+    forward alone under no_grad."""
+    from opencood.models import build_model
+    from opencood.utils.fake_batch import fake_camera_batch
+    cfg = camera_config(suite)
+    device = suite.device
+    torch.manual_seed(int(cfg["seed"]))
+    encoder = build_model(cfg["model"]).encoder.to(device).train()
+    args = encoder.args
+    agents = suite.args.batch_size * suite.args.agents
+    batch = {key: value.to(device) for key, value in
+             fake_camera_batch(agents, image_size=tuple(args.image_size)).items()}
+
+    def forward_backward():
+        encoder.zero_grad(set_to_none=True)
+        encoder(batch).sum().backward()
+
+    def forward():
+        with torch.no_grad():
+            encoder(batch)
+
+    step = summarise(suite.time(forward_backward))
+    nx, ny, nz = encoder.cells
+    return [suite.record("lss_forward_backward_ms", **step,
+                         forward_ms=summarise(suite.time(forward))["ms"],
+                         agents=agents, cameras=batch["images"].shape[1],
+                         image_size=list(args.image_size), depth_bins=encoder.num_bins,
+                         camera_encoder=args.camera_encoder, grid=f"{nx}x{ny}x{nz}",
+                         out_channels=encoder.out_channels,
+                         parameters=sum(p.numel() for p in encoder.parameters()),
+                         config=display_path(REPO_ROOT / suite.preset.camera_yaml))]
+
+
 # -- the suite ---------------------------------------------------------------------------------
 
 class Group(NamedTuple):
@@ -1244,6 +1355,8 @@ GROUPS = (
     Group(("pose_graph_solve_ms",), "", bench_pose_graph),
     Group(("loader_by_format",), "", bench_loader_by_format),
     Group(("pcd",), "", bench_pcd),
+    Group(("camera_loader_ms",), "", bench_camera_loader),
+    Group(("lss_forward_backward_ms",), "", bench_lift_splat),
 )
 
 
