@@ -452,8 +452,6 @@ def input_sources(value) -> Optional[str]:
 
 # The LiDARs of HEAL's OPV2V-H beside OPV2V's 64-beam one (opencood.data.heter reads them).
 LIDAR_CHANNELS = (16, 32, 64)
-# The formats whose folders HEAL reads with its modality assignment (the OPV2V layout).
-HETER_FORMATS = ("opv2v", "v2xset")
 
 
 @section
@@ -500,7 +498,8 @@ class HeterSection:
 
     assignment_path: Optional[str] = None            # required by the OPV2V layout
     ego_modality: str = spec(check=non_empty)        # "m1", or "m1&m2": one of them
-    mapping_dict: Dict[str, str]                     # assigned modality -> the model's
+    # assigned modality -> the model's; one outside modality_setting: its agents take no part
+    mapping_dict: Dict[str, str]
     # lidar modality -> beams (HEAL's yamls also name modalities they leave out: ignored)
     lidar_channels_dict: Optional[Dict[str, int]] = None     # None: all read <ts>.pcd (64)
     cav_preference: Optional[Dict[str, float]] = None        # None: uniform (training draws)
@@ -512,9 +511,6 @@ class HeterSection:
         for name in self.ego_modalities:
             if name not in names:
                 yield "ego_modality", f"names {name!r}; {known}"
-        for assigned, mapped in self.mapping_dict.items():
-            if mapped not in names:
-                yield f"mapping_dict.{assigned}", f"is {mapped!r}; {known}"
         for name, channels in (self.lidar_channels_dict or {}).items():
             if name in names and self.modality_setting[name].sensor_type != "lidar":
                 yield f"lidar_channels_dict.{name}", "names a camera modality"
@@ -590,7 +586,8 @@ class Config:
 
     def _heter_problems(self) -> Problems:
         """A heter config: its modalities' sensors are inputs, their settings replace the
-        ``camera`` section, and the folders are in the OPV2V layout."""
+        ``camera`` section, the assignment is named (the data set's reader must read it:
+        opencood.data.datasets checks)."""
         for name, setting in self.heter.modality_setting.items():
             if setting.sensor_type not in self.input_source:
                 yield "input_source", (f"is {list(self.input_source)}; heter modality {name!r} "
@@ -598,10 +595,7 @@ class Config:
         if self.camera is not None:
             yield "camera", ("is set with heter: each camera modality gives its data_aug_conf "
                              "(heter.modality_setting.<name>.data_aug_conf)")
-        if self.fusion.dataset not in HETER_FORMATS:
-            yield "heter", (f"reads the OPV2V layout ({', '.join(HETER_FORMATS)}); "
-                            f"fusion.dataset is {self.fusion.dataset!r}")
-        elif self.heter.assignment_path is None:
+        if self.heter.assignment_path is None:
             yield "heter.assignment_path", ("is not set: each agent's modality comes from "
                                             "this json (scenario -> cav id -> modality)")
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -114,7 +115,6 @@ def test_heals_heter_section_resolves_complete_and_reloads_unchanged(tmp_path):
 @pytest.mark.parametrize("key, value, expected", [
     ("heter.ego_modality", "m1&m4", "key 'heter.ego_modality' names 'm4'; modality_setting "
                                     "has m1, m2, m3"),
-    ("heter.mapping_dict", {"m1": "m1", "m4": "m5"}, "key 'heter.mapping_dict.m4' is 'm5'"),
     ("heter.lidar_channels_dict", {"m3": 24}, "key 'heter.lidar_channels_dict.m3' is 24; "
                                               "OPV2V-H has LiDARs of 16, 32, 64 beams"),
     ("heter.lidar_channels_dict", {"m2": 32}, "'heter.lidar_channels_dict.m2' names a camera"),
@@ -135,9 +135,258 @@ def test_heals_heter_section_resolves_complete_and_reloads_unchanged(tmp_path):
     ("input_source", ["lidar", "depth"], "has 'depth' (the cameras' depth images) without "
                                          "'camera'"),
     ("camera", {"data_aug_conf": {}}, "key 'camera' is set with heter"),
-    ("fusion.dataset", "dairv2x", "key 'heter' reads the OPV2V layout (opv2v, v2xset); "
-                                  "fusion.dataset is 'dairv2x'"),
     ("label_type", "camera", "key 'label_type' is 'camera': HEAL's camera labels need"),
 ])
 def test_a_bad_heter_setting_is_one_line_naming_the_key(tmp_path, key, value, expected):
     assert expected in _refusal(tmp_path, _with(key, value))
+
+
+# -- OPV2V-H's files -------------------------------------------------------------------------
+
+def test_opv2v_h_files_are_where_heal_looks_for_them():
+    from opencood.data.heter import depth_files, hetero_path, lidar_file
+    cav = Path("dataset/OPV2V/train/2021_08_16_22_26_54/641")
+    # HEAL's switch_lidar_channels: OPV2V -> OPV2V_Hetero, .pcd -> _32.pcd / _16.pcd
+    assert lidar_file(cav, "000069", 32) == Path(
+        "dataset/OPV2V_Hetero/train/2021_08_16_22_26_54/641/000069_32.pcd")
+    assert lidar_file(cav, "000069", 16).name == "000069_16.pcd"
+    assert lidar_file(cav, "000069", 64) == lidar_file(cav, "000069", None) == \
+        cav / "000069.pcd"
+    assert depth_files(cav, "000069", 4)[3] == Path(
+        "dataset/OPV2V_Hetero/train/2021_08_16_22_26_54/641/000069_depth3.png")
+    # a folder whose path does not say OPV2V holds them beside the others
+    assert lidar_file("data/synthetic/test/s/1", "000002", 32) == Path(
+        "data/synthetic/test/s/1/000002_32.pcd")
+    assert hetero_path("a/b.png") == Path("a/b.png")
+
+
+CAMERA_SIZE = (32, 24)                      # W, H of the tiny heter data's images
+
+
+@pytest.fixture(scope="module")
+def heter_data(tmp_path_factory):
+    """Tiny OPV2V-H folders (generate_synthetic.py --heter --cameras --depth, one frame): the
+    test split of seed 0 (one scenario, CAVs 7127, 8616, 9883) and the train split."""
+    import dataclasses
+
+    from opencood.data.synthetic import generate_dataset, get_preset
+    from opencood.data.synthetic.camera import CameraConfig
+    root = tmp_path_factory.mktemp("opv2v_h")
+    width, height = CAMERA_SIZE
+    preset = dataclasses.replace(get_preset("tiny"), frames=1, hetero_lidars=(32, 16),
+                                 cameras=CameraConfig(width=width, height=height, depth=True))
+    generate_dataset(root, preset=preset, seed=0, progress=False, splits=("train", "test"))
+    return root
+
+
+def _elevations_deg(points):
+    return np.degrees(np.arctan2(points[:, 2], np.hypot(points[:, 0], points[:, 1])))
+
+
+def test_the_generator_writes_opv2v_h_beside_opv2v(heter_data, tmp_path):
+    import dataclasses
+    import json
+
+    from opencood.data.pcd import read_pcd
+    from opencood.data.synthetic import generate_dataset, get_preset
+    from opencood.data.synthetic.writer import ASSIGNMENT_FILES, ASSIGNMENT_FOLDER
+    tiny = get_preset("tiny")
+    (scenario,) = (heter_data / "test").iterdir()
+    cav_ids = sorted(p.name for p in scenario.iterdir())
+    for cav_id in cav_ids:
+        frame = scenario / cav_id
+        (timestamp,) = [p.stem for p in frame.glob("*.yaml")]
+        for beams in (32, 16):
+            # every return on one of the beams' elevations: the rays keep their direction
+            points = read_pcd(frame / f"{timestamp}_{beams}.pcd")
+            beam_angles = np.linspace(*tiny.lidar.fov_deg, beams)
+            gap = np.abs(_elevations_deg(points)[:, None] - beam_angles[None]).min(axis=1)
+            assert gap.max() < 1e-3 and len(points) > 1000
+            assert len(np.unique(np.round(_elevations_deg(points), 2))) > beams // 2
+        for camera in range(4):
+            assert (frame / f"{timestamp}_depth{camera}.png").is_file()
+    # OPV2V's own LiDAR byte for byte that of a data set without the extras (and cameras)
+    plain = tmp_path / "plain"
+    generate_dataset(plain, preset=dataclasses.replace(tiny, frames=1), seed=0,
+                     progress=False, splits=("test",))
+    for path in (plain / "test").rglob("*.*"):
+        written = heter_data / path.relative_to(plain)
+        if path.suffix == ".pcd":
+            assert path.read_bytes() == written.read_bytes(), path
+        else:
+            with_cameras = yaml.safe_load(written.read_text())
+            assert yaml.safe_load(path.read_text()) == {
+                key: value for key, value in with_cameras.items() if "camera" not in key}
+    assert not (plain / ASSIGNMENT_FOLDER).exists()
+    # HEAL's two assignments: every scenario of the written splits, m1..m4
+    random, in_order = (json.loads((heter_data / ASSIGNMENT_FOLDER / name).read_text())
+                        for name in ASSIGNMENT_FILES)
+    scenarios = sorted(p.name for split in ("train", "test") for p in (heter_data / split)
+                       .iterdir())
+    assert sorted(random) == scenarios and list(in_order) == [scenario.name]
+    assert in_order[scenario.name] == dict(zip(cav_ids, ("m1", "m2", "m3")))
+    assert set(random[scenario.name]) == set(cav_ids)
+    assert len(set(random[scenario.name].values())) == 3     # a permutation of m1..m4
+
+
+# -- each agent reads what its modality needs ------------------------------------------------
+
+TEST_AGENTS = ("7127", "8616", "9883")      # the tiny test scenario's agents, folder order
+
+
+def _heter_config(tmp_path, data_root, assignment, split="test", **heter):
+    """MINIMAL for the tiny OPV2V-H folders: m1 LiDAR (64: <ts>.pcd), m2 camera (the images'
+    size, evaluation crop = the whole image), m3 LiDAR (32 beams); own-frame clouds."""
+    import json
+    path = tmp_path / "assignment.json"
+    path.write_text(json.dumps(assignment))
+    cfg = copy.deepcopy(MINIMAL)
+    crop = [-51.2, -51.2, -3, 51.2, 51.2, 1]
+    width, height = CAMERA_SIZE
+    setting = cfg["heter"]["modality_setting"]
+    setting["m2"]["data_aug_conf"].update(H=height, W=width, final_dim=[height, width],
+                                          bot_pct_lim=[0.0, 0.0])
+    for name, cell in (("m1", 0.4), ("m3", 0.8)):       # (m3 keeps 5 points per pillar)
+        setting[name]["preprocess"]["cav_lidar_range"] = crop
+        setting[name]["preprocess"]["args"]["voxel_size"] = [cell, cell, 4]
+    cfg["heter"].update({"assignment_path": str(path), "ego_modality": "m1",
+                         "mapping_dict": {"m1": "m1", "m2": "m2", "m3": "m3", "m4": "m3"},
+                         **heter})
+    cfg["preprocess"]["cav_lidar_range"] = crop
+    cfg["fusion"]["args"] = {"proj_first": False}
+    cfg["root_dir"] = cfg["test_dir"] = str(data_root / split)
+    return load_config(_write(tmp_path / "heter.yaml", cfg))
+
+
+def _dataset(cfg, split="test", train=False):
+    from opencood.data.datasets import build_dataset
+    from opencood.strategies import choose_strategy
+    return build_dataset(cfg, split, train, choose_strategy(cfg))
+
+
+def _scenario(root, split="test"):
+    (scenario,) = [p for p in (root / split).iterdir()] if split == "test" else \
+        [sorted((root / split).iterdir())[0]]
+    return scenario
+
+
+def _own_cloud(path, crop):
+    """What an own-frame agent's input is: the file's points, own body removed, cropped."""
+    from opencood.data.opv2v import remove_own_body_points
+    from opencood.data.pcd import read_pcd
+    points = remove_own_body_points(read_pcd(path))
+    inside = np.all((points[:, :3] > crop[:3]) & (points[:, :3] < crop[3:]), axis=1)
+    return points[inside]
+
+
+def test_each_agent_reads_what_its_modality_needs(heter_data, tmp_path, private_point_cache):
+    from PIL import Image
+
+    from opencood import batch_keys
+    from opencood.data.collate import collate_samples
+    from opencood.data.pipeline import BatchPreparer
+    scenario = _scenario(heter_data)
+    # the first folder's m4 (-> m3) is not the ego modality m1: the first agent of the json
+    # mapping to m1 (9883) becomes the ego (HEAL's reorder_cav_list), the others keep order
+    assignment = {scenario.name: {"7127": "m4", "8616": "m2", "9883": "m1"}}
+    cfg = _heter_config(tmp_path, heter_data, assignment)
+    sample = _dataset(cfg)[0]
+    batch_keys.check_keys("sample", sample, "heter dataset")
+    assert sample["agent_ids"] == ["9883", "7127", "8616"]
+    assert sample["agent_modality"] == ["m1", "m3", "m2"]
+    (timestamp,) = [p.stem for p in (scenario / "9883").glob("*.yaml")]
+    crop = np.asarray(cfg["preprocess"]["cav_lidar_range"], dtype=np.float32)
+    ego, m3_agent, camera_agent = sample["agent_points"]
+    # m1: OPV2V's <ts>.pcd; m3: its 32-beam LiDAR; the camera agent reads no cloud
+    assert np.array_equal(ego, _own_cloud(scenario / "9883" / f"{timestamp}.pcd", crop))
+    assert np.array_equal(m3_agent, _own_cloud(scenario / "7127" / f"{timestamp}_32.pcd",
+                                               crop))
+    assert camera_agent.shape == (0, 4)
+    assert (sample["gt_ego_points"] >= 0).all() and sample["gt_ego_points"].sum() > 0
+    # only the camera agent's images; its depth maps are the depth images' metres (the
+    # evaluation's augmentation is the identity here: the whole image at its own size)
+    (group,) = sample["modality_cameras"].values()
+    assert list(sample["modality_cameras"]) == ["m2"]
+    assert group["images"].shape == (1, 4, 3, CAMERA_SIZE[1], CAMERA_SIZE[0])
+    for camera in range(4):
+        depth = np.asarray(Image.open(scenario / "8616" / f"{timestamp}_depth{camera}.png"))
+        assert np.array_equal(group["depth_maps"][0, camera], depth.astype(np.float32))
+    assert group["depth_maps"].max() > 5
+    # a batch of two: modalities over the batch's agents, each LiDAR modality pillarised on
+    # its own grid with the agents ranked within it
+    batch = collate_samples([sample, sample])
+    batch_keys.check_keys("batch", batch, "heter collate")
+    assert batch["agent_modality"] == ["m1", "m3", "m2"] * 2
+    assert batch["modality_cameras"]["m2"]["images"].shape[0] == 2
+    inputs = BatchPreparer.from_config(cfg, "cpu", training=False).model_inputs(batch)
+    batch_keys.check_keys("model input", inputs, "heter preparer")
+    assert "voxel_features" not in inputs and sorted(inputs["modality_pillars"]) == ["m1", "m3"]
+    for name, cloud, cell, cap in (("m1", ego, 0.4, 32), ("m3", m3_agent, 0.8, 5)):
+        pillars = inputs["modality_pillars"][name]
+        ranks = pillars["voxel_coords"][:, 0]
+        assert ranks.unique().tolist() == [0, 1]
+        # the agent's points in the cells of its modality's grid, at most ``cap`` per pillar
+        _, per_cell = np.unique(np.floor((cloud[:, :2] - crop[:2]) / cell), axis=0,
+                                return_counts=True)
+        assert (ranks == 0).sum().item() == len(per_cell)
+        assert pillars["voxel_num_points"][ranks == 0].sum().item() == \
+            np.minimum(per_cell, cap).sum()
+
+
+def test_a_missing_or_inconsistent_assignment_is_one_line(heter_data, tmp_path,
+                                                          private_point_cache):
+    from opencood.data.heter import AssignmentError
+    scenario = _scenario(heter_data).name
+    good = {"7127": "m4", "8616": "m2", "9883": "m1"}
+    cases = [
+        ({"other": good}, f"scenario {scenario} is not assigned"),
+        ({scenario: {"7127": "m4", "9883": "m1"}}, f"scenario {scenario}, agent 8616: no "
+                                                    f"modality assigned"),
+        ({scenario: {**good, "1234": "m1"}}, f"scenario {scenario}, agent 1234: assigned 'm1' "
+                                             f"but the scenario has no such agent folder"),
+        ({scenario: {**good, "8616": "m7"}}, f"scenario {scenario}, agent 8616: assigned 'm7',"
+                                             f" which heter.mapping_dict does not map"),
+    ]
+    for assignment, expected in cases:
+        with pytest.raises(AssignmentError) as info:
+            _dataset(_heter_config(tmp_path, heter_data, assignment))
+        assert expected in str(info.value) and "\n" not in str(info.value)
+        assert str(info.value).startswith(str(tmp_path / "assignment.json"))
+    # a format whose reader has no assignment
+    cfg = _heter_config(tmp_path, heter_data, {scenario: good})
+    with pytest.raises(ConfigError, match="heter: the dairv2x reader has no modality "
+                                          "assignment"):
+        _dataset({**cfg, "fusion": {**cfg["fusion"], "dataset": "dairv2x"}})
+    # an ego whose modality the model does not have and nobody to replace it
+    with pytest.raises(AssignmentError, match=f"scenario {scenario}, agent 7127 \\(the ego\\): "
+                                              f"modality 'm9' is not in"):
+        _dataset(_heter_config(tmp_path, heter_data, {scenario: good}, ego_modality="m3",
+                               mapping_dict={"m1": "m9", "m2": "m9", "m4": "m9"}))
+    # a mapped modality outside modality_setting leaves its agents out (HEAL's unmatched)
+    cfg = _heter_config(tmp_path, heter_data, {scenario: good},
+                        mapping_dict={"m1": "m1", "m2": "m9", "m4": "m3"})
+    assert _dataset(cfg)[0]["agent_ids"] == ["9883", "7127"]
+
+
+def test_training_draws_the_modalities_per_sample(heter_data, tmp_path, private_point_cache):
+    import json
+
+    from opencood.data.synthetic.writer import ASSIGNMENT_FILES, ASSIGNMENT_FOLDER
+    assignment = json.loads((heter_data / ASSIGNMENT_FOLDER / ASSIGNMENT_FILES[0]).read_text())
+    cfg = _heter_config(tmp_path, heter_data, assignment, split="train",
+                        ego_modality="m1&m3", cav_preference={"m2": 1.0, "m3": 0.0})
+    dataset = _dataset(cfg, "train", train=True)
+    draws = []
+    for epoch in range(8):
+        dataset.set_epoch(epoch)
+        sample = dataset[0]
+        draws.append(tuple(sample["agent_modality"]))
+        # the folder's ego stays the ego; the others are all camera agents (cav_preference)
+        assert sample["agent_ids"][0] == dataset.split.info(0).cav_ids[0]
+        assert draws[-1][0] in ("m1", "m3") and set(draws[-1][1:]) == {"m2"}
+        assert (len(sample["agent_points"][0]) > 0) and all(
+            len(points) == 0 for points in sample["agent_points"][1:])
+    assert {draw[0] for draw in draws} == {"m1", "m3"}       # the ego's draw varies by epoch
+    again = _dataset(cfg, "train", train=True)
+    again.set_epoch(5)
+    assert tuple(again[0]["agent_modality"]) == draws[5]     # a function of (seed, epoch, index)

@@ -6,7 +6,7 @@
                                        [--seed N] [--workers N] [--overwrite]
                                        [--frames N] [--scenarios TRAIN VALIDATE TEST]
                                        [--splits train validate test]
-                                       [--cameras [--camera-size W H] [--depth]]
+                                       [--cameras [--camera-size W H] [--depth]] [--heter]
 
 Writes DIR/{train,validate,test}/<scenario>/<cav_id>/<ts>.pcd|.yaml (opv2v; v2v4real: two CAVs,
 folders 0 and 1, numpy-tagged yaml; dairv2x: DIR/cooperative-vehicle-infrastructure/ with
@@ -18,7 +18,10 @@ to the test split of the whole data set (tests/test_e2e_parity.py regenerates it
 ``<ts>_camera0..3.png`` (800 x 600 unless ``--camera-size``) and the yaml's ``camera0..3``;
 ``--depth`` adds OPV2V-H's ``<ts>_depth0..3.png``; with ``--format dairv2x``, DAIR's one camera
 per side (``image/*.jpg`` and its calib files). Off by default: it costs more CPU than the
-LiDAR (docs/DESIGN.md §3).
+LiDAR (docs/DESIGN.md §3). ``--heter`` writes HEAL's OPV2V-H extras: every agent's 32- and
+16-beam LiDARs (``<ts>_32.pcd``, ``<ts>_16.pcd``) beside the preset's, and HEAL's modality
+assignments ``DIR/heter_modality_assign/opv2v_4modality.json`` (and ``_in_order``) for a
+``heter`` config's ``assignment_path``; with ``--cameras --depth`` that is all of OPV2V-H.
 """
 import argparse
 import dataclasses
@@ -53,13 +56,22 @@ def parse_args(argv=None):
                         help="camera image size (default: OPV2V's 800 600)")
     parser.add_argument("--depth", action="store_true",
                         help="with --cameras: also write depth images (OPV2V-H's)")
+    parser.add_argument("--heter", action="store_true",
+                        help="OPV2V-H's 32- and 16-beam LiDARs per agent and HEAL's modality "
+                             "assignment json (opv2v format)")
     return parser.parse_args(argv)
 
 
-def sized_preset(name: str, frames=None, scenarios=None, cameras=None):
+# OPV2V-H's LiDARs beside OPV2V's (HEAL's lidar_channels_dict values)
+HETERO_LIDARS = (32, 16)
+
+
+def sized_preset(name: str, frames=None, scenarios=None, cameras=None, heter: bool = False):
     """The preset ``name`` with its frames per scenario and scenarios per split replaced and,
-    with ``cameras`` (a CameraConfig), cameras added."""
+    with ``cameras`` (a CameraConfig), cameras added; ``heter``: OPV2V-H's extra LiDARs."""
     preset = get_preset(name)
+    if heter:
+        preset = dataclasses.replace(preset, hetero_lidars=HETERO_LIDARS)
     if cameras is not None:
         preset = dataclasses.replace(preset, cameras=cameras)
     if frames is not None:
@@ -92,7 +104,8 @@ def camera_config(args):
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        preset = sized_preset(args.preset, args.frames, args.scenarios, camera_config(args))
+        preset = sized_preset(args.preset, args.frames, args.scenarios, camera_config(args),
+                              heter=args.heter)
         summary = generate_dataset(args.out, preset=preset, seed=args.seed,
                                    workers=args.workers, progress=not args.quiet,
                                    overwrite=args.overwrite, data_format=args.data_format,

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from opencood.batch_keys import CAMERA_TENSORS
 from opencood.errors import OpencoodError
 
 OPV2V_CAMERAS = 4                     # camera0..3: front, right, left, back
@@ -246,8 +247,32 @@ def normalize_image(image: Image.Image) -> torch.Tensor:
     return scaled.sub_(mean).div_(std)
 
 
+def read_depth_images(paths: Sequence[Path]) -> List[Image.Image]:
+    """OPV2V-H's depth images (8-bit grey, metres), loaded as stored (HEAL's
+    ``load_camera_data``: no conversion); CameraFileError naming a missing or unreadable one."""
+    images = []
+    for path in paths:
+        try:
+            with Image.open(path) as image:
+                image.load()
+                images.append(image.copy())
+        except FileNotFoundError:
+            raise CameraFileError(f"{path}: depth image missing (input_source has 'depth')") \
+                from None
+        except OSError as exc:
+            raise CameraFileError(f"{path}: unreadable image ({exc})") from None
+    return images
+
+
+def depth_tensor(image: Image.Image) -> torch.Tensor:
+    """An augmented depth image -> (H, W) float32 metres, in HEAL's operations (torchvision's
+    ``ToTensor``, [0, 1], then ``* 255``)."""
+    pixels = torch.from_numpy(np.array(image, dtype=np.uint8))
+    return pixels.to(torch.float32).div(255).mul(255)
+
+
 def camera_inputs(frame: CameraFrame, conf: dict, rng: np.random.Generator | None,
-                  lidar_to_output: np.ndarray | None = None) -> dict:
+                  lidar_to_output: np.ndarray | None = None, depths=None) -> dict:
     """One agent's model inputs: camera by camera, draw (``rng`` None: the fixed evaluation
     augmentation), transform and normalise its image.
 
@@ -256,9 +281,11 @@ def camera_inputs(frame: CameraFrame, conf: dict, rng: np.random.Generator | Non
     ``camera_to_lidar`` as read. Returns numpy arrays: images (C, 3, fH, fW), intrinsics
     (C, 3, 3), extrinsics (C, 4, 4) camera -> output frame, post_rots (C, 3, 3), post_trans
     (C, 3), all float32, and ``augmentations`` (the C draws, for tests and pictures).
+    ``depths``: the C depth images (:func:`read_depth_images`), augmented with their camera's
+    draw as HEAL does (the same resize, crop, flip and rotation) -> ``depth_maps`` (C, fH, fW).
     """
-    images, post_rots, post_trans, draws = [], [], [], []
-    for image, path in zip(frame.images, frame.paths):
+    images, post_rots, post_trans, draws, depth_maps = [], [], [], [], []
+    for camera, (image, path) in enumerate(zip(frame.images, frame.paths)):
         if image.size != (conf["W"], conf["H"]):
             # The augmentation's resize and crop are computed from W, H: a mismatch would
             # silently scale the image and its intrinsics apart.
@@ -267,20 +294,27 @@ def camera_inputs(frame: CameraFrame, conf: dict, rng: np.random.Generator | Non
         aug = draw_image_augmentation(conf, rng)
         post_rot, post_tran = image_augmentation_matrices(aug)
         images.append(normalize_image(transform_image(image, aug)))
+        if depths is not None:
+            depth_maps.append(depth_tensor(transform_image(depths[camera], aug)))
         post_rots.append(post_rot)
         post_trans.append(post_tran)
         draws.append(aug)
     extrinsics = frame.camera_to_lidar
     if lidar_to_output is not None:
         extrinsics = (np.asarray(lidar_to_output, np.float64) @ extrinsics).astype(np.float32)
-    return {"images": torch.stack(images).numpy(), "intrinsics": frame.intrinsics,
-            "extrinsics": extrinsics, "post_rots": torch.stack(post_rots).numpy(),
-            "post_trans": torch.stack(post_trans).numpy(), "augmentations": draws}
+    inputs = {"images": torch.stack(images).numpy(), "intrinsics": frame.intrinsics,
+              "extrinsics": extrinsics, "post_rots": torch.stack(post_rots).numpy(),
+              "post_trans": torch.stack(post_trans).numpy(), "augmentations": draws}
+    if depths is not None:
+        inputs["depth_maps"] = torch.stack(depth_maps).numpy()
+    return inputs
 
 
-CAMERA_KEYS = ("images", "intrinsics", "extrinsics", "post_rots", "post_trans")
+CAMERA_KEYS = CAMERA_TENSORS           # the per-agent camera tensors (opencood.batch_keys)
 
 
 def stack_agents(per_agent: Sequence[dict]) -> dict:
-    """Per-agent :func:`camera_inputs` -> the sample's camera keys, (n, C, ...) float32."""
-    return {key: np.stack([agent[key] for agent in per_agent]) for key in CAMERA_KEYS}
+    """Per-agent :func:`camera_inputs` -> the sample's camera keys, (n, C, ...) float32
+    (``depth_maps`` when the agents have them)."""
+    return {key: np.stack([agent[key] for agent in per_agent]) for key in CAMERA_KEYS
+            if key in per_agent[0]}

@@ -59,6 +59,7 @@ def collate_samples(samples: List[Dict]) -> Dict:
     if "early_fusion_points" in samples[0]:
         batch["early_fusion"] = collate_early_fusion([s["early_fusion_points"] for s in samples])
     batch.update(collate_camera(samples))
+    batch.update(collate_modalities(samples))
     return batch
 
 
@@ -77,6 +78,23 @@ def collate_camera(samples: List[Dict]) -> Dict:
     the batch's agents -> (A, C, ...); nothing for samples without images."""
     return {key: torch.cat([torch.as_tensor(s[key]) for s in samples])
             for key in CAMERA_SAMPLE_KEYS if key in samples[0]}
+
+
+def collate_modalities(samples: List[Dict]) -> Dict:
+    """Heterogeneous samples (opencood.data.heter): ``agent_modality`` over the batch's agents
+    and ``modality_cameras``, each modality's camera tensors concatenated over the samples
+    (agent order kept within a modality); nothing for other samples."""
+    if "agent_modality" not in samples[0]:
+        return {}
+    groups: Dict[str, List[Dict]] = {}
+    for sample in samples:
+        for modality, tensors in sample["modality_cameras"].items():
+            groups.setdefault(modality, []).append(tensors)
+    return {"agent_modality": [name for s in samples for name in s["agent_modality"]],
+            "modality_cameras": {modality: {key: torch.cat([torch.as_tensor(p[key])
+                                                            for p in parts])
+                                            for key in parts[0]}
+                                 for modality, parts in groups.items()}}
 
 
 # The batch's big arrays: in a loader worker they are made in shared memory at once (as torch's

@@ -21,6 +21,11 @@ A sample is a dict::
                                                      (LiDAR inputs only)
     images, intrinsics, extrinsics, post_rots, post_trans   camera inputs only, (n, C, ...):
                                                      opencood.data.cameras, ``_camera_keys``
+    agent_modality    [str, ...]                     heter only: each agent's modality (the
+                                                     model's name), opencood.data.heter
+    modality_cameras  {modality: {camera key: (n_m, C, ...)}}   heter only: the camera agents'
+                                                     inputs by modality (``depth_maps`` too
+                                                     with input_source depth)
     transforms_to_ego (n, 4, 4) float32              agent -> ego as used (noisy for non-ego)
     transforms_to_ego_clean (n, 4, 4) float32        the same from the true poses (pose-error
                                                      metrics; equal to the above without noise)
@@ -57,7 +62,8 @@ import torch
 from opencood.config_schema import DEFAULT_COMM_RANGE, DEFAULT_LIDAR_RANGE
 from opencood.data.augment import (augment_boxes, augmentation_matrix, check_augment_config,
                                    draw_augmentation)
-from opencood.data.cameras import camera_inputs, stack_agents
+from opencood.data.cameras import camera_inputs, read_depth_images, stack_agents
+from opencood.data.heter import ModalityPlan, depth_files
 from opencood.data.opv2v import DEFAULT_GT_RANGE, is_infrastructure
 from opencood.data.formats import open_split, split_class
 from opencood.data.wild import WildSetting, delayed_timestamp, noisy_pose
@@ -70,7 +76,7 @@ VEHICLE, INFRASTRUCTURE = 0, 1             # agent types (V2X-ViT's "infra" flag
 
 # Purpose codes keep the augmentation, the noise and the image augmentation streams independent
 # of each other (the image draws are HEAL's, camera after camera: opencood.data.cameras).
-_AUGMENT_STREAM, _NOISE_STREAM, _CAMERA_STREAM = 1, 2, 3
+_AUGMENT_STREAM, _NOISE_STREAM, _CAMERA_STREAM, _MODALITY_STREAM = 1, 2, 3, 4
 # Ego points in a GT box (its visibility to the ego): 0.1 m around the box takes in surface returns
 # that range noise put just outside; the bottom 0.25 m is left out, where ground returns beside
 # the wheels would make a car hidden from the ego look seen.
@@ -118,6 +124,11 @@ class BaseFusionDataset(torch.utils.data.Dataset):
             "lidar" no point cloud is read: samples carry no ``agent_points``, ``gt_ego_points``
             is -1; with "camera" each sample carries the camera keys (:meth:`_camera_keys`).
         data_aug_conf: the image augmentation (``camera.data_aug_conf``), with "camera".
+        heter: the resolved ``heter`` section: a modality per agent (opencood.data.heter); each
+            agent reads what its modality's sensor needs (LiDAR agents their cloud, of the
+            beams ``lidar_channels_dict`` says; camera agents their images, and depth images
+            with "depth" in ``input_source``), samples carry ``agent_modality`` and
+            ``modality_cameras``.
     """
 
     fusion_method = "base"
@@ -130,10 +141,24 @@ class BaseFusionDataset(torch.utils.data.Dataset):
                  seed: int = 0, max_cav: int = 5, com_range: float = DEFAULT_COMM_RANGE,
                  order: str = "hwl", cache_dir=None, count_ego_points: bool | None = None,
                  dataset: str = "opv2v", reader_options: dict | None = None,
-                 input_source=("lidar",), data_aug_conf: dict | None = None):
+                 input_source=("lidar",), data_aug_conf: dict | None = None,
+                 heter: dict | None = None):
         check_augment_config(augment_cfg)
+        if heter is not None and not getattr(split_class(dataset), "reads_heter", False):
+            raise ConfigError(f"heter: the {dataset} reader has no modality assignment (HEAL's "
+                              f"heter section reads the OPV2V layout: opv2v, v2xset)")
+        self.plan = ModalityPlan(heter, train, is_infrastructure) if heter is not None else None
         self.uses_lidar = "lidar" in input_source
-        if not self.uses_lidar:                 # camera-only: a frame needs no .pcd
+        self.uses_depth = "depth" in input_source
+        if self.plan is not None:
+            # A frame's files are checked when its agent reads them: which ones depends on the
+            # agent's modality. The plan orders (and checks) each scenario's agents.
+            reader_options = {**(reader_options or {}), "require_points": False,
+                              "agent_order": self.plan.agent_order}
+            input_source = tuple(name for name in input_source if name != "camera")
+            self.uses_lidar = any(self.plan.sensor_type(name) == "lidar"
+                                  for name in self.plan.settings)
+        elif not self.uses_lidar:                 # camera-only: a frame needs no .pcd
             reader_options = {**(reader_options or {}), "require_points": False}
         self.data_aug_conf = dict(data_aug_conf) if "camera" in input_source else None
         if "camera" in input_source and data_aug_conf is None:
@@ -171,7 +196,7 @@ class BaseFusionDataset(torch.utils.data.Dataset):
                    reader_options=split_class(cfg["fusion"]["dataset"]).reader_options(cfg),
                    input_source=tuple(cfg["input_source"]),
                    data_aug_conf=(cfg["camera"] or {}).get("data_aug_conf"),
-                   cache_dir=cache_dir, **extra)
+                   heter=cfg["heter"], cache_dir=cache_dir, **extra)
 
     # -- reproducible randomness -------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
@@ -236,18 +261,38 @@ class BaseFusionDataset(torch.utils.data.Dataset):
         body there, and our synthetic RSUs stand where the crop box holds no returns.
         """
         info, agents = self._agents(index)
+        for agent, modality in zip(agents, self._modalities(index, info, agents)):
+            agent["modality"] = modality
         for agent in agents if self.uses_other_agents_points else agents[:1]:
-            agent["points"] = self._load_points(agent["frame"])
+            agent["points"] = self._load_points(agent["frame"], agent["modality"])
         gt_ids, gt_boxes = self.split.sample_gt(index, gt_range=self.gt_range, order=self.order)
+        ego_points = agents[0]["points"] if self._has_lidar(agents[0]["modality"]) else None
         return {"info": info, "agents": agents, "gt_boxes": gt_boxes, "gt_ids": gt_ids,
-                "gt_ego_points": self._points_per_box(agents[0]["points"], gt_boxes)}
+                "gt_ego_points": self._points_per_box(ego_points, gt_boxes)}
 
-    def _load_points(self, frame) -> np.ndarray:
+    def _modalities(self, index: int, info, agents) -> List:
+        """Each agent's modality (heter; None for every agent without): evaluation maps the
+        assignment, training draws from the sample's modality stream (seed, epoch, index)."""
+        if self.plan is None:
+            return [None] * len(agents)
+        rng = self._rng(index, _MODALITY_STREAM) if self.train else None
+        return self.plan.modalities(info.scenario, [a["cav_id"] for a in agents], rng)
+
+    def _has_lidar(self, modality) -> bool:
+        """Whether an agent of ``modality`` (None: not heter) reads a point cloud."""
+        if self.plan is None:
+            return self.uses_lidar
+        return self.plan.sensor_type(modality) == "lidar"
+
+    def _load_points(self, frame, modality=None) -> np.ndarray:
         """(N, 4) float32 of one agent frame (scenario, cav_id, timestamp); (0, 4) without
-        LiDAR inputs (camera-only: no .pcd is read)."""
-        if not self.uses_lidar:
+        LiDAR inputs (camera-only, or a camera agent: no .pcd is read). A heter LiDAR agent
+        reads its modality's sensor (``heter.lidar_channels_dict``: OPV2V-H's 32 / 16 beams)."""
+        if not self._has_lidar(modality):
             return np.zeros((0, 4), dtype=np.float32)
-        return self.split.load_points(*frame)
+        if self.plan is None:
+            return self.split.load_points(*frame)
+        return self.split.load_points(*frame, channels=self.plan.channels(modality))
 
     def _camera_keys(self, index: int, frames, lidar_to_output) -> Dict:
         """The camera keys of the sample's agents (opencood.data.cameras.camera_inputs).
@@ -265,12 +310,30 @@ class BaseFusionDataset(torch.utils.data.Dataset):
                                    matrix) for frame, matrix in zip(frames, lidar_to_output)]
         return stack_agents(per_agent)
 
-    def _points_per_box(self, points: np.ndarray, boxes) -> np.ndarray:
+    def _modality_cameras(self, index: int, frames, lidar_to_output, modalities) -> Dict:
+        """heter: the camera agents' inputs grouped by modality, {modality: camera keys (n_m, C,
+        ...)}, each agent augmented by its modality's ``data_aug_conf``; with "depth" in
+        ``input_source`` also ``depth_maps`` from OPV2V-H's depth images. The image draws go
+        camera agent after camera agent, from the sample's camera stream (evaluation: none)."""
+        rng = self._rng(index, _CAMERA_STREAM) if self.train else None
+        groups: Dict[str, list] = {}
+        for frame, matrix, modality in zip(frames, lidar_to_output, modalities):
+            if self.plan.sensor_type(modality) != "camera":
+                continue
+            cameras = self.split.load_cameras(*frame)
+            depths = read_depth_images(depth_files(cameras.paths[0].parent, frame[2],
+                                                   len(cameras.paths))) \
+                if self.uses_depth else None
+            groups.setdefault(modality, []).append(camera_inputs(
+                cameras, self.plan.settings[modality]["data_aug_conf"], rng, matrix, depths))
+        return {modality: stack_agents(per_agent) for modality, per_agent in groups.items()}
+
+    def _points_per_box(self, points: np.ndarray | None, boxes) -> np.ndarray:
         """(M,) own points of the viewing agent inside each GT box (same frame), for the
         ego-visible / ego-occluded AP split; -1 unless ``count_ego_points`` (never without
-        LiDAR inputs)."""
+        LiDAR inputs, nor for a heter agent without a LiDAR: ``points`` None)."""
         boxes = np.asarray(boxes, np.float64).reshape(-1, 7)
-        if not self.count_ego_points:
+        if not self.count_ego_points or points is None:
             return np.full(boxes.shape[0], -1, dtype=np.int64)
         return ego_points_per_box(points, boxes, self.order)
 
@@ -282,7 +345,8 @@ class BaseFusionDataset(torch.utils.data.Dataset):
 
     def _finish(self, index: int, key, agent_ids, clouds, to_output, transforms, gt_boxes,
                 gt_ids, shared_points: int, gt_ego_points: np.ndarray, agent_latency=None,
-                merge: bool = False, clean_transforms=None, frames=None) -> Dict:
+                merge: bool = False, clean_transforms=None, frames=None,
+                modalities=None) -> Dict:
         """Move, augment and crop every cloud in one pass, augment and crop the boxes, cast.
 
         clouds: per agent (N_i, 4) float32 in its own frame (only read); to_output: per cloud
@@ -292,7 +356,8 @@ class BaseFusionDataset(torch.utils.data.Dataset):
         clean_transforms: ``transforms_to_ego_clean``, the true ones (default: ``transforms``).
         ``agent_latency``: frames of delay per agent, default 0 (one merged or own cloud).
         ``frames``: per output agent its (scenario, cav_id, timestamp), whose cameras the
-        sample carries when the inputs have cameras (not with ``merge``).
+        sample carries when the inputs have cameras (not with ``merge``). ``modalities``: per
+        output agent its modality (heter).
         """
         if clean_transforms is None:
             clean_transforms = transforms
@@ -312,6 +377,10 @@ class BaseFusionDataset(torch.utils.data.Dataset):
                 else np.ones(gt_boxes.shape[0], dtype=bool))
         cameras = self._camera_keys(index, frames, to_sample) \
             if self.data_aug_conf is not None else {}
+        if self.plan is not None:
+            cameras = {"agent_modality": list(modalities),
+                       "modality_cameras": self._modality_cameras(index, frames, to_sample,
+                                                                  modalities)}
         return {
             "sample_key": key,
             "agent_ids": list(agent_ids),
@@ -370,7 +439,8 @@ class NoFusionDataset(BaseFusionDataset):
         ego = loaded["agents"][0]
         return self._finish(index, key, [ego["cav_id"]], [ego["points"]], [np.eye(4)],
                             [np.eye(4)], loaded["gt_boxes"], loaded["gt_ids"], shared_points=0,
-                            gt_ego_points=loaded["gt_ego_points"], frames=[ego["frame"]])
+                            gt_ego_points=loaded["gt_ego_points"], frames=[ego["frame"]],
+                            modalities=[ego["modality"]])
 
 
 @DATASETS.register("early")
@@ -384,6 +454,9 @@ class EarlyFusionDataset(BaseFusionDataset):
         if self.data_aug_conf is not None:
             raise ConfigError("input_source has 'camera': camera inputs are per agent (no, "
                               "late or intermediate fusion); early fusion merges point clouds")
+        if self.plan is not None:
+            raise ConfigError("heter: a modality per agent needs per-agent inputs (no, late or "
+                              "intermediate fusion); early fusion merges point clouds")
 
     def _build(self, index, key, loaded):
         agents = loaded["agents"]
@@ -433,7 +506,8 @@ class IntermediateFusionDataset(BaseFusionDataset):
                               loaded["gt_boxes"], loaded["gt_ids"], shared_points=0,
                               gt_ego_points=loaded["gt_ego_points"],
                               agent_latency=[a["latency"] for a in agents],
-                              clean_transforms=clean, frames=[a["frame"] for a in agents])
+                              clean_transforms=clean, frames=[a["frame"] for a in agents],
+                              modalities=[a["modality"] for a in agents])
         if self.with_early_fusion:
             sample["early_fusion_points"] = self._early_fusion_points(index, agents)
         return sample
@@ -478,14 +552,16 @@ class LateFusionDataset(BaseFusionDataset):
         sample_index, position = self.pairs[index]
         info, agents = self._agents(sample_index)
         agent = agents[position]              # only its own cloud is read
-        points = self._load_points(agent["frame"])
+        modality = self._modalities(sample_index, info, agents)[position]
+        points = self._load_points(agent["frame"], modality)
         gt_ids, gt_boxes = self.split.frame_boxes(*agent["frame"], self.gt_range,
                                                   order=self.order)
         key = (info.scenario, info.timestamp, agent["cav_id"])
         return self._finish(index, key, [agent["cav_id"]], [points], [np.eye(4)], [np.eye(4)],
                             gt_boxes, gt_ids, shared_points=0,
-                            gt_ego_points=self._points_per_box(points, gt_boxes),
-                            frames=[agent["frame"]])
+                            gt_ego_points=self._points_per_box(
+                                points if self._has_lidar(modality) else None, gt_boxes),
+                            frames=[agent["frame"]], modalities=[modality])
 
     def _build(self, index, key, loaded):
         agents = loaded["agents"]
@@ -496,7 +572,8 @@ class LateFusionDataset(BaseFusionDataset):
                             gt_ego_points=loaded["gt_ego_points"],
                             agent_latency=[a["latency"] for a in agents],
                             clean_transforms=[a["T_to_ego_clean"] for a in agents],
-                            frames=[a["frame"] for a in agents])
+                            frames=[a["frame"] for a in agents],
+                            modalities=[a["modality"] for a in agents])
 
 
 # The config key naming each split's folder.

@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from opencood.config import YamlLoader, yaml_error_line
 from opencood.config_schema import DEFAULT_COMM_RANGE
+from opencood.data.heter import lidar_file
 from opencood.data.pcd import PointCloudCache, default_cache_dir, read_pcd
 from opencood.errors import OpencoodError
 from opencood.ops.transforms import (
@@ -497,6 +498,9 @@ class OPV2VSplit:
         index_cache: persist the parsed yaml of the split as JSON and reuse it when unchanged.
         require_points: False for camera-only inputs: a frame then needs its yaml only (no
             ``.pcd``; its cameras are checked when read, :meth:`load_cameras`).
+        agent_order: (scenario, cav ids in folder order) -> the cav ids taking part, ego
+            first, before the range and ``max_cav`` selection (heterogeneous agents:
+            ``opencood.data.heter.ModalityPlan.agent_order``); None: folder order.
     """
 
     # What a subclass for another format of the same tree (V2V4Real) changes: its cache folder
@@ -504,6 +508,8 @@ class OPV2VSplit:
     # None: this module's load_frame_yaml).
     index_name = "opv2v"
     load_frame = None
+    # Reads HEAL's modality assignment (``agent_order``) and OPV2V-H's LiDARs (``channels``).
+    reads_heter = True
 
     @staticmethod
     def reader_options(cfg: dict) -> dict:
@@ -513,12 +519,13 @@ class OPV2VSplit:
 
     def __init__(self, split_dir, com_range: float = DEFAULT_COMM_RANGE, max_cav: int = 5,
                  cache_dir=None, use_point_cache: bool = True, index_cache: bool = True,
-                 require_points: bool = True):
+                 require_points: bool = True, agent_order=None):
         if max_cav < 1:
             raise ValueError(f"max_cav must be >= 1, got {max_cav}")
         self.split_dir = Path(split_dir)
         self.com_range = float(com_range)
         self.max_cav = int(max_cav)
+        self.agent_order = agent_order
         layouts = _scan_split(self.split_dir, points=require_points)
         self._frames = self._load_frames(layouts, cache_dir, index_cache)
         self._cav_order = {layout.name: layout.cav_ids for layout in layouts}
@@ -548,16 +555,17 @@ class OPV2VSplit:
 
     def _scenario_samples(self, layout: _ScenarioLayout) -> list[SampleInfo]:
         frames = self._frames[layout.name]
+        cav_ids = layout.cav_ids if self.agent_order is None else \
+            self.agent_order(layout.name, list(layout.cav_ids))
         samples = []
         for position, timestamp in enumerate(layout.timestamps):
-            ego_pose = frames[layout.cav_ids[0]][position]["lidar_pose"]
+            ego_pose = frames[cav_ids[0]][position]["lidar_pose"]
             distance = {cav_id: _planar_distance(frames[cav_id][position]["lidar_pose"], ego_pose)
-                        for cav_id in layout.cav_ids}
-            in_range = [cav_id for cav_id in layout.cav_ids
-                        if distance[cav_id] <= self.com_range]
+                        for cav_id in cav_ids}
+            in_range = [cav_id for cav_id in cav_ids if distance[cav_id] <= self.com_range]
             # More than max_cav in range: the ego and the nearest others, kept in folder order.
             nearest = set(sorted(in_range[1:], key=distance.get)[:self.max_cav - 1])
-            samples.append(SampleInfo(self.split_dir, layout.name, timestamp, layout.cav_ids[0],
+            samples.append(SampleInfo(self.split_dir, layout.name, timestamp, cav_ids[0],
                                       in_range[:1] + [c for c in in_range[1:] if c in nearest]))
         return samples
 
@@ -625,11 +633,13 @@ class OPV2VSplit:
             self._vehicle_arrays[key] = arrays
         return arrays
 
-    def load_points(self, scenario: str, cav_id: str, timestamp: str) -> np.ndarray:
+    def load_points(self, scenario: str, cav_id: str, timestamp: str,
+                    channels: int | None = None) -> np.ndarray:
         """(N, 4) float32 [x, y, z, intensity] of one CAV frame in its lidar frame, without the
         returns from its own body: what the datasets consume, from the cache when fresh (then
-        read-only, mapped from the cache file: read it, never write to it)."""
-        pcd_path = self.split_dir / scenario / cav_id / f"{timestamp}.pcd"
+        read-only, mapped from the cache file: read it, never write to it). ``channels``: 32
+        or 16 read OPV2V-H's LiDAR of that many beams (``opencood.data.heter.lidar_file``)."""
+        pcd_path = lidar_file(self.split_dir / scenario / cav_id, timestamp, channels)
         if self._body_free_cache is not None:
             return self._body_free_cache.load(pcd_path)
         return remove_own_body_points(read_pcd(pcd_path))

@@ -198,6 +198,7 @@ class V2V4RealSplit(OPV2VSplit):
     (communication range and ``max_cav`` on the 4x4 poses' translations), V2V4Real's frames."""
 
     index_name = "v2v4real"
+    reads_heter = False             # HEAL's heter section reads OPV2V and V2XSet, not V2V4Real
     load_frame = staticmethod(load_v2v4real_yaml)
 
     def __init__(self, split_dir, *, crop_range=None, **kwargs):

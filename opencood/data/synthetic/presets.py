@@ -45,6 +45,9 @@ class Preset:
     com_range: float = DEFAULT_COMM_RANGE  # for the summary (what the reader will use)
     rsu: RsuConfig | None = None           # roadside units (None: vehicles only)
     cameras: CameraConfig | None = None    # OPV2V's 4 cameras per agent (None: LiDAR only)
+    # OPV2V-H's extra LiDARs, their beams (e.g. (32, 16): <ts>_32.pcd, <ts>_16.pcd), the
+    # preset's LiDAR otherwise; with them the modality assignment json (None: OPV2V only)
+    hetero_lidars: tuple | None = None
 
 
 PRESETS = {

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
 import multiprocessing
 import shutil
 import time
@@ -23,6 +24,7 @@ import yaml
 from tqdm import tqdm
 
 from opencood.data.formats import get_format, writer_formats
+from opencood.data.heter import depth_files, hetero_path, lidar_file
 from opencood.data.opv2v import vehicles_to_boxes
 from opencood.data.pcd import write_pcd
 from opencood.data.synthetic.camera import (CameraConfig, camera_entry, depth_png, render_camera,
@@ -161,6 +163,20 @@ def scan_agent(world: World, agent_id: int, frame: int, scene, preset: Preset, r
     return points_lidar, params
 
 
+def scan_hetero_lidars(world: World, agent_id: int, frame: int, scene, preset: Preset,
+                       rng) -> dict:
+    """OPV2V-H's extra LiDARs of one agent at one frame: {beams: points (N, 4) in its lidar
+    frame}, each the agent's own LiDAR (same pose, FOV, azimuth steps, range, noise) with
+    ``beams`` beams, drawing from ``rng`` (the scenario's own stream: the other files stay
+    byte-identical with or without them)."""
+    is_rsu = agent_id in world.rsu_ids
+    base = preset.rsu.lidar if is_rsu else preset.lidar
+    return {beams: cast_lidar(scene, world.lidar_poses[agent_id][frame],
+                              dataclasses.replace(base, beams=int(beams)), rng,
+                              exclude_ids=() if is_rsu else [agent_id])[0]
+            for beams in preset.hetero_lidars or ()}
+
+
 def photograph_agent(world: World, agent_id: int, scene, params: dict, cfg: CameraConfig):
     """One agent's 4 cameras at one frame: adds ``camera0..3`` to ``params`` (its yaml mapping,
     with ``lidar_pose`` as written) and returns the CameraImages, in OPV2V's order (front,
@@ -179,18 +195,24 @@ def photograph_agent(world: World, agent_id: int, scene, params: dict, cfg: Came
 
 
 def write_frame(cav_dir: Path, timestamp: str, points_lidar: np.ndarray, params: dict,
-                images=(), depth: bool = False):
+                images=(), depth: bool = False, hetero_points=None):
     """``<cav_dir>/<timestamp>.pcd`` (reference ascii layout) and ``.yaml``; with ``images``
     (CameraImages) also ``<timestamp>_camera<i>.png`` and, with ``depth``, OPV2V-H's
-    ``<timestamp>_depth<i>.png``."""
+    ``<timestamp>_depth<i>.png``; ``hetero_points`` ({beams: points}): OPV2V-H's
+    ``<timestamp>_<beams>.pcd``. OPV2V-H's files go where HEAL looks for them
+    (``opencood.data.heter``: beside the others unless the path says ``OPV2V``)."""
     write_pcd(cav_dir / f"{timestamp}.pcd", points_lidar, intensity_field="rgb", data="ascii")
     text = yaml.dump(params, Dumper=_DUMPER, default_flow_style=False, sort_keys=True)
     (cav_dir / f"{timestamp}.yaml").write_text(text)
+    for beams, points in (hetero_points or {}).items():
+        write_pcd(lidar_file(cav_dir, timestamp, beams), points, intensity_field="rgb",
+                  data="ascii")
+    depth_paths = depth_files(cav_dir, timestamp, len(images))
     for index, image in enumerate(images):
         _write_png(cav_dir / f"{timestamp}_camera{index}.png",
                    cv2.cvtColor(image.rgb, cv2.COLOR_RGB2BGR))
         if depth:
-            _write_png(cav_dir / f"{timestamp}_depth{index}.png", depth_png(image.depth))
+            _write_png(depth_paths[index], depth_png(image.depth))
 
 
 def _write_png(path: Path, pixels: np.ndarray):
@@ -259,15 +281,18 @@ def scan_frames(preset: Preset, seed: int, split: str, index: int):
 def generate_scenario(out_dir, preset: Preset, seed: int, split: str, index: int,
                       global_index: int) -> dict:
     """Build, scan and write one scenario; returns its statistics."""
-    _, lidar_seq, name_seq = scenario_seed(seed, split, index).spawn(3)
+    # A fourth stream for OPV2V-H's LiDARs: spawn(4)'s first three are spawn(3)'s.
+    _, lidar_seq, name_seq, hetero_seq = scenario_seed(seed, split, index).spawn(4)
     name_rng = np.random.default_rng(name_seq)
     name = scenario_name(seed, global_index, name_rng)
     first_ts = 2 * int(name_rng.integers(*FIRST_TIMESTAMP))
     world = rebuild_world(preset, seed, split, index)
     lidar_rng = np.random.default_rng(lidar_seq)
+    hetero_rng = np.random.default_rng(hetero_seq)
     scenario_dir = Path(out_dir) / split / name
     for agent_id in world.agent_ids:
         (scenario_dir / str(agent_id)).mkdir(parents=True, exist_ok=True)
+        hetero_path(scenario_dir / str(agent_id)).mkdir(parents=True, exist_ok=True)
     stats = {"split": split, "name": name, "cavs": len(world.cav_ids),
              "rsus": len(world.rsu_ids), "frames": preset.frames, "points": 0, "gt": 0,
              "invisible": 0, "rsu_only": 0, "in_range": 0, "unseen": 0}
@@ -282,7 +307,9 @@ def generate_scenario(out_dir, preset: Preset, seed: int, split: str, index: int
             images = () if preset.cameras is None else \
                 photograph_agent(world, agent_id, scene, params, preset.cameras)
             write_frame(scenario_dir / str(agent_id), timestamp, points_lidar, params, images,
-                        depth=preset.cameras is not None and preset.cameras.depth)
+                        depth=preset.cameras is not None and preset.cameras.depth,
+                        hetero_points=scan_hetero_lidars(world, agent_id, frame, scene, preset,
+                                                         hetero_rng))
             stats["points"] += len(points_lidar)
         for key, count in sample_visibility(world, frame, visible, written_poses, preset).items():
             stats[key] += count
@@ -413,6 +440,9 @@ def generate_dataset(out_dir, preset="small", seed: int = 0, workers: int = 1,
                         if getattr(format_writer(name), "WRITES_CAMERAS", False)]
         raise ValueError(f"cameras are written in the {' and '.join(with_cameras)} formats "
                          f"only, not {data_format!r} (V2XSet's layout is opv2v's)")
+    if preset.hetero_lidars and data_format != "opv2v":
+        raise ValueError(f"OPV2V-H's extra sensors (--heter) are written in the opv2v format "
+                         f"(its v2x presets too), not {data_format!r}")
     preset = getattr(writer, "adapt_preset", lambda p: p)(preset)
     out_dir = Path(out_dir)
     _prepare_out_dir(out_dir, overwrite, getattr(writer, "OUTPUT_NAMES", SPLITS))
@@ -428,6 +458,8 @@ def generate_dataset(out_dir, preset="small", seed: int = 0, workers: int = 1,
     results = _run_jobs(jobs, workers, progress)
     if hasattr(writer, "finish"):
         writer.finish(out_dir, results)
+    if preset.hetero_lidars:
+        write_assignments(out_dir, splits)
     summary = _summarise(preset, seed, results)
     # An absent optional section (rsu: None) is left out: records of presets without it read
     # exactly as they did before it existed.
@@ -439,6 +471,45 @@ def generate_dataset(out_dir, preset="small", seed: int = 0, workers: int = 1,
     (out_dir / "generation.yaml").write_text(
         yaml.dump(_plain(record), Dumper=yaml.SafeDumper, default_flow_style=False))
     return {**summary, "seconds": round(time.perf_counter() - started, 2)}
+
+
+# HEAL's modality assignment of OPV2V-H (opencood/utils/heter_utils.py): where its yamls read
+# it (under HEAL's logs/heter_modality_assign; ours under the data set's root), its seed.
+ASSIGNMENT_FOLDER = "heter_modality_assign"
+ASSIGNMENT_FILES = ("opv2v_4modality.json", "opv2v_4modality_in_order.json")
+ASSIGNMENT_SEED = 303
+
+
+def write_assignments(out_dir, splits=SPLITS) -> list:
+    """HEAL's two assignments of the written splits, as its ``assign_modality_4`` and
+    ``assign_modality_4_in_order`` compute them from the folders: every scenario of train,
+    test, validate (that order) draws a permutation of m1..m4 from one ``RandomState(303)`` and
+    its cav folders (string order) take them in turn; the in-order file assigns the test
+    split's agents m1, m2, m3, m4, m1, ... (a first folder ``-1`` moved last). Written as HEAL
+    dumps them (indent 4, keys sorted). Returns the paths."""
+    out_dir = Path(out_dir)
+    rng = np.random.RandomState(ASSIGNMENT_SEED)
+    random_assignment, in_order = {}, {}
+    for split in ("train", "test", "validate"):
+        if split not in splits:
+            continue
+        for scenario in sorted(p.name for p in (out_dir / split).iterdir() if p.is_dir()):
+            cav_ids = sorted(p.name for p in (out_dir / split / scenario).iterdir()
+                             if p.is_dir())
+            permutation = rng.permutation(4) + 1
+            random_assignment[scenario] = {cav_id: f"m{permutation[k % 4]}"
+                                           for k, cav_id in enumerate(cav_ids)}
+            if split == "test":
+                if cav_ids[0] == "-1":
+                    cav_ids = cav_ids[1:] + cav_ids[:1]
+                in_order[scenario] = {cav_id: f"m{k % 4 + 1}" for k, cav_id in enumerate(cav_ids)}
+    folder = out_dir / ASSIGNMENT_FOLDER
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, assignment in zip(ASSIGNMENT_FILES, (random_assignment, in_order)):
+        paths.append(folder / name)
+        paths[-1].write_text(json.dumps(assignment, indent=4, sort_keys=True))
+    return paths
 
 
 def _run_jobs(jobs, workers: int, progress: bool) -> list:
