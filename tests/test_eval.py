@@ -31,6 +31,7 @@ from opencood.engine import evaluator
 from opencood.eval import inference, report
 from opencood.strategies import choose_strategy, get_strategy
 from opencood.eval.ap import APAccumulator
+from opencood.eval.detections import DetectionCollector, write_detections
 from opencood.eval.pose_error import PoseErrorTally
 from opencood.models.build import build_model
 from opencood.ops.transforms import relative_transform
@@ -479,11 +480,12 @@ def test_perfect_detections_give_ap_one_through_gather():
 
 
 
-def test_run_inference_scores_each_class_from_the_detections_and_gt_class_ids():
+def test_run_inference_scores_each_class_from_the_detections_and_gt_class_ids(tmp_path):
     """run_inference on test_ap.py's hand-computed 2-class frames (a stand-in model whose
     detections carry ``classes``, batches with ``gt_classes``): the per-class APs and the class
     mean computed there by hand (car 1/2, pedestrian 2/3 @.5; mean 7/12); one padded GT row
-    (class 1, masked out) must not count. Without class names: one class, no per_class."""
+    (class 1, masked out) must not count. Without class names: one class, no per_class. The
+    detections file (--save_detections) keeps the class ids, and only for several classes."""
     from test_ap import CLASS_FRAMES
     frame_type = namedtuple("FrameDetections", "boxes scores sent classes")
     batches, detections = [], {}
@@ -502,16 +504,26 @@ def test_run_inference_scores_each_class_from_the_detections_and_gt_class_ids():
         return batch, None
     prepare.postprocessor = SimpleNamespace(order="hwl")
 
-    def run(class_names):
+    def run(class_names, collector=None):
         local = inference.run_inference(torch.nn.Identity(), batches, prepare,
-                                        torch.device("cpu"), strategy, class_names=class_names)
+                                        torch.device("cpu"), strategy, on_sample=collector,
+                                        class_names=class_names)
         return local["accumulator"].compute()
 
-    result = run(["car", "pedestrian"])
+    collector = DetectionCollector()
+    result = run(["car", "pedestrian"], collector)
     assert result["per_class"]["car"]["ap_50"] == pytest.approx(0.5, abs=1e-12)
     assert result["per_class"]["pedestrian"]["ap_50"] == pytest.approx(2 / 3, abs=1e-12)
     assert result["ap_50"] == pytest.approx(7 / 12, abs=1e-12) and result["num_gt"] == 4
-    assert "per_class" not in run(None)
+    saved = np.load(write_detections(tmp_path / "multi.npz", collector.frames, "hwl",
+                                     ["car", "pedestrian"]))
+    assert saved["classes"].tolist() == [0, 0, 1, 0, 1, 1, 0]           # frames a, b, c
+    assert saved["class_names"].tolist() == ["car", "pedestrian"]
+    single = DetectionCollector()
+    assert "per_class" not in run(None, single)
+    saved = np.load(write_detections(tmp_path / "single.npz", single.frames, "hwl"))
+    assert sorted(saved.files) == ["box_order", "boxes", "frame_offsets", "sample_keys",
+                                   "scores"]
     assert inference.detection_class_names({"postprocess": {}}) is None
     assert inference.detection_class_names(
         {"postprocess": {"classes": [{"name": "car"}, {"name": "pedestrian"}]}}) == \

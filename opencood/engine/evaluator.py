@@ -144,7 +144,7 @@ def vis_callback(run_dir: Path, tag: str, count: int, bev_range):
     out_dir.mkdir(exist_ok=True)
     drawn = {"n": 0}
 
-    def on_sample(key, batch, row, boxes, scores):
+    def on_sample(key, batch, row, boxes, scores, classes=None):
         if drawn["n"] >= count:
             return
         name = "_".join(str(k) for k in key) + (f"_{tag}" if tag else "") + ".png"
@@ -203,7 +203,8 @@ def evaluate_setting(cfg, args, run_dir, model, info, setting, checkpoint: Dict,
                               collector or on_sample, protocol, corrector,
                               detection_class_names(cfg_run))
     if collector is not None:
-        save_detections(collector, run_dir, args, fusion, tag, cfg_run["postprocess"]["order"])
+        save_detections(collector, run_dir, args, fusion, tag, cfg_run["postprocess"]["order"],
+                        detection_class_names(cfg_run))
     if metrics is None:
         return None
     metrics["protocol"] = {"name": protocol.name, "description": protocol.description,
@@ -222,14 +223,14 @@ def scored_gt_range(protocol, gt_range) -> Dict:
 
 
 def save_detections(collector: DetectionCollector, run_dir: Path, args, fusion: str, tag: str,
-                    order: str) -> None:
+                    order: str, class_names: List[str] | None = None) -> None:
     """Every rank's frames to rank 0, written there (every rank calls it); ``order``: the box
-    size order (``postprocess.order``)."""
+    size order (``postprocess.order``); ``class_names``: a multi-class detector's."""
     frames = collector.gather()
     protocol = "" if args.protocol == DEFAULT_PROTOCOL else f"_{args.protocol}"
     path = Path(run_dir) / detections_name(args.split, fusion, tag, protocol)
     written = dist_utils.run_together(
-        lambda: None if frames is None else write_detections(path, frames, order),
+        lambda: None if frames is None else write_detections(path, frames, order, class_names),
         "writing detections")
     if written is not None:
         print(f"detections: {written}", flush=True)

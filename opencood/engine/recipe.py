@@ -337,7 +337,7 @@ def first_sample_picture(bev_range, pictures: list):
         return None
     from opencood.eval.vis import frame_title, render_detection_sample
 
-    def on_sample(key, batch, row, boxes, scores):
+    def on_sample(key, batch, row, boxes, scores, classes=None):
         if not pictures:
             pictures.append(render_detection_sample(batch, row, boxes, bev_range,
                                                     frame_title(key)))

@@ -76,7 +76,8 @@ def run_inference(model, loader, preparer, device, strategy, on_sample=None,
 
     ``strategy``: the engine's fusion strategy (``opencood.strategies.choose_strategy``): its
     model-input adapter and its box merge.
-    ``on_sample(key, batch_row, boxes, scores)`` is called per sample (e.g. to draw pictures).
+    ``on_sample(key, batch, row, boxes, scores)`` is called per sample (e.g. to draw pictures;
+    with ``class_names``, also ``classes=`` the detections' class ids).
     ``protocol`` sets the detection sort and range of the AP (opencood.eval.protocols).
     ``corrector``: the pose correction of intermediate runs (``detect``).
     ``class_names``: the detector's classes (``detection_class_names``); with two or more, AP
@@ -109,7 +110,8 @@ def run_inference(model, loader, preparer, device, strategy, on_sample=None,
             bytes_sum += sent
             frames += 1
             if on_sample is not None:
-                on_sample(key, batch, row, boxes.cpu(), scores.cpu())
+                ids = {"classes": detections.classes.cpu()} if class_names else {}
+                on_sample(key, batch, row, boxes.cpu(), scores.cpu(), **ids)
     model.train(was_training)
     return {"accumulator": accumulator, "frames": frames, "seconds": seconds,
             "bytes_sum": bytes_sum, "pose_errors": pose_errors}
