@@ -529,6 +529,31 @@ def test_run_inference_scores_each_class_from_the_detections_and_gt_class_ids(tm
         {"postprocess": {"classes": [{"name": "car"}, {"name": "pedestrian"}]}}) == \
         ["car", "pedestrian"]
 
+
+def test_a_multi_class_record_round_trips_lists_and_logs_each_class(tmp_path, capsys):
+    """The hand-computed 2-class results (test_ap.py) in a record: per_class / class_mean
+    survive the yaml (a class without GT: null), --list says the AP is a class mean, the table
+    prints a row per class, TensorBoard gets a scalar per class and threshold with an AP."""
+    from opencood.eval.records import build_record, format_record_line, load_record
+    from test_ap import accumulate_classes
+    metrics = {**accumulate_classes(class_names=("car", "pedestrian", "truck")).compute(),
+               "bytes_per_agent": 0.0, "frames_per_s": 1.0}
+    record = build_record("test_late_0123abcd", {"sha256": None, "weights": "raw"},
+                          {"split": "test", "test_is_validation": False}, {"fusion": "late"},
+                          {}, {}, metrics)
+    scalars = {}
+    writer = SimpleNamespace(add_scalar=lambda tag, value, step: scalars.update({tag: value}))
+    path = evaluator.report_results(record, tmp_path, writer)
+    loaded = load_record(path)
+    assert loaded["results"]["per_class"] == metrics["per_class"]
+    assert loaded["results"]["per_class"]["truck"]["ap_50"] is None
+    assert loaded["results"]["class_mean"]["classes"] == ["car", "pedestrian", "truck"]
+    assert "AP@0.5 0.5833 (mean of 3 classes) | test" in format_record_line(path, loaded)
+    assert "pedestrian   0.6667   0.6667   0.2500" in capsys.readouterr().out
+    assert scalars["eval/test_late_0123abcd/pedestrian/ap_70"] == pytest.approx(0.25)
+    assert scalars["eval/test_late_0123abcd/ap_50"] == pytest.approx(7 / 12)
+    assert not any("truck" in tag for tag in scalars)
+
 def test_pictures_draw_ego_occluded_gt_in_their_own_colour():
     from opencood.eval.vis import render_detection_sample
     from opencood.utils.vis_bev import GT_COLOR, OCCLUDED_GT_COLOR, BevCanvas

@@ -256,7 +256,8 @@ def setting_record(cfg_run: Dict, args, tag: str, fusion: str, checkpoint: Dict,
 
 def report_results(record: Dict, run_dir: Path, writer) -> Path:
     """Rank 0: the record in RUN/evals/, the printed table (saying where the record went) and
-    the TensorBoard scalars under eval/<record name>/; returns the record's path."""
+    the TensorBoard scalars under eval/<record name>/ (a multi-class run's per class under
+    eval/<record name>/<class>/); returns the record's path."""
     name, metrics = record["name"], record["results"]
     path = write_record(run_dir, record)
     print(format_metrics(name, metrics), flush=True)
@@ -270,6 +271,10 @@ def report_results(record: Dict, run_dir: Path, writer) -> Path:
     for group, row in metrics.get("visibility", {}).items():
         if row["ap_50"] is not None:        # a group without GT has no AP
             writer.add_scalar(f"eval/{name}/ap_50_{group.replace('-', '_')}", row["ap_50"], 0)
+    for class_name, row in metrics.get("per_class", {}).items():      # several classes
+        for key in ("ap_30", "ap_50", "ap_70"):
+            if row[key] is not None:        # a class without GT has no AP
+                writer.add_scalar(f"eval/{name}/{class_name}/{key}", row[key], 0)
     return path
 
 

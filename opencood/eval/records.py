@@ -15,7 +15,9 @@
     machine: {device, world_size, torch}
     date: ISO 8601
     results: {ap_30, ap_50, ap_70, num_gt, distance, visibility, bytes_per_agent,
-              protocol {name, description, gt_range}, ...}
+              protocol {name, description, gt_range}, ...,
+              several classes only: per_class {name: {ap_30, ap_50, ap_70, num_gt, num_det}},
+              class_mean {ap_30, ap_50, ap_70, classes}; ap_* are then the class means}
 
 The name ends in a hash of the settings and the checkpoint's content, so evaluations of other
 data, another checkpoint or other settings get other files (and TensorBoard tags
@@ -173,15 +175,19 @@ def describe(value) -> str:
 
 
 def format_record_line(path: Path, record: Dict) -> str:
-    """One line of ``tools/eval.py --list``: name, settings, checkpoint, data, AP@0.5."""
+    """One line of ``tools/eval.py --list``: name, settings, checkpoint, data, AP@0.5 (the
+    class mean of a multi-class run, said so)."""
     checkpoint, data, settings = record["checkpoint"], record["data"], record["settings"]
     wild = settings["wild_setting"] or {}
     noise = (f"noise {wild.get('xyz_std')}m/{wild.get('yaw_std')}deg seed {wild.get('seed')}"
              if wild.get("loc_err") else "no noise")
     ap_50 = record["results"].get("ap_50")
+    classes = (record["results"].get("class_mean") or {}).get("classes")
+    mean_of = f" (mean of {len(classes)} classes)" if classes else ""
     split = describe(data["split"]) + (" (the validation folder)" if data["test_is_validation"]
                                        else "")
-    return (f"{path.name}: AP@0.5 {describe(None if ap_50 is None else f'{ap_50:.4f}')} | "
+    return (f"{path.name}: AP@0.5 {describe(None if ap_50 is None else f'{ap_50:.4f}')}"
+            f"{mean_of} | "
             f"{split} of {describe(data['folder'])} "
             f"({describe(data['frames'])} frames) | fusion {describe(settings['fusion'])}, "
             f"protocol {describe(settings['protocol'])}, {noise}, latency "
