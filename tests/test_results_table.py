@@ -22,13 +22,15 @@ SMOKE_YAML = REPO_ROOT / "hypes_yaml" / "synthetic" / "smoke.yaml"
 rt = load_tool("results_table")
 
 
-def _metrics(ap30, ap50, ap70, bytes_per_agent, visibility=None) -> dict:
+def _metrics(ap30, ap50, ap70, bytes_per_agent, visibility=None, per_class=None) -> dict:
     metrics = {"ap_30": ap30, "ap_50": ap50, "ap_70": ap70, "num_gt": 992, "num_frames": 32,
                "distance": {"0-30": {"ap_30": 0.8, "ap_50": 0.6, "ap_70": 0.2, "num_gt": 657}},
                "frames_per_s": 17.5, "bytes_per_agent": bytes_per_agent,
                "name": "eval_test_x"}
     if visibility is not None:
         metrics["visibility"] = visibility
+    if per_class is not None:
+        metrics["per_class"] = per_class
     return metrics
 
 
@@ -193,6 +195,24 @@ def test_occluded_column_present_only_with_visibility():
     assert rt.occluded_ap50({"visibility": {"ego-occluded": {"num_gt": 0}}}) is None
     assert "ego-occluded" not in rt.format_table(rows[1:])
 
+
+
+def test_per_class_columns_of_multi_class_results_by_hand():
+    """Multi-class records add an "AP@0.5 <class>" column per class, mean ± std over seeds
+    (0.6 and 0.8: 0.700 ± 0.141); single-class rows and classes a row lacks read "n/a"."""
+    def classes(vehicle, pedestrian):
+        return {"vehicle": {"ap_50": vehicle}, "pedestrian": {"ap_50": pedestrian}}
+    seed_a = _metrics(0.5, 0.4, 0.1, 0, per_class=classes(0.6, 0.2))
+    seed_b = _metrics(0.5, 0.4, 0.1, 0, per_class=classes(0.8, None))
+    rows = [{"model": "a", "fusion": "late", "epochs": 1, "steps": 4, "seeds": 2,
+             "train_minutes": 1.0, "metrics": [seed_a, seed_b]},
+            {"model": "b", "fusion": "no", "epochs": 1, "steps": 4, "seeds": 2,
+             "train_minutes": 1.0, "metrics": [_metrics(0.3, 0.2, 0.1, 0)]}]
+    lines = rt.format_table(rows).splitlines()
+    assert "| AP@0.7 | AP@0.5 vehicle | AP@0.5 pedestrian | bytes per agent |" in lines[0]
+    assert "| 0.100 ± 0.000 | 0.700 ± 0.141 | 0.200 | 0 |" in lines[2]
+    assert "| 0.100 | n/a | n/a | 0 |" in lines[3]
+    assert "AP@0.5 vehicle" not in rt.format_table(rows[1:])
 
 def test_mean_and_std_cells_over_seeds_by_hand():
     group = {"ap_30": 0.5, "ap_50": 0.25, "ap_70": 0.05, "num_gt": 120}

@@ -23,6 +23,8 @@ names, and the commands). A run without such a record is refused in one line, no
 * ``--skip_existing`` does not retrain a run (one seed of a model) whose folder already holds a
   record of the table's setting.
 * ``--dry_run`` prints the plan and the commands and trains nothing.
+* Multi-class runs (``postprocess.classes``): AP@0.3/0.5/0.7 are class means, and an
+  "AP@0.5 <class>" column per class follows.
 * A run folder that holds ``last.pth`` but no such record is resumed by tools/train.py.
 * A failing run (a model, or one seed of it) is reported on one line (with its log file); the
   others go on; the exit status is then 1. A row says how many seeds it averages ("2 of 3").
@@ -111,6 +113,12 @@ def occluded_ap50(metrics: Dict) -> Optional[float]:
     return float(group["ap_50"])
 
 
+def class_ap50(metrics: Dict, name: str) -> Optional[float]:
+    """``per_class[name]["ap_50"]`` of a multi-class eval result, None when absent."""
+    row = (metrics.get("per_class") or {}).get(name) or {}
+    return None if row.get("ap_50") is None else float(row["ap_50"])
+
+
 def seeds_cell(finished: int, planned: int) -> str:
     """How many seeds a row averages: "3", or "2 of 3" when some failed."""
     return str(finished) if finished == planned else f"{finished} of {planned}"
@@ -125,9 +133,12 @@ def format_table(rows: Sequence[Dict]) -> str:
     minutes are this session's), ``seeds`` (the planned training seeds: above 1 a "seeds" column
     counts the finished ones, and AP cells are mean ± std) and ``seed`` (the training seed of a
     single run: a "training seed" column, for the per-seed table).
-    The column "AP@0.5 ego-occluded" appears when at least one row's metrics have that group.
+    The column "AP@0.5 ego-occluded" appears when at least one row's metrics have that group;
+    multi-class results add "AP@0.5 <class>" per class (their AP@0.3/0.5/0.7 are class means).
     """
     occluded = any(occluded_ap50(m) is not None for row in rows for m in row["metrics"])
+    classes = list(dict.fromkeys(name for row in rows for m in row["metrics"]
+                                 for name in (m.get("per_class") or {})))
     several_seeds = any(row.get("seeds", 1) > 1 for row in rows)
     per_seed = any("seed" in row for row in rows)
     header = ["model", "fusion", "epochs", "optimizer steps"]
@@ -135,6 +146,7 @@ def format_table(rows: Sequence[Dict]) -> str:
     header += ["training seed"] if per_seed else []
     header += ["AP@0.3", "AP@0.5", "AP@0.7"]
     header += ["AP@0.5 ego-occluded"] if occluded else []
+    header += [f"AP@0.5 {name}" for name in classes]
     header += ["bytes per agent", "train minutes per seed" if several_seeds else "train minutes"]
     header += ["checkpoint step", "data folder"]
     table = []
@@ -150,6 +162,7 @@ def format_table(rows: Sequence[Dict]) -> str:
         cells += [seeds_spread_cell([m.get(key) for m in metrics]) for key in AP_KEYS]
         if occluded:
             cells.append(seeds_spread_cell([occluded_ap50(m) for m in metrics]))
+        cells += [seeds_spread_cell([class_ap50(m, name) for m in metrics]) for name in classes]
         minutes = number_cell(row.get("train_minutes"), 1)
         minutes += " (resumed)" if row.get("resumed") else ""
         cells += [count_cell(mean_of_known([m.get("bytes_per_agent") for m in metrics])), minutes,
