@@ -21,6 +21,7 @@ How a section class reads:
 * ``KIND`` ("model", "fusion", "loss", "fusion method") is looked up in the ``registered``
   mapping that :func:`parse` is given (``opencood.config`` passes the registries'); without it
   no name is checked and every ``args_of`` field is an open mapping;
+* ``Dict[str, S]`` with ``S`` a section: a mapping of any names, each value parsed as ``S``;
 * ``ALIASES``: an accepted other spelling of a key, rewritten to the key on load, so the
   resolved config has one spelling;
 * ``problems()``: cross-field errors, as (key, what is wrong) pairs;

@@ -32,7 +32,7 @@ NOT_OUR_CONFIG = {
 # Files that read other projects' configs (OpenCOOD's, HEAL's, V2V4Real's yaml), whose defaults
 # are theirs.
 PEER_CONFIG_READERS = {"opencood/interop/opencood_config.py", "opencood/interop/heal.py",
-                       "opencood/interop/v2v4real.py"}
+                       "opencood/interop/heal_heter.py", "opencood/interop/v2v4real.py"}
 
 
 def schema_keys() -> set:

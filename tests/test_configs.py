@@ -28,7 +28,9 @@ def test_config_builds(path):
     cfg = load_config(path)
     fusion = cfg["fusion"]["core_method"]
     assert fusion in DATASETS
-    assert cfg["model"]["core_method"] == FUSION_TO_MODEL[fusion]
+    # heterogeneous agents (a heter section): HEAL's pyramid model (§4.5)
+    expected = "heter_pyramid_collab" if cfg.get("heter") else FUSION_TO_MODEL[fusion]
+    assert cfg["model"]["core_method"] == expected
     model = build_model(cfg["model"])
     assert sum(p.numel() for p in model.parameters()) > 0
     # The pillar grid must reduce by the backbone's total stride (8) without remainder.

@@ -125,6 +125,9 @@ def test_every_registered_model_and_fusion_is_covered():
     # The issue-14 baselines have their own file (tests/test_baselines.py).
     from test_baselines import BASELINES
     covered_fusions |= set(BASELINES)
+    # HEAL's heterogeneous models: tests/test_parity_heal_pyramid.py (parity, forward+backward)
+    from test_parity_heal_pyramid import HETER_MODELS
+    covered_models |= set(HETER_MODELS)
     assert covered_models == set(MODELS.names())
     assert covered_fusions == set(FUSIONS.names())
     camera_encoders = {load_config(path)["model"]["args"]["encoder"]["core_method"]

@@ -1,8 +1,9 @@
 """Multi-scale 2-D BEV backbone (PointPillars / OpenCOOD ``BaseBEVBackbone``), with plain conv
 down blocks or, with ``resnet: true``, residual stages of basic blocks (HEAL / CoAlign's
-``ResNetBEVBackbone``)."""
+``ResNetBEVBackbone``; ResNeXt stages with ``resnext: true``, HEAL's pyramid fusion)."""
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional, Tuple
 
 import torch
@@ -53,10 +54,38 @@ class BasicBlock(nn.Module):
         return torch.relu(self.residual(x) + self.shortcut(x))
 
 
-def make_residual_stage(in_channels: int, out_channels: int, stride: int, num_blocks: int):
-    """``num_blocks`` basic blocks, the first strided (output size ceil(in / stride))."""
-    blocks = [BasicBlock(in_channels, out_channels, stride)]
-    blocks += [BasicBlock(out_channels, out_channels) for _ in range(num_blocks - 1)]
+class ResNeXtBlock(nn.Module):
+    """HEAL's pyramid-fusion block (``resnext: true``): a torchvision ResNeXt bottleneck with
+    32 groups of 4 channels per 64 output channels and no expansion: 1x1 conv to the group
+    width, grouped 3x3 conv (strided), 1x1 conv back to ``out_channels``, BatchNorm after each,
+    ReLU between them and after the sum with the shortcut (as :class:`BasicBlock`'s):
+    (N, C_in, H, W) -> (N, C_out, ceil(H / stride), ceil(W / stride))."""
+
+    GROUPS, WIDTH_PER_GROUP = 32, 4
+
+    def __init__(self, in_channels: int, out_channels: int, stride: int = 1):
+        super().__init__()
+        width = int(out_channels * self.WIDTH_PER_GROUP / 64) * self.GROUPS
+        self.residual = nn.Sequential(
+            nn.Conv2d(in_channels, width, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(),
+            nn.Conv2d(width, width, 3, stride=stride, padding=1, groups=self.GROUPS, bias=False),
+            nn.BatchNorm2d(width), nn.ReLU(),
+            nn.Conv2d(width, out_channels, 1, bias=False), nn.BatchNorm2d(out_channels))
+        self.shortcut = nn.Identity()
+        if stride != 1 or in_channels != out_channels:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(in_channels, out_channels, 1, stride=stride, bias=False),
+                nn.BatchNorm2d(out_channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.residual(x) + self.shortcut(x))
+
+
+def make_residual_stage(in_channels: int, out_channels: int, stride: int, num_blocks: int,
+                        block: type = BasicBlock):
+    """``num_blocks`` residual blocks, the first strided (output size ceil(in / stride))."""
+    blocks = [block(in_channels, out_channels, stride)]
+    blocks += [block(out_channels, out_channels) for _ in range(num_blocks - 1)]
     return nn.Sequential(*blocks)
 
 
@@ -80,17 +109,29 @@ class BackboneArgs:
     layer_nums: Tuple[int, ...]
     layer_strides: Tuple[int, ...]
     num_filters: Tuple[int, ...]
+    # both empty: no up blocks, the scales' own maps concatenated (HEAL's per-modality
+    # ResNetBEVBackbone, one scale)
     upsample_strides: Tuple[int, ...]
     num_upsample_filter: Tuple[int, ...]    # OpenCOOD's singular spelling
     # True: residual down stages (HEAL's ``resnet`` key; its multiscale models default to it)
     resnet: bool = False
+    # True: ResNeXt bottleneck stages (HEAL's pyramid fusion ``resnext``; implies residual)
+    resnext: bool = False
 
     def problems(self) -> Problems:
-        for name in ("layer_strides", "num_filters", "upsample_strides", "num_upsample_filter"):
+        for name in ("layer_strides", "num_filters"):
             if len(getattr(self, name)) != len(self.layer_nums):
                 yield name, f"needs one entry per layer_nums entry ({len(self.layer_nums)})"
-        if self.resnet and min(self.layer_nums, default=1) < 1:
-            yield "layer_nums", "must be >= 1 with resnet: true (basic blocks per stage)"
+        for name in ("upsample_strides", "num_upsample_filter"):
+            if len(getattr(self, name)) not in (0, len(self.layer_nums)):
+                yield name, (f"needs one entry per layer_nums entry ({len(self.layer_nums)}), "
+                             "or none (no up blocks)")
+        if len(self.upsample_strides) != len(self.num_upsample_filter):
+            yield "num_upsample_filter", "needs one entry per upsample_strides entry"
+        if (self.resnet or self.resnext) and min(self.layer_nums, default=1) < 1:
+            yield "layer_nums", "must be >= 1 with residual stages (blocks per stage)"
+        if self.resnext and min(self.num_filters, default=16) < 16:
+            yield "num_filters", "must be >= 16 with resnext (32 groups of width // 16 x 4)"
 
 
 class BaseBEVBackbone(nn.Module):
@@ -104,7 +145,10 @@ class BaseBEVBackbone(nn.Module):
     def __init__(self, args: BackboneArgs, in_channels: int):
         super().__init__()
         channels_in = [in_channels, *args.num_filters[:-1]]
-        make_block = make_residual_stage if args.resnet else make_down_block
+        if args.resnext:
+            make_block = functools.partial(make_residual_stage, block=ResNeXtBlock)
+        else:
+            make_block = make_residual_stage if args.resnet else make_down_block
         self.blocks = nn.ModuleList(
             make_block(c_in, c_out, stride, n)
             for c_in, c_out, stride, n in zip(channels_in, args.num_filters, args.layer_strides,
@@ -114,7 +158,7 @@ class BaseBEVBackbone(nn.Module):
             for c_in, c_out, stride in zip(args.num_filters, args.num_upsample_filter,
                                            args.upsample_strides))
         self.scale_channels = tuple(args.num_filters)
-        self.out_channels = int(sum(args.num_upsample_filter))
+        self.out_channels = int(sum(args.num_upsample_filter or args.num_filters))
 
     def forward(self, spatial_features: torch.Tensor, fuse_fn: Optional[FuseFn] = None,
                 record_len: Optional[torch.Tensor] = None,
@@ -128,10 +172,11 @@ class BaseBEVBackbone(nn.Module):
         """
         x = spatial_features
         upsampled = []
-        for index, (block, deblock) in enumerate(zip(self.blocks, self.deblocks)):
+        deblocks = self.deblocks if len(self.deblocks) else [None] * len(self.blocks)
+        for index, (block, deblock) in enumerate(zip(self.blocks, deblocks)):
             x = block(x)
             if scale_fn is not None:
                 x = scale_fn(x, index)
             scale_features = fuse_fn(x, record_len) if fuse_fn is not None else x
-            upsampled.append(deblock(scale_features))
+            upsampled.append(deblock(scale_features) if deblock is not None else scale_features)
         return torch.cat(upsampled, dim=1)

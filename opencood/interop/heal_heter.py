@@ -1,0 +1,185 @@
+"""HEAL's heterogeneous pyramid models <-> ours: ``model.args`` and state dicts (issue 37).
+
+HEAL's ``HeterPyramidCollab`` / ``HeterPyramidSingle`` (``model.core_method``
+``heter_pyramid_collab`` / ``heter_pyramid_single``) are ours of the same names
+(``opencood.models.heter_pyramid``). :func:`model_args_from_heal` turns HEAL's ``model.args``
+(agent types ``m1``..``mN`` as top-level keys) into ours (``modalities: {m1: ...}``), and
+:func:`heal_state_to_ours` places every tensor of its state dict, strictly: each HEAL key lands
+on one of ours with the same shape and every one of ours is filled, or :class:`InteropError`
+names the keys in one line.
+
+HEAL key (per modality m)                          our key
+encoder_m.pillar_vfe.pfn_layers.{i}.*              branches.m.encoder.vfe.layers.{i}.*
+encoder_m.camencode.* (lift-splat)                 branches.m.encoder.camera_encoder.* (1)
+backbone_m.resnet.layer{i}.{k}.conv1/bn1/conv2/bn2  branches.m.backbone.blocks.{i}.{k}.residual.
+  /downsample.{0,1}                                  {0,1,3,4} / shortcut.{0,1}
+aligner_m.channel_align.model.{b}.*                branches.m.aligner.{b}.* (ConvNeXt)
+pyramid_backbone.resnet.layer{i}.{k}.conv1..bn3    pyramid.backbone.blocks.{i}.{k}.residual.
+                                                     {0,1,3,4,6,7} (ResNeXt: three convs)
+pyramid_backbone.deblocks.{i}.{j}.*                pyramid.backbone.deblocks.{i}.{j}.*
+pyramid_backbone.single_head_{i}.*                 pyramid.occupancy_heads.{i}.*
+shrink_conv.layers.0.double_conv.{0,2}.*           shrink.layers.{0,2}.*
+cls_head / reg_head / dir_head                     head.cls_conv / reg_conv / dir_conv
+
+1. As :func:`opencood.models.lift_splat.heal_to_ours` (EfficientNet keys renamed).
+"""
+from __future__ import annotations
+
+import copy
+from typing import Dict, Mapping, Tuple
+
+import torch
+
+from opencood.interop.opencood_ckpt import (SHRINK_RULES, InteropError, Rule,
+                                            peer_state_to_ours, strip_ddp_prefix)
+from opencood.models.lift_splat import args_from_heal as lss_args_from_heal
+from opencood.models.lift_splat import heal_to_ours as lss_heal_to_ours
+
+# HEAL's ResNet / ResNeXt block children -> our residual Sequential's indices
+_BLOCK_CHILDREN = (("conv1", "residual.0"), ("bn1", "residual.1"), ("conv2", "residual.3"),
+                   ("bn2", "residual.4"), ("conv3", "residual.6"), ("bn3", "residual.7"),
+                   ("downsample.0", "shortcut.0"), ("downsample.1", "shortcut.1"))
+_CONVNEXT_CHILDREN = ("dwconv", "norm", "pwconv1", "pwconv2")
+
+
+def _resnet_rules(theirs: str, ours: str) -> Tuple[Rule, ...]:
+    """``theirs.resnet.layer{i}.{k}`` (HEAL's ResNetModified) -> ``ours.blocks.{i}.{k}``."""
+    return tuple(Rule(f"{theirs}.resnet.layer{{i}}.{{k}}.{child}.{{p}}",
+                      f"{ours}.blocks.{{i}}.{{k}}.{mine}.{{p}}") for child, mine in _BLOCK_CHILDREN) \
+        + (Rule(f"{theirs}.deblocks.{{i}}.{{j}}.{{p}}", f"{ours}.deblocks.{{i}}.{{j}}.{{p}}"),)
+
+
+def modality_rules(name: str) -> Tuple[Rule, ...]:
+    """The rules of agent type ``name`` (its lift-splat encoder aside: module doc (1))."""
+    branch = f"branches.{name}"
+    rules = [Rule(f"encoder_{name}.pillar_vfe.pfn_layers.{{i}}.{part}.{{p}}",
+                  f"{branch}.encoder.vfe.layers.{{i}}.{part}.{{p}}") for part in ("linear", "norm")]
+    rules += _resnet_rules(f"backbone_{name}", f"{branch}.backbone")
+    rules += [Rule(f"aligner_{name}.channel_align.model.{{b}}.{child}.{{p}}",
+                   f"{branch}.aligner.{{b}}.{child}.{{p}}") for child in _CONVNEXT_CHILDREN]
+    rules.append(Rule(f"aligner_{name}.channel_align.model.{{b}}.gamma",
+                      f"{branch}.aligner.{{b}}.gamma"))
+    return tuple(rules)
+
+
+SHARED_RULES = _resnet_rules("pyramid_backbone", "pyramid.backbone") + (
+    Rule("pyramid_backbone.single_head_{i}.{p}", "pyramid.occupancy_heads.{i}.{p}"),
+    *SHRINK_RULES,
+    Rule("cls_head.{p}", "head.cls_conv.{p}"),
+    Rule("reg_head.{p}", "head.reg_conv.{p}"),
+    Rule("dir_head.{p}", "head.dir_conv.{p}"),
+)
+
+
+def heal_state_to_ours(state: Mapping[str, torch.Tensor], camera_encoders: Mapping[str, str],
+                       our_shapes: Mapping[str, Tuple[int, ...]], modalities,
+                       source: str = "checkpoint") -> Dict[str, torch.Tensor]:
+    """HEAL's heter pyramid state dict -> ours (keys and shapes of ``our_shapes``), strictly.
+
+    camera_encoders: camera modality -> HEAL's ``camera_encoder`` (EfficientNet / Resnet101);
+    modalities: every agent type's name."""
+    state = strip_ddp_prefix(state)
+    camera_part: Dict[str, torch.Tensor] = {}
+    rest = {}
+    for key, tensor in state.items():
+        modality = next((m for m in camera_encoders if key.startswith(f"encoder_{m}.")), None)
+        if modality is None:
+            rest[key] = tensor
+            continue
+        local = key[len(f"encoder_{modality}."):]
+        mapped = lss_heal_to_ours({local: tensor}, camera_encoders[modality])
+        if len(mapped) != 1:
+            raise InteropError(f"{source}: {key} has no place in our lift-splat encoder")
+        (ours, value), = mapped.items()
+        target = f"branches.{modality}.encoder.{ours}"
+        if target not in our_shapes or tuple(our_shapes[target]) != tuple(value.shape):
+            raise InteropError(f"{source}: {key} {tuple(value.shape)} does not fit {target} "
+                               f"{tuple(our_shapes.get(target, ()))} of our model")
+        camera_part[target] = value
+    rules = sum((modality_rules(name) for name in modalities), ()) + SHARED_RULES
+    remaining = {k: v for k, v in our_shapes.items() if k not in camera_part}
+    placed = peer_state_to_ours(rest, rules, remaining, source, "our heter pyramid model")
+    return {key: (camera_part[key] if key in camera_part else placed[key]) for key in our_shapes}
+
+
+def _backbone_from_heal(backbone: Mapping) -> dict:
+    keys = ("layer_nums", "layer_strides", "num_filters", "upsample_strides",
+            "num_upsample_filter")
+    return {key: list(backbone[key]) for key in keys if key in backbone}
+
+
+def _encoder_from_heal(name: str, setting: Mapping) -> dict:
+    core, args = setting["core_method"], setting["encoder_args"]
+    if core == "point_pillar":
+        vfe = args["pillar_vfe"]
+        if not vfe.get("use_norm", True) or not vfe.get("use_absolute_xyz", True):
+            raise InteropError(f"model.args.{name}.encoder_args.pillar_vfe: only use_norm and "
+                               "use_absolute_xyz true (HEAL's configs) are reproduced")
+        return {"core_method": "pillar", "args": {
+            "pillar_vfe": {"num_filters": list(vfe["num_filters"]),
+                           "with_distance": bool(vfe.get("with_distance", False)),
+                           # HEAL's PFN layers take the padded point slots in (OpenCOOD's)
+                           "padded_slots": "reference"},
+            "point_pillar_scatter": {"num_features": args["point_pillar_scatter"]["num_features"]}}}
+    if core == "lift_splat_shoot":
+        return {"core_method": "lss", "args": lss_args_from_heal(args)}
+    raise InteropError(f"model.args.{name}.core_method {core!r}: only point_pillar and "
+                       "lift_splat_shoot agents are reproduced")
+
+
+def _aligner_from_heal(name: str, aligner: Mapping) -> dict:
+    core = aligner["core_method"]
+    if core == "identity":
+        return {"core_method": "identity"}
+    if core != "convnext" or aligner.get("spatial_align") or aligner["args"].get("deform"):
+        raise InteropError(f"model.args.{name}.aligner_args: only identity and convnext "
+                           "(no spatial_align, no deform) are reproduced")
+    return {"core_method": "convnext", "num_of_blocks": aligner["args"]["num_of_blocks"],
+            "kernel_size": aligner["args"].get("kernel_size", 7)}
+
+
+def _shrink_from_heal(shrink: Mapping) -> dict:
+    if len(shrink["dim"]) != 1 or shrink["padding"][0] != shrink["kernal_size"][0] // 2:
+        raise InteropError("model.args.shrink_header: one layer with padding kernel // 2 is "
+                           "reproduced")
+    return {"dim": shrink["dim"][0], "stride": shrink["stride"][0],
+            "kernel_size": shrink["kernal_size"][0]}
+
+
+def model_args_from_heal(args: Mapping) -> dict:
+    """HEAL's ``model.args`` of a heter pyramid model -> our ``model.args`` (the agent types'
+    LiDAR encoders must share one pillar grid: ours pillarises once per grid)."""
+    args = copy.deepcopy(dict(args))
+    names = [key for key in args if key.startswith("m") and key[1:].isdigit()]
+    modalities, voxel_sizes = {}, set()
+    for name in names:
+        setting = args[name]
+        if setting["sensor_type"] == "lidar":
+            voxel_sizes.add(tuple(setting["encoder_args"]["voxel_size"]))
+        modalities[name] = {"sensor_type": setting["sensor_type"],
+                            "encoder": _encoder_from_heal(name, setting),
+                            "backbone": _backbone_from_heal(setting["backbone_args"]),
+                            "aligner": _aligner_from_heal(name, setting["aligner_args"])}
+    if len(voxel_sizes) > 1:
+        raise InteropError(f"model.args: LiDAR agent types with different voxel sizes "
+                           f"{sorted(voxel_sizes)} are not reproduced")
+    if args.get("compressor"):
+        raise InteropError("model.args.compressor (HEAL's NaiveCompressor) is not reproduced")
+    fusion = args["fusion_backbone"]
+    ours = {"lidar_range": list(args["lidar_range"]), "anchor_number": args["anchor_number"],
+            "modalities": modalities,
+            "fusion_backbone": {**_backbone_from_heal(fusion), "resnet": True,
+                                "resnext": bool(fusion.get("resnext", False)),
+                                "align_corners": bool(fusion.get("align_corners", False))}}
+    if voxel_sizes:
+        ours["voxel_size"] = list(voxel_sizes.pop())
+    if "shrink_header" in args:
+        ours["shrink_header"] = _shrink_from_heal(args["shrink_header"])
+    return ours
+
+
+def camera_encoders_of(args: Mapping) -> Dict[str, str]:
+    """HEAL's ``model.args`` -> {camera modality: its camera_encoder}."""
+    return {name: setting["encoder_args"]["camera_encoder"] for name, setting in args.items()
+            if name.startswith("m") and name[1:].isdigit()
+            and setting.get("sensor_type") == "camera"}
