@@ -230,7 +230,7 @@ def augment_sample(points_list: List[np.ndarray], boxes: np.ndarray, augment_cfg
 
 def _points_per_box(dataset, points: np.ndarray, boxes) -> np.ndarray:
     boxes = np.asarray(boxes, np.float64).reshape(-1, 7)
-    if not dataset.count_ego_points:
+    if dataset.visibility_rule != "lidar":
         return np.full(boxes.shape[0], -1, dtype=np.int64)
     return ego_points_per_box(points, boxes, dataset.order)
 

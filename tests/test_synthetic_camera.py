@@ -282,9 +282,11 @@ def test_generate_cli_cameras_are_opt_in(tmp_path, capsys):
     out = tmp_path / "data"
     assert cli.main(["--out", str(out), "--preset", "tiny", "--frames", "1", "--splits", "test",
                      "--cameras", "--camera-size", "40", "30", "--quiet"]) == 0
-    pictures = sorted(out.rglob("*.png"))
+    pictures = sorted(p for p in out.rglob("*.png") if not p.name.endswith("_visibility.png"))
     assert pictures and all(p.stem.split("_")[1] in {f"camera{i}" for i in range(4)}
                             for p in pictures)
+    # and HEAL's camera label of every agent frame (tests/test_camera_visibility.py)
+    assert len(list(out.rglob("*_bev_visibility.png"))) == len(pictures) // 4
     assert Image.open(pictures[0]).size == (40, 30)
     record = yaml.safe_load((out / "generation.yaml").read_text())
     assert record["preset_config"]["cameras"] == {"width": 40, "height": 30, "fov_deg": 100.0,

@@ -556,6 +556,10 @@ class DairV2XSplit:
         side = self._side(cav_id)
         return read_dair_cameras(self.root, f"{side}-side", frame[f"{side}_id"])
 
+    def camera_visibility(self, scenario: str, cav_id: str, timestamp: str):
+        """None: DAIR-V2X-C has no bev_visibility maps (HEAL filters its camera GT by range)."""
+        return None
+
     def vehicles(self, scenario: str, cav_id: str, timestamp: str) -> list:
         """The pair's cooperative labels (world corners), shared with the index: read only."""
         return self._frames[timestamp]["labels"]

@@ -31,9 +31,12 @@ A sample is a dict::
                                                      metrics; equal to the above without noise)
     gt_boxes          (M, 7) float32 [x, y, z, h, w, l, yaw]
     gt_ids            (M,) int64
-    gt_ego_points     (M,) int64                     ego LiDAR points inside each GT box (the
-                                                     ego's own returns: 0 = occluded for the
-                                                     ego); -1 when not counted (training, loss-only)
+    gt_ego_points     (M,) int64                     the ego's evidence of each GT box, 0 =
+                                                     occluded for the ego (``visibility_rule``):
+                                                     its LiDAR returns inside the box, or for a
+                                                     camera-only ego 1 / 0 from its cameras'
+                                                     bev_visibility map; -1 when not counted
+                                                     (training, loss-only, no map)
     shared_points     int                            points each non-ego agent sent, averaged
                                                      over them (early fusion; else 0)
     points_in_agent_frame bool                       True when clouds are in their own agent's
@@ -62,6 +65,7 @@ import torch
 from opencood.config_schema import DEFAULT_COMM_RANGE, DEFAULT_LIDAR_RANGE
 from opencood.data.augment import (augment_boxes, augmentation_matrix, check_augment_config,
                                    draw_augmentation)
+from opencood.data.camera_visibility import boxes_visible
 from opencood.data.cameras import camera_inputs, read_depth_images, stack_agents
 from opencood.data.heter import ModalityPlan, depth_files
 from opencood.data.opv2v import DEFAULT_GT_RANGE, is_infrastructure
@@ -81,6 +85,10 @@ _AUGMENT_STREAM, _NOISE_STREAM, _CAMERA_STREAM, _MODALITY_STREAM = 1, 2, 3, 4
 # that range noise put just outside; the bottom 0.25 m is left out, where ground returns beside
 # the wheels would make a car hidden from the ego look seen.
 VISIBILITY_MARGIN, GROUND_CLEARANCE = 0.1, 0.25   # metres
+# What "ego-visible" means, by the dataset's visibility_rule: said in every evaluation record.
+VISIBILITY_RULES = {
+    "lidar": "lidar: ego LiDAR returns inside the box",
+    "camera": "camera: the ego's cameras see the box (its bev_visibility map at the box centre)"}
 
 
 def ego_points_per_box(points: np.ndarray, boxes: np.ndarray, order: str = "hwl") -> np.ndarray:
@@ -115,7 +123,11 @@ class BaseFusionDataset(torch.utils.data.Dataset):
         wild: pose-noise / latency setting.
         seed: base seed of the augmentation draws.
         count_ego_points: fill ``gt_ego_points`` (the AP visibility split); default: not in
-            training. A loss-only loader turns it off: nothing reads the counts there.
+            training. A loss-only loader turns it off: nothing reads the counts there. The rule
+            (``visibility_rule``): "lidar" with LiDAR inputs (the ego's returns in each box),
+            "camera" for camera-only inputs (the ego's cameras see the box: HEAL's
+            ``<ts>_bev_visibility.png`` of the ego looked up at the box centre,
+            opencood.data.camera_visibility; -1 where the copy has no map).
         dataset: the format of ``split_dir`` (``fusion.dataset``: opv2v, v2xset, v2v4real,
             dairv2x; opencood.data.formats).
         reader_options: the format's own reader options (its split class's
@@ -170,8 +182,8 @@ class BaseFusionDataset(torch.utils.data.Dataset):
         self.lidar_range = list(lidar_range)
         self.gt_range = list(gt_range)
         self.train = train
-        self.count_ego_points = (not train if count_ego_points is None
-                                 else bool(count_ego_points)) and self.uses_lidar
+        counting = not train if count_ego_points is None else bool(count_ego_points)
+        self.visibility_rule = ("lidar" if self.uses_lidar else "camera") if counting else None
         self.augment_cfg = list(augment_cfg or []) if train else []
         self.wild = wild or WildSetting()
         self.seed = int(seed)
@@ -268,7 +280,7 @@ class BaseFusionDataset(torch.utils.data.Dataset):
         gt_ids, gt_boxes = self.split.sample_gt(index, gt_range=self.gt_range, order=self.order)
         ego_points = agents[0]["points"] if self._has_lidar(agents[0]["modality"]) else None
         return {"info": info, "agents": agents, "gt_boxes": gt_boxes, "gt_ids": gt_ids,
-                "gt_ego_points": self._points_per_box(ego_points, gt_boxes)}
+                "gt_ego_points": self._ego_visibility(agents[0]["frame"], ego_points, gt_boxes)}
 
     def _modalities(self, index: int, info, agents) -> List:
         """Each agent's modality (heter; None for every agent without): evaluation maps the
@@ -328,14 +340,20 @@ class BaseFusionDataset(torch.utils.data.Dataset):
                 cameras, self.plan.settings[modality]["data_aug_conf"], rng, matrix, depths))
         return {modality: stack_agents(per_agent) for modality, per_agent in groups.items()}
 
-    def _points_per_box(self, points: np.ndarray | None, boxes) -> np.ndarray:
-        """(M,) own points of the viewing agent inside each GT box (same frame), for the
-        ego-visible / ego-occluded AP split; -1 unless ``count_ego_points`` (never without
-        LiDAR inputs, nor for a heter agent without a LiDAR: ``points`` None)."""
+    def _ego_visibility(self, frame, points: np.ndarray | None, boxes) -> np.ndarray:
+        """(M,) int64 the viewing agent's evidence of each GT box (same frame), for the
+        ego-visible / ego-occluded AP split, by ``visibility_rule``: its own points inside
+        each box, or, for a camera agent (camera-only inputs, or a heter agent without a LiDAR:
+        ``points`` None), 1 / 0 from the bev_visibility map of its ``frame`` (scenario,
+        cav_id, timestamp); -1 when not counted or the copy has no map."""
         boxes = np.asarray(boxes, np.float64).reshape(-1, 7)
-        if not self.count_ego_points or points is None:
-            return np.full(boxes.shape[0], -1, dtype=np.int64)
-        return ego_points_per_box(points, boxes, self.order)
+        unknown = np.full(boxes.shape[0], -1, dtype=np.int64)
+        if self.visibility_rule is None:
+            return unknown
+        if self.visibility_rule == "lidar" and points is not None:
+            return ego_points_per_box(points, boxes, self.order)
+        seen = self.split.camera_visibility(*frame)
+        return unknown if seen is None else boxes_visible(seen, boxes).astype(np.int64)
 
     def _augmentation_matrix(self, index: int) -> Tuple[np.ndarray, tuple]:
         """(4, 4) float64 of the sample's augmentation (identity without one), and its steps
@@ -559,8 +577,9 @@ class LateFusionDataset(BaseFusionDataset):
         key = (info.scenario, info.timestamp, agent["cav_id"])
         return self._finish(index, key, [agent["cav_id"]], [points], [np.eye(4)], [np.eye(4)],
                             gt_boxes, gt_ids, shared_points=0,
-                            gt_ego_points=self._points_per_box(
-                                points if self._has_lidar(modality) else None, gt_boxes),
+                            gt_ego_points=self._ego_visibility(
+                                agent["frame"], points if self._has_lidar(modality) else None,
+                                gt_boxes),
                             frames=[agent["frame"]], modalities=[modality])
 
     def _build(self, index, key, loaded):

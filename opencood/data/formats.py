@@ -65,6 +65,10 @@ class SplitReader(Protocol):
         """The frame's cameras (``opencood.data.cameras.CameraFrame``: images, intrinsics,
         camera -> LiDAR extrinsics), for configs whose ``input_source`` has "camera"."""
 
+    def camera_visibility(self, scenario: str, cav_id: str, timestamp: str) -> Any:
+        """The frame's HEAL ``bev_visibility`` map ((256, 256) uint8, what the agent's cameras
+        see: opencood.data.camera_visibility), or None where the copy has none."""
+
     def frame_boxes(self, scenario: str, cav_id: str, timestamp: str,
                     gt_range: Sequence[float],
                     order: str = "hwl") -> Tuple[np.ndarray, np.ndarray]:

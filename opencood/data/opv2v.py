@@ -620,6 +620,17 @@ class OPV2VSplit:
         return read_opv2v_cameras(self.split_dir / scenario / cav_id, timestamp, params,
                                   params["lidar_pose"])
 
+    def camera_visibility(self, scenario: str, cav_id: str, timestamp: str):
+        """The frame's ``<ts>_bev_visibility.png`` as HEAL reads it ((256, 256) uint8,
+        opencood.data.camera_visibility): beside the frame's files, else where HEAL looks next
+        (``<root>/additional/<split>/<scenario>/<cav_id>/``); None when neither has it."""
+        from opencood.data.camera_visibility import map_path, read_visibility_map
+        for folder in (self.split_dir, self.split_dir.parent / "additional" / self.split_dir.name):
+            path = map_path(folder / scenario / cav_id, timestamp)
+            if path.is_file():
+                return read_visibility_map(path)
+        return None
+
     def vehicles(self, scenario: str, cav_id: str, timestamp: str) -> dict:
         """The frame's ``vehicles`` mapping itself, shared with the index: read, never modify."""
         return self._frame_params(scenario, cav_id, timestamp)["vehicles"]

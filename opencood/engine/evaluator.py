@@ -25,7 +25,7 @@ import yaml
 from opencood.config import ConfigError, apply_overrides, load_config, resolve
 from opencood.config_schema import BoxAlignArgs, to_plain
 from opencood.data.collate import build_loader
-from opencood.data.datasets import SPLIT_KEYS, build_dataset
+from opencood.data.datasets import SPLIT_KEYS, VISIBILITY_RULES, build_dataset
 from opencood.data.pipeline import BatchPreparer
 from opencood.engine.recipe import check_registered_names, configure_cuda
 from opencood.errors import alike_on_every_rank, run_cli
@@ -207,6 +207,8 @@ def evaluate_setting(cfg, args, run_dir, model, info, setting, checkpoint: Dict,
                         detection_class_names(cfg_run))
     if metrics is None:
         return None
+    if "visibility" in metrics:
+        metrics["visibility_rule"] = VISIBILITY_RULES[dataset.visibility_rule]
     metrics["protocol"] = {"name": protocol.name, "description": protocol.description,
                            **scored_gt_range(protocol, cfg_run["postprocess"]["gt_range"])}
     return setting_record(cfg_run, args, tag, fusion, checkpoint, info, metrics, correction)

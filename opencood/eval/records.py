@@ -14,7 +14,8 @@
     code: {version, git_commit}
     machine: {device, world_size, torch}
     date: ISO 8601
-    results: {ap_30, ap_50, ap_70, num_gt, distance, visibility, bytes_per_agent,
+    results: {ap_30, ap_50, ap_70, num_gt, distance, visibility, visibility_rule,
+              bytes_per_agent,
               protocol {name, description, gt_range}, ...,
               several classes only: per_class {name: {ap_30, ap_50, ap_70, num_gt, num_det}},
               class_mean {ap_30, ap_50, ap_70, classes}; ap_* are then the class means}

@@ -133,6 +133,8 @@ def format_metrics(name: str, metrics: Dict) -> str:
     for row_name, row in rows:
         aps = " ".join(ap_cell(row[key]) for key in AP_KEYS)
         lines.append(f"{row_name:>{width}} {aps} {row['num_gt']:6d}")
+    if metrics.get("visibility_rule"):          # records before issue 36 have none
+        lines.append(f"ego-visible by {metrics['visibility_rule']}")
     lines.append(f"bytes per agent per frame {metrics['bytes_per_agent']:.0f}, "
                  f"{metrics['frames_per_s']:.2f} frames/s, {metrics['num_frames']} frames")
     lines += format_pose_errors(metrics.get("pose_error", {}))

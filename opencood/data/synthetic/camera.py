@@ -313,22 +313,21 @@ def _raster_face(polygon, box, xn, yn, depth, face_index, face_buffer):
     face_buffer[v0:v1 + 1, u0:u1 + 1][closer] = face_index
 
 
-def render_camera(scene, cords, cfg: CameraConfig, exclude_ids=()) -> CameraImage:
-    """Photograph ``scene`` from a camera at ``cords`` ([x, y, z, roll, yaw, pitch], world).
+def rasterise(scene, camera_to_world, intrinsic, cfg: CameraConfig, depth: np.ndarray,
+              exclude_ids=()):
+    """Z-buffer the box faces of ``scene`` seen by a pinhole camera: ``camera_to_world`` (4, 4)
+    its OpenCV axes -> the scene's frame, ``intrinsic`` (3, 3) with fx = fy, ``cfg`` its
+    width, height and near plane. ``depth`` (H, W) float32, z along the optical axis of what
+    lies behind the faces (inf: nothing), is lowered in place where a face is nearer.
 
-    ``exclude_ids``: objects the camera does not see (the vehicle it is mounted on, as its
-    LiDAR's rays pass through it).
+    Returns face_buffer (H, W) int64 (index into the faces, -1 where none is nearest), the
+    faces' normals (F, 3) and object ids (F,).
     """
-    camera_to_world = pose_to_matrix(cords) @ UE4_FROM_OPENCV
     world_to_camera = np.linalg.inv(camera_to_world)
     camera_center = camera_to_world[:3, 3]
-    intrinsic = intrinsic_matrix(cfg)
     focal, center = intrinsic[0, 0], intrinsic[:2, 2]
     xn = ((np.arange(cfg.width) - center[0]) / focal).astype(np.float32)
     yn = ((np.arange(cfg.height) - center[1]) / focal).astype(np.float32)
-    depth = _ground_depth(camera_to_world[:3, :3], camera_center, xn, yn).astype(np.float32)
-    rgba = _background(depth, camera_to_world[:3, :3], camera_center, xn, yn)
-
     corners, normals, face_ids = _visible_faces(scene, camera_center, exclude_ids)
     face_buffer = np.full(depth.shape, -1, dtype=np.int64)
     corners_camera = corners @ world_to_camera[:3, :3].T + world_to_camera[:3, 3]
@@ -347,7 +346,25 @@ def render_camera(scene, cords, cfg: CameraConfig, exclude_ids=()) -> CameraImag
                 continue
             box = _pixel_boxes(polygon[None], focal, center, depth.shape)[0]
         _raster_face(polygon, box, xn, yn, depth, index, face_buffer)
+    return face_buffer, normals, face_ids
 
+
+def render_camera(scene, cords, cfg: CameraConfig, exclude_ids=()) -> CameraImage:
+    """Photograph ``scene`` from a camera at ``cords`` ([x, y, z, roll, yaw, pitch], world).
+
+    ``exclude_ids``: objects the camera does not see (the vehicle it is mounted on, as its
+    LiDAR's rays pass through it).
+    """
+    camera_to_world = pose_to_matrix(cords) @ UE4_FROM_OPENCV
+    camera_center = camera_to_world[:3, 3]
+    intrinsic = intrinsic_matrix(cfg)
+    focal, center = intrinsic[0, 0], intrinsic[:2, 2]
+    xn = ((np.arange(cfg.width) - center[0]) / focal).astype(np.float32)
+    yn = ((np.arange(cfg.height) - center[1]) / focal).astype(np.float32)
+    depth = _ground_depth(camera_to_world[:3, :3], camera_center, xn, yn).astype(np.float32)
+    rgba = _background(depth, camera_to_world[:3, :3], camera_center, xn, yn)
+    face_buffer, normals, face_ids = rasterise(scene, camera_to_world, intrinsic, cfg, depth,
+                                               exclude_ids)
     if len(face_ids):
         object_ids, face_objects = np.unique(face_ids, return_inverse=True)
         object_colours = np.array([_object_colour(int(i)) for i in object_ids]).reshape(-1, 3)

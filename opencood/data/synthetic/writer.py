@@ -23,6 +23,8 @@ import numpy as np
 import yaml
 from tqdm import tqdm
 
+from opencood.data.camera_visibility import (MIN_VISIBLE_PIXELS, map_path, visibility_map,
+                                             write_visibility_map)
 from opencood.data.formats import get_format, writer_formats
 from opencood.data.heter import depth_files, hetero_path, lidar_file
 from opencood.data.opv2v import vehicles_to_boxes
@@ -194,13 +196,39 @@ def photograph_agent(world: World, agent_id: int, scene, params: dict, cfg: Came
     return images
 
 
+UNBOUNDED = (-1e9, -1e9, -1e9, 1e9, 1e9, 1e9)
+
+
+def camera_visibility_map(scene, images, lidar_pose) -> np.ndarray:
+    """HEAL's ``bev_visibility`` map (opencood.data.camera_visibility) of one agent from its
+    CameraImages: the vehicles with at least ``MIN_VISIBLE_PIXELS`` pixels in one of its
+    cameras (the z-buffer's nearest surface: unoccluded), in its frame of ``lidar_pose`` (as
+    written)."""
+    seen = set()
+    for image in images:
+        if not len(image.face_ids):
+            continue
+        pixels_per_face = np.bincount(image.face_buffer[image.face_buffer >= 0],
+                                      minlength=len(image.face_ids))
+        per_object = {}
+        for object_id, pixels in zip(image.face_ids.tolist(), pixels_per_face.tolist()):
+            per_object[object_id] = per_object.get(object_id, 0) + pixels
+        seen.update(i for i, pixels in per_object.items()
+                    if i >= 0 and pixels >= MIN_VISIBLE_PIXELS)      # vehicles: ids >= 0
+    entries = {v.actor_id: vehicle_entry(v) for v in scene.vehicles if v.actor_id in seen}
+    _, boxes = vehicles_to_boxes(entries, lidar_pose, UNBOUNDED)
+    return visibility_map(boxes)
+
+
 def write_frame(cav_dir: Path, timestamp: str, points_lidar: np.ndarray, params: dict,
-                images=(), depth: bool = False, hetero_points=None):
+                images=(), depth: bool = False, hetero_points=None,
+                visibility: np.ndarray | None = None):
     """``<cav_dir>/<timestamp>.pcd`` (reference ascii layout) and ``.yaml``; with ``images``
     (CameraImages) also ``<timestamp>_camera<i>.png`` and, with ``depth``, OPV2V-H's
     ``<timestamp>_depth<i>.png``; ``hetero_points`` ({beams: points}): OPV2V-H's
     ``<timestamp>_<beams>.pcd``. OPV2V-H's files go where HEAL looks for them
-    (``opencood.data.heter``: beside the others unless the path says ``OPV2V``)."""
+    (``opencood.data.heter``: beside the others unless the path says ``OPV2V``). With
+    ``visibility`` HEAL's ``<timestamp>_bev_visibility.png`` (:func:`camera_visibility_map`)."""
     write_pcd(cav_dir / f"{timestamp}.pcd", points_lidar, intensity_field="rgb", data="ascii")
     text = yaml.dump(params, Dumper=_DUMPER, default_flow_style=False, sort_keys=True)
     (cav_dir / f"{timestamp}.yaml").write_text(text)
@@ -213,6 +241,8 @@ def write_frame(cav_dir: Path, timestamp: str, points_lidar: np.ndarray, params:
                    cv2.cvtColor(image.rgb, cv2.COLOR_RGB2BGR))
         if depth:
             _write_png(depth_paths[index], depth_png(image.depth))
+    if visibility is not None:
+        write_visibility_map(map_path(cav_dir, timestamp), visibility)
 
 
 def _write_png(path: Path, pixels: np.ndarray):
@@ -309,7 +339,9 @@ def generate_scenario(out_dir, preset: Preset, seed: int, split: str, index: int
             write_frame(scenario_dir / str(agent_id), timestamp, points_lidar, params, images,
                         depth=preset.cameras is not None and preset.cameras.depth,
                         hetero_points=scan_hetero_lidars(world, agent_id, frame, scene, preset,
-                                                         hetero_rng))
+                                                         hetero_rng),
+                        visibility=camera_visibility_map(scene, images, params["lidar_pose"])
+                        if images else None)
             stats["points"] += len(points_lidar)
         for key, count in sample_visibility(world, frame, visible, written_poses, preset).items():
             stats[key] += count
