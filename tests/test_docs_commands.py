@@ -55,6 +55,8 @@ RUN_BLOCKS: Dict[BlockKey, Tuple[Optional[Tuple[int, ...]], str]] = {
               "processes) and the evaluation of that run are only checked"),
     ("docs/datasets.md", "DAIR-V2X-C (`fusion.dataset: dairv2x`, `hypes_yaml/dairv2x/`)", 0): (
         (0,), "as V2V4Real: the tiny DAIR-V2X-C set is written, training and evaluation checked"),
+    ("docs/heterogeneous.md", "The data: OPV2V-H in the synthetic world", 0): (
+        None, "the tiny OPV2V-H set with its assignment files (about 3 s)"),
 }
 
 # Blocks only checked: key -> why they are not run here.
