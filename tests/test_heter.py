@@ -357,11 +357,14 @@ def test_a_missing_or_inconsistent_assignment_is_one_line(heter_data, tmp_path,
     with pytest.raises(ConfigError, match="heter: the dairv2x reader has no modality "
                                           "assignment"):
         _dataset({**cfg, "fusion": {**cfg["fusion"], "dataset": "dairv2x"}})
-    # an ego whose modality the model does not have and nobody to replace it
-    with pytest.raises(AssignmentError, match=f"scenario {scenario}, agent 7127 \\(the ego\\): "
-                                              f"modality 'm9' is not in"):
-        _dataset(_heter_config(tmp_path, heter_data, {scenario: good}, ego_modality="m3",
-                               mapping_dict={"m1": "m9", "m2": "m9", "m4": "m9"}))
+    # an ego whose modality the model does not have and no agent of ego_modality: the first
+    # agent it has a modality for is the ego; nobody: the scenario takes no part
+    cfg = _heter_config(tmp_path, heter_data, {scenario: good}, ego_modality="m1",
+                        mapping_dict={"m1": "m9", "m2": "m2", "m4": "m9"})
+    assert _dataset(cfg)[0]["agent_ids"] == ["8616"]
+    cfg = _heter_config(tmp_path, heter_data, {scenario: good},
+                        mapping_dict={"m1": "m9", "m2": "m9", "m4": "m9"})
+    assert len(_dataset(cfg)) == 0
     # a mapped modality outside modality_setting leaves its agents out (HEAL's unmatched)
     cfg = _heter_config(tmp_path, heter_data, {scenario: good},
                         mapping_dict={"m1": "m1", "m2": "m9", "m4": "m3"})

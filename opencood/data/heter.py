@@ -14,7 +14,9 @@ from HEAL, on purpose: training keeps the folder's ego (HEAL shuffles the agents
 one is the ego: none of our readers does that); the ego search skips roadside units (our ego is
 a vehicle) and reads ``ego_modality`` as the '&'-separated names (HEAL tests the assigned name
 as a substring of the string); unmatched agents leave before the range and ``max_cav``
-selection, not after.
+selection, not after; an unmatched ego with no agent of ``ego_modality`` to replace it gives
+way to the first agent the model has a modality for (HEAL drops the ego's input and fuses the
+others in its frame), and a scenario without any such agent takes no part.
 
 **Which files** (:func:`hetero_path`, :func:`lidar_file`, :func:`depth_files`): OPV2V-H's
 32- and 16-beam LiDARs are ``<ts>_32.pcd`` / ``<ts>_16.pcd`` and its depth images
@@ -138,7 +140,8 @@ class ModalityPlan:
 
     def agent_order(self, scenario: str, cav_ids: List[str]) -> List[str]:
         """The split's hook (``OPV2VSplit(agent_order=...)``): ``cav_ids`` in folder order (ego
-        first) -> the agents taking part, ego first. Checks the scenario's assignment."""
+        first) -> the agents taking part, ego first ([]: none, the scenario is left out).
+        Checks the scenario's assignment."""
         agents = self.assigned(scenario, cav_ids)
         if self.train:
             return list(cav_ids)
@@ -149,12 +152,14 @@ class ModalityPlan:
             if ego is not None:
                 order = [ego] + [cav_id for cav_id in order if cav_id != ego]
         kept = [cav_id for cav_id in order if self.mapped(scenario, cav_id) in self.settings]
-        if not kept or kept[0] != order[0]:
-            raise AssignmentError(
-                f"{self.path}: scenario {scenario}, agent {order[0]} (the ego): modality "
-                f"{self.mapped(scenario, order[0])!r} is not in heter.modality_setting "
-                f"({', '.join(self.settings)}) and no agent maps into ego_modality "
-                f"{'&'.join(self.ego_modalities)!r}")
+        if kept and self.is_infrastructure(kept[0]):
+            # an ego the model has no modality for, and no vehicle agent of ego_modality: the
+            # first vehicle it has one for (HEAL would drop the ego and fuse the others in its
+            # frame); none: the scenario takes no part (HEAL's samples without agents)
+            vehicles = [cav_id for cav_id in kept if not self.is_infrastructure(cav_id)]
+            kept = vehicles[:1] + [cav_id for cav_id in kept if cav_id not in vehicles[:1]]
+        if kept and self.is_infrastructure(kept[0]):
+            return []
         return kept
 
     def modalities(self, scenario: str, cav_ids: Sequence[str],

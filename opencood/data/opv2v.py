@@ -557,6 +557,8 @@ class OPV2VSplit:
         frames = self._frames[layout.name]
         cav_ids = layout.cav_ids if self.agent_order is None else \
             self.agent_order(layout.name, list(layout.cav_ids))
+        if not cav_ids:             # nobody of the scenario takes part (agent_order)
+            return []
         samples = []
         for position, timestamp in enumerate(layout.timestamps):
             ego_pose = frames[cav_ids[0]][position]["lidar_pose"]
