@@ -168,3 +168,61 @@ def test_heal_s_single_agent_camera_pretraining_is_refused_in_one_line(tmp_path)
     with pytest.raises(InteropError, match="model.core_method 'heter_model_late'.*camera") as error:
         translate_run(peer, None, "heal")
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("name", CAMERA_RUNS)
+def test_export_to_heal_inverts_the_import(name, tmp_path):
+    """``--to heal`` of an imported HEAL camera run: HEAL's key set and shapes exactly (its
+    own model's, the fixture), every tensor the import took back bit for bit (the never-run
+    classifier as freshly initialised), and importing the export gives our state dict and
+    model section back unchanged."""
+    from opencood.config import load_config
+    from opencood.interop.heal_export import EFFICIENTNET_CLASSIFIER
+    source = peer_state(name)
+    _, _, checkpoint = import_camera_run(name, tmp_path, state=source)
+    ours = tmp_path / "ours"
+    load_tool("export_checkpoint").main(["--to", "heal", "--model_dir", str(ours),
+                                         "--out", str(tmp_path / "heal")])
+    exported = torch.load(tmp_path / "heal" / "net_epoch4.pth", weights_only=True)
+    heal_shapes = {key: tuple(value.shape) for key, value in heal_state(name).items()}
+    assert list(exported) == list(heal_shapes)
+    assert {key: tuple(value.shape) for key, value in exported.items()} == heal_shapes
+    classifier = {f"encoder_m2.camencode.trunk.{key}" for key in EFFICIENTNET_CLASSIFIER} \
+        if not name.endswith("resnet") else set()
+    assert classifier <= set(exported)
+    for key, value in exported.items():
+        if key in classifier:
+            assert not value.any() or key.endswith(("_bn1.weight", "_bn1.running_var")), key
+        else:
+            assert torch.equal(value, source[key]), key
+    again = tmp_path / "again"
+    load_tool("import_checkpoint").main(["--from", "heal", str(tmp_path / "heal"),
+                                         "--out", str(again)])
+    back = torch.load(again / "last.pth", weights_only=True)["model"]
+    assert list(back) == list(checkpoint["model"])
+    assert all(torch.equal(back[key], checkpoint["model"][key]) for key in back)
+    assert load_config(again / "config.yaml")["model"] == load_config(ours / "config.yaml")["model"]
+
+
+def test_export_to_heal_refuses_what_heal_has_not(tmp_path):
+    """Our synthetic camera models fuse without HEAL's shrinker, on cell-centre anchors:
+    refused in one line naming the key; nothing is written."""
+    from opencood.config import load_config, save_config
+    from opencood.interop.heal_export import translate_our_camera_run
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg = load_config("hypes_yaml/synthetic/camera_fcooper.yaml")
+    save_config(cfg, run / "config.yaml")
+    with pytest.raises(InteropError, match="model.args.fusion.stage"):
+        translate_our_camera_run(run)
+    cfg["model"]["args"]["fusion"]["stage"] = "backbone"
+    save_config(cfg, run / "config.yaml")
+    with pytest.raises(InteropError, match="model.args.shrink_header is missing"):
+        translate_our_camera_run(run)
+    lidar = tmp_path / "lidar"
+    lidar.mkdir()
+    save_config(load_config("hypes_yaml/synthetic/point_pillar_fcooper.yaml"),
+                lidar / "config.yaml")
+    with pytest.raises(InteropError, match="model.args.encoder.core_method"):
+        translate_our_camera_run(lidar)
+    assert not (tmp_path / "heal").exists()

@@ -1,14 +1,18 @@
 #!/usr/bin/env python
 """Export one of our runs as another codebase's run folder (issue 24)::
 
-    python tools/export_checkpoint.py --to opencood --model_dir RUN --out DIR [--checkpoint FILE]
+    python tools/export_checkpoint.py --to opencood|heal --model_dir RUN --out DIR
+                                      [--checkpoint FILE]
 
-Writes ``DIR/config.yaml`` (OpenCOOD's hypes, read by its ``load_yaml``) and
-``DIR/net_epoch<N>.pth`` (a bare state dict with OpenCOOD's keys), which OpenCOOD's
-``create_model`` builds and ``load_state_dict(strict=True)`` accepts. Only models whose
-architecture exists there, run with the reference options (``hypes_yaml/opv2v/reference/``, or
-any run made by ``tools/import_checkpoint.py``), are exported; others are refused in one line.
-Nothing is written unless the whole export succeeds; see ``opencood/interop/exporter.py``.
+Writes ``DIR/config.yaml`` (the peer's hypes, read by its ``load_yaml``) and
+``DIR/net_epoch<N>.pth`` (a bare state dict with the peer's keys), which the peer's
+``create_model`` builds and ``load_state_dict(strict=True)`` accepts. ``--to opencood``: LiDAR
+models whose architecture exists there, run with the reference options
+(``hypes_yaml/opv2v/reference/``, or any run made by ``tools/import_checkpoint.py``;
+``opencood/interop/exporter.py``). ``--to heal``: camera runs (the lss encoder), as HEAL's
+``heter_model_baseline`` with one ``lift_splat_shoot`` modality, the inverse of ``--from heal``
+(``opencood/interop/heal_export.py``). Others are refused in one line. Nothing is written
+unless the whole export succeeds.
 """
 from __future__ import annotations
 
@@ -16,8 +20,9 @@ import argparse
 
 from opencood.errors import run_cli
 from opencood.interop.exporter import export_opencood_run
+from opencood.interop.heal_export import export_heal_run
 
-CODEBASES = ("opencood",)
+CODEBASES = ("opencood", "heal")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -32,9 +37,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace):
-    out = export_opencood_run(args.model_dir, args.out, args.checkpoint)
+    if args.codebase == "heal":
+        out, notes = export_heal_run(args.model_dir, args.out, args.checkpoint)
+    else:
+        out, notes = export_opencood_run(args.model_dir, args.out, args.checkpoint), []
     print(f"exported {args.model_dir} -> {out} ({args.codebase}: config.yaml, "
           f"{', '.join(sorted(p.name for p in out.glob('*.pth')))})")
+    for note in notes:
+        print(f"note: {note}")
     return out
 
 

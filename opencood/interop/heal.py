@@ -222,6 +222,9 @@ def translate_heal_config(data: dict, source: str) -> dict:
         args["encoder"] = heal_camera.camera_encoder(
             setting, cfg["preprocess"]["cav_lidar_range"],
             cfg["preprocess"]["args"]["voxel_size"], f"{source}: model.args.{modality}")
+        # the run reads cameras (no LiDAR) with HEAL's image augmentation
+        cfg["input_source"] = ["camera"]
+        cfg["camera"] = {"data_aug_conf": heal_camera.data_aug_conf(setting)}
     if cfg["fusion"]["dataset"] == "dairv2x":
         # every HEAL DAIR data set trains and evaluates on the two sides' own labels merged
         # (opencood.data.dairv2x), not on cooperative/label_world as CoAlign's do

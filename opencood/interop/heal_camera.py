@@ -84,6 +84,12 @@ def camera_encoder(setting: Mapping, lidar_range, voxel_size, source: str) -> di
     return {"core_method": "lss", "args": args}
 
 
+def data_aug_conf(setting: Mapping) -> dict:
+    """Our ``camera.data_aug_conf`` from the modality's ``encoder_args.data_aug_conf`` (HEAL's
+    keys are ours)."""
+    return {key: value for key, value in setting["encoder_args"]["data_aug_conf"].items()}
+
+
 def efficientnet_rules(peer: str, ours: str) -> Tuple[Rule, ...]:
     """One rule per efficientnet_pytorch layer of EfficientNet-b0 (stem, its BN, each block's
     layers) under the prefixes ``peer`` / ``ours``; the layer names from
