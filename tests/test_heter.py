@@ -393,3 +393,54 @@ def test_training_draws_the_modalities_per_sample(heter_data, tmp_path, private_
     again = _dataset(cfg, "train", train=True)
     again.set_epoch(5)
     assert tuple(again[0]["agent_modality"]) == draws[5]     # a function of (seed, epoch, index)
+
+
+def test_depth_maps_on_the_camera_path_without_heter(heter_data, tmp_path, private_point_cache):
+    """input_source depth reads OPV2V-H's depth images for a camera config too (HEAL's camera
+    yamls' [camera, depth]): the depth maps lift-splat's depth supervision reads."""
+    from PIL import Image
+    width, height = CAMERA_SIZE
+    cfg = _with("heter", None)
+    cfg["input_source"] = ["camera", "depth"]
+    cfg["camera"] = {"data_aug_conf": {"H": height, "W": width, "final_dim": [height, width],
+                                       "bot_pct_lim": [0.0, 0.0]}}
+    cfg["fusion"]["args"] = {"proj_first": False}
+    cfg["test_dir"] = str(heter_data / "test")
+    sample = _dataset(load_config(_write(tmp_path / "camera.yaml", cfg)))[0]
+    scenario = _scenario(heter_data)
+    assert sample["depth_maps"].shape == (3, 4, height, width)
+    for row, cav_id in enumerate(sample["agent_ids"]):
+        for camera in range(4):
+            (path,) = (scenario / cav_id).glob(f"*_depth{camera}.png")
+            assert np.array_equal(sample["depth_maps"][row, camera],
+                                  np.asarray(Image.open(path)).astype(np.float32))
+
+
+def test_late_and_no_fusion_carry_the_modalities(heter_data, tmp_path, private_point_cache):
+    scenario = _scenario(heter_data).name
+    cfg = _heter_config(tmp_path, heter_data, {scenario: {"7127": "m4", "8616": "m2",
+                                                          "9883": "m1"}})
+    for method, agents, modalities in (("late", ["9883", "7127", "8616"], ["m1", "m3", "m2"]),
+                                       ("no", ["9883"], ["m1"])):
+        sample = _dataset({**cfg, "fusion": {**cfg["fusion"], "core_method": method,
+                                             "args": {"proj_first": True}}})[0]
+        assert sample["agent_ids"] == agents and sample["agent_modality"] == modalities
+        assert list(sample["modality_cameras"]) == (["m2"] if "m2" in modalities else [])
+    # late training: one example per agent, each with the modality its sample drew
+    late = {**cfg, "fusion": {**cfg["fusion"], "core_method": "late",
+                              "args": {"proj_first": True}}}
+    dataset = _dataset(late, train=True)
+    drawn = dataset._modalities(0, dataset.split.info(0), dataset._agents(0)[1])
+    for position, modality in enumerate(drawn):
+        example = dataset[position]
+        assert example["agent_modality"] == [modality]
+        assert (len(example["agent_points"][0]) > 0) == (modality != "m2")
+
+
+def test_opv2v_h_is_written_in_the_opv2v_format_only(tmp_path):
+    import dataclasses
+
+    from opencood.data.synthetic import generate_dataset, get_preset
+    preset = dataclasses.replace(get_preset("tiny"), hetero_lidars=(32, 16))
+    with pytest.raises(ValueError, match="--heter.*opv2v format.*not 'dairv2x'"):
+        generate_dataset(tmp_path / "dair", preset=preset, data_format="dairv2x")

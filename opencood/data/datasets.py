@@ -21,6 +21,7 @@ A sample is a dict::
                                                      (LiDAR inputs only)
     images, intrinsics, extrinsics, post_rots, post_trans   camera inputs only, (n, C, ...):
                                                      opencood.data.cameras, ``_camera_keys``
+                                                     (``depth_maps`` too with input_source depth)
     agent_modality    [str, ...]                     heter only: each agent's modality (the
                                                      model's name), opencood.data.heter
     modality_cameras  {modality: {camera key: (n_m, C, ...)}}   heter only: the camera agents'
@@ -318,9 +319,18 @@ class BaseFusionDataset(torch.utils.data.Dataset):
         C, 3, 3), post_trans (n, C, 3), float32.
         """
         rng = self._rng(index, _CAMERA_STREAM) if self.train else None
-        per_agent = [camera_inputs(self.split.load_cameras(*frame), self.data_aug_conf, rng,
-                                   matrix) for frame, matrix in zip(frames, lidar_to_output)]
+        per_agent = [self._agent_cameras(frame, self.data_aug_conf, rng, matrix)
+                     for frame, matrix in zip(frames, lidar_to_output)]
         return stack_agents(per_agent)
+
+    def _agent_cameras(self, frame, conf: dict, rng, lidar_to_output) -> Dict:
+        """One agent frame's camera inputs (opencood.data.cameras.camera_inputs) augmented by
+        ``conf``; with "depth" in ``input_source`` also ``depth_maps`` from OPV2V-H's depth
+        images (HEAL's files: opencood.data.heter.depth_files), through the same draws."""
+        cameras = self.split.load_cameras(*frame)
+        depths = read_depth_images(depth_files(cameras.paths[0].parent, frame[2],
+                                               len(cameras.paths))) if self.uses_depth else None
+        return camera_inputs(cameras, conf, rng, lidar_to_output, depths)
 
     def _modality_cameras(self, index: int, frames, lidar_to_output, modalities) -> Dict:
         """heter: the camera agents' inputs grouped by modality, {modality: camera keys (n_m, C,
@@ -332,12 +342,8 @@ class BaseFusionDataset(torch.utils.data.Dataset):
         for frame, matrix, modality in zip(frames, lidar_to_output, modalities):
             if self.plan.sensor_type(modality) != "camera":
                 continue
-            cameras = self.split.load_cameras(*frame)
-            depths = read_depth_images(depth_files(cameras.paths[0].parent, frame[2],
-                                                   len(cameras.paths))) \
-                if self.uses_depth else None
-            groups.setdefault(modality, []).append(camera_inputs(
-                cameras, self.plan.settings[modality]["data_aug_conf"], rng, matrix, depths))
+            groups.setdefault(modality, []).append(self._agent_cameras(
+                frame, self.plan.settings[modality]["data_aug_conf"], rng, matrix))
         return {modality: stack_agents(per_agent) for modality, per_agent in groups.items()}
 
     def _ego_visibility(self, frame, points: np.ndarray | None, boxes) -> np.ndarray:
