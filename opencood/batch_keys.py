@@ -61,8 +61,10 @@ _CAMERA_KEYS = (
 )
 # The per-agent camera tensors (a modality group of ``modality_cameras`` holds the same keys).
 CAMERA_TENSORS = tuple(key.name for key in _CAMERA_KEYS)
-# Keys only a heterogeneous (``heter``) sample, batch or model input carries.
-HETER_KEYS = ("agent_modality", "modality_cameras", "modality_pillars")
+# Keys only a heterogeneous (``heter``) sample, batch or model input carries (the agents' own
+# GT: with HEAL's pyramid loss).
+HETER_KEYS = ("agent_modality", "modality_cameras", "modality_pillars", "agent_gt_boxes",
+              "agent_gt_mask")
 _MODALITY_KEY = Key("agent_modality", COMMON, "list of A str", "heter: each agent's modality "
                     "(the model's name, after heter.mapping_dict), ego first per sample")
 _MODALITY_CAMERAS = Key("modality_cameras", CAMERA, "{modality: {camera key: (A_m, C, ...)}}",
@@ -87,6 +89,9 @@ SAMPLE = _table(
     Key("points_in_agent_frame", COMMON, "bool", "clouds in their own agent's frame (late, "
         "own-frame intermediate) rather than the ego's"),
     Key("agent_points", LIDAR, "list of n (N_i, 4) float32", "each agent's cropped cloud"),
+    Key("agent_gt_boxes", COMMON, "list of n (G_i, 7) float32", "each agent's own GT (the "
+        "boxes its frame lists) in its own augmented frame: the pyramid loss's per-agent "
+        "occupancy labels (HEAL's label_dict_single; own-frame intermediate only)"),
     Key("early_fusion_points", LIDAR, "(N, 4) float32", "the merged early-fusion cloud of the "
         "same sample (DiscoNet's teacher input)"),
     *_CAMERA_KEYS,
@@ -103,6 +108,9 @@ BATCH = _table(
     Key("transforms_to_ego_clean", COMMON, "(A, 4, 4) float32", "the same from the true poses"),
     Key("gt_boxes", COMMON, "(B, G_max, 7) float32", "zero padded"),
     Key("gt_mask", COMMON, "(B, G_max) bool", "real GT rows"),
+    Key("agent_gt_boxes", COMMON, "(A, G_max, 7) float32", "each agent's own GT in its own "
+        "frame, zero padded (the pyramid loss)"),
+    Key("agent_gt_mask", COMMON, "(A, G_max) bool", "real rows of agent_gt_boxes"),
     Key("shared_points", COMMON, "(B,) int64", "points each non-ego agent sent (early fusion)"),
     Key("sample_keys", COMMON, "list of B keys", "(scenario, timestamp[, cav])"),
     Key("gt_ids", COMMON, "list of B (G,) int64 arrays", "object ids"),

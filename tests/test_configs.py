@@ -12,6 +12,7 @@ from opencood.registry import DATASETS
 CONFIGS = sorted(Path(__file__).resolve().parents[1].glob("hypes_yaml/*/*.yaml"))
 FUSION_TO_MODEL = {"no": "point_pillar", "early": "point_pillar", "late": "point_pillar",
                    "intermediate": "point_pillar_intermediate"}
+HETER_FUSION_TO_MODEL = {"late": "heter_pyramid_single", "intermediate": "heter_pyramid_collab"}
 
 
 def test_both_families_ship_every_model():
@@ -28,8 +29,8 @@ def test_config_builds(path):
     cfg = load_config(path)
     fusion = cfg["fusion"]["core_method"]
     assert fusion in DATASETS
-    # heterogeneous agents (a heter section): HEAL's pyramid model (§4.5)
-    expected = "heter_pyramid_collab" if cfg.get("heter") else FUSION_TO_MODEL[fusion]
+    # heterogeneous agents (a heter section): HEAL's pyramid models (§4.5)
+    expected = HETER_FUSION_TO_MODEL[fusion] if cfg.get("heter") else FUSION_TO_MODEL[fusion]
     assert cfg["model"]["core_method"] == expected
     model = build_model(cfg["model"])
     assert sum(p.numel() for p in model.parameters()) > 0

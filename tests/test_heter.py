@@ -444,3 +444,41 @@ def test_opv2v_h_is_written_in_the_opv2v_format_only(tmp_path):
     preset = dataclasses.replace(get_preset("tiny"), hetero_lidars=(32, 16))
     with pytest.raises(ValueError, match="--heter.*opv2v format.*not 'dairv2x'"):
         generate_dataset(tmp_path / "dair", preset=preset, data_format="dairv2x")
+
+
+def test_each_agent_gets_its_own_labels_for_the_pyramid_loss(heter_data, tmp_path,
+                                                              private_point_cache):
+    """With HEAL's pyramid loss the own-frame samples carry each agent's own GT in its own frame
+    (HEAL's label_dict_single): moved by its transform to the ego, every box centre of an agent
+    is one of the sample's GT (same object, same place); the preparer turns them into one label
+    row per agent."""
+    from opencood import batch_keys
+    from opencood.config import resolve_section
+    from opencood.data.collate import collate_samples
+    from opencood.data.pipeline import BatchPreparer
+    scenario = _scenario(heter_data)
+    assignment = {scenario.name: {"7127": "m4", "8616": "m2", "9883": "m1"}}
+    cfg = _heter_config(tmp_path, heter_data, assignment)
+    cfg["loss"] = resolve_section("loss", {"core_method": "point_pillar_pyramid_loss"})
+    sample = _dataset(cfg)[0]
+    batch_keys.check_keys("sample", sample, "heter dataset")
+    own = sample["agent_gt_boxes"]
+    assert len(own) == 3 and all(len(boxes) for boxes in own)
+    low, high = np.split(np.asarray(cfg["postprocess"]["gt_range"]), 2)
+    matched = 0
+    for boxes, to_ego in zip(own, sample["transforms_to_ego"]):
+        centres = boxes[:, :3] @ to_ego[:3, :3].T + to_ego[:3, 3]
+        # an agent also lists objects beyond the ego's GT range: those 2 m inside it
+        inside = np.all((centres[:, :2] > low[:2] + 2) & (centres[:, :2] < high[:2] - 2), 1)
+        gaps = np.linalg.norm(centres[inside, None] - sample["gt_boxes"][None, :, :3], axis=2)
+        assert gaps.min(axis=1).max() < 1e-3
+        matched += int(inside.sum())
+    assert matched >= 3
+    assert not np.array_equal(own[1], own[0])          # another frame, other boxes
+    batch = collate_samples([sample, sample])
+    batch_keys.check_keys("batch", batch, "heter collate")
+    assert batch["agent_gt_boxes"].shape[0] == 6
+    assert batch["agent_gt_mask"].sum(1).tolist() == [len(b) for b in own] * 2
+    _, targets = BatchPreparer.from_config(cfg, "cpu", training=False)(batch)
+    assert targets["agent_labels"].shape == (6, targets["labels"].shape[1])
+    assert ((targets["agent_labels"] == 1).sum(1) > 0).all()

@@ -58,9 +58,23 @@ def collate_samples(samples: List[Dict]) -> Dict:
     }
     if "early_fusion_points" in samples[0]:
         batch["early_fusion"] = collate_early_fusion([s["early_fusion_points"] for s in samples])
+    if "agent_gt_boxes" in samples[0]:
+        batch["agent_gt_boxes"], batch["agent_gt_mask"] = pad_boxes(
+            [boxes for s in samples for boxes in s["agent_gt_boxes"]])
     batch.update(collate_camera(samples))
     batch.update(collate_modalities(samples))
     return batch
+
+
+def pad_boxes(box_sets: List[np.ndarray]):
+    """Per row a (G_i, 7) array -> ((R, G_max, 7) float32 zero padded, (R, G_max) bool)."""
+    max_gt = max([len(boxes) for boxes in box_sets] + [1])
+    padded = torch.zeros((len(box_sets), max_gt, 7), dtype=torch.float32)
+    mask = torch.zeros((len(box_sets), max_gt), dtype=torch.bool)
+    for row, boxes in enumerate(box_sets):
+        padded[row, :len(boxes)] = torch.from_numpy(np.asarray(boxes, dtype=np.float32))
+        mask[row, :len(boxes)] = True
+    return padded, mask
 
 
 def collate_lidar(samples: List[Dict]) -> Dict:

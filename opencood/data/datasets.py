@@ -32,6 +32,8 @@ A sample is a dict::
                                                      metrics; equal to the above without noise)
     gt_boxes          (M, 7) float32 [x, y, z, h, w, l, yaw]
     gt_ids            (M,) int64
+    agent_gt_boxes    [(G_i, 7) float32, ...]        intermediate with the pyramid loss only:
+                                                     each agent's own GT in its own frame
     gt_ego_points     (M,) int64                     the ego's evidence of each GT box, 0 =
                                                      occluded for the ego (``visibility_rule``):
                                                      its LiDAR returns inside the box, or for a
@@ -508,17 +510,27 @@ class IntermediateFusionDataset(BaseFusionDataset):
     fusion_method = "intermediate"
 
     def __init__(self, *args, with_early_fusion: bool = False, proj_first: bool = True,
-                 **kwargs):
-        """``proj_first`` False: the own-frame path (clouds in their agents' frames)."""
+                 with_agent_gt: bool = False, **kwargs):
+        """``proj_first`` False: the own-frame path (clouds in their agents' frames).
+        ``with_agent_gt``: samples also carry ``agent_gt_boxes``, each agent's own GT in its own
+        frame (HEAL's ``label_dict_single``, the pyramid loss's occupancy labels; own frame
+        only)."""
         super().__init__(*args, **kwargs)
         self.with_early_fusion = bool(with_early_fusion)
         self.proj_first = bool(proj_first)
+        if with_agent_gt and self.proj_first:
+            raise ValueError("each agent's own GT (the pyramid loss) needs own-frame data: "
+                             "fusion.args.proj_first: false")
+        self.with_agent_gt = bool(with_agent_gt)
         # The instance's, read by _finish: what vis and the model see in the batch.
         self.points_in_agent_frame = not self.proj_first
 
     @classmethod
     def from_config(cls, cfg: dict, split_dir, train: bool, cache_dir=None, **extra):
         extra.setdefault("proj_first", cfg["fusion"]["args"]["proj_first"])
+        # the pyramid loss supervises every agent's occupancy maps with its own labels
+        extra.setdefault("with_agent_gt",
+                         cfg["loss"]["core_method"] == "point_pillar_pyramid_loss")
         return super().from_config(cfg, split_dir, train, cache_dir=cache_dir, **extra)
 
     def _build(self, index, key, loaded):
@@ -534,7 +546,19 @@ class IntermediateFusionDataset(BaseFusionDataset):
                               modalities=[a["modality"] for a in agents])
         if self.with_early_fusion:
             sample["early_fusion_points"] = self._early_fusion_points(index, agents)
+        if self.with_agent_gt:
+            sample["agent_gt_boxes"] = [self._own_gt(index, agent) for agent in agents]
         return sample
+
+    def _own_gt(self, index: int, agent: Dict) -> np.ndarray:
+        """(G, 7) float32: the boxes the agent's own frame lists, in its frame with the
+        sample's augmentation (as its cloud on the own-frame path), kept as ``_finish`` keeps
+        the sample's."""
+        _, boxes = self.split.frame_boxes(*agent["frame"], self.gt_range, order=self.order)
+        boxes = augment_boxes(boxes, self._augmentation_matrix(index)[1])
+        if self.train:
+            boxes = boxes[boxes_center_in_range(boxes, self.lidar_range)]
+        return boxes.astype(np.float32).reshape(-1, 7)
 
     def _early_fusion_points(self, index: int, agents: List[Dict]) -> np.ndarray:
         """Every agent's cloud through its true transform, merged, augmented and cropped ->

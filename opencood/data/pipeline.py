@@ -111,7 +111,12 @@ class BatchPreparer:
         """Anchor targets for the batch's GT (ego frame, or the CAV frame for late training)."""
         gt_boxes = self.to_device(batch["gt_boxes"])
         gt_mask = self.to_device(batch["gt_mask"])
-        return self.postprocessor.targets(gt_boxes, gt_mask)
+        targets = self.postprocessor.targets(gt_boxes, gt_mask)
+        if "agent_gt_boxes" in batch:       # each agent's own labels (the pyramid loss)
+            targets["agent_labels"] = self.postprocessor.targets(
+                self.to_device(batch["agent_gt_boxes"]),
+                self.to_device(batch["agent_gt_mask"]))["labels"]
+        return targets
 
     def __call__(self, batch: Dict, with_targets: bool = True) -> Tuple[Dict, Dict | None]:
         inputs = self.model_inputs(batch)
