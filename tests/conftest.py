@@ -1,9 +1,21 @@
-"""Shared pytest fixtures."""
+"""Shared pytest fixtures, and one CPU thread per test process (see below)."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-import pytest
+# One intra-op thread for the test process and, through the environment, for every process it
+# starts (tools, spawned ranks, loader workers), set before torch is imported. The tests' tensors
+# are tiny: a second OpenMP thread only adds its spin-waits, and on a loaded 2-core machine those
+# multiplied the suite's CPU time (tests/test_models.py: 101 s of CPU with torch's default of
+# 2 threads, 16 s with 1). Tests that need another count set it themselves.
+for _thread_variable in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_thread_variable, "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # The OPV2V conformance fixture (docs/DESIGN.md §2.1): synthetic OPV2V folders plus what OpenCOOD
