@@ -285,3 +285,33 @@ def test_forward_backward_reaches_every_parameter(fixture, collab, name):
     total.backward()
     missing = [key for key, p in model.named_parameters() if p.grad is None]
     assert not missing, missing[:5]
+
+
+def test_depth_supervision_joins_the_loss(collab):
+    """A camera type with depth supervision adds HEAL's depth term: ``depth.weight`` x the focal
+    loss of its depth logits (``depth_focal_loss``, equal to HEAL's in test_parity_lss.py), and
+    its gradient reaches the depth head."""
+    import dataclasses
+    from opencood.models.lift_splat import depth_focal_loss
+    model = copy.deepcopy(collab.model).train()
+    encoder = model.branches["m2"].encoder
+    encoder.args = dataclasses.replace(encoder.args, depth_supervision=True)
+    cameras = dict(collab.batch["modality_cameras"]["m2"])
+    images = cameras["images"]
+    cameras["depth_maps"] = 1 + 30 * generated_tensor("depth", [*images.shape[:2],
+                                                               *images.shape[3:]]).abs()
+    batch = dict(collab.batch, modality_cameras={"m2": cameras})
+    outputs = model(batch)
+    samples, anchors = outputs["cls_preds"].shape[0], outputs["cls_preds"][0].numel()
+    targets = dict(detection_targets(samples, anchors, seed=2),
+                   agent_labels=collab.case["labels"].long())
+    loss = build_loss({"core_method": "point_pillar_pyramid_loss",
+                       "args": {"depth": {"weight": 0.5}}})
+    total, terms = loss(outputs, targets)
+    items = outputs["depth_outputs"]["m2"]
+    expected = 0.5 * depth_focal_loss(items["depth_logits"], items["depth_target"]).detach()
+    assert float(terms["depth_loss"]) == pytest.approx(float(expected), rel=1e-6)
+    assert float(terms["total_loss"]) == pytest.approx(
+        sum(float(v) for k, v in terms.items() if k != "total_loss"), rel=1e-6)
+    total.backward()
+    assert encoder.camera_encoder.depth_head.weight.grad.abs().sum() > 0

@@ -14,10 +14,14 @@ Which labels: ``heter_pyramid_single`` (each sample one agent): the samples' own
 A), HEAL's ``label_dict_single``, boxes of what that agent sees in its own frame), added with
 ``single_weight`` (HEAL's ``train_params.single_weight``, default 1) as HEAL's training loop adds
 its ``_single`` loss.
+
+With ``depth`` (HEAL's ``point_pillar_depth_loss`` part, which its pyramid loss inherits): each
+camera type's depth supervision (``model ... encoder.args.depth_supervision``) adds its depth
+focal loss, times ``depth.weight``.
 """
 from __future__ import annotations
 
-from typing import Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +29,7 @@ import torch.nn.functional as F
 from opencood.config_schema import Problems, positive, section, spec
 from opencood.losses.detection_loss import (DetectionLoss, PointPillarLossArgs,
                                             sigmoid_focal_loss)
+from opencood.models.lift_splat import depth_focal_loss
 from opencood.registry import LOSSES
 
 
@@ -43,10 +48,19 @@ class PyramidArgs:
 
 
 @section
+class DepthArgs:
+    """``loss.args.depth`` (HEAL's ``point_pillar_depth_loss`` key)."""
+
+    weight: float = spec(1.0, check=positive)
+
+
+@section
 class PyramidLossArgs(PointPillarLossArgs):
-    """``loss.args`` of ``point_pillar_pyramid_loss``: the detection loss's and ``pyramid``."""
+    """``loss.args`` of ``point_pillar_pyramid_loss``: the detection loss's, ``pyramid`` and
+    ``depth`` (None: no depth term, else each camera type's depth supervision)."""
 
     pyramid: PyramidArgs
+    depth: Optional[DepthArgs] = None
 
 
 def occupancy_targets(labels: torch.Tensor, height: int, width: int) -> Tuple[torch.Tensor,
@@ -84,6 +98,19 @@ class PyramidLoss(DetectionLoss):
     def __init__(self, args: PyramidLossArgs):
         super().__init__(args)
         self.pyramid = args.pyramid
+        self.depth = args.depth
+
+    def depth_term(self, depth_outputs: dict) -> torch.Tensor:
+        """HEAL's depth supervision: per camera type with it, the focal loss of its depth logits
+        against the bins of its depth maps (``lift_splat.depth_focal_loss``: every pixel as HEAL
+        for dense depth images, the valid ones for sparse LiDAR depth), summed, times
+        ``depth.weight``."""
+        total = 0
+        for items in depth_outputs.values():
+            valid = items["depth_valid"] if items.get("sparse") else None
+            total = total + depth_focal_loss(items["depth_logits"], items["depth_target"],
+                                             valid=valid)
+        return self.depth.weight * total
 
     def pyramid_term(self, outputs: dict, targets: dict) -> torch.Tensor:
         occupancy = outputs["occupancy_maps"]
@@ -98,9 +125,14 @@ class PyramidLoss(DetectionLoss):
 
     def forward(self, outputs: dict, targets: dict):
         total, terms = super().forward(outputs, targets)
-        if outputs.get("occupancy_maps") is None:
+        extra = {}
+        if outputs.get("occupancy_maps") is not None:
+            extra["pyramid_loss"] = self.pyramid_term(outputs, targets)
+        if self.depth is not None and outputs.get("depth_outputs"):
+            extra["depth_loss"] = self.depth_term(outputs["depth_outputs"])
+        if not extra:
             return total, terms
-        pyramid = self.pyramid_term(outputs, targets)
-        total = total + pyramid
-        terms = {**terms, "pyramid_loss": pyramid.detach(), "total_loss": total.detach()}
+        total = total + sum(extra.values())
+        terms = {**terms, **{k: v.detach() for k, v in extra.items()},
+                 "total_loss": total.detach()}
         return total, terms

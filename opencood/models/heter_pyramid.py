@@ -237,7 +237,9 @@ class HeterPyramidBase(nn.Module):
                 rows[agent] = sum(m.shape[0] for m in maps) + k
             maps.append(features)
             if getattr(branch.encoder, "depth_outputs", None) is not None:
-                depth[name] = branch.encoder.depth_outputs
+                # sparse (LiDAR-return) depth counts its valid cells only (the loss reads it)
+                sparse = branch.encoder.args.depth_sampling == "cell_min"
+                depth[name] = {**branch.encoder.depth_outputs, "sparse": sparse}
         shapes = {tuple(m.shape[1:]) for m in maps}
         if len(shapes) > 1:
             raise ValueError(f"the modalities' maps differ in shape {sorted(shapes)}: their "
