@@ -326,6 +326,9 @@ def test_outputs_yaml_table_tensorboard_and_pictures(runs, reference, tmp_path, 
     groups = saved["visibility"]
     assert set(groups) == {"ego-visible", "ego-occluded"}
     assert groups["ego-visible"]["num_gt"] + groups["ego-occluded"]["num_gt"] == saved["num_gt"]
+    # the rule that made the split, in the record and the table (a camera ego's: its cameras)
+    assert saved["visibility_rule"] == "lidar: ego LiDAR returns inside the box"
+    assert "ego-visible by lidar: ego LiDAR returns inside the box" in printed
     assert _without_timing(saved) == _without_timing(reference.inter)
 
     assert metrics["name"] in printed and "AP@0.5" in printed
