@@ -547,7 +547,8 @@ class Config:
     input_source: Tuple[Literal["lidar", "camera", "depth"], ...] = spec(
         ("lidar",), check=input_sources)
     # HEAL's key: which labels a sample's GT is made of. "lidar": the agents' ``vehicles``
-    # (what their LiDARs see); HEAL's "camera" (OPV2V's bev_visibility.png) is not read.
+    # (what their LiDARs see; heter camera agents: their bev_visibility map's in training);
+    # HEAL's "camera" for every agent is not built.
     label_type: Literal["lidar", "camera"] = "lidar"
     camera: Optional[CameraSection] = None           # with input_source camera
     heter: Optional[HeterSection] = None             # a modality per agent (HEAL's)
@@ -571,8 +572,9 @@ class Config:
 
     def problems(self) -> Problems:
         if self.label_type != "lidar":
-            yield "label_type", ("is 'camera': HEAL's camera labels need OPV2V's "
-                                 "bev_visibility.png, which is not read; use 'lidar'")
+            yield "label_type", ("is 'camera': HEAL's camera labels for every agent are not "
+                                 "built (a heter config's camera agents get them in training); "
+                                 "use 'lidar'")
         if self.heter is not None:
             yield from self._heter_problems()
             return

@@ -135,7 +135,7 @@ def test_heals_heter_section_resolves_complete_and_reloads_unchanged(tmp_path):
     ("input_source", ["lidar", "depth"], "has 'depth' (the cameras' depth images) without "
                                          "'camera'"),
     ("camera", {"data_aug_conf": {}}, "key 'camera' is set with heter"),
-    ("label_type", "camera", "key 'label_type' is 'camera': HEAL's camera labels need"),
+    ("label_type", "camera", "key 'label_type' is 'camera': HEAL's camera labels for every agent"),
 ])
 def test_a_bad_heter_setting_is_one_line_naming_the_key(tmp_path, key, value, expected):
     assert expected in _refusal(tmp_path, _with(key, value))
@@ -482,3 +482,37 @@ def test_each_agent_gets_its_own_labels_for_the_pyramid_loss(heter_data, tmp_pat
     _, targets = BatchPreparer.from_config(cfg, "cpu", training=False)(batch)
     assert targets["agent_labels"].shape == (6, targets["labels"].shape[1])
     assert ((targets["agent_labels"] == 1).sum(1) > 0).all()
+
+
+def test_training_labels_of_camera_agents_are_what_their_maps_show(heter_data, tmp_path,
+                                                                   private_point_cache):
+    """HEAL's heter training labels: a camera agent contributes only the vehicles whose box
+    centre's pixel of its bev_visibility map is non-zero (HEAL: ``int(x / 0.39)`` from pixel
+    127, heading up), a LiDAR agent all of its ``vehicles``."""
+    import cv2
+    scenario = _scenario(heter_data).name
+    cfg = _heter_config(tmp_path, heter_data, {scenario: dict.fromkeys(TEST_AGENTS, "m1")},
+                        ego_modality="m1", cav_preference={"m2": 1.0})
+    training = _dataset(cfg, train=True)
+    sample = training[0]
+    assert sample["agent_modality"] == ["m1", "m2", "m2"]
+    info = training.split.info(0)
+    expected = {int(actor) for actor in training.split.vehicles(info.scenario, info.ego_id,
+                                                                 info.timestamp)}
+    dropped = 0
+    for cav_id in info.cav_ids[1:]:
+        (path,) = (heter_data / "test" / scenario / cav_id).glob("*_bev_visibility.png")
+        seen = cv2.cvtColor(cv2.imread(str(path)), cv2.COLOR_BGR2GRAY)
+        ids, boxes = training.split.frame_boxes(info.scenario, cav_id, info.timestamp,
+                                                [-1e5, -1e5, -1e5, 1e5, 1e5, 1e5])
+        for actor, box in zip(ids.tolist(), boxes):
+            row, col = 127 - int(box[0] / 0.39), 127 + int(box[1] / 0.39)
+            if 0 <= row < 256 and 0 <= col < 256 and seen[row, col] > 0:
+                expected.add(actor)
+            else:
+                dropped += actor not in expected
+    union_ids, _ = training.split.sample_gt(0, gt_range=cfg["postprocess"]["gt_range"])
+    assert sample["gt_ids"].tolist() == sorted(expected & set(union_ids.tolist()))
+    assert len(sample["gt_ids"]) < len(union_ids) and dropped > 0
+    # evaluation keeps every agent's LiDAR labels (HEAL's inference: visualize=True)
+    assert _dataset(cfg)[0]["gt_ids"].tolist() == union_ids.tolist()

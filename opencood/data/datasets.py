@@ -69,7 +69,8 @@ from opencood.config_schema import DEFAULT_COMM_RANGE, DEFAULT_LIDAR_RANGE
 from opencood.data.augment import (augment_boxes, augmentation_matrix, check_augment_config,
                                    draw_augmentation)
 from opencood.data.camera_visibility import boxes_visible
-from opencood.data.cameras import camera_inputs, read_depth_images, stack_agents
+from opencood.data.cameras import (CameraFileError, camera_inputs, read_depth_images,
+                                   stack_agents)
 from opencood.data.heter import ModalityPlan, depth_files
 from opencood.data.opv2v import DEFAULT_GT_RANGE, is_infrastructure
 from opencood.data.formats import open_split, split_class
@@ -80,6 +81,8 @@ from opencood.registry import DATASETS
 from opencood.utils.collectives import get_rank
 
 VEHICLE, INFRASTRUCTURE = 0, 1             # agent types (V2X-ViT's "infra" flag)
+# HEAL's inf_filter_range: a camera agent's labels are all its boxes before the visibility test
+UNBOUNDED_RANGE = (-1e5, -1e5, -1e5, 1e5, 1e5, 1e5)
 
 # Purpose codes keep the augmentation, the noise and the image augmentation streams independent
 # of each other (the image draws are HEAL's, camera after camera: opencood.data.cameras).
@@ -281,9 +284,35 @@ class BaseFusionDataset(torch.utils.data.Dataset):
         for agent in agents if self.uses_other_agents_points else agents[:1]:
             agent["points"] = self._load_points(agent["frame"], agent["modality"])
         gt_ids, gt_boxes = self.split.sample_gt(index, gt_range=self.gt_range, order=self.order)
+        if self.plan is not None and self.train:
+            gt_ids, gt_boxes = self._camera_agent_labels(info, agents, gt_ids, gt_boxes)
         ego_points = agents[0]["points"] if self._has_lidar(agents[0]["modality"]) else None
         return {"info": info, "agents": agents, "gt_boxes": gt_boxes, "gt_ids": gt_ids,
                 "gt_ego_points": self._ego_visibility(agents[0]["frame"], ego_points, gt_boxes)}
+
+    def _camera_agent_labels(self, info, agents, gt_ids, gt_boxes):
+        """HEAL's training labels of a heterogeneous sample (its heter datasets outside
+        ``visualize``): a LiDAR agent contributes its ``vehicles``, a camera agent those its
+        ``bev_visibility`` map shows (the pixel of the box centre in its own frame non-zero,
+        opencood.data.camera_visibility); GT rows no agent contributes leave. -> (ids (M',),
+        boxes (M', 7))."""
+        if all(self._has_lidar(agent["modality"]) for agent in agents):
+            return gt_ids, gt_boxes
+        contributed = set()
+        for agent in agents:
+            frame = (info.scenario, agent["cav_id"], info.timestamp)
+            if self._has_lidar(agent["modality"]):
+                contributed.update(int(actor) for actor in self.split.vehicles(*frame))
+                continue
+            seen = self.split.camera_visibility(*frame)
+            if seen is None:
+                raise CameraFileError(f"{'/'.join(frame)}: camera agent without a "
+                                      f"<ts>_bev_visibility.png (HEAL's training labels of a "
+                                      f"camera agent; tools/bev_visibility.py writes them)")
+            ids, boxes = self.split.frame_boxes(*frame, UNBOUNDED_RANGE, order=self.order)
+            contributed.update(ids[boxes_visible(seen, boxes)].tolist())
+        keep = np.isin(gt_ids, np.fromiter(contributed, dtype=np.int64, count=len(contributed)))
+        return gt_ids[keep], gt_boxes[keep]
 
     def _modalities(self, index: int, info, agents) -> List:
         """Each agent's modality (heter; None for every agent without): evaluation maps the
