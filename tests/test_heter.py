@@ -514,5 +514,19 @@ def test_training_labels_of_camera_agents_are_what_their_maps_show(heter_data, t
     union_ids, _ = training.split.sample_gt(0, gt_range=cfg["postprocess"]["gt_range"])
     assert sample["gt_ids"].tolist() == sorted(expected & set(union_ids.tolist()))
     assert len(sample["gt_ids"]) < len(union_ids) and dropped > 0
+    # the pyramid loss's own labels of a camera agent (HEAL's single labels): the same rule
+    from opencood.config import resolve_section
+    pyramid = {**cfg, "loss": resolve_section("loss", {"core_method":
+                                                       "point_pillar_pyramid_loss"})}
+    own = _dataset(pyramid, train=True)[0]["agent_gt_boxes"]
+    for cav_id, boxes in zip(info.cav_ids[1:], own[1:]):
+        (path,) = (heter_data / "test" / scenario / cav_id).glob("*_bev_visibility.png")
+        seen = cv2.cvtColor(cv2.imread(str(path)), cv2.COLOR_BGR2GRAY)
+        _, all_own = training.split.frame_boxes(info.scenario, cav_id, info.timestamp,
+                                                cfg["postprocess"]["gt_range"])
+        rows = [127 - int(box[0] / 0.39) for box in all_own]
+        cols = [127 + int(box[1] / 0.39) for box in all_own]
+        shown = [0 <= r < 256 and 0 <= c < 256 and seen[r, c] > 0 for r, c in zip(rows, cols)]
+        assert len(boxes) == sum(shown) < len(all_own)
     # evaluation keeps every agent's LiDAR labels (HEAL's inference: visualize=True)
     assert _dataset(cfg)[0]["gt_ids"].tolist() == union_ids.tolist()

@@ -304,15 +304,22 @@ class BaseFusionDataset(torch.utils.data.Dataset):
             if self._has_lidar(agent["modality"]):
                 contributed.update(int(actor) for actor in self.split.vehicles(*frame))
                 continue
-            seen = self.split.camera_visibility(*frame)
-            if seen is None:
-                raise CameraFileError(f"{'/'.join(frame)}: camera agent without a "
-                                      f"<ts>_bev_visibility.png (HEAL's training labels of a "
-                                      f"camera agent; tools/bev_visibility.py writes them)")
             ids, boxes = self.split.frame_boxes(*frame, UNBOUNDED_RANGE, order=self.order)
-            contributed.update(ids[boxes_visible(seen, boxes)].tolist())
+            contributed.update(self._camera_visible(frame, ids, boxes)[0].tolist())
         keep = np.isin(gt_ids, np.fromiter(contributed, dtype=np.int64, count=len(contributed)))
         return gt_ids[keep], gt_boxes[keep]
+
+    def _camera_visible(self, frame, ids, boxes):
+        """(ids, boxes) of one agent frame's own boxes (its frame) kept to those its
+        bev_visibility map shows (HEAL's camera labels); one line naming a frame without a
+        map."""
+        seen = self.split.camera_visibility(*frame)
+        if seen is None:
+            raise CameraFileError(f"{'/'.join(frame)}: camera agent without a "
+                                  f"<ts>_bev_visibility.png (HEAL's training labels of a "
+                                  f"camera agent; tools/bev_visibility.py writes them)")
+        visible = boxes_visible(seen, boxes)
+        return ids[visible], boxes[visible]
 
     def _modalities(self, index: int, info, agents) -> List:
         """Each agent's modality (heter; None for every agent without): evaluation maps the
@@ -583,7 +590,9 @@ class IntermediateFusionDataset(BaseFusionDataset):
         """(G, 7) float32: the boxes the agent's own frame lists, in its frame with the
         sample's augmentation (as its cloud on the own-frame path), kept as ``_finish`` keeps
         the sample's."""
-        _, boxes = self.split.frame_boxes(*agent["frame"], self.gt_range, order=self.order)
+        ids, boxes = self.split.frame_boxes(*agent["frame"], self.gt_range, order=self.order)
+        if self.plan is not None and self.train and not self._has_lidar(agent["modality"]):
+            _, boxes = self._camera_visible(agent["frame"], ids, boxes)     # HEAL's single label
         boxes = augment_boxes(boxes, self._augmentation_matrix(index)[1])
         if self.train:
             boxes = boxes[boxes_center_in_range(boxes, self.lidar_range)]
@@ -633,6 +642,8 @@ class LateFusionDataset(BaseFusionDataset):
         points = self._load_points(agent["frame"], modality)
         gt_ids, gt_boxes = self.split.frame_boxes(*agent["frame"], self.gt_range,
                                                   order=self.order)
+        if self.plan is not None and not self._has_lidar(modality):
+            gt_ids, gt_boxes = self._camera_visible(agent["frame"], gt_ids, gt_boxes)
         key = (info.scenario, info.timestamp, agent["cav_id"])
         return self._finish(index, key, [agent["cav_id"]], [points], [np.eye(4)], [np.eye(4)],
                             gt_boxes, gt_ids, shared_points=0,
