@@ -19,6 +19,7 @@ from opencood.data.camera_visibility import (FILE_SUFFIX, boxes_visible, map_pat
 from opencood.data.cameras import UE4_FROM_OPENCV
 from opencood.data.datasets import VISIBILITY_RULES, IntermediateFusionDataset
 from opencood.data.opv2v import load_frame_yaml, vehicles_to_boxes
+from opencood.errors import ConfigError
 from opencood.eval.report import format_metrics
 from tests.tool_modules import load_tool
 
@@ -173,6 +174,18 @@ def test_a_camera_ego_splits_the_gt_by_its_bev_visibility_map(written, tmp_path)
     assert (bare_set[0]["gt_ego_points"] == -1).all()
     lidar_set = IntermediateFusionDataset(written / "test", cache_dir=tmp_path / "c")
     assert lidar_set.visibility_rule == "lidar"
+    # chosen (tools/eval.py --visibility): a LiDAR run split by its ego's cameras
+    by_cameras = IntermediateFusionDataset(written / "test", visibility="camera",
+                                           cache_dir=tmp_path / "c")
+    info = by_cameras.split.info(0)
+    ego_map = read_visibility_map(map_path(written / "test" / info.scenario / info.ego_id,
+                                           info.timestamp))
+    sample = by_cameras[0]
+    assert "agent_points" in sample and np.array_equal(
+        sample["gt_ego_points"], boxes_visible(ego_map, sample["gt_boxes"]).astype(np.int64))
+    with pytest.raises(ConfigError, match="visibility 'lidar': the inputs have no LiDAR"):
+        IntermediateFusionDataset(written / "test", input_source=("camera",), visibility="lidar",
+                                  data_aug_conf=CAMERA_CONF, cache_dir=tmp_path / "c")
     assert IntermediateFusionDataset(written / "test", train=True, cache_dir=tmp_path / "c"
                                      ).visibility_rule is None
     row = {"ap_30": 0.5, "ap_50": 0.4, "ap_70": 0.1, "num_gt": 3}

@@ -297,6 +297,19 @@ def test_missing_run_folder_config_or_checkpoint(runs, tmp_path):
     assert str(tmp_path / "no_such_split") in message and "not found" in message
 
 
+def test_visibility_by_the_ego_cameras_is_a_setting_of_its_own(runs, tmp_path):
+    """--visibility camera on a LiDAR run: the record names the setting (its own record, the
+    default's name unchanged); this data set has no bev_visibility maps, so no split."""
+    run_dir = _copy_run(runs.inter, tmp_path / "run")
+    (metrics,) = evaluator.main(_argv(run_dir, "--visibility", "camera"))
+    record = _record_of(metrics)
+    assert record["settings"]["visibility"] == "camera"
+    assert "visibility" not in record["results"] and "visibility_rule" not in record["results"]
+    (default,) = evaluator.main(_argv(run_dir))
+    assert default["name"] != metrics["name"] and "visibility" not in _record_of(default)[
+        "settings"]
+
+
 def test_fusion_method_that_does_not_fit_the_model(runs):
     message = _error_of(_argv(runs.inter, "--fusion_method", "late"))
     assert "'late'" in message and "point_pillar_intermediate" in message

@@ -91,6 +91,7 @@ _AUGMENT_STREAM, _NOISE_STREAM, _CAMERA_STREAM, _MODALITY_STREAM = 1, 2, 3, 4
 # that range noise put just outside; the bottom 0.25 m is left out, where ground returns beside
 # the wheels would make a car hidden from the ego look seen.
 VISIBILITY_MARGIN, GROUND_CLEARANCE = 0.1, 0.25   # metres
+VISIBILITY_CHOICES = ("auto", "lidar", "camera")
 # What "ego-visible" means, by the dataset's visibility_rule: said in every evaluation record.
 VISIBILITY_RULES = {
     "lidar": "lidar: ego LiDAR returns inside the box",
@@ -134,6 +135,8 @@ class BaseFusionDataset(torch.utils.data.Dataset):
             "camera" for camera-only inputs (the ego's cameras see the box: HEAL's
             ``<ts>_bev_visibility.png`` of the ego looked up at the box centre,
             opencood.data.camera_visibility; -1 where the copy has no map).
+        visibility: that rule: "auto" (as just said), "lidar" (needs LiDAR inputs) or "camera"
+            (the ego's cameras' map whatever the inputs; ``tools/eval.py --visibility``).
         dataset: the format of ``split_dir`` (``fusion.dataset``: opv2v, v2xset, v2v4real,
             dairv2x; opencood.data.formats).
         reader_options: the format's own reader options (its split class's
@@ -160,7 +163,7 @@ class BaseFusionDataset(torch.utils.data.Dataset):
                  order: str = "hwl", cache_dir=None, count_ego_points: bool | None = None,
                  dataset: str = "opv2v", reader_options: dict | None = None,
                  input_source=("lidar",), data_aug_conf: dict | None = None,
-                 heter: dict | None = None):
+                 heter: dict | None = None, visibility: str = "auto"):
         check_augment_config(augment_cfg)
         if heter is not None and not getattr(split_class(dataset), "reads_heter", False):
             raise ConfigError(f"heter: the {dataset} reader has no modality assignment (HEAL's "
@@ -189,12 +192,24 @@ class BaseFusionDataset(torch.utils.data.Dataset):
         self.gt_range = list(gt_range)
         self.train = train
         counting = not train if count_ego_points is None else bool(count_ego_points)
-        self.visibility_rule = ("lidar" if self.uses_lidar else "camera") if counting else None
+        self.visibility_rule = self._visibility_rule(visibility) if counting else None
         self.augment_cfg = list(augment_cfg or []) if train else []
         self.wild = wild or WildSetting()
         self.seed = int(seed)
         self.order = order
         self.epoch = 0
+
+    def _visibility_rule(self, visibility: str) -> str:
+        """The AP visibility split's rule (``visibility``: auto, lidar or camera)."""
+        if visibility not in VISIBILITY_CHOICES:
+            raise ConfigError(f"visibility {visibility!r}: expected one of "
+                              f"{', '.join(VISIBILITY_CHOICES)}")
+        if visibility == "auto":
+            return "lidar" if self.uses_lidar else "camera"
+        if visibility == "lidar" and not self.uses_lidar:
+            raise ConfigError("visibility 'lidar': the inputs have no LiDAR (input_source); "
+                              "a camera ego's split is 'camera'")
+        return visibility
 
     @classmethod
     def from_config(cls, cfg: dict, split_dir, train: bool, cache_dir=None, **extra):

@@ -25,7 +25,8 @@ import yaml
 from opencood.config import ConfigError, apply_overrides, load_config, resolve
 from opencood.config_schema import BoxAlignArgs, to_plain
 from opencood.data.collate import build_loader
-from opencood.data.datasets import SPLIT_KEYS, VISIBILITY_RULES, build_dataset
+from opencood.data.datasets import (SPLIT_KEYS, VISIBILITY_CHOICES, VISIBILITY_RULES,
+                                    build_dataset)
 from opencood.data.pipeline import BatchPreparer
 from opencood.engine.recipe import check_registered_names, configure_cuda
 from opencood.errors import alike_on_every_rank, run_cli
@@ -73,6 +74,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "(per-frame sort, +-140 x +-40 m), coalign (global sort, "
                              "+-102.4 m), v2v4real, heal_dairv2x, v2xreal (per class, as "
                              "V2X-Real); see opencood/eval/protocols.py")
+    parser.add_argument("--visibility", choices=VISIBILITY_CHOICES, default="auto",
+                        help="what makes a GT box ego-visible in the AP split: auto (the ego's "
+                             "LiDAR returns, or for camera-only inputs its cameras), lidar, or "
+                             "camera (the ego's <ts>_bev_visibility.png; docs/evaluation.md)")
     parser.add_argument("--seeds", type=int, default=1,
                         help="noise seeds per --pose_noise level; > 1 prints mean ± std")
     parser.add_argument("--batch_size", type=int, default=2)
@@ -190,7 +195,8 @@ def evaluate_setting(cfg, args, run_dir, model, info, setting, checkpoint: Dict,
                 BoxAlignArgs())}, "stage1": "stage1_model_dir" if mode["correct"] else "own"}
     # The engine's one choice for this setting, handed to the data and the evaluation.
     strategy = choose_strategy(cfg_run, fusion)
-    dataset = build_dataset(cfg_run, args.split, train=False, strategy=strategy)
+    dataset = build_dataset(cfg_run, args.split, train=False, strategy=strategy,
+                            visibility=args.visibility)
     loader = build_loader(dataset, info.device, args.num_workers, batch_size=args.batch_size,
                           sampler=InferenceSampler(len(dataset)))
     preparer = BatchPreparer.from_config(cfg_run, info.device, training=False)
@@ -247,6 +253,8 @@ def setting_record(cfg_run: Dict, args, tag: str, fusion: str, checkpoint: Dict,
                 "wild_setting": dict(cfg_run["wild_setting"]), "overrides": list(args.overrides)}
     if correction is not None:
         settings["pose_correction"] = correction
+    if args.visibility != "auto":          # records of the default keep their names
+        settings["visibility"] = args.visibility
     name = record_name(args.split, fusion, tag, args.protocol, DEFAULT_PROTOCOL,
                        {**settings, "split": args.split, "folder": folder}, checkpoint)
     metrics["name"] = name
