@@ -792,6 +792,8 @@ def derive(config: Config) -> Config:
     if is_dataclass(args):      # the model's schema: its fields of these names left at None
         args = dataclasses.replace(args, **{key: value for key, value in derived.items()
                                             if getattr(args, key, MISSING) is None})
+        if hasattr(args, "derived_from"):   # what else a model reads of the data sections
+            args = args.derived_from(config)
     else:       # a model without a schema: its open mapping gets what it lacks
         args = {**to_plain(derived), **args}
     model = dataclasses.replace(config.model, args=args)

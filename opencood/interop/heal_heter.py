@@ -147,22 +147,22 @@ def _shrink_from_heal(shrink: Mapping) -> dict:
 
 
 def model_args_from_heal(args: Mapping) -> dict:
-    """HEAL's ``model.args`` of a heter pyramid model -> our ``model.args`` (the agent types'
-    LiDAR encoders must share one pillar grid: ours pillarises once per grid)."""
+    """HEAL's ``model.args`` of a heter pyramid model -> our ``model.args`` (each LiDAR type
+    keeps its encoder's pillar grid; the model's own is the first LiDAR type's)."""
     args = copy.deepcopy(dict(args))
     names = [key for key in args if key.startswith("m") and key[1:].isdigit()]
-    modalities, voxel_sizes = {}, set()
+    modalities, voxel_sizes = {}, []
     for name in names:
         setting = args[name]
-        if setting["sensor_type"] == "lidar":
-            voxel_sizes.add(tuple(setting["encoder_args"]["voxel_size"]))
         modalities[name] = {"sensor_type": setting["sensor_type"],
                             "encoder": _encoder_from_heal(name, setting),
                             "backbone": _backbone_from_heal(setting["backbone_args"]),
                             "aligner": _aligner_from_heal(name, setting["aligner_args"])}
-    if len(voxel_sizes) > 1:
-        raise InteropError(f"model.args: LiDAR agent types with different voxel sizes "
-                           f"{sorted(voxel_sizes)} are not reproduced")
+        if setting["sensor_type"] == "lidar":
+            encoder_args = setting["encoder_args"]
+            modalities[name].update(lidar_range=list(encoder_args["lidar_range"]),
+                                    voxel_size=list(encoder_args["voxel_size"]))
+            voxel_sizes.append(list(encoder_args["voxel_size"]))
     if args.get("compressor"):
         raise InteropError("model.args.compressor (HEAL's NaiveCompressor) is not reproduced")
     fusion = args["fusion_backbone"]
@@ -172,7 +172,7 @@ def model_args_from_heal(args: Mapping) -> dict:
                                 "resnext": bool(fusion.get("resnext", False)),
                                 "align_corners": bool(fusion.get("align_corners", False))}}
     if voxel_sizes:
-        ours["voxel_size"] = list(voxel_sizes.pop())
+        ours["voxel_size"] = voxel_sizes[0]
     if "shrink_header" in args:
         ours["shrink_header"] = _shrink_from_heal(args["shrink_header"])
     return ours

@@ -31,6 +31,7 @@ encoder's depth supervision depth_outputs {modality: the encoder's ``depth_outpu
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Dict, Literal, Optional, Sequence, Tuple
 
 import torch
@@ -73,12 +74,16 @@ class AlignerArgs:
 
 @section
 class ModalityArgs:
-    """``model.args.modalities.<name>``: one agent type."""
+    """``model.args.modalities.<name>``: one agent type. A LiDAR type's pillar grid
+    (``lidar_range``, ``voxel_size``) is derived from its ``heter.modality_setting.<name>
+    .preprocess`` (else the top-level one), the grid the data side pillarises it on."""
 
     sensor_type: Literal["lidar", "camera"]
     encoder: ModelEncoder
     backbone: ModalityBackboneArgs
     aligner: AlignerArgs
+    lidar_range: Optional[Tuple[float, ...]] = spec(None, check=box_range)
+    voxel_size: Optional[Tuple[float, float, float]] = spec(None, check=all_positive)
 
     def problems(self) -> Problems:
         expected = "lss" if self.sensor_type == "camera" else "pillar"
@@ -105,6 +110,21 @@ class HeterPyramidArgs:
     def problems(self) -> Problems:
         if not self.modalities:
             yield "modalities", "needs at least one agent type ({m1: {sensor_type, ...}})"
+
+    def derived_from(self, config) -> "HeterPyramidArgs":
+        """Each LiDAR type's pillar grid left unset: its ``heter`` preprocess's, else the
+        top-level ``preprocess`` (``config_schema.derive`` calls this)."""
+        settings = config.heter.modality_setting if config.heter is not None else {}
+        modalities = {}
+        for name, modality in self.modalities.items():
+            setting = settings.get(name)
+            pre = (setting.preprocess if setting is not None else None) or config.preprocess
+            if modality.sensor_type == "lidar":
+                modality = dataclasses.replace(
+                    modality, lidar_range=modality.lidar_range or pre.cav_lidar_range,
+                    voxel_size=modality.voxel_size or pre.args.voxel_size)
+            modalities[name] = modality
+        return dataclasses.replace(self, modalities=modalities)
 
 
 class ConvNeXtBlock(nn.Module):
@@ -162,13 +182,32 @@ class ModalityBranch(nn.Module):
             # HEAL's lidar_range[4] / ybound[1], lidar_range[3] / xbound[1] (ranges centred)
             self.crop_ratio = (grid.lidar_range[4] / bounds[1][1],
                                grid.lidar_range[3] / bounds[0][1])
-        else:
-            geometry = EncoderGeometry(grid, model_args.lidar_range, model_args.voxel_size)
+        else:       # its own pillar grid (the data side pillarises it there), as its BEV grid
+            lidar_range = args.lidar_range or model_args.lidar_range
+            voxel_size = args.voxel_size or model_args.voxel_size
+            own = bev_grid(dataclasses.replace(model_args, lidar_range=lidar_range,
+                                               voxel_size=voxel_size, bev_range=None,
+                                               bev_cell_size=None))
+            geometry = EncoderGeometry(own, lidar_range, voxel_size)
             self.encoder = encoder_cls(args.encoder.args, geometry=geometry)
             self.crop_ratio = None
         self.backbone = BaseBEVBackbone(args.backbone, self.encoder.out_channels)
         self.aligner = build_aligner(args.aligner, self.backbone.out_channels)
         self.out_channels = self.backbone.out_channels
+        self.map_size = self.output_size(args.backbone.layer_strides)
+
+    def output_size(self, strides: Sequence[int]) -> Tuple[int, int]:
+        """(H, W) of this branch's maps: its encoder's grid through the backbone's strides
+        (ceil), then the camera crop."""
+        if self.crop_ratio is not None:
+            height, width = self.encoder.cells[1], self.encoder.cells[0]
+        else:
+            height, width = self.encoder.scatter.ny, self.encoder.scatter.nx
+        for stride in strides:
+            height, width = -(-height // stride), -(-width // stride)
+        if self.crop_ratio is not None:
+            height, width = int(height * self.crop_ratio[0]), int(width * self.crop_ratio[1])
+        return height, width
 
     def forward(self, inputs: dict) -> torch.Tensor:
         features = self.aligner(self.backbone(self.encoder(inputs)))
@@ -202,6 +241,10 @@ class HeterPyramidBase(nn.Module):
         if len(set(widths.values())) > 1:
             raise ValueError(f"every modality must end with one width for the fusion: {widths} "
                              "(model.args.modalities.*.backbone.num_filters)")
+        sizes = {name: branch.map_size for name, branch in self.branches.items()}
+        if len(set(sizes.values())) > 1:
+            raise ValueError(f"every modality must end with one map size (H, W) for the fusion: "
+                             f"{sizes} (their grids, backbone strides and camera ranges)")
         self.pyramid = PyramidFusion(args.fusion_backbone, next(iter(widths.values())))
         self.shrink = nn.Identity()
         head_width = self.pyramid.out_channels
