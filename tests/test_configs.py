@@ -60,9 +60,14 @@ def test_both_families_ship_the_camera_models():
 @pytest.mark.parametrize("path", CAMERA_CONFIGS, ids=lambda p: f"{p.parent.name}/{p.stem}")
 def test_camera_config_feeds_the_encoder_the_images_the_reader_makes(path):
     """The reader resizes and crops every image to camera.data_aug_conf.final_dim; the lss
-    encoder's frustum is built for image_size: the two must be one size, and no .pcd is read."""
+    encoder's frustum is built for image_size: the two must be one size, and no .pcd is read.
+    Depth supervision is all three keys or none: depth images read, the encoder's depth
+    outputs, the loss's depth term."""
     cfg = load_config(path)
     encoder = cfg["model"]["args"]["encoder"]
     assert encoder["core_method"] == "lss"
-    assert list(cfg["input_source"]) == ["camera"]
+    assert "camera" in cfg["input_source"] and "lidar" not in cfg["input_source"]
+    supervised = encoder["args"]["depth_supervision"]
+    assert supervised == ("depth" in cfg["input_source"]) == (cfg["loss"]["args"]["depth"]
+                                                              is not None)
     assert list(cfg["camera"]["data_aug_conf"]["final_dim"]) == list(encoder["args"]["image_size"])

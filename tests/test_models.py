@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from opencood.config import load_config, resolve_section
-from opencood.losses import DetectionLoss
+from opencood.losses import DetectionLoss, build_loss
 from opencood.models import build_model
 from opencood.models.backbone import BackboneArgs, BaseBEVBackbone
 from opencood.models.fusion import DenseFusionArgs, Where2comm, Where2commArgs
@@ -158,7 +158,8 @@ def test_camera_model_forward_backward_every_parameter_gets_a_finite_grad(name):
     single_agent = cfg["model"]["core_method"] == "point_pillar"
     record_len = [1, 1] if single_agent else [1, 2]
     agents = sum(record_len)
-    batch = {**fake_camera_batch(agents, image_size=CAMERA_IMAGE),
+    batch = {**fake_camera_batch(agents, image_size=CAMERA_IMAGE,
+                                 depth="depth" in cfg["input_source"]),
              "record_len": torch.tensor(record_len),
              "transforms_to_ego": torch.eye(4).repeat(agents, 1, 1),
              "points_in_agent_frame": True}
@@ -170,8 +171,9 @@ def test_camera_model_forward_backward_every_parameter_gets_a_finite_grad(name):
     cols = round((grid_range[3] - grid_range[0]) / cell[0]) // stride
     assert outputs["cls_preds"].shape == (2, NUM_ANCHORS, rows, cols)
     assert outputs["reg_preds"].shape == (2, 7 * NUM_ANCHORS, rows, cols)
-    loss, _ = DetectionLoss()(outputs, make_targets(2, cells=rows * cols))
+    loss, terms = build_loss(cfg["loss"])(outputs, make_targets(2, cells=rows * cols))
     assert torch.isfinite(loss) and loss > 0
+    assert ("depth_loss" in terms) == ("depth" in cfg["input_source"])
     loss.backward()
     for param_name, param in model.named_parameters():
         assert param.grad is not None, f"{param_name} got no gradient"

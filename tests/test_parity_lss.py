@@ -33,10 +33,11 @@ from opencood.models import lift_splat
 from opencood.models.camera_backbones import (EfficientNetB0, SamePadConv2d, WeightMappingError,
                                               efficientnet_pytorch_to_ours)
 from opencood.models.heads import AnchorHead
+from opencood.losses.depth import depth_focal_loss
 from opencood.models.lift_splat import (BevGridSpec, CumsumPool, LiftSplat, LiftSplatArgs,
                                         args_from_heal, depth_bin_indices, depth_bin_starts,
-                                        depth_focal_loss, frustum_to_agent, heal_to_ours,
-                                        lidar_depth_maps, make_frustum, splat)
+                                        frustum_to_agent, heal_to_ours, lidar_depth_maps,
+                                        make_frustum, splat)
 from opencood.registry import ENCODERS
 from parity_weights import generated_tensor, materialize
 

@@ -236,9 +236,9 @@ def test_bench_quick_cpu_prints_only_json_lines(tmp_path):
     cameras = by_name["camera_loader_ms"]
     assert (cameras["agent_frames"], cameras["samples"], cameras["cameras_per_agent"]) == (3, 1, 4)
     assert cameras["read_ms"] > 0 and cameras["augment_ms"] > 0
-    assert cameras["image_size"] == [800, 600] and cameras["final_dim"] == [64, 96]
+    assert cameras["image_size"] == [800, 600] and cameras["final_dim"] == [32, 256]
     lss = by_name["lss_forward_backward_ms"]
-    assert (lss["agents"], lss["cameras"], lss["image_size"]) == (6, 4, [64, 96])
+    assert (lss["agents"], lss["cameras"], lss["image_size"]) == (6, 4, [32, 256])
     assert lss["grid"] == "128x64x1" and lss["depth_bins"] == 24 and lss["forward_ms"] > 0
     syncs = by_name["host_syncs_per_step"]
     assert syncs["syncs"] == sum(syncs["by_kind"].values()) and syncs["by_kind"]["unique"] >= 1

@@ -1230,10 +1230,11 @@ def bench_loader_by_format(suite: Suite) -> List[Dict]:
 
 def camera_config(suite: Suite) -> Dict:
     """The preset's camera config, resolved (without depth supervision: its loss input, the
-    depth maps, is not part of these figures)."""
+    depth maps, is not part of these figures, so neither are the depth images read)."""
     from opencood.config import load_config
     return load_config(REPO_ROOT / suite.preset.camera_yaml,
-                       ["model.args.encoder.args.depth_supervision=false"])
+                       ["model.args.encoder.args.depth_supervision=false",
+                        "input_source=[camera]", "loss.args.depth=null"])
 
 
 def bench_camera_loader(suite: Suite) -> List[Dict]:

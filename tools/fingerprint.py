@@ -91,13 +91,15 @@ def fake_batch(cfg: Dict, model) -> Dict:
 
 def with_cameras(cfg: Dict, batch: Dict) -> Dict:
     """A camera config's batch: the camera keys of ``fake_camera_batch`` at the encoder's image
-    size for every agent, and no points without "lidar" in ``input_source``."""
+    size for every agent (depth maps with "depth" in ``input_source``), and no points without
+    "lidar" in ``input_source``."""
     sources = cfg.get("input_source", ["lidar"])
     if "camera" not in sources:
         return batch
     from opencood.utils.fake_batch import fake_camera_batch
     image_size = tuple(cfg["model"]["args"]["encoder"]["args"]["image_size"])
-    batch.update(fake_camera_batch(int(batch["record_len"].sum()), image_size=image_size))
+    batch.update(fake_camera_batch(int(batch["record_len"].sum()), image_size=image_size,
+                                   **({"depth": True} if "depth" in sources else {})))
     if "lidar" not in sources:
         batch.pop("points"), batch.pop("agent_index")
     return batch
@@ -171,12 +173,16 @@ def model_fingerprint(cfg: Dict) -> Dict[str, str]:
     return out
 
 
-def data_folder(data_root: Path, data_format: str, cameras: bool = False) -> Path:
+def data_folder(data_root: Path, data_format: str, cameras: bool = False,
+                depth: bool = False) -> Path:
     """A tiny synthetic data set of ``data_format`` under ``data_root`` (written once; V2XSet
-    data is OPV2V's layout; ``cameras``: a second one with OPV2V's 4 cameras per agent)."""
+    data is OPV2V's layout; ``cameras``: a second one with OPV2V's 4 cameras per agent;
+    ``depth``: a third one with their depth images too)."""
     data_format = "opv2v" if data_format == "v2xset" else data_format
-    folder = data_root / (data_format + ("_cameras" if cameras else ""))
+    folder = data_root / (data_format + ("_cameras" if cameras else "")
+                          + ("_depth" if cameras and depth else ""))
     extra = ["--cameras"] if cameras else []          # 800 x 600, what the configs read
+    extra += ["--depth"] if cameras and depth else []
     if not (folder / "generation.yaml").exists() and not any(folder.glob("*/generation.yaml")):
         subprocess.run([sys.executable, str(ROOT / "tools/generate_synthetic.py"), "--out",
                         str(folder), "--preset", "tiny", "--format", data_format, "--seed", "0",
@@ -238,10 +244,10 @@ def fingerprint(paths: List[Path], data_root: Path | None) -> Dict[str, Dict[str
         try:
             record = model_fingerprint(cfg)
             if data_root is not None:
-                cameras = "camera" in cfg.get("input_source", ["lidar"])
-                record.update(data_fingerprint(cfg, data_folder(data_root,
-                                                                cfg["fusion"]["dataset"],
-                                                                cameras)))
+                sources = cfg.get("input_source", ["lidar"])
+                record.update(data_fingerprint(cfg, data_folder(
+                    data_root, cfg["fusion"]["dataset"], "camera" in sources,
+                    "depth" in sources)))
         except Exception as error:           # a config that cannot run is part of the print
             record = {"error": f"{type(error).__name__}: {error}"}
         results[name] = record

@@ -4,7 +4,8 @@
 # CPU: 2 processes (gloo). GPUs: one process per visible GPU (nccl).
 # Environment knobs: CONFIG (yaml), RUN (run folder), DATA (data folder), EPOCHS.
 # A camera config (input_source: [camera], e.g. hypes_yaml/synthetic/camera_small.yaml) gets the
-# preset generated with --cameras, in its own folder (data/synthetic_small_cameras).
+# preset generated with --cameras (and --depth: the depth images that supervise the lift-splat
+# depth, when input_source has depth), in its own folder (data/synthetic_small_cameras).
 # RUN defaults to one folder per config (runs/quickstart_fcooper, runs/quickstart_attfuse, ...):
 # a run folder belongs to one config, and train.py refuses another one's.
 set -euo pipefail
@@ -21,18 +22,25 @@ fi
 python -m pip install -q -r requirements.txt
 python -m pip install -q -e . --no-deps
 
-CAMERAS=$(python -c "import sys; from opencood.config import load_config
-print('camera' in load_config(sys.argv[1])['input_source'])" "$CONFIG")
-if [ "$CAMERAS" = True ]; then
+SOURCES=$(python -c "import sys; from opencood.config import load_config
+print(' '.join(load_config(sys.argv[1])['input_source']))" "$CONFIG")
+CAMERA_FLAGS=()
+case " $SOURCES " in *" camera "*) CAMERA_FLAGS+=(--cameras) ;; esac
+case " $SOURCES " in *" depth "*) CAMERA_FLAGS+=(--depth) ;; esac
+if [ ${#CAMERA_FLAGS[@]} -gt 0 ]; then
   DATA=${DATA:-data/synthetic_small_cameras}
-  CAMERA_FLAGS=(--cameras)
 else
   DATA=${DATA:-data/synthetic_small}
-  CAMERA_FLAGS=()
 fi
 if [ ! -f "$DATA/generation.yaml" ]; then
   python tools/generate_synthetic.py --out "$DATA" --preset small --seed 0 --workers 2 \
     "${CAMERA_FLAGS[@]}"
+elif [[ " ${CAMERA_FLAGS[*]} " == *" --depth "* ]] && ! python -c "import sys, yaml
+cameras = yaml.safe_load(open(sys.argv[1]))['preset_config'].get('cameras') or {}
+sys.exit(0 if cameras.get('depth') else 1)" "$DATA/generation.yaml"; then
+  echo "error: $DATA has no depth images, which $CONFIG trains on (input_source: depth):" \
+    "remove the folder (the quick start regenerates it) or pass DATA=<a new folder>" >&2
+  exit 2
 fi
 
 NPROC=$(python -c "import torch; print(torch.cuda.device_count() or 2)")

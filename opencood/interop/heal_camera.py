@@ -22,7 +22,7 @@ Refused in one line: HEAL's ``use_depth_gt``; a ``grid_conf`` whose x / y bounds
 after the shrinker; ours writes the BEV grid itself); a backbone whose ``inplanes`` is not the
 splat's width.
 
-Depth supervision: HEAL trains the camera runs with a depth loss on LiDAR depth images; the
+Depth supervision: HEAL trains the camera runs with a depth loss on depth images; the
 imported config evaluates without it (``depth_supervision: false``: the depth head is kept and
 used, only the loss input is not required), noted on import.
 """
@@ -43,8 +43,9 @@ EFFICIENTNET_LAYERS = ("_expand_conv", "_bn0", "_depthwise_conv", "_bn1", "_se_r
                        "_se_expand", "_project_conv", "_bn2")
 # what an imported camera run leaves out of HEAL's training, said on import
 DEPTH_NOTE = ("imported with the lss encoder's depth_supervision: false (HEAL trains its camera "
-              "runs with a depth loss on LiDAR depth images; the depth head is kept, only the "
-              "loss is off): set it true to fine-tune with depth images")
+              "runs with a depth loss on depth images; the depth head is kept, only the loss is "
+              "off): to fine-tune with it set it true, input_source: [camera, depth] and "
+              "loss.args.depth: {weight: 1.0} (docs/cameras.md)")
 # The OpenCOOD translation needs pillar arguments; a camera run's are replaced by the encoder
 # right after it (``camera_model_args``), so these never reach a model.
 PLACEHOLDER_PILLARS = {"use_norm": True, "use_absolute_xyz": True, "num_filters": [64]}

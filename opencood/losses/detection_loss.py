@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from opencood.config_schema import section
+from opencood.losses.depth import DepthLossArgs, depth_term
 from opencood.losses.uncertainty import UncertaintyLossArgs, uncertainty_loss_map
 from opencood.postprocess.layout import (BOX_CODE_SIZE, DIR_OFFSET, NUM_DIR_BINS, YAW_CODE,
                                          flatten_anchor_maps)
@@ -74,6 +75,8 @@ class PointPillarLossArgs:
     dir_offset: float = DIR_OFFSET                   # direction-bin offset, radians
     # CoAlign's loss of the head's log variances (model.args.uncertainty_dim); None: off.
     uncertainty: Optional[UncertaintyLossArgs] = None
+    # HEAL's depth supervision of a lift-splat encoder (opencood.losses.depth); None: off.
+    depth: Optional[DepthLossArgs] = None
 
 
 @LOSSES.register("point_pillar_loss", args=PointPillarLossArgs)
@@ -85,8 +88,12 @@ class DetectionLoss(nn.Module):
       where2comm conf_preds (N_agents, A, H, W) with conf_sample_index (N_agents,).
     targets: labels (B, N) int64 in {-1 ignore, 0 negative, 1 positive}, reg_targets (B, N, 7),
       dir_targets (B, N) int64, reg_weights (B, N); N = H*W*A.
-    terms: detached scalar tensors cls_loss, reg_loss, dir_loss, [conf_loss], total_loss
-      (tensors, not floats, so logging does not force a device sync every step).
+    terms: detached scalar tensors cls_loss, reg_loss, dir_loss, [conf_loss], [unc_loss],
+      [depth_loss], total_loss (tensors, not floats, so logging does not force a device sync
+      every step).
+    With ``depth`` the outputs also carry the lift-splat encoder's depth_logits, depth_target,
+    depth_valid (opencood.losses.depth); the validation loss (``per_sample_losses``) stays the
+    detection loss.
     """
 
     def __init__(self, args: PointPillarLossArgs = PointPillarLossArgs()):
@@ -102,6 +109,7 @@ class DetectionLoss(nn.Module):
         self.register_buffer("code_weights", torch.tensor(code_weights, dtype=torch.float32),
                              persistent=False)
         self.uncertainty = args.uncertainty
+        self.depth = args.depth
 
     def focal_map(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """(B, N) logits and labels -> (B, N) focal loss, 0 at ignored anchors."""
@@ -176,6 +184,8 @@ class DetectionLoss(nn.Module):
             terms["conf_loss"] = self.conf_weight * self.focal_term(conf_logits, agent_labels)
         if self.uncertainty is not None:
             terms["unc_loss"] = self.uncertainty_map(outputs, targets, positive).sum() / normaliser
+        if self.depth is not None:
+            terms["depth_loss"] = depth_term(outputs, self.depth)
         total = sum(terms.values())
         terms = {name: value.detach() for name, value in terms.items()}
         terms["total_loss"] = total.detach()

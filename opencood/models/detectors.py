@@ -35,7 +35,7 @@ from opencood.batch_keys import describe
 from opencood.config_schema import Problems, all_positive, box_range, positive, section, spec
 from opencood.models.backbone import BackboneArgs, BaseBEVBackbone
 from opencood.models.encoders import (EncoderGeometry, ModelEncoder, PillarEncoderArgs,
-                                      has_static_pillars, rename_legacy_keys)
+                                      encoder_outputs, has_static_pillars, rename_legacy_keys)
 from opencood.models.fusion import FusionModule, agent_slots, pad_by_sample
 from opencood.models.heads import AnchorHead
 from opencood.models.pillar_vfe import PillarVFEArgs
@@ -240,6 +240,7 @@ class PointPillar(LegacyKeys, nn.Module):
         features = self.bev_features(batch)
         outputs = self.head(features)
         outputs["comm_bytes"] = early_fusion_bytes(batch, features.shape[0], features.device)
+        outputs.update(encoder_outputs(self.encoder))      # depth supervision's inputs
         return outputs
 
 
@@ -365,6 +366,7 @@ class PointPillarIntermediate(LegacyKeys, nn.Module):
             outputs.update(result.aux)
         if "conf_preds" in outputs:
             outputs["conf_sample_index"] = agent_slots(record_len, canvas.shape[0])[0]
+        outputs.update(encoder_outputs(self.encoder))      # depth supervision's inputs
         return outputs
 
 

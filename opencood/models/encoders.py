@@ -55,6 +55,14 @@ class EncoderGeometry(NamedTuple):
     voxel_size: Optional[Tuple[float, float, float]] = None
 
 
+def encoder_outputs(encoder: nn.Module) -> dict:
+    """What the encoder's last forward leaves for the loss besides its map: the lift-splat
+    encoder's ``depth_logits`` (M, D, h, w), ``depth_target`` (M, h, w) int64 and ``depth_valid``
+    (M, h, w) bool with depth supervision (its ``depth_outputs``; M = agents x cameras); {}
+    otherwise, so a model without them returns what it always did."""
+    return dict(getattr(encoder, "depth_outputs", None) or {})
+
+
 def has_static_pillars(batch: dict) -> bool:
     """The batch comes from ``pillarize_static`` (``voxel_valid`` (A, K)): the model then runs
     without data-dependent sizes or host syncs where it can (``performance.static_pillars``)."""

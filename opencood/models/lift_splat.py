@@ -49,7 +49,7 @@ from opencood.registry import ENCODERS
 
 CAMERA_KEYS = ("images", "intrinsics", "extrinsics", "post_rots", "post_trans")
 EFFICIENTNET_WIDTHS = {32: 320, 16: 112, 8: 40}      # channels of the trunk's endpoints
-TRUNK_WIDTH = 512                                    # what depth_head / image_head read
+TRUNK_WIDTH = 512                                    # HEAL's: what depth_head / image_head read
 
 
 def axis_bound(value) -> Optional[str]:
@@ -82,6 +82,10 @@ class LiftSplatArgs:
     img_downsample: Literal[8, 16] = 8
     img_features: int = spec(128, check=positive)    # camC
     camera_encoder: Literal["EfficientNet", "Resnet101"] = "EfficientNet"   # HEAL's spelling
+    # ours: the channels of the EfficientNet's up convs, which the depth and image heads read
+    # (HEAL's 512; at stride 16 their 3x3 convs cost twice the trunk itself, so a CPU config
+    # narrows them); the ResNet-101 stem's layer2 is 512 wide
+    trunk_width: int = spec(TRUNK_WIDTH, check=positive)
     # keep the depth logits and the depth targets of the last forward (``depth_outputs``)
     depth_supervision: bool = False
     # where a feature cell's depth target is read: ``pixel``, HEAL's, the depth map at pixel
@@ -98,6 +102,8 @@ class LiftSplatArgs:
             yield "image_size", f"must be multiples of {multiple} for {self.camera_encoder}"
         if self.camera_encoder == "Resnet101" and self.img_downsample != 8:
             yield "img_downsample", "must be 8 with Resnet101 (its layer2 ends at stride 8)"
+        if self.camera_encoder == "Resnet101" and self.trunk_width != TRUNK_WIDTH:
+            yield "trunk_width", f"must be {TRUNK_WIDTH} with Resnet101 (its layer2's width)"
 
 Bound = Tuple[float, float, float]
 
@@ -167,22 +173,6 @@ def depth_bin_indices(depth: torch.Tensor, d_min: float, d_max: float, num_bins:
     indices = torch.where((indices >= num_bins) | ~torch.isfinite(indices),
                           torch.full_like(indices, num_bins - 1), indices)
     return indices.long(), inside
-
-
-def depth_focal_loss(logits: torch.Tensor, target: torch.Tensor, alpha: float = 0.25,
-                     gamma: float = 2.0, valid: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """HEAL's depth supervision (``point_pillar_depth_loss``'s FocalLoss): logits (M, D, h, w),
-    target bin indices (M, h, w) -> the mean over pixels of
-    ``-alpha (1 - p_t)^gamma log p_t``, p_t the softmax probability of the target bin.
-    ``valid`` None: every pixel counts, those whose depth lies outside the bins at the clamped
-    index (HEAL's, for dense depth images); a bool mask (M, h, w): the mean over its pixels
-    (0 when it has none), for sparse LiDAR depth."""
-    log_probs = logits.log_softmax(1)
-    log_target = log_probs.gather(1, target.unsqueeze(1)).squeeze(1)
-    loss = -alpha * (1 - log_target.exp()) ** gamma * log_target
-    if valid is None:
-        return loss.mean()
-    return (loss * valid).sum() / valid.sum().clamp(min=1)
 
 
 def lidar_depth_maps(points: torch.Tensor, intrinsics: torch.Tensor, extrinsics: torch.Tensor,
@@ -327,22 +317,24 @@ def splat(points: torch.Tensor, features: torch.Tensor, grid: BevGridSpec) -> to
 # -- the camera encoder -----------------------------------------------------------------------
 
 class CameraEncoder(nn.Module):
-    """Images (M, 3, H, W) -> (trunk features (M, 512, fH, fW), image features (M, C, fH, fW),
-    depth logits (M, D, fH, fW)) (HEAL's ``CamEncode`` / ``CamEncode_Resnet101``)."""
+    """Images (M, 3, H, W) -> (image features (M, C, fH, fW), depth logits (M, D, fH, fW))
+    (HEAL's ``CamEncode`` / ``CamEncode_Resnet101``); the heads read ``width`` trunk channels
+    (HEAL's 512)."""
 
-    def __init__(self, kind: str, downsample: int, num_bins: int, channels: int):
+    def __init__(self, kind: str, downsample: int, num_bins: int, channels: int,
+                 width: int = TRUNK_WIDTH):
         super().__init__()
         self.kind = kind
         self.downsample = downsample
         if kind == "EfficientNet":
             self.trunk = EfficientNetB0()
-            self.up1 = UpConcat(EFFICIENTNET_WIDTHS[32] + EFFICIENTNET_WIDTHS[16], TRUNK_WIDTH)
+            self.up1 = UpConcat(EFFICIENTNET_WIDTHS[32] + EFFICIENTNET_WIDTHS[16], width)
             if downsample == 8:
-                self.up2 = UpConcat(TRUNK_WIDTH + EFFICIENTNET_WIDTHS[8], TRUNK_WIDTH)
+                self.up2 = UpConcat(width + EFFICIENTNET_WIDTHS[8], width)
         else:
             self.trunk = ResNet101Stem()
-        self.depth_head = nn.Conv2d(TRUNK_WIDTH, num_bins, 1)
-        self.image_head = nn.Conv2d(TRUNK_WIDTH, channels, 1)
+        self.depth_head = nn.Conv2d(width, num_bins, 1)
+        self.image_head = nn.Conv2d(width, channels, 1)
 
     def trunk_features(self, images: torch.Tensor) -> torch.Tensor:
         if self.kind != "EfficientNet":
@@ -383,7 +375,7 @@ class LiftSplat(nn.Module):
         self.register_buffer("cell_size", cell_size, persistent=False)
         self.num_bins = int(num_bins)
         self.camera_encoder = CameraEncoder(args.camera_encoder, args.img_downsample,
-                                            self.num_bins, args.img_features)
+                                            self.num_bins, args.img_features, args.trunk_width)
         splat_channels = args.img_features * self.cells[2]
         self.bev_encoder = None
         if args.bev_encoder_channels is not None:
@@ -414,10 +406,16 @@ class LiftSplat(nn.Module):
         return depth_bin_indices(sampled, d_min, d_max, self.num_bins, self.args.depth_mode)
 
     def forward(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        needed = CAMERA_KEYS + (("depth_maps",) if self.args.depth_supervision else ())
-        missing = [key for key in needed if key not in batch]
+        """The BEV map; with ``depth_supervision``, also ``depth_outputs`` (the depth logits,
+        targets and valid cells of this forward) where the batch has ``depth_maps``, which a
+        training forward must have (None otherwise: evaluation needs no depth images)."""
+        missing = [key for key in CAMERA_KEYS if key not in batch]
         if missing:
             raise KeyError(f"lift-splat encoder: the batch lacks camera keys {missing}")
+        if self.args.depth_supervision and self.training and "depth_maps" not in batch:
+            raise KeyError("lift-splat encoder: depth_supervision trains on the batch's "
+                           "depth_maps, which it lacks (input_source needs 'depth')")
+        self.depth_outputs = None
         # the geometry in float32 even under autocast: a bf16 matmul would move points by
         # 0.4 % of their range (20 cm at 50 m), cells of their own
         with torch.autocast(self.frustum.device.type, enabled=False):
@@ -426,7 +424,7 @@ class LiftSplat(nn.Module):
         lifted, depth_logits = self.lift(batch["images"])
         grid = BevGridSpec(self.grid_lower, self.cell_size, self.cells)
         bev = splat(points, lifted, grid)
-        if self.args.depth_supervision:
+        if self.args.depth_supervision and "depth_maps" in batch:
             target, valid = self.depth_targets(batch["depth_maps"])
             self.depth_outputs = {"depth_logits": depth_logits, "depth_target": target,
                                   "depth_valid": valid}

@@ -137,13 +137,15 @@ def camera_rig_extrinsics(yaws_deg: Sequence[float] = OPV2V_CAMERA_YAWS,
 
 def fake_camera_batch(num_agents: int, image_size: Tuple[int, int] = (64, 128),
                       original_size: Tuple[int, int] = (600, 800), cameras: int = 4,
-                      seed: int = 0) -> Dict[str, torch.Tensor]:
+                      seed: int = 0, depth: bool = False) -> Dict[str, torch.Tensor]:
     """The camera keys of a batch (``opencood.batch_keys``) for ``num_agents`` agents of
     ``cameras`` cameras each: images (A, C, 3, H, W) standard-normal (already normalised),
     intrinsics (A, C, 3, 3) of an ``original_size`` (H, W) camera with a 90-degree field of
     view (OPV2V's), extrinsics (A, C, 4, 4) camera -> agent (:func:`camera_rig_extrinsics`),
     post_rots (A, C, 3, 3) / post_trans (A, C, 3): the resize of the original image onto
-    ``image_size`` (HEAL's ``img_transform`` without crop, flip or rotation).
+    ``image_size`` (HEAL's ``img_transform`` without crop, flip or rotation); with ``depth``
+    also depth_maps (A, C, H, W), uniform in [1, 60) m (drawn last: the other keys stay the
+    same).
 
     Every camera sees the ground around its agent, so a lift-splat encoder's frustum reaches
     the BEV grid in front of each camera."""
@@ -157,8 +159,11 @@ def fake_camera_batch(num_agents: int, image_size: Tuple[int, int] = (64, 128),
     rig = camera_rig_extrinsics(OPV2V_CAMERA_YAWS[:cameras] if cameras <= 4 else
                                 [360.0 * k / cameras for k in range(cameras)])
     shape = (num_agents, cameras)
-    return {"images": torch.randn(*shape, 3, height, width, generator=generator),
-            "intrinsics": intrinsic.expand(*shape, 3, 3).clone(),
-            "extrinsics": rig.expand(num_agents, -1, -1, -1).clone(),
-            "post_rots": resize.expand(*shape, 3, 3).clone(),
-            "post_trans": torch.zeros(*shape, 3)}
+    batch = {"images": torch.randn(*shape, 3, height, width, generator=generator),
+             "intrinsics": intrinsic.expand(*shape, 3, 3).clone(),
+             "extrinsics": rig.expand(num_agents, -1, -1, -1).clone(),
+             "post_rots": resize.expand(*shape, 3, 3).clone(),
+             "post_trans": torch.zeros(*shape, 3)}
+    if depth:
+        batch["depth_maps"] = 1 + 59 * torch.rand(*shape, height, width, generator=generator)
+    return batch
