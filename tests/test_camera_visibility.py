@@ -194,3 +194,32 @@ def test_a_camera_ego_splits_the_gt_by_its_bev_visibility_map(written, tmp_path)
                                       "visibility": {"ego-visible": row},
                                       "visibility_rule": VISIBILITY_RULES["camera"]})
     assert "ego-visible by camera: the ego's cameras see the box" in table
+
+
+def test_the_tool_leaves_an_agent_s_own_body_out_of_its_view(written, tmp_path):
+    """Real OPV2V lists each CAV among the other CAVs' vehicles: the agent's own box, around
+    its cameras, is not a vehicle they see. One CAV written into another's yaml changes its
+    own recomputed map by nothing."""
+    import math
+    import yaml
+    copy = tmp_path / "copy"
+    shutil.copytree(written, copy)
+    scenario = sorted((copy / "test").iterdir())[0]
+    agent, other = sorted(p for p in scenario.iterdir() if p.name.isdigit())[:2]
+    stamp = sorted(p.stem for p in agent.glob("*.yaml"))[0]
+    tool = load_tool("bev_visibility")
+    tool.main([str(copy), "--overwrite"])
+    before = read_visibility_map(map_path(agent, stamp))
+    x, y, _, _, yaw, _ = load_frame_yaml(agent / f"{stamp}.yaml")["lidar_pose"]
+    centre = (x + 0.5 * math.cos(math.radians(yaw)), y + 0.5 * math.sin(math.radians(yaw)))
+    other_yaml = other / f"{stamp}.yaml"
+    params = yaml.safe_load(other_yaml.read_text())
+    params["vehicles"][int(agent.name)] = {      # the car under the LiDAR, 0.5 m ahead of it
+        "location": [centre[0], centre[1], 0.0], "center": [0.0, 0.0, 0.75],
+        "extent": [2.3, 0.95, 0.75], "angle": [0.0, yaw, 0.0], "speed": 0.0}
+    other_yaml.write_text(yaml.safe_dump(params))
+    tool.main([str(copy), "--overwrite"])
+    assert np.array_equal(read_visibility_map(map_path(agent, stamp)), before)
+    assert boxes_visible(read_visibility_map(map_path(other, stamp)),
+                         frame_boxes(copy / "test", (scenario.name, other.name, stamp),
+                                     union=True)[1]).any()
