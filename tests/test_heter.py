@@ -530,3 +530,28 @@ def test_training_labels_of_camera_agents_are_what_their_maps_show(heter_data, t
         assert len(boxes) == sum(shown) < len(all_own)
     # evaluation keeps every agent's LiDAR labels (HEAL's inference: visualize=True)
     assert _dataset(cfg)[0]["gt_ids"].tolist() == union_ids.tolist()
+
+
+def test_the_ego_is_a_vehicle_the_model_has_a_modality_for(tmp_path):
+    """HEAL's reorder with roadside units (V2XSet's negative ids, never our ego) and an ego the
+    model has no modality for."""
+    import json
+
+    from opencood.data.heter import ModalityPlan
+    from opencood.data.opv2v import is_infrastructure
+    path = tmp_path / "assignment.json"
+    path.write_text(json.dumps({"s": {"-1": "m1", "10": "m4", "20": "m2"},
+                                "t": {"-1": "m1", "10": "m4"},
+                                "u": {"-1": "m2", "10": "m2", "20": "m1"}}))
+    heter = {"assignment_path": str(path), "ego_modality": "m1", "lidar_channels_dict": None,
+             "mapping_dict": {"m1": "m1", "m2": "m2", "m4": "m9"}, "cav_preference": None,
+             "modality_setting": {"m1": {"sensor_type": "lidar"},
+                                  "m2": {"sensor_type": "camera"}}}
+    plan = ModalityPlan(heter, train=False, is_infrastructure=is_infrastructure)
+    # the RSU is the only m1 agent: not made the ego; 10 (m4 -> m9) leaves; 20 is the ego
+    assert plan.agent_order("s", ["10", "20", "-1"]) == ["20", "-1"]
+    assert plan.agent_order("t", ["10", "-1"]) == []           # no vehicle the model can run
+    assert plan.agent_order("u", ["10", "20", "-1"]) == ["20", "10", "-1"]     # HEAL's reorder
+    assert plan.modalities("u", ["20", "10", "-1"], None) == ["m1", "m2", "m2"]
+    assert ModalityPlan(heter, train=True).agent_order("s", ["10", "20", "-1"]) == [
+        "10", "20", "-1"]                                      # training keeps the folder's ego

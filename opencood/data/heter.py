@@ -152,15 +152,13 @@ class ModalityPlan:
             if ego is not None:
                 order = [ego] + [cav_id for cav_id in order if cav_id != ego]
         kept = [cav_id for cav_id in order if self.mapped(scenario, cav_id) in self.settings]
-        if kept and self.is_infrastructure(kept[0]):
-            # an ego the model has no modality for, and no vehicle agent of ego_modality: the
-            # first vehicle it has one for (HEAL would drop the ego and fuse the others in its
-            # frame); none: the scenario takes no part (HEAL's samples without agents)
-            vehicles = [cav_id for cav_id in kept if not self.is_infrastructure(cav_id)]
-            kept = vehicles[:1] + [cav_id for cav_id in kept if cav_id not in vehicles[:1]]
-        if kept and self.is_infrastructure(kept[0]):
+        # An ego the model has no modality for (nobody of ego_modality replaced it) left with
+        # the unmatched: the first vehicle kept is the ego (HEAL drops the ego's input but keeps
+        # its frame); no vehicle kept: the scenario takes no part (HEAL's empty samples).
+        vehicles = [cav_id for cav_id in kept if not self.is_infrastructure(cav_id)]
+        if not vehicles:
             return []
-        return kept
+        return vehicles[:1] + [cav_id for cav_id in kept if cav_id != vehicles[0]]
 
     def modalities(self, scenario: str, cav_ids: Sequence[str],
                    rng: Optional[np.random.Generator]) -> List[str]:
