@@ -182,6 +182,35 @@ def test_single_parity(fixture):
     assert relative(term, case["occupancy_loss"]) <= TOLERANCE
 
 
+def test_late_model_parity(fixture):
+    """HEAL's HeterModelLate (a detector per type) on a mixed batch of single-agent samples;
+    its never-run first ``layers`` stages are dropped by name, anything else strictly placed."""
+    from opencood.interop.heal_heter import heal_late_state_to_ours, late_model_args_from_heal
+    case = fixture["late"]
+    args = late_model_args_from_heal(case["heal_args"])
+    model = MODELS.build("heter_model_late", args, "model.args").eval()
+    heal_state = materialize(case["state_dict"])
+    assert any(".resnet.layer0." in key for key in heal_state if key.startswith("layers_"))
+    model.load_state_dict(heal_late_state_to_ours(
+        heal_state, camera_encoders_of(case["heal_args"]), state_shapes(model.state_dict()),
+        list(args["modalities"])), strict=True)
+    modalities = [batch["modality"] for batch in case["batches"]]
+    batch = {"record_len": torch.ones(len(modalities), dtype=torch.long),
+             "agent_modality": modalities,
+             **modality_groups({b["modality"]: b["inputs"] for b in case["batches"]})}
+    with torch.no_grad():
+        outputs = model(batch)
+    for index, expected in enumerate(case["outputs"]):
+        diffs = {key: relative(outputs[key][index:index + 1], value)
+                 for key, value in expected.items()}
+        assert max(diffs.values()) <= TOLERANCE, (modalities[index], diffs)
+    # training: every parameter is reached (all three types in the batch)
+    model.train()
+    outputs = model(batch)
+    sum(outputs[key].square().mean() for key in ("cls_preds", "reg_preds", "dir_preds")).backward()
+    assert not [key for key, p in model.named_parameters() if p.grad is None]
+
+
 # -- each defining piece matters -------------------------------------------------------------
 
 def test_camera_mask_only_in_evaluation(collab, monkeypatch):
@@ -253,7 +282,8 @@ def test_a_tampered_key_is_refused(fixture, collab):
 
 # -- training: every parameter is used ---------------------------------------------------------
 
-HETER_MODELS = ("heter_pyramid_collab", "heter_pyramid_single")      # test_models' coverage
+# test_models' coverage (heter_model_late: test_late_model_parity)
+HETER_MODELS = ("heter_pyramid_collab", "heter_pyramid_single", "heter_model_late")
 
 
 def detection_targets(batch: int, anchors: int, seed: int) -> dict:
@@ -265,7 +295,7 @@ def detection_targets(batch: int, anchors: int, seed: int) -> dict:
             "reg_weights": positive}
 
 
-@pytest.mark.parametrize("name", HETER_MODELS)
+@pytest.mark.parametrize("name", HETER_MODELS[:2])
 def test_forward_backward_reaches_every_parameter(fixture, collab, name):
     """One training step's loss (detection + pyramid) gives every parameter a gradient when all
     three agent types are in the batch: DDP needs no unused-parameter search."""
@@ -292,7 +322,7 @@ def test_depth_supervision_joins_the_loss(collab):
     loss of its depth logits (``depth_focal_loss``, equal to HEAL's in test_parity_lss.py), and
     its gradient reaches the depth head."""
     import dataclasses
-    from opencood.models.lift_splat import depth_focal_loss
+    from opencood.losses.depth import depth_focal_loss
     model = copy.deepcopy(collab.model).train()
     encoder = model.branches["m2"].encoder
     encoder.args = dataclasses.replace(encoder.args, depth_supervision=True)

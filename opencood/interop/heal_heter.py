@@ -26,6 +26,7 @@ cls_head / reg_head / dir_head                     head.cls_conv / reg_conv / di
 from __future__ import annotations
 
 import copy
+import re
 from typing import Dict, Mapping, Tuple
 
 import torch
@@ -49,9 +50,10 @@ def _resnet_rules(theirs: str, ours: str) -> Tuple[Rule, ...]:
         + (Rule(f"{theirs}.deblocks.{{i}}.{{j}}.{{p}}", f"{ours}.deblocks.{{i}}.{{j}}.{{p}}"),)
 
 
-def modality_rules(name: str) -> Tuple[Rule, ...]:
-    """The rules of agent type ``name`` (its lift-splat encoder aside: module doc (1))."""
-    branch = f"branches.{name}"
+def modality_rules(name: str, branch: str = "") -> Tuple[Rule, ...]:
+    """The rules of agent type ``name`` (its lift-splat encoder aside: module doc (1)), its
+    branch at ``branch`` in our model (default ``branches.<name>``)."""
+    branch = branch or f"branches.{name}"
     rules = [Rule(f"encoder_{name}.pillar_vfe.pfn_layers.{{i}}.{part}.{{p}}",
                   f"{branch}.encoder.vfe.layers.{{i}}.{part}.{{p}}") for part in ("linear", "norm")]
     rules += _resnet_rules(f"backbone_{name}", f"{branch}.backbone")
@@ -71,13 +73,51 @@ SHARED_RULES = _resnet_rules("pyramid_backbone", "pyramid.backbone") + (
 )
 
 
+def late_rules(name: str) -> Tuple[Rule, ...]:
+    """HEAL's ``HeterModelLate`` agent type ``name`` -> our ``detectors.<name>``: its branch,
+    ``layers`` stage i >= 1 -> ``stages.{i-1}`` (stage 0 never runs: :data:`LATE_UNUSED`), its
+    shrink and heads."""
+    ours = f"detectors.{name}"
+    rules = list(modality_rules(name, f"{ours}.branch"))
+    rules += [Rule(f"layers_{name}.resnet.layer{{i}}.{{k}}.{child}.{{p}}",
+                   f"{ours}.stages.{{i}}.{{k}}.{mine}.{{p}}", shift={"i": -1})
+              for child, mine in _BLOCK_CHILDREN]
+    rules.append(Rule(f"layers_{name}.deblocks.{{i}}.{{j}}.{{p}}",
+                      f"{ours}.deblocks.{{i}}.{{j}}.{{p}}"))
+    rules += [Rule(f"shrink_conv_{name}.layers.0.double_conv.{k}.{{p}}",
+                   f"{ours}.shrink.layers.{k}.{{p}}") for k in (0, 2)]
+    rules += [Rule(f"{head}_head_{name}.{{p}}", f"{ours}.head.{head}_conv.{{p}}")
+              for head in ("cls", "reg", "dir")]
+    return tuple(rules)
+
+
+# HeterModelLate builds a first stage in ``layers_<m>`` that its forward skips (the backbone's
+# output is its first scale): imported as known-unused, not placed
+LATE_UNUSED = re.compile(r"layers_m\d+\.resnet\.layer0\.")
+
+
+def heal_late_state_to_ours(state: Mapping[str, torch.Tensor],
+                            camera_encoders: Mapping[str, str],
+                            our_shapes: Mapping[str, Tuple[int, ...]], modalities,
+                            source: str = "checkpoint") -> Dict[str, torch.Tensor]:
+    """HEAL's ``HeterModelLate`` state dict -> our ``heter_model_late``, strictly (its unused
+    first ``layers`` stages dropped by name)."""
+    state = {k: v for k, v in strip_ddp_prefix(state).items() if not LATE_UNUSED.match(k)}
+    rules = sum((late_rules(name) for name in modalities), ())
+    return heal_state_to_ours(state, camera_encoders, our_shapes, modalities, source,
+                              rules=rules, encoder_prefix="detectors.{}.branch.encoder.")
+
+
 def heal_state_to_ours(state: Mapping[str, torch.Tensor], camera_encoders: Mapping[str, str],
                        our_shapes: Mapping[str, Tuple[int, ...]], modalities,
-                       source: str = "checkpoint") -> Dict[str, torch.Tensor]:
+                       source: str = "checkpoint", rules: Tuple[Rule, ...] = (),
+                       encoder_prefix: str = "branches.{}.encoder."
+                       ) -> Dict[str, torch.Tensor]:
     """HEAL's heter pyramid state dict -> ours (keys and shapes of ``our_shapes``), strictly.
 
     camera_encoders: camera modality -> HEAL's ``camera_encoder`` (EfficientNet / Resnet101);
-    modalities: every agent type's name."""
+    modalities: every agent type's name; rules / encoder_prefix: another model's (the late
+    model's, :func:`heal_late_state_to_ours`)."""
     state = strip_ddp_prefix(state)
     camera_part: Dict[str, torch.Tensor] = {}
     rest = {}
@@ -91,12 +131,12 @@ def heal_state_to_ours(state: Mapping[str, torch.Tensor], camera_encoders: Mappi
         if len(mapped) != 1:
             raise InteropError(f"{source}: {key} has no place in our lift-splat encoder")
         (ours, value), = mapped.items()
-        target = f"branches.{modality}.encoder.{ours}"
+        target = encoder_prefix.format(modality) + ours
         if target not in our_shapes or tuple(our_shapes[target]) != tuple(value.shape):
             raise InteropError(f"{source}: {key} {tuple(value.shape)} does not fit {target} "
                                f"{tuple(our_shapes.get(target, ()))} of our model")
         camera_part[target] = value
-    rules = sum((modality_rules(name) for name in modalities), ()) + SHARED_RULES
+    rules = rules or sum((modality_rules(name) for name in modalities), ()) + SHARED_RULES
     remaining = {k: v for k, v in our_shapes.items() if k not in camera_part}
     placed = peer_state_to_ours(rest, rules, remaining, source, "our heter pyramid model")
     return {key: (camera_part[key] if key in camera_part else placed[key]) for key in our_shapes}
@@ -183,3 +223,22 @@ def camera_encoders_of(args: Mapping) -> Dict[str, str]:
     return {name: setting["encoder_args"]["camera_encoder"] for name, setting in args.items()
             if name.startswith("m") and name[1:].isdigit()
             and setting.get("sensor_type") == "camera"}
+
+
+def late_model_args_from_heal(args: Mapping) -> dict:
+    """HEAL's ``model.args`` of ``heter_model_late`` -> ours (per type: the branch's keys with
+    an identity aligner, ``layers`` from ``layers_args``, its shrink header)."""
+    args = copy.deepcopy(dict(args))
+    names = [key for key in args if key.startswith("m") and key[1:].isdigit()]
+    ours = model_args_from_heal({**{name: {**args[name], "aligner_args": {"core_method":
+                                                                          "identity"}}
+                                        for name in names},
+                                 "lidar_range": args["lidar_range"],
+                                 "anchor_number": args["anchor_number"],
+                                 "fusion_backbone": {}})
+    ours.pop("fusion_backbone")
+    for name in names:
+        ours["modalities"][name].update(
+            layers={**_backbone_from_heal(args[name]["layers_args"]), "resnet": True},
+            shrink_header=_shrink_from_heal(args[name]["shrink_header"]))
+    return ours

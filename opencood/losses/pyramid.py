@@ -16,12 +16,11 @@ A), HEAL's ``label_dict_single``, boxes of what that agent sees in its own frame
 its ``_single`` loss.
 
 With ``depth`` (HEAL's ``point_pillar_depth_loss`` part, which its pyramid loss inherits): each
-camera type's depth supervision (``model ... encoder.args.depth_supervision``) adds its depth
-focal loss, times ``depth.weight``.
+depth-supervised camera type adds its depth term (``opencood.losses.depth``).
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+from typing import Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +28,7 @@ import torch.nn.functional as F
 from opencood.config_schema import Problems, positive, section, spec
 from opencood.losses.detection_loss import (DetectionLoss, PointPillarLossArgs,
                                             sigmoid_focal_loss)
-from opencood.models.lift_splat import depth_focal_loss
+from opencood.losses.depth import depth_term
 from opencood.registry import LOSSES
 
 
@@ -48,19 +47,11 @@ class PyramidArgs:
 
 
 @section
-class DepthArgs:
-    """``loss.args.depth`` (HEAL's ``point_pillar_depth_loss`` key)."""
-
-    weight: float = spec(1.0, check=positive)
-
-
-@section
 class PyramidLossArgs(PointPillarLossArgs):
-    """``loss.args`` of ``point_pillar_pyramid_loss``: the detection loss's, ``pyramid`` and
-    ``depth`` (None: no depth term, else each camera type's depth supervision)."""
+    """``loss.args`` of ``point_pillar_pyramid_loss``: the detection loss's (its ``depth``:
+    every depth-supervised camera type's term) and ``pyramid``."""
 
     pyramid: PyramidArgs
-    depth: Optional[DepthArgs] = None
 
 
 def occupancy_targets(labels: torch.Tensor, height: int, width: int) -> Tuple[torch.Tensor,
@@ -98,19 +89,17 @@ class PyramidLoss(DetectionLoss):
     def __init__(self, args: PyramidLossArgs):
         super().__init__(args)
         self.pyramid = args.pyramid
-        self.depth = args.depth
+        # the depth term is this loss's: per camera type of a heterogeneous model
+        self.depth_args, self.depth = self.depth, None
 
-    def depth_term(self, depth_outputs: dict) -> torch.Tensor:
-        """HEAL's depth supervision: per camera type with it, the focal loss of its depth logits
-        against the bins of its depth maps (``lift_splat.depth_focal_loss``: every pixel as HEAL
-        for dense depth images, the valid ones for sparse LiDAR depth), summed, times
-        ``depth.weight``."""
-        total = 0
-        for items in depth_outputs.values():
-            valid = items["depth_valid"] if items.get("sparse") else None
-            total = total + depth_focal_loss(items["depth_logits"], items["depth_target"],
-                                             valid=valid)
-        return self.depth.weight * total
+    def heter_depth_term(self, outputs: dict) -> torch.Tensor:
+        """HEAL's depth supervision: each depth-supervised camera type's term
+        (``losses.depth.depth_term`` of its ``depth_outputs``), summed as HEAL sums its
+        ``depth_items``; a one-encoder model's ``depth_logits`` as the detection loss takes them."""
+        if "depth_outputs" not in outputs:
+            return depth_term(outputs, self.depth_args)
+        return sum(depth_term(items, self.depth_args)
+                   for items in outputs["depth_outputs"].values())
 
     def pyramid_term(self, outputs: dict, targets: dict) -> torch.Tensor:
         occupancy = outputs["occupancy_maps"]
@@ -128,8 +117,8 @@ class PyramidLoss(DetectionLoss):
         extra = {}
         if outputs.get("occupancy_maps") is not None:
             extra["pyramid_loss"] = self.pyramid_term(outputs, targets)
-        if self.depth is not None and outputs.get("depth_outputs"):
-            extra["depth_loss"] = self.depth_term(outputs["depth_outputs"])
+        if self.depth_args is not None:
+            extra["depth_loss"] = self.heter_depth_term(outputs)
         if not extra:
             return total, terms
         total = total + sum(extra.values())

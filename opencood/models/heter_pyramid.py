@@ -280,9 +280,7 @@ class HeterPyramidBase(nn.Module):
                 rows[agent] = sum(m.shape[0] for m in maps) + k
             maps.append(features)
             if getattr(branch.encoder, "depth_outputs", None) is not None:
-                # sparse (LiDAR-return) depth counts its valid cells only (the loss reads it)
-                sparse = branch.encoder.args.depth_sampling == "cell_min"
-                depth[name] = {**branch.encoder.depth_outputs, "sparse": sparse}
+                depth[name] = branch.encoder.depth_outputs
         shapes = {tuple(m.shape[1:]) for m in maps}
         if len(shapes) > 1:
             raise ValueError(f"the modalities' maps differ in shape {sorted(shapes)}: their "

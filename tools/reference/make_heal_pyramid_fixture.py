@@ -21,7 +21,9 @@ Cases: ``collab``: ``HeterPyramidCollab`` (ResNeXt pyramid, 3 scales, a shrink h
 train mode (BatchNorm batch statistics, no masks), HEAL's pyramid loss (``forward`` with suffix
 ``_single``) on the eval occupancy maps with generated per-agent labels; ``single``:
 ``HeterPyramidSingle`` (ResNet pyramid, no shrink), run once per modality as HEAL's single-modality
-batches are (eval mode), its occupancy loss (``calc_occ_loss``) over all agents.
+batches are (eval mode), its occupancy loss (``calc_occ_loss``) over all agents; ``late``:
+``HeterModelLate`` (``heter_model_late.py``, HEAL's late-fusion model: a detector per type with
+its own further scales, shrink and heads), one modality per batch, eval mode.
 
 Every weight is generated (``tests/parity_weights.py``), as are images, pillars and labels, so the
 file holds recipes, small inputs and outputs. HEAL's hard-coded ``.to("cuda")`` becomes the CPU;
@@ -289,6 +291,44 @@ def single_case(modules, helpers, weights, geometry, pyramid_loss) -> dict:
             "labels": labels, "occupancy_loss": loss.detach().clone()}
 
 
+def heal_late_args() -> dict:
+    """HEAL's ``model.args`` of ``heter_model_late`` (its Single/m*_pretrain yamls), shrunk:
+    the pyramid models' agent types, each with ``layers_args`` (3 scales, the first the
+    backbone's output), a shrink header and heads of its own."""
+    args = heal_model_args(resnext=False, shrink=False)
+    for name in ("m1", "m2", "m3"):
+        args[name].pop("aligner_args")
+        args[name].update(
+            layers_args={"layer_nums": [1, 1, 2], "layer_strides": [2, 2, 2],
+                         "num_filters": [16, 24, 32], "upsample_strides": [1, 2, 4],
+                         "num_upsample_filter": [8, 8, 8], "inplanes": 16},
+            shrink_header={"kernal_size": [3], "stride": [1], "padding": [1], "dim": [8],
+                           "input_dim": 24},
+            head_args={"in_head": 8})
+    for key in ("fusion_backbone", "in_head", "supervise_single"):
+        args.pop(key)
+    return args
+
+
+def late_case(modules, helpers, weights, geometry) -> dict:
+    """HEAL's ``HeterModelLate``, one modality per batch (eval mode)."""
+    import torch
+    rng = np.random.default_rng(39)
+    args = heal_late_args()
+    model, recipes = build(modules["late"].HeterModelLate, args, helpers, weights)
+    model.eval()
+    batches, outputs = [], []
+    for modalities in SINGLE_MODALITIES:
+        inputs = modality_inputs(rng, modalities, camera_rows(weights, geometry, "late"))
+        name = modalities[0]
+        with torch.no_grad():
+            out = model({f"inputs_{name}": materialized(inputs[name], weights)})
+        batches.append({"modality": name, "inputs": inputs[name]})
+        outputs.append(heads(out))
+    print(f"late: {len(recipes)} tensors, {len(outputs)} agents")
+    return {"heal_args": args, "state_dict": recipes, "batches": batches, "outputs": outputs}
+
+
 def import_heal_models(source: Path, lss):
     """HEAL's heter models and pyramid loss (its other imports stubbed as the lift-splat
     script's; its PointPillarLoss kept: the pyramid loss subclasses it)."""
@@ -304,7 +344,10 @@ def import_heal_models(source: Path, lss):
     pyramid = __import__("opencood.loss.point_pillar_pyramid_loss", fromlist=["x"])
     collab = __import__("opencood.models.heter_pyramid_collab", fromlist=["x"])
     single = __import__("opencood.models.heter_pyramid_single", fromlist=["x"])
-    return {"collab": collab, "single": single, "encoders": modules["heter_encoders"]}, pyramid
+    late = __import__("opencood.models.heter_model_late", fromlist=["x"])
+    late.torch = lss.cpu_torch(torch)
+    return {"collab": collab, "single": single, "late": late,
+            "encoders": modules["heter_encoders"]}, pyramid
 
 
 def main(argv=None) -> None:
@@ -327,7 +370,8 @@ def main(argv=None) -> None:
                "reference": f"HEAL {options.commit}", "torch": str(torch.__version__),
                "loss_args": LOSS_ARGS,
                "collab": collab_case(modules, helpers, weights, geometry, pyramid_loss),
-               "single": single_case(modules, helpers, weights, geometry, pyramid_loss)}
+               "single": single_case(modules, helpers, weights, geometry, pyramid_loss),
+               "late": late_case(modules, helpers, weights, geometry)}
     options.out.mkdir(parents=True, exist_ok=True)
     path = options.out / "heal_pyramid.pt"
     torch.save(fixture, path)
