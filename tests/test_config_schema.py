@@ -60,7 +60,7 @@ DEFAULTS = {
              "args": {"cls_weight": 1.0, "reg_weight": 2.0, "dir_weight": 0.2,
                       "conf_weight": 1.0, "focal_alpha": 0.25, "focal_gamma": 2.0,
                       "smooth_l1_beta": 1.0 / 9.0, "code_weights": None, "dir_offset": 0.7854,
-                      "uncertainty": None}},
+                      "uncertainty": None, "depth": None}},
     "optimizer": {"core_method": "Adam", "lr": 0.002, "args": {}},
     "lr_scheduler": {"core_method": "constant", "warmup_epochs": 0.0, "warmup_start_ratio": 0.01,
                      "min_lr_ratio": 0.0, "step_size": [], "gamma": 0.1},
