@@ -72,6 +72,9 @@ SKIPPED_BLOCKS: Dict[BlockKey, str] = {
     ("docs/cameras.md", "HEAL's camera runs", 0):
         "needs a HEAL camera run folder; tests/test_import_heal_camera.py imports HEAL's own "
         "model through the tool",
+    ("docs/cameras.md", "HEAL's camera runs", 1):
+        "needs an imported HEAL camera run; tests/test_import_heal_camera.py round-trips the export "
+        "on HEAL's fixture runs",
     ("docs/datasets.md", "The OPV2V layout, and using a real OPV2V copy", 0):
         "needs a real OPV2V copy and 8 processes",
     ("docs/datasets.md", "The synthetic world", 0):
