@@ -295,7 +295,7 @@ def translate_our_camera_run(run_dir, checkpoint: Optional[str] = None
                                              "HEAL's heter_model_baseline"))
     if cfg["model"]["args"]["encoder"]["args"]["camera_encoder"] == "EfficientNet":
         state = with_classifier(state, MODALITY)
-    notes = [PROJ_FIRST_NOTE] if cfg["fusion"]["args"].get("proj_first", True) else []
+    notes = [PROJ_FIRST_NOTE] if cfg["fusion"]["args"]["proj_first"] else []
     return hypes, state, max(int(saved.get("epoch", 0)), 0), notes
 
 
