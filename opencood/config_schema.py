@@ -333,6 +333,12 @@ class PerformanceSection:
     # BEV maps and conv weights channels-last (NHWC) in training: what cudnn computes in, so no
     # NCHW<->NHWC transposes around each conv; fp32 gradients differ by float rounding
     channels_last: bool = False
+    # The whole training step captured once as a CUDA graph and replayed (engine.cuda_graph):
+    # needs CUDA, static_pillars and sync_free_step; a batch or run it cannot take runs eagerly
+    cuda_graph: bool = False
+    # Fixed sizes a batch is padded to for the graph (0: the first captured batch's own):
+    cuda_graph_max_points: int = spec(0, check=non_negative)   # point rows of a whole batch
+    cuda_graph_max_gt: int = spec(0, check=non_negative)       # GT boxes per sample
 
 
 @section

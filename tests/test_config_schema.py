@@ -70,7 +70,8 @@ DEFAULTS = {
     "distributed": {"backend": None, "timeout_minutes": 30.0, "find_unused_parameters": False},
     "performance": {"tf32": True, "cudnn_benchmark": True, "static_pillars": 0,
                     "sync_free_step": False, "compile": False,
-                    "channels_last": False},
+                    "channels_last": False, "cuda_graph": False,
+                    "cuda_graph_max_points": 0, "cuda_graph_max_gt": 0},
     "wild_setting": {"seed": 25, "loc_err": False, "xyz_std": 0.0, "yaw_std": 0.0,
                      "latency_frames": 0},
 }

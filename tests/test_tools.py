@@ -271,12 +271,13 @@ def test_bench_fast_step_flags_set_the_performance_keys_and_leave_one_host_read(
     bench = load_tool("bench")
     records = bench.main(["--quick", "--device", "cpu", "--figures",
                           "pillarise,host_syncs_per_step", "--static_pillars", "320",
-                          "--sync_free"])
+                          "--sync_free", "--cuda_graph"])
     by_name = {record["figure"]: record for record in records}
     syncs = by_name["host_syncs_per_step"]
     assert (syncs["static_pillars"], syncs["sync_free_step"], syncs["compile"]) == (320, True,
                                                                                    False)
     assert syncs["syncs"] == 1 and syncs["by_kind"] == {"tolist": 1}
+    assert syncs["cuda_graph"] is True           # stated; on CPU the step runs eagerly
     assert by_name["pillarise"]["pillars"] == 2 * 3 * 300       # real pillars, not slots
 
 

@@ -4,7 +4,7 @@
     python tools/bench.py [--list] [--figures NAME[,NAME...]] [--preset quick|lite|opv2v]
                           [--device cuda|cpu] [--hypes_yaml X.yaml] [--set KEY=VALUE]
                           [--data DIR] [--num_workers N] [--steps N] [--warmup N] [--threads N]
-                          [--static_pillars N] [--sync_free] [--compile]
+                          [--static_pillars N] [--sync_free] [--compile] [--cuda_graph]
 
 ``--list`` names every figure and what it measures; ``--figures`` picks some (default: all).
 Stdout holds nothing but JSON, one line per figure; the plan and the logs go to stderr.
@@ -232,6 +232,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="performance.sync_free_step=true: one host read per step")
     parser.add_argument("--compile", action="store_true",
                         help="performance.compile=true: torch.compile the training model")
+    parser.add_argument("--cuda_graph", action="store_true",
+                        help="performance.cuda_graph=true: the step figures replay one captured "
+                             "CUDA graph (needs --static_pillars and --sync_free)")
     args = parser.parse_args(argv)
     check_counts(args)
     args.overrides = [*args.overrides, *fast_step_overrides(args)]
@@ -247,6 +250,8 @@ def fast_step_overrides(args: argparse.Namespace) -> List[str]:
         overrides.append("performance.sync_free_step=true")
     if args.compile:
         overrides.append("performance.compile=true")
+    if args.cuda_graph:
+        overrides.append("performance.cuda_graph=true")
     return overrides
 
 
@@ -450,6 +455,7 @@ class ModelBench:
             "static_pillars": perf["static_pillars"],
             "sync_free_step": perf["sync_free_step"],
             "compile": perf["compile"],
+            "cuda_graph": perf["cuda_graph"],
         }
 
     def record(self, figure: str, autocast: bool = False, **values) -> Dict:
@@ -472,9 +478,25 @@ class ModelBench:
         from opencood.engine.loop import optimizer_step
         parts = self.parts
         model = parts.model_without_ddp if eager else parts.model
+        graph_step = None if eager else self.graph_step(loss_fn, ema)
+        if graph_step is not None:
+            return graph_step.step([batch], "bench")
         return optimizer_step(model, [batch], loss_fn, parts.optimizer, parts.scaler,
                               self.device, parts.amp_dtype, self.grad_clip, where="bench",
                               sync_free=self.sync_free, ema=ema)
+
+    def graph_step(self, loss_fn, ema):
+        """performance.cuda_graph: the captured step of ``loss_fn``'s task (one graph per
+        task, built on first use, its first steps eager warm-ups), else None."""
+        if not self.cfg["performance"]["cuda_graph"]:
+            return None
+        from opencood.engine.cuda_graph import build_graph_step
+        key = (id(getattr(loss_fn, "__self__", loss_fn)), id(ema))
+        steps = self.__dict__.setdefault("graph_steps", {})
+        if key not in steps:
+            steps[key] = build_graph_step(self.cfg, self.parts, self.device, 1, 1, loss_fn=loss_fn)
+            steps[key].ema = ema
+        return steps[key]
 
     def make_ema(self):
         """The yaml's EMA, or one with its decay and warm-up when the yaml leaves it off."""

@@ -22,6 +22,7 @@ import torch
 from opencood.config import ConfigError, save_config
 from opencood.data.collate import DevicePrefetcher, build_loader
 from opencood.data.datasets import build_dataset
+from opencood.engine.cuda_graph import build_graph_step
 from opencood.engine.hooks import NO_HOOKS, TrainHooks
 from opencood.engine.loop import group_micro_batches, optimizer_step
 from opencood.engine.recipe import (ScalarLogger, build_teacher, build_training_parts,
@@ -186,6 +187,8 @@ class EpochRunner:
         self.barrier_timeout_s = 60.0 * cfg["distributed"]["timeout_minutes"]
         self.scalars = ScalarLogger(run_dir, resume_step=progress.step if progress.step else None)
         self.last_stats: Dict = {}
+        # performance.cuda_graph: steps replayed from one captured graph (None: eager steps).
+        self.graph_step = build_graph_step(cfg, parts, info.device, info.world_size, plan.accum)
 
     def train_one_epoch(self, epoch: int, train_set, train_loader) -> None:
         progress = self.progress
@@ -229,12 +232,17 @@ class EpochRunner:
     def train_step(self, epoch: int, micro_batches) -> Dict:
         """One optimizer step (accumulated micro-batches, DDP all-reduce), schedule, EMA, log."""
         progress, parts, step_start = self.progress, self.parts, time.perf_counter()
-        stats = optimizer_step(parts.model, micro_batches, parts.task.training_loss,
-                               parts.optimizer, parts.scaler, self.info.device, parts.amp_dtype,
-                               self.grad_clip, where=f"epoch {epoch} step {progress.step + 1}",
-                               skip_nonfinite=progress.skipped_steps < self.skip_budget,
-                               sync_free=self.cfg["performance"]["sync_free_step"],
-                               ema=parts.ema)
+        where = f"epoch {epoch} step {progress.step + 1}"
+        skip_nonfinite = progress.skipped_steps < self.skip_budget
+        if self.graph_step is not None:
+            stats = self.graph_step.step(micro_batches, where, skip_nonfinite)
+        else:
+            stats = optimizer_step(parts.model, micro_batches, parts.task.training_loss,
+                                   parts.optimizer, parts.scaler, self.info.device,
+                                   parts.amp_dtype, self.grad_clip, where=where,
+                                   skip_nonfinite=skip_nonfinite,
+                                   sync_free=self.cfg["performance"]["sync_free_step"],
+                                   ema=parts.ema)
         # A skipped step still counts (lr schedule and step numbers stay aligned with an
         # uninterrupted run); only the weights, buffers and EMA stay where they were.
         parts.scheduler.step()

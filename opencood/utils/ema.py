@@ -79,6 +79,13 @@ class ModelEMA:
         runs interleaved). On an H100 the old update took 1.77 ms, 5.4 % of the step, for
         about 30 us of arithmetic (docs/DESIGN.md §6.5)."""
         self.updates += 1
+        self.lerp_towards(model, 1.0 - self.current_decay())
+
+    @torch.no_grad()
+    def lerp_towards(self, model: nn.Module, weight) -> None:
+        """``ema += weight * (model - ema)`` over the float tensors, integer ones copied;
+        ``weight``: a float, or a 0-d device tensor (a captured CUDA graph's step fills it,
+        ``engine.cuda_graph``). ``updates`` is the caller's to count."""
         model = unwrap_model(model)
         if self._pairs is None or not self._pairs.still_bound(model):
             self._pairs = _TensorPairs(self.module, model)
@@ -89,7 +96,7 @@ class ModelEMA:
                             for tensor, ema in zip(model_floats, pairs.ema_floats)]
         if pairs.ema_floats:
             # lerp: ema + (1 - d) * (model - ema) == d * ema + (1 - d) * model, one fused call.
-            torch._foreach_lerp_(pairs.ema_floats, model_floats, 1.0 - self.current_decay())
+            torch._foreach_lerp_(pairs.ema_floats, model_floats, weight)
         if pairs.ema_others:            # BatchNorm's step counters: copied, not averaged
             torch._foreach_copy_(pairs.ema_others, pairs.model_others, non_blocking=True)
 

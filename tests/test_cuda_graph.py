@@ -1,0 +1,187 @@
+"""The training step as one CUDA graph (``performance.cuda_graph``, opencood.engine.cuda_graph):
+on CPU the padding to fixed shapes (same loss and gradients as the unpadded batch), the
+fallback reasons and the tensor lr; on CUDA the capture itself (replayed steps = eager steps)."""
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+
+from opencood.config import load_config
+from opencood.engine.cuda_graph import (GraphLimits, batch_signature, build_graph_step,
+                                        pad_batch, run_refusal, tensor_lrs)
+from opencood.engine.loop import optimizer_step
+from opencood.engine.recipe import build_training_parts
+from opencood.utils.dist import DistInfo
+from opencood.utils.ema import ModelEMA
+from opencood.utils.fake_batch import fake_collated_batch
+
+CONFIG = "hypes_yaml/synthetic/point_pillar_attfuse.yaml"
+FAST = ["performance.static_pillars=320", "performance.sync_free_step=true",
+        "performance.cuda_graph=true"]
+
+
+def lite_parts(device: torch.device, overrides=()):
+    cfg = load_config(CONFIG, [*FAST, *overrides])
+    torch.manual_seed(0)
+    parts = build_training_parts(cfg, DistInfo(0, 1, 0, False, None, device), schedule=(5, 5))
+    parts.model.train()
+    return cfg, parts
+
+
+def lite_batch(cfg, seed: int, pillars: int = 300, gt: int = 6):
+    return fake_collated_batch(cfg["preprocess"], batch_size=2, agents_per_sample=2,
+                               pillars_per_agent=pillars, points_per_pillar=3, max_gt=gt,
+                               seed=seed)
+
+
+def test_a_padded_batch_gives_the_loss_and_gradients_of_the_batch_itself():
+    """Padding points (outside the range) and GT boxes (masked) change nothing: float64, so
+    that rounding cannot hide a difference."""
+    cfg, parts = lite_parts(torch.device("cpu"))
+    model = parts.model.double()
+    batch = lite_batch(cfg, seed=1, pillars=120)
+    batch["points"] = batch["points"].double()
+    limits = GraphLimits(batch["points"].shape[0] + 37, 9, tuple(cfg["preprocess"]["cav_lidar_range"]))
+    padded, reason = pad_batch(batch, limits)
+    assert reason is None
+    assert padded["points"].shape[0] == limits.max_points and padded["gt_boxes"].shape[1] == 9
+    assert not padded["gt_mask"][:, 6:].any() and padded["gt_mask"][:, :6].all()
+    results = []
+    for candidate in (batch, padded):
+        model.zero_grad(set_to_none=True)
+        loss, terms, samples = parts.task.training_loss(model, candidate)
+        loss.backward()
+        results.append((loss.detach(), {name: p.grad.clone() for name, p in
+                                        model.named_parameters()}, samples))
+    (loss, grads, samples), (padded_loss, padded_grads, padded_samples) = results
+    assert samples == padded_samples == 2
+    torch.testing.assert_close(padded_loss, loss, rtol=1e-12, atol=0)
+    for name, grad in grads.items():
+        torch.testing.assert_close(padded_grads[name], grad, rtol=1e-9, atol=1e-14, msg=name)
+
+
+def test_batches_the_graph_cannot_take_say_why():
+    limits = GraphLimits(max_points=100, max_gt=4, lidar_range=(-10, -10, -3, 10, 10, 1))
+    batch = {"points": torch.zeros(101, 4), "agent_index": torch.zeros(101, dtype=torch.long),
+             "gt_boxes": torch.zeros(2, 3, 7), "gt_mask": torch.ones(2, 3, dtype=torch.bool)}
+    assert pad_batch(batch, limits) == (None, "101 points > performance.cuda_graph_max_points 100")
+    batch["points"], batch["agent_index"] = batch["points"][:50], batch["agent_index"][:50]
+    batch["gt_boxes"], batch["gt_mask"] = torch.zeros(2, 5, 7), torch.ones(2, 5, dtype=torch.bool)
+    assert pad_batch(batch, limits)[1] == "5 gt_boxes per sample > performance.cuda_graph_max_gt 4"
+    batch["gt_boxes"], batch["gt_mask"] = batch["gt_boxes"][:, :2], batch["gt_mask"][:, :2]
+    padded, _ = pad_batch(batch, limits)
+    assert (padded["points"][50:, 0] == -11).all()       # outside the range: dropped
+    # The signature holds shapes and flags; a nested dict (a teacher's batch) is refused.
+    signature, _ = batch_signature({**padded, "flag": True, "sample_keys": [("a", "0")]})
+    assert ("points", (100, 4), torch.float32, torch.device("cpu")) in signature
+    assert ("flag", True) in signature
+    assert batch_signature({**padded, "early_fusion": {}}) == \
+        (None, "batch key 'early_fusion' is nested (not captured)")
+
+
+def test_on_cpu_the_run_steps_eagerly_with_one_line_saying_why(caplog):
+    """The eager fallback is the eager step itself: same loss, same weights."""
+    cfg, parts = lite_parts(torch.device("cpu"))
+    reference = copy.deepcopy(parts)
+    batch = lite_batch(cfg, seed=2)
+    with caplog.at_level(logging.WARNING, logger="opencood"):
+        graph_step = build_graph_step(cfg, parts, torch.device("cpu"), 1, 1)
+    assert [r.getMessage() for r in caplog.records] == \
+        ["cuda_graph: running eagerly: performance.cuda_graph needs CUDA"]
+    stats = graph_step.step([batch], "test")
+    expected = optimizer_step(reference.model, [batch], reference.task.training_loss,
+                              reference.optimizer, reference.scaler, torch.device("cpu"), None,
+                              cfg["train_params"]["grad_clip"], where="test", sync_free=True,
+                              ema=reference.ema)
+    assert stats["loss"] == expected["loss"] and stats["grad_norm"] == expected["grad_norm"]
+    for got, want in zip(parts.model.parameters(), reference.model.parameters()):
+        assert torch.equal(got, want)
+    refusals = {
+        "performance.static_pillars=0": "it needs performance.static_pillars > 0",
+        "performance.sync_free_step=false": "it needs performance.sync_free_step: true",
+        "optimizer.core_method=SGD": "the optimizer must be Adam or AdamW",
+        "train_params.skip_nonfinite_steps=2":
+            "train_params.skip_nonfinite_steps > 0: a replayed step cannot be undone"}
+    cuda = torch.device("cuda")
+    for override, reason in refusals.items():
+        cfg = load_config(CONFIG, [*FAST, override])
+        optimizer = torch.optim.SGD if "SGD" in override else torch.optim.AdamW
+        assert run_refusal(cfg, cuda, 1, 1, optimizer([torch.zeros(1, requires_grad=True)]),
+                           torch.amp.GradScaler("cpu", enabled=False)) == reason
+    assert run_refusal(load_config(CONFIG, FAST), cuda, 2, 1, parts.optimizer, parts.scaler) == \
+        "several ranks (DDP) are not captured"
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of")
+def test_lr_schedules_and_the_ema_reach_a_captured_step_through_device_tensors():
+    """The lr becomes a tensor the schedule fills in place (the captured kernels read it), and
+    the EMA's tensor-weight lerp equals its float update."""
+    cfg, parts = lite_parts(torch.device("cpu"))
+    lrs = tensor_lrs(parts.optimizer, torch.device("cpu"))
+    first = float(lrs[0])
+    parts.scheduler.step()
+    parts.scheduler.step()
+    assert parts.optimizer.param_groups[0]["lr"] is lrs[0]
+    assert float(lrs[0]) != first
+    model = torch.nn.Linear(3, 2)
+    ema, twin = ModelEMA(model, 0.9, 2.0), ModelEMA(model, 0.9, 2.0)
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    ema.update(model)
+    twin.updates += 1
+    twin.lerp_towards(model, torch.tensor(1.0 - twin.current_decay()))
+    torch.testing.assert_close(twin.module.weight, ema.module.weight, rtol=1e-6, atol=0)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_replayed_steps_equal_eager_steps_with_a_changing_lr():
+    """5 steps (2 eager warm-ups, capture, 3 replays) with a cosine lr and the EMA, on batches
+    with different point counts padded to one shape, against 5 eager steps on the same
+    batches: the same weights, EMA and lr, within float32 tolerance."""
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    device = torch.device("cuda", torch.cuda.current_device())
+    overrides = ["performance.cuda_graph_max_points=6000", "performance.cuda_graph_max_gt=8",
+                 "performance.tf32=false", "ema.enabled=true"]
+    cfg, graph_parts = lite_parts(device, overrides)
+    _, eager_parts = lite_parts(device, overrides)
+    batches = [{key: value.to(device) if torch.is_tensor(value) else value
+                for key, value in lite_batch(cfg, seed, 280 + 5 * seed, 4 + seed % 3).items()}
+               for seed in range(5)]
+    graph_step = build_graph_step(cfg, graph_parts, device, 1, 1)
+    lrs = []
+    for batch in batches:
+        got = graph_step.step([batch], "test")
+        want = optimizer_step(eager_parts.model, [batch], eager_parts.task.training_loss,
+                              eager_parts.optimizer, eager_parts.scaler, device, None,
+                              cfg["train_params"]["grad_clip"], where="test", sync_free=True,
+                              ema=eager_parts.ema)
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-4)
+        lrs.append(float(graph_parts.optimizer.param_groups[0]["lr"]))
+        graph_parts.scheduler.step()
+        eager_parts.scheduler.step()
+    assert graph_step.graph is not None and graph_step.eager_warmups == 2
+    # A batch of another agent count runs eagerly after the capture (from zero gradients).
+    other = {key: value.to(device) if torch.is_tensor(value) else value for key, value in
+             fake_collated_batch(cfg["preprocess"], batch_size=2, agents_per_sample=3,
+                                 pillars_per_agent=200, points_per_pillar=3, max_gt=4,
+                                 seed=9).items()}
+    graph_step.step([other], "test")
+    optimizer_step(eager_parts.model, [other], eager_parts.task.training_loss,
+                   eager_parts.optimizer, eager_parts.scaler, device, None,
+                   cfg["train_params"]["grad_clip"], where="test", sync_free=True,
+                   ema=eager_parts.ema)
+    assert any("another agent count" in reason for reason in graph_step.said)
+    assert len(set(lrs)) == len(lrs)                     # the lr changed at every step
+    for module_pair in ((graph_parts.model, eager_parts.model),
+                        (graph_parts.ema.module, eager_parts.ema.module)):
+        for got, want in zip(module_pair[0].state_dict().values(),
+                             module_pair[1].state_dict().values()):
+            if got.is_floating_point():
+                scale = float(want.abs().max()) + 1e-6
+                assert float((got - want).abs().max()) <= 1e-4 * scale
+            else:
+                assert torch.equal(got, want)
