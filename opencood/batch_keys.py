@@ -83,6 +83,8 @@ SAMPLE = _table(
     Key("gt_boxes", COMMON, "(G, 7) float32", "[x, y, z, h, w, l, yaw] (lwh per "
         "postprocess.order)"),
     Key("gt_ids", COMMON, "(G,) int64", "object ids"),
+    Key("gt_classes", COMMON, "(G,) int64", "class id of each GT box (index into "
+        "postprocess.classes); only with a class list"),
     Key("gt_ego_points", COMMON, "(G,) int64", "ego LiDAR returns inside each GT box (0: "
         "occluded for the ego; -1: not counted)"),
     Key("shared_points", COMMON, "int", "points each non-ego agent sent (early fusion; else 0)"),
@@ -111,6 +113,8 @@ BATCH = _table(
     Key("agent_gt_boxes", COMMON, "(A, G_max, 7) float32", "each agent's own GT in its own "
         "frame, zero padded (the pyramid loss)"),
     Key("agent_gt_mask", COMMON, "(A, G_max) bool", "real rows of agent_gt_boxes"),
+    Key("gt_classes", COMMON, "(B, G_max) int64", "class id of each GT row (0 padded); only "
+        "when the samples carry gt_classes (multi-class)"),
     Key("shared_points", COMMON, "(B,) int64", "points each non-ego agent sent (early fusion)"),
     Key("sample_keys", COMMON, "list of B keys", "(scenario, timestamp[, cav])"),
     Key("gt_ids", COMMON, "list of B (G,) int64 arrays", "object ids"),

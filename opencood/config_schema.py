@@ -237,11 +237,43 @@ class TargetArgs:
 
 
 @section
+class DetectionClass:
+    """One class of a multi-class detector (``postprocess.classes``): its anchor and its target
+    thresholds, V2X-Real's ``anchor_generator_config`` entry (its ``anchor_sizes`` are
+    ``[l, w, h]``; its ``anchor_bottom_heights`` are used as the anchor's centre z)."""
+
+    name: str = spec(check=non_empty)
+    l: float = spec(check=positive)     # noqa: E741  (anchor size, metres)
+    w: float = spec(check=positive)
+    h: float = spec(check=positive)
+    z: float                            # anchor centre height in the lidar frame
+    pos_threshold: float = 0.6          # standup BEV IoU making an anchor of this class positive
+    neg_threshold: float = 0.45         # ... and below which it is negative
+
+    def problems(self) -> Problems:
+        if self.neg_threshold > self.pos_threshold:
+            yield "neg_threshold", f"({self.neg_threshold}) must be <= pos_threshold"
+
+
+def distinct_names(classes) -> Optional[str]:
+    if classes is None:
+        return None
+    if not classes:
+        return "must list at least one class (or be left out: one class)"
+    names = [entry.name for entry in classes]
+    return None if len(set(names)) == len(names) else f"names a class twice: {names}"
+
+
+@section
 class PostprocessSection:
     core_method: str = "VoxelPostprocessor"
     gt_range: Optional[Tuple[float, ...]] = spec(None, check=box_range)   # None: cav_lidar_range
     anchor_args: AnchorArgs
     target_args: TargetArgs
+    # Multi-class detection (docs/DESIGN.md §5.1): class id k is entry k; each has its own anchor
+    # (sizes, z) on the shared yaws ``anchor_args.r`` and its own pos / neg thresholds, which
+    # replace anchor_args' l / w / h / z and target_args' pos / neg thresholds. None: one class.
+    classes: Optional[Tuple[DetectionClass, ...]] = spec(None, check=distinct_names)
     order: Literal["hwl", "lwh"] = "hwl"
     max_num: int = spec(100, check=positive)
     nms_thresh: float = 0.15
@@ -776,11 +808,16 @@ def to_plain(value: Any) -> Any:
 
 # -- derived values --------------------------------------------------------------------------
 
+def num_classes(post: PostprocessSection) -> int:
+    """Classes the detector tells apart: ``len(postprocess.classes)``, 1 without a list."""
+    return 1 if post.classes is None else len(post.classes)
+
+
 def derive(config: Config) -> Config:
     """Fill what the data sections determine and a config left out: ``postprocess.gt_range``
     (the crop range), ``bev_grid`` (the pillar grid) and the model's ``lidar_range``,
-    ``voxel_size``, ``max_points_per_voxel``, ``anchor_number`` (one anchor per yaw),
-    ``bev_range`` and ``bev_cell_size``. Computed here, never by ``eval`` of a yaml
+    ``voxel_size``, ``max_points_per_voxel``, ``anchor_number`` (one anchor per yaw and
+    class), ``num_class``, ``bev_range`` and ``bev_cell_size``. Computed here, never by ``eval`` of a yaml
     string; a value the config gives wins."""
     pre = config.preprocess
     post = config.postprocess
@@ -792,7 +829,8 @@ def derive(config: Config) -> Config:
         cell_size=grid.cell_size if grid.cell_size is not None else pre.args.voxel_size[:2])
     derived = {"lidar_range": pre.cav_lidar_range, "voxel_size": pre.args.voxel_size,
                "max_points_per_voxel": pre.args.max_points_per_voxel,
-               "anchor_number": len(post.anchor_args.r),
+               "anchor_number": len(post.anchor_args.r) * num_classes(post),
+               "num_class": num_classes(post),
                "bev_range": grid.range, "bev_cell_size": grid.cell_size}
     args = config.model.args
     if is_dataclass(args):      # the model's schema: its fields of these names left at None

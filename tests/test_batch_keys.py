@@ -62,10 +62,16 @@ def test_fake_batch_has_the_collated_layout():
                                pillars_per_agent=20)
     batch_keys.check_keys("batch", fake, "fake_collated_batch")
     # The fake batch holds every common key a collated batch of a LiDAR sample has (a
-    # heterogeneous batch has its agents' modalities too).
+    # heterogeneous batch has its agents' modalities too); the class ids only with classes (a
+    # single-class batch is what it was before issue 38).
     declared_common = set(batch_keys.keys_of(batch_keys.BATCH, batch_keys.COMMON)) - set(
         batch_keys.HETER_KEYS)
-    assert declared_common <= set(fake)
+    assert declared_common - set(fake) == {"gt_classes"}
+    classes = fake_collated_batch(cfg["preprocess"], batch_size=2, pillars_per_agent=20,
+                                  max_gt=3, num_classes=2)
+    batch_keys.check_keys("batch", classes, "fake_collated_batch")
+    assert declared_common <= set(classes)
+    assert classes["gt_classes"].tolist() == [[0, 1, 0], [0, 1, 0]]
 
 
 def test_an_undeclared_key_is_named():

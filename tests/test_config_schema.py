@@ -53,7 +53,7 @@ DEFAULTS = {
                     "anchor_args": {"l": 3.9, "w": 1.6, "h": 1.56, "z": -1.0, "r": [0.0, 90.0],
                                     "feature_stride": 2, "placement": "cell_centre"},
                     "target_args": {"pos_threshold": 0.6, "neg_threshold": 0.45,
-                                    "score_threshold": 0.2},
+                                    "score_threshold": 0.2}, "classes": None,
                     "order": "hwl", "max_num": 100, "nms_thresh": 0.15, "pre_nms_max": 500,
                     "filters": "ours"},
     "loss": {"core_method": "point_pillar_loss",
@@ -124,7 +124,7 @@ def test_minimal_yaml_resolves_to_every_default(tmp_path):
     args = cfg["model"]["args"]
     # Derived from the data sections; the model's own defaults filled in.
     assert args["lidar_range"] == OPV2V_RANGE and args["voxel_size"] == [0.8, 0.8, 4.0]
-    assert (args["max_points_per_voxel"], args["anchor_number"]) == (32, 2)
+    assert (args["max_points_per_voxel"], args["anchor_number"], args["num_class"]) == (32, 2, 1)
     assert args["pillar_vfe"] == {"in_channels": 4, "num_filters": [64], "with_distance": False,
                                   "padded_slots": "ignore"}
     assert args["bn_momentum"] is None and args["shrink_header"] is None
@@ -259,7 +259,7 @@ def test_a_model_without_a_schema_keeps_open_args_with_the_derived_geometry(tmp_
     cfg["model"] = {"core_method": "some_baseline", "args": {"depth": 3}}
     args = load_config(_write(tmp_path / "baseline.yaml", cfg))["model"]["args"]
     assert args == {"lidar_range": OPV2V_RANGE, "voxel_size": [0.8, 0.8, 4.0],
-                    "max_points_per_voxel": 32, "anchor_number": 2, "depth": 3,
+                    "max_points_per_voxel": 32, "anchor_number": 2, "num_class": 1, "depth": 3,
                     "bev_range": OPV2V_RANGE, "bev_cell_size": [0.8, 0.8]}
 
 

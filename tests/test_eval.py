@@ -448,14 +448,15 @@ def test_late_fusion_bytes_are_boxes_sent_times_32(monkeypatch):
     # Two samples: agents (ego, a, b) and (ego, c); boxes 10 m apart, so NMS keeps them all.
     per_agent = [boxes_at([0, 10]), boxes_at([20, 30, 40]), boxes_at([]),
                  boxes_at([0]), boxes_at([10, 20, 30, 40])]
-    decoded = [(b, torch.linspace(0.9, 0.5, b.shape[0])) for b in per_agent]
+    decoded = [(b, torch.linspace(0.9, 0.5, b.shape[0]),
+                 torch.zeros(b.shape[0], dtype=torch.int64)) for b in per_agent]
     shift = torch.eye(4)
     shift[1, 3] = 100.0                       # agent b/c sees the world 100 m to the side
     transforms = torch.stack([torch.eye(4), torch.eye(4), shift, torch.eye(4), shift])
     postprocessor = VoxelPostprocessor.from_config(_config(Path("unused")), torch.device("cpu"))
     monkeypatch.setattr(postprocessor, "decode", lambda outputs: decoded)
     results = postprocessor.detections({}, torch.tensor([3, 2]), transforms, late=True)
-    (boxes0, scores0, bytes0), (boxes1, scores1, bytes1) = results
+    (boxes0, scores0, bytes0, _), (boxes1, scores1, bytes1, _) = results
     assert bytes0 == (3 * 32 + 0 * 32) / 2 and bytes1 == 4 * 32
     assert boxes0.shape[0] == 5 and boxes1.shape[0] == 5
     assert sorted(boxes1[:, 1].tolist()) == [0.0] + [100.0] * 4   # projected to the ego frame

@@ -40,7 +40,7 @@ def test_merges_with_the_corrected_transforms(monkeypatch):
     aligned = get_strategy("late_box_align").detections(postprocessor, outputs, inputs)
     late = get_strategy("late").detections(postprocessor, outputs,
                                            {**inputs, "transforms_to_ego": shifted})
-    for (boxes, scores, sent), (ref_boxes, ref_scores, ref_sent) in zip(aligned, late):
+    for (boxes, scores, sent, _), (ref_boxes, ref_scores, ref_sent, _) in zip(aligned, late):
         torch.testing.assert_close(boxes, ref_boxes)
         torch.testing.assert_close(scores, ref_scores)
         assert sent == ref_sent

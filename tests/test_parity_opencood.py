@@ -828,7 +828,7 @@ def test_reference_model_trained_here_exports(tmp_path, test_split):
 
 def decode_all_anchors(cfg: dict, fixture: dict) -> list:
     """Our postprocessor's decode of the fixture's head outputs, every anchor kept (a score
-    threshold below any sigmoid), per sample (boxes (H*W*A, 7), scores)."""
+    threshold below any sigmoid), per sample ``Detections`` (boxes (H*W*A, 7), scores, classes)."""
     from opencood.postprocess.voxel_postprocessor import VoxelPostprocessor
     post = VoxelPostprocessor.from_config(cfg, torch.device("cpu"))
     post.score_threshold = -1.0
@@ -844,7 +844,7 @@ def test_decoding_matches_opencood(name):
     fixture = load_fixture(name)
     reference = torch.load(FIXTURES / f"{name}.decoded.pt", weights_only=True)
     decoded = decode_all_anchors(translated_config(name), fixture)
-    for (boxes, scores), theirs in zip(decoded, reference["per_sample"], strict=True):
+    for (boxes, scores, _), theirs in zip(decoded, reference["per_sample"], strict=True):
         index = theirs["index"]
         torch.testing.assert_close(scores[index], theirs["scores"], rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(boxes[index], theirs["boxes"], rtol=1e-5, atol=1e-5)
@@ -856,6 +856,6 @@ def test_decoding_needs_the_reference_anchor_placement():
     cfg = translated_config(name)
     cfg["postprocess"]["anchor_args"]["placement"] = "cell_centre"
     reference = torch.load(FIXTURES / f"{name}.decoded.pt", weights_only=True)
-    (boxes, _), *_ = decode_all_anchors(cfg, load_fixture(name))
+    boxes = decode_all_anchors(cfg, load_fixture(name))[0].boxes
     theirs = reference["per_sample"][0]
     assert (boxes[theirs["index"], :2] - theirs["boxes"][:, :2]).abs().max() > 0.1

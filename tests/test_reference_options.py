@@ -134,7 +134,7 @@ def test_head_without_direction():
     anchors = generate_anchors([0, 0, -3, 6.4, 6.4, 1], VOXEL, feature_stride=4)
     post = VoxelPostprocessor(anchors, ResidualBoxCoder(), 0.6, 0.45, 0.0, 0.15, 100, 500)
     outputs["reg_preds"].data[:, 6::7] = 3.0            # yaw residual: beyond any bin
-    boxes, _ = post.decode(outputs)[0]
+    boxes = post.decode(outputs)[0].boxes
     expected_yaw = anchors.reshape(-1, 7)[:, 6] + 3.0
     torch.testing.assert_close(boxes[:, 6], expected_yaw)
 
@@ -199,11 +199,11 @@ def test_reference_filters_drop_implausible_boxes_and_keep_every_nms_survivor():
                           [0.0, -10.0, -1.0, 1.5, 1.8, 4.0, 0.7]])  # plausible (5.3 m diagonal)
     scores = torch.tensor([0.9, 0.8, 0.7, 0.6, 0.5, 0.4])
     args = (anchors, ResidualBoxCoder(), 0.6, 0.45, 0.2, 0.15, 2, 500)
-    kept, kept_scores = VoxelPostprocessor(*args, filters="reference").nms(boxes, scores)
+    kept, kept_scores, _ = VoxelPostprocessor(*args, filters="reference").nms(boxes, scores)
     torch.testing.assert_close(kept_scores, torch.tensor([0.9, 0.5, 0.4]))
-    _, ours_scores = VoxelPostprocessor(*args).nms(boxes, scores)
+    ours_scores = VoxelPostprocessor(*args).nms(boxes, scores).scores
     torch.testing.assert_close(ours_scores, torch.tensor([0.9, 0.8]))
     # pre_nms_max bounds the plausible candidates under both filters (an import sets OpenCOOD's
     # 1000): the 2 best plausible ones enter NMS here.
-    _, two_best = VoxelPostprocessor(*args[:-1], 2, filters="reference").nms(boxes, scores)
+    two_best = VoxelPostprocessor(*args[:-1], 2, filters="reference").nms(boxes, scores).scores
     torch.testing.assert_close(two_best, torch.tensor([0.9, 0.5]))

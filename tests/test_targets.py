@@ -323,7 +323,8 @@ def test_decode_predictions_hand_made():
                                        pre_nms_max=500)
     detections = postprocessor.decode({"cls_preds": cls_preds, "reg_preds": reg_preds,
                                        "dir_preds": dir_preds})
-    boxes, scores = detections[0]
+    boxes, scores, classes = detections[0]
+    assert classes.tolist() == [0] * len(boxes)         # one class: every box class 0
     expected = torch.tensor([[3 + 0.5 * SQRT5, 3.0, -1.0, 1.5, 1.0, 2.0, math.pi]])
     torch.testing.assert_close(boxes, expected)
     torch.testing.assert_close(scores, torch.tensor([1 / (1 + math.exp(-2.0))]))

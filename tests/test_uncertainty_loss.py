@@ -117,7 +117,7 @@ def test_stage1_detections_carry_each_boxs_log_variance():
                "dir_preds": torch.randn(2, 4, 16, 32, generator=gen),
                "unc_preds": cls.repeat_interleave(3, dim=1)}
     plain = [postprocessor.nms(*decoded) for decoded in postprocessor.decode(outputs)]
-    for (boxes, scores, log_var), (ref_boxes, ref_scores) in zip(
+    for (boxes, scores, log_var), (ref_boxes, ref_scores, _) in zip(
             detections_with_uncertainty(postprocessor, outputs), plain):
         assert len(boxes) > 5 and log_var.shape == (len(boxes), 3)
         torch.testing.assert_close(boxes, ref_boxes)

@@ -774,7 +774,7 @@ def bench_eval_postprocess(suite: Suite) -> List[Dict]:
                                                  bench.batch["transforms_to_ego"], late=False)
 
     decode_ms = statistics.median(bench.time(decode_nms)) / bench.batch_size
-    per_frame = [(boxes.float().cpu(), scores.float().cpu()) for boxes, scores, _ in detections]
+    per_frame = [(frame.boxes.float().cpu(), frame.scores.float().cpu()) for frame in detections]
     gts = [bench.batch["gt_boxes"][row][bench.batch["gt_mask"][row]].cpu()
            for row in range(bench.batch_size)]
     frames = suite.args.eval_frames

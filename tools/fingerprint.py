@@ -164,9 +164,11 @@ def model_fingerprint(cfg: Dict) -> Dict[str, str]:
         hash_tree("eval_outputs", model(strategy.model_inputs(inputs)), out)
         results, _ = detect(ShiftedScores(model), batch, task.eval_preparer, strategy)
     accumulator = APAccumulator(order=task.eval_preparer.postprocessor.order)
-    for row, (boxes, scores, sent) in enumerate(results):
+    for row, (boxes, scores, sent, *classes) in enumerate(results):
+        # Trees before issue 38 give (boxes, scores, sent); class ids only of a class list.
+        extra = {"classes": classes[0]} if cfg["postprocess"].get("classes") else {}
         hash_tree(f"detections.{row}", {"boxes": boxes, "scores": scores,
-                                        "sent": torch.as_tensor(sent)}, out)
+                                        "sent": torch.as_tensor(sent), **extra}, out)
         accumulator.add_frame(boxes, scores, batch["gt_boxes"][row][batch["gt_mask"][row]],
                               sample_key=tuple(batch["sample_keys"][row]))
     out["ap"] = json.dumps(accumulator.compute(), sort_keys=True, default=str)

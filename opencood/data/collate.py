@@ -56,6 +56,8 @@ def collate_samples(samples: List[Dict]) -> Dict:
         "gt_ego_points": [s["gt_ego_points"] for s in samples],
         "points_in_agent_frame": bool(samples[0].get("points_in_agent_frame", False)),
     }
+    if "gt_classes" in samples[0]:
+        batch["gt_classes"] = padded_classes([s["gt_classes"] for s in samples], max_gt)
     if "early_fusion_points" in samples[0]:
         batch["early_fusion"] = collate_early_fusion([s["early_fusion_points"] for s in samples])
     if "agent_gt_boxes" in samples[0]:
@@ -75,6 +77,15 @@ def pad_boxes(box_sets: List[np.ndarray]):
         padded[row, :len(boxes)] = torch.from_numpy(np.asarray(boxes, dtype=np.float32))
         mask[row, :len(boxes)] = True
     return padded, mask
+
+
+def padded_classes(classes: List[np.ndarray], max_gt: int) -> torch.Tensor:
+    """Per sample (G,) class ids -> (B, max_gt) int64, zero padded like ``gt_boxes``."""
+    padded = torch.zeros((len(classes), max_gt), dtype=torch.int64)
+    for row, sample_classes in enumerate(classes):
+        padded[row, :len(sample_classes)] = torch.as_tensor(np.asarray(sample_classes,
+                                                                       dtype=np.int64))
+    return padded
 
 
 def collate_lidar(samples: List[Dict]) -> Dict:

@@ -108,10 +108,12 @@ class BatchPreparer:
         return tensor.to(self.device, non_blocking=True)
 
     def targets(self, batch: Dict) -> Dict:
-        """Anchor targets for the batch's GT (ego frame, or the CAV frame for late training)."""
+        """Anchor targets for the batch's GT (ego frame, or the CAV frame for late training);
+        a multi-class postprocessor also reads the GT's ``gt_classes``."""
         gt_boxes = self.to_device(batch["gt_boxes"])
         gt_mask = self.to_device(batch["gt_mask"])
-        targets = self.postprocessor.targets(gt_boxes, gt_mask)
+        gt_classes = self.to_device(batch["gt_classes"]) if "gt_classes" in batch else None
+        targets = self.postprocessor.targets(gt_boxes, gt_mask, gt_classes)
         if "agent_gt_boxes" in batch:       # each agent's own labels (the pyramid loss)
             targets["agent_labels"] = self.postprocessor.targets(
                 self.to_device(batch["agent_gt_boxes"]),

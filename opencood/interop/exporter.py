@@ -108,6 +108,7 @@ def check_reference_options(ours: _Ours, core_method: str) -> None:
     ours.require("model.args.use_dir", False, "OpenCOOD's heads have no direction classifier")
     ours.require("postprocess.anchor_args.placement", "reference", why)
     ours.require("postprocess.order", "hwl", "its target assignment supports hwl only")
+    ours.require("postprocess.classes", None, "OpenCOOD 0.1.19 detects one class")
     ours.require("postprocess.anchor_args.z", OPENCOOD_ANCHOR_Z, "its anchors sit at z = -1")
     ours.require("model.args.point_pillar_scatter.num_features", PILLAR_FEATURES,
                  "its backbone input is hard-coded")

@@ -83,11 +83,14 @@ class PointPillarLossArgs:
 class DetectionLoss(nn.Module):
     """``forward(outputs, targets) -> (total, terms)``.
 
-    outputs: head maps (layout in opencood.postprocess.layout): cls_preds (B, A, H, W), reg_preds
-      (B, 7A, H, W), dir_preds (B, 2A, H, W) (absent: no direction term), optional
-      where2comm conf_preds (N_agents, A, H, W) with conf_sample_index (N_agents,).
+    outputs: head maps (layout in opencood.postprocess.layout): cls_preds (B, K*A, H, W) (K
+      classes, read off the channel counts), reg_preds (B, 7A, H, W), dir_preds (B, 2A, H, W)
+      (absent: no direction term), optional where2comm conf_preds (N_agents, A, H, W) with
+      conf_sample_index (N_agents,).
     targets: labels (B, N) int64 in {-1 ignore, 0 negative, 1 positive}, reg_targets (B, N, 7),
-      dir_targets (B, N) int64, reg_weights (B, N); N = H*W*A.
+      dir_targets (B, N) int64, reg_weights (B, N); N = H*W*A; with K > 1 class_targets (B, N)
+      int64, the class a positive anchor learns (V2X-Real's loss: focal loss of each of the K
+      sigmoid logits against the one-hot class, the same normaliser).
     terms: detached scalar tensors cls_loss, reg_loss, dir_loss, [conf_loss], [unc_loss],
       [depth_loss], total_loss (tensors, not floats, so logging does not force a device sync
       every step).
@@ -118,6 +121,21 @@ class DetectionLoss(nn.Module):
         losses = sigmoid_focal_loss(logits, positive, alpha=self.focal_alpha,
                                     gamma=self.focal_gamma)
         return losses * cared
+
+    def classification_map(self, outputs: dict, targets: dict) -> torch.Tensor:
+        """(B, N) focal loss of the head's class logits, summed over the K classes, 0 at ignored
+        anchors; K = 1: :meth:`focal_map` of the one logit."""
+        labels = targets["labels"]
+        anchors_per_cell = outputs["reg_preds"].shape[1] // BOX_CODE_SIZE
+        num_classes = outputs["cls_preds"].shape[1] // anchors_per_cell
+        if num_classes == 1:
+            return self.focal_map(flat_float(outputs["cls_preds"], 1), labels)
+        logits = flat_float(outputs["cls_preds"], num_classes)                   # (B, N, K)
+        one_hot = F.one_hot(targets["class_targets"], num_classes).to(logits.dtype)
+        one_hot = one_hot * (labels == 1).unsqueeze(-1).to(logits.dtype)
+        losses = sigmoid_focal_loss(logits, one_hot, alpha=self.focal_alpha,
+                                    gamma=self.focal_gamma).sum(dim=-1)
+        return losses * (labels >= 0).to(logits.dtype)
 
     def focal_term(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """(B, N) logits and labels -> sum of focal loss over non-ignored anchors / #positives."""
@@ -166,9 +184,9 @@ class DetectionLoss(nn.Module):
         labels = targets["labels"]
         positive = (labels == 1).to(torch.float32)
         normaliser = positive.sum().clamp(min=1.0)
-        cls_logits = flat_float(outputs["cls_preds"], 1)
         terms = {
-            "cls_loss": self.cls_weight * self.focal_term(cls_logits, labels),
+            "cls_loss": self.cls_weight * (self.classification_map(outputs, targets).sum()
+                                           / normaliser),
             "reg_loss": self.reg_weight * self.regression_term(outputs["reg_preds"], targets,
                                                                positive, normaliser),
         }
@@ -200,8 +218,7 @@ class DetectionLoss(nn.Module):
         positive = (labels == 1).to(torch.float32)
         positives = positive.sum(dim=1, dtype=torch.float64)                      # (B,)
         normaliser = positives.clamp(min=1.0)
-        cls_logits = flat_float(outputs["cls_preds"], 1)
-        summed = (self.cls_weight * self.focal_map(cls_logits, labels).double().sum(dim=1)
+        summed = (self.cls_weight * self.classification_map(outputs, targets).double().sum(dim=1)
                   + self.reg_weight * self.regression_map(outputs["reg_preds"], targets,
                                                           positive).double().sum(dim=(1, 2)))
         if outputs.get("dir_preds") is not None:

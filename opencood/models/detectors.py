@@ -12,7 +12,7 @@ agent_latency, spatial_correction_matrix). Own-frame data (``points_in_agent_fra
 ``transforms_to_ego`` (N_agents, 4, 4) maps it into the ego frame; the intermediate detector
 warps every agent's map with exactly that key (pose correction replaces it before the model
 runs) before fusing.
-Output dict: cls_preds (B, A, H, W), reg_preds (B, 7A, H, W), dir_preds (B, 2A, H, W) (not with
+Output dict: cls_preds (B, K*A, H, W) (K classes, 1 by default), reg_preds (B, 7A, H, W), dir_preds (B, 2A, H, W) (not with
   ``use_dir: false``),
   comm_bytes (B,) float, and for where2comm conf_preds (N_agents, A, H, W) with
   conf_sample_index (N_agents,) (the sample each confidence map belongs to); intermediate
@@ -67,12 +67,13 @@ class ModelFusion:
 
 @section
 class PillarArgs:
-    """Detector arguments. The first six are derived from the data sections unless given."""
+    """Detector arguments. The first seven are derived from the data sections unless given."""
 
     lidar_range: Optional[Tuple[float, ...]] = spec(None, check=box_range)
     voxel_size: Optional[Tuple[float, float, float]] = spec(None, check=all_positive)
     max_points_per_voxel: Optional[int] = spec(None, check=positive)
-    anchor_number: Optional[int] = spec(None, check=positive)
+    anchor_number: Optional[int] = spec(None, check=positive)     # yaws x classes
+    num_class: Optional[int] = spec(None, check=positive)         # class logits per anchor
     # The BEV map the encoder writes and the heads read (the config's ``bev_grid`` section).
     bev_range: Optional[Tuple[float, ...]] = spec(None, check=box_range)
     bev_cell_size: Optional[Tuple[float, float]] = spec(None, check=all_positive)
@@ -166,7 +167,8 @@ def build_pillar_parts(args: PillarArgs):
     encoder = build_encoder(args)
     backbone = BaseBEVBackbone(args.base_bev_backbone, encoder.out_channels)
     head = AnchorHead(backbone.out_channels, num_anchors=args.anchor_number,
-                      use_dir=args.use_dir, uncertainty_dim=args.uncertainty_dim)
+                      num_classes=args.num_class, use_dir=args.use_dir,
+                      uncertainty_dim=args.uncertainty_dim)
     return encoder, backbone, head
 
 
@@ -223,7 +225,8 @@ class PointPillar(LegacyKeys, nn.Module):
         if args.shrink_header is not None:
             self.shrink = ShrinkHeader(args.shrink_header, self.backbone.out_channels)
             self.head = AnchorHead(self.shrink.out_channels, num_anchors=args.anchor_number,
-                                   use_dir=args.use_dir, uncertainty_dim=args.uncertainty_dim)
+                                   num_classes=args.num_class, use_dir=args.use_dir,
+                                   uncertainty_dim=args.uncertainty_dim)
         set_bn_momentum(self, args.bn_momentum)
         self._register_legacy_hook()
 
@@ -303,7 +306,8 @@ class PointPillarIntermediate(LegacyKeys, nn.Module):
             # A second head, on the narrower map (the first one's draws from the RNG are kept:
             # initial weights stay what they were for a seed).
             head = AnchorHead(shrink.out_channels, num_anchors=args.anchor_number,
-                              use_dir=args.use_dir, uncertainty_dim=args.uncertainty_dim)
+                              num_classes=args.num_class, use_dir=args.use_dir,
+                              uncertainty_dim=args.uncertainty_dim)
         fusion = build_fusion(args.fusion, shrink.out_channels if shrink is not None
                               else backbone.out_channels, head.num_anchors)
         self.encoder, self.backbone, self.head = encoder, backbone, head

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 from torch import nn
@@ -16,19 +17,23 @@ def prior_bias(prior: float) -> float:
 
 
 class AnchorHead(nn.Module):
-    """(B, C, H, W) -> cls (B, A, H, W), reg (B, 7A, H, W), dir (B, 2A, H, W), in the channel
+    """(B, C, H, W) -> cls (B, K*A, H, W), reg (B, 7A, H, W), dir (B, 2A, H, W), in the channel
     layout of :mod:`opencood.postprocess.layout` (reg channel ``a * 7 + k`` is code k of anchor
-    a), which lines up with the postprocessor's anchors (H, W, A, 7).
+    a; cls channel ``a * K + c`` is the logit of class c at anchor a), which lines up with the
+    postprocessor's anchors (H, W, A, 7). ``num_classes`` K (None: 1): with K classes there are
+    A = K x yaws anchors per cell, class-major, as V2X-Real's heads.
 
     ``use_dir=False``: no direction classifier (OpenCOOD's heads): no ``dir_preds``, so the
     decoder keeps the regressed yaw as it is and the loss has no direction term.
     """
 
     def __init__(self, in_channels: int, num_anchors: int = 2, cls_prior: float = 0.01,
-                 use_dir: bool = True, uncertainty_dim: int = 0):
+                 use_dir: bool = True, uncertainty_dim: int = 0,
+                 num_classes: Optional[int] = 1):
         super().__init__()
         self.num_anchors = num_anchors
-        self.cls_conv = nn.Conv2d(in_channels, num_anchors, 1)
+        self.num_classes = num_classes or 1
+        self.cls_conv = nn.Conv2d(in_channels, num_anchors * self.num_classes, 1)
         self.reg_conv = nn.Conv2d(in_channels, BOX_CODE_SIZE * num_anchors, 1)
         self.dir_conv = nn.Conv2d(in_channels, NUM_DIR_BINS * num_anchors, 1) if use_dir \
             else None

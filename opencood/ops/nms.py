@@ -1,6 +1,8 @@
 """Greedy non-maximum suppression with rotated BEV IoU (torch, any device)."""
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 import torch
 
@@ -24,13 +26,14 @@ def _greedy_keep(overlaps: np.ndarray) -> np.ndarray:
 
 
 def nms_rotated(boxes: torch.Tensor, scores: torch.Tensor, iou_threshold: float,
-                order: str = "hwl") -> torch.Tensor:
+                order: str = "hwl", classes: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Indices of the boxes kept by greedy rotated NMS, by descending score.
 
     boxes (N, 7), scores (N,) -> LongTensor (K,) on the boxes' device. A box is dropped when its
     BEV IoU with a higher-scored kept box is strictly greater than ``iou_threshold``; equal
     scores keep input order (stable sort). The caller applies any score threshold or top-k first:
-    the IoU matrix is N x N.
+    the IoU matrix is N x N. ``classes`` (N,) int: per-class NMS, a box only suppresses boxes of
+    its own class (a pedestrian beside a truck survives); None: every box one class.
     """
     boxes = torch.as_tensor(boxes)
     scores = torch.as_tensor(scores, device=boxes.device)
@@ -40,6 +43,10 @@ def nms_rotated(boxes: torch.Tensor, scores: torch.Tensor, iou_threshold: float,
     sorted_boxes = boxes[order_by_score]
     # One IoU matrix, one device->host copy of a bool matrix; the greedy walk itself is
     # inherently sequential and cheap on the host, where it causes no per-step device syncs.
-    overlaps = (boxes_bev_iou(sorted_boxes, sorted_boxes, order) > iou_threshold).cpu().numpy()
+    overlapping = boxes_bev_iou(sorted_boxes, sorted_boxes, order) > iou_threshold
+    if classes is not None:
+        sorted_classes = torch.as_tensor(classes, device=boxes.device)[order_by_score]
+        overlapping &= sorted_classes[:, None] == sorted_classes[None, :]
+    overlaps = overlapping.cpu().numpy()
     kept_positions = torch.from_numpy(_greedy_keep(overlaps)).to(boxes.device)
     return order_by_score[kept_positions]

@@ -1,8 +1,10 @@
 """The detection head's output layout: the contract between the head, the loss and the decoder.
 
-For a head map of H x W cells (H along y, W along x) with A anchors per cell:
+For a head map of H x W cells (H along y, W along x) with A anchors per cell and K classes
+(``postprocess.classes``, K = 1 without; then A = K x yaws, class-major, docs/DESIGN.md §5.1):
 
-* ``cls_preds`` (B, A, H, W): channel ``a`` is the class logit of anchor ``a``;
+* ``cls_preds`` (B, K * A, H, W): channel ``a * K + c`` is the logit of class ``c`` at anchor
+  ``a`` (K = 1: channel ``a`` is anchor ``a``'s one logit);
 * ``reg_preds`` (B, BOX_CODE_SIZE * A, H, W): channel ``a * BOX_CODE_SIZE + k`` is residual ``k``
   of anchor ``a`` (see :class:`opencood.postprocess.box_coder.ResidualBoxCoder`);
 * ``dir_preds`` (B, NUM_DIR_BINS * A, H, W): channel ``a * NUM_DIR_BINS + j`` is the logit of

@@ -8,7 +8,7 @@ outputs (:mod:`opencood.postprocess.layout`).
 """
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -132,3 +132,55 @@ def assign_targets(anchors: torch.Tensor, gt_boxes: torch.Tensor, gt_mask: torch
         "num_positives": positive.sum(dim=1),
         "matched_gt": matched_gt.masked_fill(~positive, -1),
     }
+
+
+def assign_class_targets(anchors: torch.Tensor, gt_boxes: torch.Tensor, gt_mask: torch.Tensor,
+                         gt_classes: torch.Tensor, thresholds: Sequence[Tuple[float, float]],
+                         box_coder: Optional[ResidualBoxCoder] = None,
+                         anchor_rects: Optional[torch.Tensor] = None
+                         ) -> Dict[str, torch.Tensor]:
+    """Multi-class :func:`assign_targets`: the anchors of class k only see the GT of class k,
+    with class k's thresholds (V2X-Real's ``generate_label``).
+
+    Args:
+        anchors: (H, W, K*R, 7), class-major per cell (anchor ``k * R + r``: class k, yaw r).
+        gt_boxes (B, Mmax, 7), gt_mask (B, Mmax): as :func:`assign_targets`.
+        gt_classes: (B, Mmax) int64 class id of each GT row (padded rows arbitrary).
+        thresholds: per class (pos_iou, neg_iou), K entries.
+        anchor_rects: (N, 4) standup rectangles of the flattened anchors, if kept.
+
+    Returns :func:`assign_targets`' dict over all N = H*W*K*R anchors (``matched_gt`` indexes
+    the full Mmax rows) and ``class_targets`` (B, N) int64: the class of a positive anchor's GT
+    (its anchor's class), 0 where not positive.
+    """
+    num_classes = len(thresholds)
+    height, width, per_cell = anchors.shape[:3]
+    if per_cell % num_classes:
+        raise ValueError(f"{per_cell} anchors per cell do not split into {num_classes} classes")
+    yaws = per_cell // num_classes
+    cells = height * width
+    class_anchors = anchors.reshape(cells, num_classes, yaws, 7)
+    if anchor_rects is None:
+        anchor_rects = standup_bev(anchors.reshape(-1, 7).to(gt_boxes),
+                                   (box_coder or ResidualBoxCoder()).order)
+    class_rects = anchor_rects.reshape(cells, num_classes, yaws, 4)
+    gt_classes = gt_classes.to(gt_boxes.device)
+    gt_mask = gt_mask.to(device=gt_boxes.device, dtype=torch.bool)
+    per_class = []
+    for k, (pos_iou, neg_iou) in enumerate(thresholds):
+        targets = assign_targets(class_anchors[:, k], gt_boxes, gt_mask & (gt_classes == k),
+                                 pos_iou=pos_iou, neg_iou=neg_iou, box_coder=box_coder,
+                                 anchor_rects=class_rects[:, k].reshape(-1, 4))
+        targets["class_targets"] = torch.where(targets["labels"] == 1, k, 0)
+        per_class.append(targets)
+    merged = {}
+    for key, first in per_class[0].items():
+        if key == "num_positives":
+            merged[key] = sum(targets[key] for targets in per_class)
+            continue
+        # (B, cells * R, ...) per class -> (B, cells, K, R, ...) -> (B, N, ...): the anchor order.
+        rest = first.shape[2:]
+        stacked = torch.stack([targets[key].reshape(first.shape[0], cells, yaws, *rest)
+                               for targets in per_class], dim=2)
+        merged[key] = stacked.reshape(first.shape[0], -1, *rest)
+    return merged

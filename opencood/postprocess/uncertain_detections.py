@@ -2,9 +2,9 @@
 x, y (, yaw) carried through decoding and NMS, box for box, for the pose graph
 (``opencood.ops.pose_graph.box_align_lidar_poses``).
 
-The postprocessor's ``decode`` / ``nms`` return (boxes, scores) only; this follows the same
-selection (score threshold, the ``pre_nms_max`` best, rotated NMS, ``max_num``) by index so the
-log variances stay aligned with the boxes, without changing the ``Detections`` type.
+The postprocessor's ``decode`` / ``nms`` return ``Detections`` (boxes, scores, classes); this
+follows the same selection (``nms_indices``) by index so the log variances stay aligned with the
+boxes, without changing the ``Detections`` type.
 """
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from typing import Dict, List, Tuple
 
 import torch
 
-from opencood.ops.nms import nms_rotated
 from opencood.postprocess.layout import flatten_anchor_maps
 
 UncertainDetections = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]   # boxes, scores, log_var
@@ -26,21 +25,11 @@ def detections_with_uncertainty(postprocessor, outputs: Dict[str, torch.Tensor]
     anchors_per_cell = postprocessor.num_anchors_per_location
     dim = outputs["unc_preds"].shape[1] // anchors_per_cell
     log_var = flatten_anchor_maps(outputs["unc_preds"], dim).float()          # (N, anchors, dim)
-    scores_all = torch.sigmoid(flatten_anchor_maps(outputs["cls_preds"], 1).float())
+    scores_all, _ = postprocessor.class_scores(outputs["cls_preds"], torch.float32)
     decoded = postprocessor.decode(outputs)
     results = []
-    for agent, (boxes, scores) in enumerate(decoded):
+    for agent, (boxes, scores, classes) in enumerate(decoded):
         agent_log_var = log_var[agent][scores_all[agent] > postprocessor.score_threshold]
-        order = _top_indices(scores, postprocessor.pre_nms_max)
-        keep = nms_rotated(boxes[order], scores[order], postprocessor.nms_thresh,
-                           order=postprocessor.order)[:postprocessor.max_num]
-        chosen = order[keep]
+        chosen = postprocessor.nms_indices(boxes, scores, classes)
         results.append((boxes[chosen], scores[chosen], agent_log_var[chosen.to(log_var.device)]))
     return results
-
-
-def _top_indices(scores: torch.Tensor, limit: int) -> torch.Tensor:
-    """Indices of the ``limit`` best of (K,) scores, as ``select_top`` picks them (all if fewer)."""
-    if scores.shape[0] <= limit:
-        return torch.arange(scores.shape[0], device=scores.device)
-    return torch.topk(scores, limit).indices

@@ -7,7 +7,7 @@ the data pipeline, the evaluation and the benchmarks ask it instead of re-assemb
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -17,12 +17,29 @@ from opencood.ops.transforms import boxes_to_corners_3d
 from opencood.postprocess.anchors import generate_anchors
 from opencood.postprocess.box_coder import ResidualBoxCoder
 from opencood.postprocess.layout import BOX_CODE_SIZE, flatten_anchor_maps
-from opencood.postprocess.target_assigner import assign_targets, standup_bev
+from opencood.postprocess.target_assigner import (assign_class_targets, assign_targets,
+                                                  standup_bev)
 from opencood.registry import POSTPROCESSORS
 
 BYTES_PER_BOX = 8 * 4  # late fusion sends 7 box numbers and a score, float32
 
-Detections = Tuple[torch.Tensor, torch.Tensor]          # boxes (K, 7), scores (K,)
+
+
+class Detections(NamedTuple):
+    """One frame's (or agent's) boxes: boxes (K, 7), scores (K,), classes (K,) int64 class ids
+    (index into ``postprocess.classes``; all 0 with one class)."""
+    boxes: torch.Tensor
+    scores: torch.Tensor
+    classes: torch.Tensor
+
+
+class FrameDetections(NamedTuple):
+    """A sample's detections in the ego frame after NMS (``VoxelPostprocessor.detections``):
+    boxes (K, 7), scores (K,), the bytes each agent sent, classes (K,) int64."""
+    boxes: torch.Tensor
+    scores: torch.Tensor
+    sent: float
+    classes: torch.Tensor
 
 
 def boxes_to_ego(boxes: torch.Tensor, transform: torch.Tensor) -> torch.Tensor:
@@ -55,28 +72,32 @@ def reference_plausible(boxes: torch.Tensor, order: str) -> torch.Tensor:
             & (corners[..., 2] >= low).all(dim=1) & (corners[..., 2] <= high).all(dim=1))
 
 
-def select_top(boxes: torch.Tensor, scores: torch.Tensor, limit: int) -> Detections:
-    """The ``limit`` best-scored of (K, 7) boxes and (K,) scores (all of them if K <= limit)."""
+def top_indices(scores: torch.Tensor, limit: int) -> torch.Tensor:
+    """Indices of the ``limit`` best of (K,) scores (all of them, in order, if K <= limit)."""
     if scores.shape[0] <= limit:
-        return boxes, scores
-    top = torch.topk(scores, limit).indices
-    return boxes[top], scores[top]
+        return torch.arange(scores.shape[0], device=scores.device)
+    return torch.topk(scores, limit).indices
 
 
-def anchors_from_config(anchor_args: dict, bev_grid: dict, order: str,
-                        device=None) -> torch.Tensor:
+def anchors_from_config(anchor_args: dict, bev_grid: dict, order: str, device=None,
+                        classes: Optional[Sequence[dict]] = None) -> torch.Tensor:
     """Anchors (H, W, A, 7) from the resolved ``postprocess.anchor_args`` (``h``, ``w``, ``l``,
     ``z``, ``r`` yaws in degrees, ``feature_stride``) on the resolved ``bev_grid`` section
     (``range``, ``cell_size``). OpenCOOD's ``W``/``H``/``D`` and ``cav_lidar_range`` entries
-    of ``anchor_args`` are not read: the grid is derived (docs/DESIGN.md §5)."""
+    of ``anchor_args`` are not read: the grid is derived (docs/DESIGN.md §5).
+
+    ``classes`` (``postprocess.classes``): each class's sizes and z on the shared yaws,
+    class-major per cell: A = K x yaws, anchor ``k * yaws + r`` (V2X-Real's layout)."""
     grid_range = bev_grid["range"]
     # One cell over the whole height: anchors use the x and y cells only.
     cell = (*bev_grid["cell_size"], grid_range[5] - grid_range[2])
-    return generate_anchors(
+    shapes = [anchor_args] if classes is None else classes
+    per_class = [generate_anchors(
         grid_range, cell, feature_stride=anchor_args["feature_stride"],
-        anchor_hwl=tuple(anchor_args[key] for key in "hwl"),
-        anchor_z=anchor_args["z"], yaws=tuple(math.radians(y) for y in anchor_args["r"]),
-        order=order, device=device, placement=anchor_args["placement"])
+        anchor_hwl=tuple(shape[key] for key in "hwl"),
+        anchor_z=shape["z"], yaws=tuple(math.radians(y) for y in anchor_args["r"]),
+        order=order, device=device, placement=anchor_args["placement"]) for shape in shapes]
+    return per_class[0] if classes is None else torch.cat(per_class, dim=2)
 
 
 @POSTPROCESSORS.register("VoxelPostprocessor")
@@ -86,7 +107,7 @@ class VoxelPostprocessor:
     Args:
         anchors: (H, W, A, 7) in ``box_coder.order``, on the device the head runs on.
         box_coder: residual coding, direction bins and the box order.
-        pos_iou / neg_iou: target assignment thresholds (standup BEV IoU).
+        pos_iou / neg_iou: target assignment thresholds (standup BEV IoU) of one class.
         score_threshold: detections need a sigmoid score above it.
         nms_thresh: rotated BEV IoU above which NMS drops the lower-scored box.
         max_num: detections kept per frame after NMS.
@@ -94,15 +115,24 @@ class VoxelPostprocessor:
             under either filters (OpenCOOD's number is REFERENCE_PRE_NMS).
         filters: "ours" or "reference" (OpenCOOD's: implausible boxes dropped before NMS, no
             max_num cap; ``postprocess.filters`` in the config schema).
+        class_thresholds: multi-class: per class (pos_iou, neg_iou), K entries, the anchors
+            class-major per cell (``anchors_from_config``); pos_iou / neg_iou are then unused.
+            None: one class.
     """
 
     def __init__(self, anchors: torch.Tensor, box_coder: ResidualBoxCoder, pos_iou: float,
                  neg_iou: float, score_threshold: float, nms_thresh: float, max_num: int,
-                 pre_nms_max: int, filters: str = "ours"):
+                 pre_nms_max: int, filters: str = "ours",
+                 class_thresholds: Optional[Sequence[Tuple[float, float]]] = None):
         self.anchors = anchors
         self.box_coder = box_coder
         self._anchor_rects: Dict[tuple, torch.Tensor] = {}       # see anchor_rects
         self.pos_iou, self.neg_iou = float(pos_iou), float(neg_iou)
+        self.class_thresholds = None if class_thresholds is None else \
+            tuple((float(pos), float(neg)) for pos, neg in class_thresholds)
+        if self.num_classes > 1 and anchors.shape[2] % self.num_classes:
+            raise ValueError(f"{anchors.shape[2]} anchors per cell do not split into "
+                             f"{self.num_classes} classes")
         self.score_threshold = float(score_threshold)
         self.nms_thresh, self.max_num = float(nms_thresh), int(max_num)
         self.pre_nms_max = int(pre_nms_max)
@@ -117,9 +147,10 @@ class VoxelPostprocessor:
         ``bev_grid``, and ``loss.args.dir_offset`` (where OpenCOOD keeps it)."""
         post = cfg["postprocess"]
         target_args = post["target_args"]
+        classes = post.get("classes")
         return cls(
             anchors=anchors_from_config(post["anchor_args"], cfg["bev_grid"], post["order"],
-                                        device),
+                                        device, classes=classes),
             # The one registered loss (point_pillar_loss) has dir_offset; OpenCOOD keeps it there.
             box_coder=ResidualBoxCoder(dir_offset=cfg["loss"]["args"]["dir_offset"],
                                        order=post["order"]),
@@ -128,7 +159,9 @@ class VoxelPostprocessor:
             nms_thresh=post["nms_thresh"], max_num=post["max_num"],
             # An untrained model firing everywhere would otherwise spend seconds per frame in
             # rotated NMS on CPU.
-            pre_nms_max=post["pre_nms_max"], filters=post["filters"])
+            pre_nms_max=post["pre_nms_max"], filters=post["filters"],
+            class_thresholds=None if classes is None else [
+                (entry["pos_threshold"], entry["neg_threshold"]) for entry in classes])
 
     @property
     def order(self) -> str:
@@ -139,12 +172,28 @@ class VoxelPostprocessor:
     def num_anchors_per_location(self) -> int:
         return self.anchors.shape[2]
 
-    def targets(self, gt_boxes: torch.Tensor, gt_mask: torch.Tensor) -> Dict[str, torch.Tensor]:
+    @property
+    def num_classes(self) -> int:
+        """K: class logits per anchor (1 without ``postprocess.classes``)."""
+        return 1 if self.class_thresholds is None else len(self.class_thresholds)
+
+    def targets(self, gt_boxes: torch.Tensor, gt_mask: torch.Tensor,
+                gt_classes: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
         """gt_boxes (B, Mmax, 7), gt_mask (B, Mmax) -> anchor targets, see
-        :func:`opencood.postprocess.target_assigner.assign_targets`."""
-        return assign_targets(self.anchors, gt_boxes, gt_mask, pos_iou=self.pos_iou,
-                              neg_iou=self.neg_iou, box_coder=self.box_coder,
-                              anchor_rects=self.anchor_rects(gt_boxes.device, gt_boxes.dtype))
+        :func:`opencood.postprocess.target_assigner.assign_targets`; multi-class: gt_classes
+        (B, Mmax) int64 is required (:func:`~opencood.postprocess.target_assigner.
+        assign_class_targets`, which adds ``class_targets``)."""
+        rects = self.anchor_rects(gt_boxes.device, gt_boxes.dtype)
+        if self.class_thresholds is None:
+            return assign_targets(self.anchors, gt_boxes, gt_mask, pos_iou=self.pos_iou,
+                                  neg_iou=self.neg_iou, box_coder=self.box_coder,
+                                  anchor_rects=rects)
+        if gt_classes is None:
+            raise ValueError(f"a {self.num_classes}-class postprocessor (postprocess.classes) "
+                             f"needs the batch's gt_classes")
+        return assign_class_targets(self.anchors, gt_boxes, gt_mask, gt_classes,
+                                    self.class_thresholds, box_coder=self.box_coder,
+                                    anchor_rects=rects)
 
     def anchor_rects(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """(N, 4) standup rectangles of the flattened anchors, computed once per device and
@@ -159,9 +208,10 @@ class VoxelPostprocessor:
 
     def decode(self, outputs: Dict[str, torch.Tensor]) -> List[Detections]:
         """Head outputs (cls_preds, reg_preds, optional dir_preds; layout in
-        :mod:`opencood.postprocess.layout`) -> per batch element ``(boxes (K, 7), scores (K,))``
-        with sigmoid score > score_threshold, direction applied, before NMS. Decoding runs in
-        the anchors' dtype (float32 even under AMP)."""
+        :mod:`opencood.postprocess.layout`) -> per batch element ``Detections`` (boxes (K, 7),
+        scores (K,), classes (K,)) with sigmoid score > score_threshold, direction applied,
+        before NMS. An anchor's score is its best class's sigmoid and its class that class
+        (V2X-Real's decoding). Decoding runs in the anchors' dtype (float32 even under AMP)."""
         anchors_flat = self.anchors.reshape(-1, 7)
         reg = flatten_anchor_maps(outputs["reg_preds"], BOX_CODE_SIZE)
         if reg.shape[1] != anchors_flat.shape[0]:
@@ -173,27 +223,50 @@ class VoxelPostprocessor:
         if outputs.get("dir_preds") is not None:
             direction = flatten_anchor_maps(outputs["dir_preds"], self.box_coder.num_dir_bins)
             boxes = self.box_coder.apply_direction(boxes, direction)
-        scores = torch.sigmoid(flatten_anchor_maps(outputs["cls_preds"], 1).to(anchors_flat.dtype))
+        scores, classes = self.class_scores(outputs["cls_preds"], anchors_flat.dtype)
         keep = scores > self.score_threshold
-        return [(boxes[b][keep[b]], scores[b][keep[b]]) for b in range(scores.shape[0])]
+        return [Detections(boxes[b][keep[b]], scores[b][keep[b]], classes[b][keep[b]])
+                for b in range(scores.shape[0])]
 
-    def nms(self, boxes: torch.Tensor, scores: torch.Tensor) -> Detections:
-        """(K, 7) boxes, (K,) scores -> the at most ``max_num`` kept by rotated NMS over the
+    def class_scores(self, cls_preds: torch.Tensor, dtype: torch.dtype):
+        """cls_preds (B, K*A, H, W) -> (scores (B, N) sigmoid of the best class in ``dtype``,
+        classes (B, N) int64 its id)."""
+        if self.num_classes == 1:
+            scores = torch.sigmoid(flatten_anchor_maps(cls_preds, 1).to(dtype))
+            return scores, torch.zeros(scores.shape, dtype=torch.int64, device=scores.device)
+        probabilities = torch.sigmoid(flatten_anchor_maps(cls_preds, self.num_classes).to(dtype))
+        return probabilities.max(dim=-1)
+
+    def nms(self, boxes: torch.Tensor, scores: torch.Tensor,
+            classes: Optional[torch.Tensor] = None) -> Detections:
+        """(K, 7) boxes, (K,) scores, (K,) classes (None: all 0) -> the ``Detections`` kept by
+        :meth:`nms_indices`, by descending score."""
+        if classes is None:
+            classes = torch.zeros(scores.shape, dtype=torch.int64, device=scores.device)
+        keep = self.nms_indices(boxes, scores, classes)
+        return Detections(boxes[keep], scores[keep], classes[keep])
+
+    def nms_indices(self, boxes: torch.Tensor, scores: torch.Tensor,
+                    classes: torch.Tensor) -> torch.Tensor:
+        """Indices of the at most ``max_num`` boxes kept by per-class rotated NMS over the
         ``pre_nms_max`` best, by descending score (``filters: reference``: OpenCOOD's, see the
         class docstring)."""
+        candidates = torch.arange(scores.shape[0], device=scores.device)
         if self.filters == "reference":
-            plausible = reference_plausible(boxes, self.order)
-            boxes, scores = select_top(boxes[plausible], scores[plausible], self.pre_nms_max)
-            keep = nms_rotated(boxes, scores, self.nms_thresh, order=self.order)
-            return boxes[keep], scores[keep]
-        boxes, scores = select_top(boxes, scores, self.pre_nms_max)
-        keep = nms_rotated(boxes, scores, self.nms_thresh, order=self.order)[:self.max_num]
-        return boxes[keep], scores[keep]
+            candidates = candidates[reference_plausible(boxes, self.order)]
+        candidates = candidates[top_indices(scores[candidates], self.pre_nms_max)]
+        # One class: no class mask, the single-class NMS as it always was.
+        per_class = classes[candidates] if self.num_classes > 1 else None
+        keep = nms_rotated(boxes[candidates], scores[candidates], self.nms_thresh,
+                           order=self.order, classes=per_class)
+        if self.filters != "reference":
+            keep = keep[:self.max_num]
+        return candidates[keep]
 
     def detections(self, outputs: Dict[str, torch.Tensor], record_len: torch.Tensor,
-                   transforms_to_ego: torch.Tensor, late: bool
-                   ) -> List[Tuple[torch.Tensor, torch.Tensor, float]]:
-        """Model outputs -> per sample (boxes (K, 7) ego frame, scores (K,), bytes per agent).
+                   transforms_to_ego: torch.Tensor, late: bool) -> List[FrameDetections]:
+        """Model outputs -> per sample ``FrameDetections`` (boxes (K, 7) ego frame, scores (K,),
+        bytes per agent, classes (K,)).
 
         record_len (B,): agents per sample; transforms_to_ego (sum(record_len), 4, 4). With
         ``late`` the outputs hold one row per agent and are merged per sample
@@ -204,25 +277,33 @@ class VoxelPostprocessor:
         if late:
             return self.merge_late(decoded, record_len, transforms_to_ego)
         comm = outputs.get("comm_bytes")
-        return [(*self.nms(boxes, scores), float(comm[sample]) if comm is not None else 0.0)
-                for sample, (boxes, scores) in enumerate(decoded)]
+        results = []
+        for sample, frame in enumerate(decoded):
+            kept = self.nms(*frame)
+            results.append(FrameDetections(kept.boxes, kept.scores,
+                                           float(comm[sample]) if comm is not None else 0.0,
+                                           kept.classes))
+        return results
 
     def merge_late(self, decoded: Sequence[Detections], record_len: torch.Tensor,
-                   transforms_to_ego: torch.Tensor
-                   ) -> List[Tuple[torch.Tensor, torch.Tensor, float]]:
+                   transforms_to_ego: torch.Tensor) -> List[FrameDetections]:
         """Late fusion: every agent's NMS-ed boxes moved to the ego frame, then NMS per sample.
 
-        decoded: per agent (boxes, scores) in its own frame, agents of a sample consecutive.
+        decoded: per agent ``Detections`` in its own frame, agents of a sample consecutive.
         The bytes of a sample are the mean over its non-ego agents of the boxes they send.
         """
         results, first = [], 0
         for count in record_len.tolist():
             agents = range(first, first + count)
             kept = [self.nms(*decoded[agent]) for agent in agents]
-            boxes = torch.cat([boxes_to_ego(agent_boxes, transforms_to_ego[agent])
-                               for agent, (agent_boxes, _) in zip(agents, kept)])
-            scores = torch.cat([agent_scores for _, agent_scores in kept])
-            sent = [agent_boxes.shape[0] * BYTES_PER_BOX for agent_boxes, _ in kept[1:]]
-            results.append((*self.nms(boxes, scores), float(np.mean(sent)) if sent else 0.0))
+            boxes = torch.cat([boxes_to_ego(agent.boxes, transforms_to_ego[index])
+                               for index, agent in zip(agents, kept)])
+            scores = torch.cat([agent.scores for agent in kept])
+            classes = torch.cat([agent.classes for agent in kept])
+            sent = [agent.boxes.shape[0] * BYTES_PER_BOX for agent in kept[1:]]
+            merged = self.nms(boxes, scores, classes)
+            results.append(FrameDetections(merged.boxes, merged.scores,
+                                           float(np.mean(sent)) if sent else 0.0,
+                                           merged.classes))
             first += count
         return results

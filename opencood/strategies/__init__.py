@@ -60,7 +60,8 @@ class FusionStrategy:
         return inputs
 
     def detections(self, postprocessor, outputs: Dict, inputs: Dict) -> List:
-        """Head outputs -> per-sample (boxes, scores, bytes sent) via the postprocessor."""
+        """Head outputs -> per-sample ``FrameDetections`` (boxes, scores, bytes sent, classes)
+        via the postprocessor."""
         return postprocessor.detections(outputs, inputs["record_len"],
                                         inputs["transforms_to_ego"], self.merges_late)
 

@@ -26,7 +26,7 @@ class LateFusionBoxAlign(LateFusion):
         return self
 
     def detections(self, postprocessor, outputs: Dict, inputs: Dict) -> List:
-        """Per-agent own-frame outputs -> per sample (boxes, scores, bytes sent), merged with
+        """Per-agent own-frame outputs -> per sample ``FrameDetections``, merged with
         the corrected transforms (late fusion's merge otherwise). The corrected transforms are
         recorded in ``inputs`` (``mark_corrected``): the evaluation measures the pose error
         before and after from them."""

@@ -19,12 +19,14 @@ from opencood.ops.voxelize import grid_size
 def fake_collated_batch(preprocess: Dict, batch_size: int = 2, agents_per_sample: int = 3,
                         pillars_per_agent: int = 16000, points_per_pillar: int = 6,
                         max_gt: int = 20, single_agent: bool = False,
-                        seed: int = 0) -> Dict:
+                        seed: int = 0, num_classes: int = 1) -> Dict:
     """A batch in the layout of ``opencood.data.collate.collate_samples``
     (``opencood.batch_keys.BATCH``: its common and LiDAR keys).
 
     single_agent: one agent per sample (no/early/late fusion models), else
     ``agents_per_sample`` agents (intermediate fusion).
+    num_classes > 1: also ``gt_classes``, GT row g of class ``g % num_classes`` (the boxes stay
+    car-sized: each still claims its best anchor of its class).
     """
     generator = torch.Generator().manual_seed(seed)
     lidar_range = preprocess["cav_lidar_range"]
@@ -56,7 +58,9 @@ def fake_collated_batch(preprocess: Dict, batch_size: int = 2, agents_per_sample
                                                                 lidar_range[4] - 5,
                                                                 generator=generator)
     gt_boxes[..., 2:7] = torch.tensor([ANCHOR_Z, *ANCHOR_HWL, 0.0])     # anchor-sized, yaw 0
-    return {
+    classes = {} if num_classes == 1 else {
+        "gt_classes": (torch.arange(max_gt) % num_classes).repeat(batch_size, 1)}
+    return {**classes,
         "points": torch.cat(clouds), "agent_index": torch.cat(agent_index),
         "record_len": torch.full((batch_size,), agents, dtype=torch.int64),
         "agent_types": torch.zeros(total_agents, dtype=torch.int64),      # all vehicles
