@@ -624,6 +624,21 @@ class Config:
                              f"'camera' to read the cameras")
         # kd needs an intermediate-fusion student: the run's strategy checks it
         # (opencood.strategies.choose_strategy).
+        yield from self._head_size_problems()
+
+    def _head_size_problems(self) -> Problems:
+        """A class list sizes the head (``derive``): model args that name other sizes."""
+        post = self.postprocess
+        if post.classes is None:
+            return
+        args = self.model.args
+        given = vars(args) if is_dataclass(args) else (args if isinstance(args, dict) else {})
+        expected = {"num_class": num_classes(post),
+                    "anchor_number": num_classes(post) * len(post.anchor_args.r)}
+        for key, value in expected.items():
+            if given.get(key) is not None and given[key] != value:
+                yield f"model.args.{key}", (f"is {given[key]}, but postprocess.classes and "
+                                            f"anchor_args.r make it {value} (leave it out)")
 
     def _heter_problems(self) -> Problems:
         """A heter config: its modalities' sensors are inputs, their settings replace the

@@ -154,6 +154,8 @@ def test_a_class_list_is_checked_and_a_list_of_one_is_the_single_class_detector(
                             "pos_threshold: 0.4, neg_threshold: 0.5}]"])
     cfg = load_config(smoke, [CLASSES])
     assert (cfg["model"]["args"]["num_class"], cfg["model"]["args"]["anchor_number"]) == (3, 6)
+    with pytest.raises(ConfigError, match="model.args.anchor_number.* is 2, but .* make it 6"):
+        load_config(smoke, [CLASSES, "model.args.anchor_number=2"])
     # One class named in the list, with the anchor and thresholds of anchor_args / target_args:
     # the same anchors and targets as no list.
     plain = load_config(smoke)
@@ -168,6 +170,9 @@ def test_a_class_list_is_checked_and_a_list_of_one_is_the_single_class_detector(
                            torch.zeros(1, 4, dtype=torch.int64))
     for key, value in post_plain.targets(batch["gt_boxes"], batch["gt_mask"]).items():
         assert torch.equal(got[key], value), key
+    three = VoxelPostprocessor.from_config(cfg, torch.device("cpu"))
+    with pytest.raises(ConfigError, match="lists 3 classes but the batch has no gt_classes"):
+        three.targets(batch["gt_boxes"], batch["gt_mask"])
 
 
 def model_configs():

@@ -12,6 +12,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from opencood.errors import ConfigError
 from opencood.ops.nms import nms_rotated
 from opencood.ops.transforms import boxes_to_corners_3d
 from opencood.postprocess.anchors import generate_anchors
@@ -22,7 +23,6 @@ from opencood.postprocess.target_assigner import (assign_class_targets, assign_t
 from opencood.registry import POSTPROCESSORS
 
 BYTES_PER_BOX = 8 * 4  # late fusion sends 7 box numbers and a score, float32
-
 
 
 class Detections(NamedTuple):
@@ -147,7 +147,7 @@ class VoxelPostprocessor:
         ``bev_grid``, and ``loss.args.dir_offset`` (where OpenCOOD keeps it)."""
         post = cfg["postprocess"]
         target_args = post["target_args"]
-        classes = post.get("classes")
+        classes = post["classes"]
         return cls(
             anchors=anchors_from_config(post["anchor_args"], cfg["bev_grid"], post["order"],
                                         device, classes=classes),
@@ -189,8 +189,8 @@ class VoxelPostprocessor:
                                   neg_iou=self.neg_iou, box_coder=self.box_coder,
                                   anchor_rects=rects)
         if gt_classes is None:
-            raise ValueError(f"a {self.num_classes}-class postprocessor (postprocess.classes) "
-                             f"needs the batch's gt_classes")
+            raise ConfigError(f"postprocess.classes lists {self.num_classes} classes but the "
+                              f"batch has no gt_classes (the data set's reader labels none)")
         return assign_class_targets(self.anchors, gt_boxes, gt_mask, gt_classes,
                                     self.class_thresholds, box_coder=self.box_coder,
                                     anchor_rects=rects)
