@@ -832,8 +832,8 @@ def derive(config: Config) -> Config:
     """Fill what the data sections determine and a config left out: ``postprocess.gt_range``
     (the crop range), ``bev_grid`` (the pillar grid) and the model's ``lidar_range``,
     ``voxel_size``, ``max_points_per_voxel``, ``anchor_number`` (one anchor per yaw and
-    class), ``num_class``, ``bev_range`` and ``bev_cell_size``. Computed here, never by ``eval`` of a yaml
-    string; a value the config gives wins."""
+    class), ``num_class``, ``bev_range`` and ``bev_cell_size``. Computed here, never by
+    ``eval`` of a yaml string; a value the config gives wins."""
     pre = config.preprocess
     post = config.postprocess
     if post.gt_range is None:

@@ -23,8 +23,8 @@ from opencood.utils import dist as dist_utils
 def detect(model, batch: Dict, preparer, strategy, corrector=None) -> Tuple[List, Dict]:
     """The timed part of inference on one collated batch: pillarise (+ the pose correction's
     stage 1 and pose graph) + forward + decode + NMS (and the late-fusion merge) -> (per sample
-    ``FrameDetections`` (boxes, scores, bytes sent, classes), the prepared inputs as used). Under the caller's
-    ``torch.no_grad`` (tools/bench.py times it alone).
+    ``FrameDetections`` (boxes, scores, bytes sent, classes), the prepared inputs as used).
+    Under the caller's ``torch.no_grad`` (tools/bench.py times it alone).
 
     ``corrector``: a ``PoseCorrector`` (``opencood.eval.pose_correction``) or None; with one,
     the inputs' ``transforms_to_ego`` are the corrected ones and ``transforms_to_ego_reported``

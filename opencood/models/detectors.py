@@ -12,8 +12,8 @@ agent_latency, spatial_correction_matrix). Own-frame data (``points_in_agent_fra
 ``transforms_to_ego`` (N_agents, 4, 4) maps it into the ego frame; the intermediate detector
 warps every agent's map with exactly that key (pose correction replaces it before the model
 runs) before fusing.
-Output dict: cls_preds (B, K*A, H, W) (K classes, 1 by default), reg_preds (B, 7A, H, W), dir_preds (B, 2A, H, W) (not with
-  ``use_dir: false``),
+Output dict: cls_preds (B, K*A, H, W) (K classes, 1 by default), reg_preds (B, 7A, H, W),
+  dir_preds (B, 2A, H, W) (not with ``use_dir: false``),
   comm_bytes (B,) float, and for where2comm conf_preds (N_agents, A, H, W) with
   conf_sample_index (N_agents,) (the sample each confidence map belongs to); intermediate
   fusion also fused_features (B, C, H, W), the map the head reads, and the fusion module's

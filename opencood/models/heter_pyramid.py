@@ -24,7 +24,7 @@ its encoder's inputs for its agents in batch order (HEAL's ``inputs_<m>``): a Li
 pillars in ``modality_pillars[m]`` (the agent index counted within the type), a camera type's
 tensors in ``modality_cameras[m]`` (one row per agent of the type).
 
-Outputs: cls_preds (B, A, H, W), reg_preds (B, 7A, H, W), dir_preds (B, 2A, H, W),
+Outputs: cls_preds (B, K*A, H, W) (K classes), reg_preds (B, 7A, H, W), dir_preds (B, 2A, H, W),
 fused_features (B, C, H, W) (the map the head reads), occupancy_maps (list of (N_agents, 1, H_l,
 W_l) logits, one per pyramid scale; the pyramid loss's input), comm_bytes (B,), and with a camera
 encoder's depth supervision depth_outputs {modality: the encoder's ``depth_outputs``}.
@@ -94,12 +94,13 @@ class ModalityArgs:
 
 @section
 class HeterPyramidArgs:
-    """``model.args`` of ``heter_pyramid_collab`` / ``heter_pyramid_single``; the first five
+    """``model.args`` of ``heter_pyramid_collab`` / ``heter_pyramid_single``; the first six
     are derived from the data sections unless given (as the detectors')."""
 
     lidar_range: Optional[Tuple[float, ...]] = spec(None, check=box_range)
     voxel_size: Optional[Tuple[float, float, float]] = spec(None, check=all_positive)
-    anchor_number: Optional[int] = spec(None, check=positive)
+    anchor_number: Optional[int] = spec(None, check=positive)     # yaws x classes
+    num_class: Optional[int] = spec(None, check=positive)         # class logits per anchor
     bev_range: Optional[Tuple[float, ...]] = spec(None, check=box_range)
     bev_cell_size: Optional[Tuple[float, float]] = spec(None, check=all_positive)
     bn_momentum: Optional[float] = None
@@ -251,7 +252,8 @@ class HeterPyramidBase(nn.Module):
         if args.shrink_header is not None:
             self.shrink = ShrinkHeader(args.shrink_header, head_width)
             head_width = self.shrink.out_channels
-        self.head = AnchorHead(head_width, num_anchors=args.anchor_number, use_dir=True)
+        self.head = AnchorHead(head_width, num_anchors=args.anchor_number, use_dir=True,
+                               num_classes=args.num_class)
         self.crop_ratios = {name: branch.crop_ratio for name, branch in self.branches.items()
                             if branch.crop_ratio is not None}
         set_bn_momentum(self, args.bn_momentum)
