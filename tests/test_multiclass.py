@@ -31,7 +31,7 @@ CLASSES = ("postprocess.classes=["
            "{name: truck, l: 8.0, w: 3.0, h: 3.0, z: -1.78}]")
 CROP = "[-12.8, -6.4, -3.0, 12.8, 6.4, 1.0]"      # 32 x 16 pillars of the synthetic 0.8 m cell
 SCORE_SHIFT = 4.0                                  # an untrained head's logits raised: boxes
-HETER_MODELS = {"heter_pyramid_collab", "heter_pyramid_single"}
+HETER_MODELS = {"heter_pyramid_collab", "heter_pyramid_single", "heter_model_late"}
 
 
 def test_per_class_anchors_on_a_tiny_grid():
@@ -198,9 +198,9 @@ def test_the_model_configs_cover_every_registered_model_fusion_and_encoder():
     assert encoders == set(ENCODERS.names())
 
 
-def test_the_heterogeneous_model_heads_are_sized_by_classes_and_yaws():
-    cfg = load_config(SYNTHETIC / "heter_pyramid_collab.yaml", [CLASSES])
-    head = build_model(cfg["model"]).head
+@pytest.mark.parametrize("name", ["heter_pyramid_collab.yaml", "heter_pyramid_late.yaml"])
+def test_the_heterogeneous_model_heads_are_sized_by_classes_and_yaws(name):
+    head = build_model(load_config(SYNTHETIC / name, [CLASSES])["model"]).head
     assert (head.cls_conv.out_channels, head.reg_conv.out_channels) == (6 * 3, 6 * 7)
 
 
@@ -218,7 +218,7 @@ def test_every_model_trains_and_decodes_three_classes(name):
     if "camera" in cfg["input_source"]:
         image_size = tuple(cfg["model"]["args"]["encoder"]["args"]["image_size"])
         batch.update(fake_camera_batch(int(batch["record_len"].sum()), image_size=image_size,
-                                       cameras=1))
+                                       cameras=1, depth="depth" in cfg["input_source"]))
     model.train()
     loss, terms, _ = task.training_loss(model, batch)
     loss.backward()

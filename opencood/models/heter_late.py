@@ -40,11 +40,12 @@ class LateModalityArgs(ModalityArgs):
 
 @section
 class HeterLateArgs:
-    """``model.args`` of ``heter_model_late`` (the first five derived as the detectors')."""
+    """``model.args`` of ``heter_model_late`` (the first six derived as the detectors')."""
 
     lidar_range: Optional[Tuple[float, ...]] = spec(None, check=box_range)
     voxel_size: Optional[Tuple[float, float, float]] = spec(None, check=all_positive)
-    anchor_number: Optional[int] = spec(None, check=positive)
+    anchor_number: Optional[int] = spec(None, check=positive)     # yaws x classes
+    num_class: Optional[int] = spec(None, check=positive)         # class logits per anchor
     bev_range: Optional[Tuple[float, ...]] = spec(None, check=box_range)
     bev_cell_size: Optional[Tuple[float, float]] = spec(None, check=all_positive)
     bn_momentum: Optional[float] = None
@@ -73,7 +74,8 @@ class LateDetector(nn.Module):
             make_up_block(c_in, c_out, stride) for c_in, c_out, stride in
             zip(layers.num_filters, layers.num_upsample_filter, layers.upsample_strides))
         self.shrink = ShrinkHeader(args.shrink_header, sum(layers.num_upsample_filter))
-        self.head = AnchorHead(self.shrink.out_channels, num_anchors=anchors, use_dir=True)
+        self.head = AnchorHead(self.shrink.out_channels, num_anchors=anchors, use_dir=True,
+                               num_classes=model_args.num_class)
 
     def forward(self, inputs: dict) -> dict:
         scales = [self.branch(inputs)]
