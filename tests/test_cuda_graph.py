@@ -44,7 +44,8 @@ def test_a_padded_batch_gives_the_loss_and_gradients_of_the_batch_itself():
     model = parts.model.double()
     batch = lite_batch(cfg, seed=1, pillars=120)
     batch["points"] = batch["points"].double()
-    limits = GraphLimits(batch["points"].shape[0] + 37, 9, tuple(cfg["preprocess"]["cav_lidar_range"]))
+    limits = GraphLimits(batch["points"].shape[0] + 37, 9,
+                         tuple(cfg["preprocess"]["cav_lidar_range"]))
     padded, reason = pad_batch(batch, limits)
     assert reason is None
     assert padded["points"].shape[0] == limits.max_points and padded["gt_boxes"].shape[1] == 9

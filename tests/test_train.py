@@ -478,7 +478,9 @@ def test_fast_step_switches_train_to_the_weights_of_the_default_path(data_root, 
     default path's do, up to float32 rounding (SGD: weight differences are lr x gradient
     differences, which Adam's normalisation would blow up where a gradient is near 0)."""
     weights = {}
-    for name, switches in (("default", []), ("fast", FAST_STEP)):
+    # performance.cuda_graph on CPU: the graph step's eager fallback, through the trainer.
+    graph = [*FAST_STEP, "--set", "performance.cuda_graph=true"]
+    for name, switches in (("default", []), ("fast", FAST_STEP), ("graph", graph)):
         with preserved_opencood_logger():
             result = trainer.main([
                 "--hypes_yaml", str(SMOKE_YAML), "--model_dir", str(tmp_path / name),
@@ -489,6 +491,7 @@ def test_fast_step_switches_train_to_the_weights_of_the_default_path(data_root, 
     for key, value in weights["default"].items():
         torch.testing.assert_close(weights["fast"][key], value, rtol=1e-4, atol=1e-6,
                                    msg=lambda text, key=key: f"{key}: {text}")
+        assert torch.equal(weights["graph"][key], weights["fast"][key]), key
 
 
 def test_checkpoint_schedule_by_steps_and_refusal_of_negative_values():

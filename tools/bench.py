@@ -36,7 +36,8 @@ How to read a line
 
 The fast step path (docs/gpu_and_speed.md "Fast step path"): ``--static_pillars N``, ``--sync_free`` and
 ``--compile`` set ``performance.static_pillars``, ``sync_free_step`` and ``compile`` (as
-``--set`` would), and every model figure's line states them; compare a run with them against
+``--set`` would; ``--cuda_graph``: ``performance.cuda_graph``, the step figures replay one
+captured CUDA graph), and every model figure's line states them; compare a run with them against
 one without on the same device. ``host_syncs_per_step`` counts what makes the host wait in one
 eager training step (opencood.utils.host_syncs); ``operators_per_step`` the operators it
 dispatches, by phase (opencood.utils.op_counts): a launch-bound GPU step costs host time per

@@ -202,14 +202,17 @@ class CudaGraphStep:
         """Record the step on ``padded`` (nothing runs yet); False, with the reason logged
         and every later step eager, when the capture fails (a host read inside the step:
         a model that reads ``record_len`` back, ...)."""
-        self.static_batch = {key: value.clone() if torch.is_tensor(value) else value
-                             for key, value in padded.items()}
+        # The input buffers live on the device whatever the batch's tensors (a CPU tensor read
+        # inside the step would be a host-to-device copy the graph cannot hold).
+        self.static_batch = {key: value.to(self.device, copy=True) if torch.is_tensor(value)
+                             else value for key, value in padded.items()}
         self.signature = signature
         self.optimizer.zero_grad(set_to_none=True)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph):
+            # thread_local: the loader's pin-memory thread may allocate while this captures.
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 self.values = self.captured_step()
         except RuntimeError as error:
             self.run_refused = "the capture failed: " + str(error).strip().splitlines()[0]

@@ -255,7 +255,7 @@ class EpochRunner:
         stats["skipped_steps"] = progress.skipped_steps
         global_samples = stats["samples"] * self.info.world_size
         stats["samples_per_s"] = global_samples / max(1e-9, time.perf_counter() - step_start)
-        stats["lr"] = parts.optimizer.param_groups[0]["lr"]
+        stats["lr"] = float(parts.optimizer.param_groups[0]["lr"])   # a tensor under cuda_graph
         self.scalars.scalars({k: v for k, v in stats.items() if k != "samples"}, progress.step,
                              "train")
         self.last_stats = stats
