@@ -143,7 +143,15 @@ def test_on_cuda_replayed_steps_equal_eager_steps_with_a_changing_lr():
     """5 steps (2 eager warm-ups, capture, 3 replays) with a cosine lr and the EMA, on batches
     with different point counts padded to one shape, against 5 eager steps on the same
     batches: the same weights, EMA and lr, within float32 tolerance."""
+    saved_tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        replayed_and_eager_steps_agree()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved_tf32
+
+
+def replayed_and_eager_steps_agree():
     device = torch.device("cuda", torch.cuda.current_device())
     overrides = ["performance.cuda_graph_max_points=6000", "performance.cuda_graph_max_gt=8",
                  "performance.tf32=false", "ema.enabled=true"]
@@ -164,7 +172,7 @@ def test_on_cuda_replayed_steps_equal_eager_steps_with_a_changing_lr():
         lrs.append(float(graph_parts.optimizer.param_groups[0]["lr"]))
         graph_parts.scheduler.step()
         eager_parts.scheduler.step()
-    assert graph_step.graph is not None and graph_step.eager_warmups == 2
+    assert graph_step.graph is not None and graph_step.eager_warmups == 2, graph_step.said
     # A batch of another agent count runs eagerly after the capture (from zero gradients).
     other = {key: value.to(device) if torch.is_tensor(value) else value for key, value in
              fake_collated_batch(cfg["preprocess"], batch_size=2, agents_per_sample=3,
@@ -182,7 +190,9 @@ def test_on_cuda_replayed_steps_equal_eager_steps_with_a_changing_lr():
         for got, want in zip(module_pair[0].state_dict().values(),
                              module_pair[1].state_dict().values()):
             if got.is_floating_point():
+                # Adam turns rounding in near-zero gradients into lr-sized steps: 1e-3 of the
+                # tensor's scale; an lr the graph ignored moves weights by ~lr x steps (~1e-2).
                 scale = float(want.abs().max()) + 1e-6
-                assert float((got - want).abs().max()) <= 1e-4 * scale
+                assert float((got - want).abs().max()) <= 1e-3 * scale
             else:
                 assert torch.equal(got, want)

@@ -21,14 +21,15 @@ schedules (which ``fill_`` it in place) reach the captured step; the EMA's decay
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Tuple
 
 import torch
 
-from opencood.engine.loop import (autocast_context, nonfinite_error, nonfinite_reason,
-                                  optimizer_step, unscale_and_clip)
+from opencood.engine.loop import (nonfinite_error, nonfinite_reason, optimizer_step,
+                                  unscale_and_clip)
 
 logger = logging.getLogger("opencood")
 
@@ -226,7 +227,10 @@ class CudaGraphStep:
 
     def captured_step(self) -> torch.Tensor:
         """The step's work, recorded: -> (3 + terms,) float32 [finite, loss, grad_norm, terms]."""
-        with autocast_context(self.device, self.amp_dtype):
+        # No autocast weight-cast cache in a capture (torch's advice for graphed autocast).
+        autocast = (torch.autocast(self.device.type, self.amp_dtype, cache_enabled=False)
+                    if self.amp_dtype is not None else contextlib.nullcontext())
+        with autocast:
             loss, terms, count = self.loss_fn(self.model, self.static_batch)
         loss.backward()
         grad_norm = unscale_and_clip(self.optimizer, self.scaler, self.grad_clip)
