@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 import re
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 import yaml
 
@@ -129,10 +129,11 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return keys, value
 
 
-def apply_overrides(cfg: dict, overrides: Iterable[str], source: str = "--set",
+def apply_overrides(cfg: Mapping, overrides: Iterable[str], source: str = "--set",
                     allow_new: bool = False) -> dict:
-    """Return a copy of ``cfg`` with ``key.path=value`` overrides applied."""
-    cfg = copy.deepcopy(cfg)
+    """Return a plain copy of ``cfg`` (plain data or a resolved config) with ``key.path=value``
+    overrides applied (:func:`resolve` it for a config again)."""
+    cfg = copy.deepcopy(schema.to_plain(cfg))
     for text in overrides or []:
         keys, value = parse_override(text)
         node = cfg
@@ -164,11 +165,11 @@ def _yes_no_word_for_text_key(current: Any, value: Any, raw_value: str) -> Any:
     return value
 
 
-def get_key(cfg: dict, dotted: str, default: Any = KeyError) -> Any:
+def get_key(cfg: Mapping, dotted: str, default: Any = KeyError) -> Any:
     """Value at a dotted key; ``default`` when absent (raises KeyError if no default given)."""
     node: Any = cfg
     for key in dotted.split("."):
-        if not isinstance(node, dict) or key not in node:
+        if not isinstance(node, Mapping) or key not in node:
             if default is KeyError:
                 raise KeyError(dotted)
             return default
@@ -176,41 +177,60 @@ def get_key(cfg: dict, dotted: str, default: Any = KeyError) -> Any:
     return node
 
 
-def _schema_config(cfg: dict, source: str) -> schema.Config:
+def _schema_config(cfg: Mapping, source: str) -> schema.Config:
     try:
-        return schema.parse(schema.Config, cfg, registered=registered_schemas())
+        return schema.parse(schema.Config, schema.to_plain(cfg), registered=registered_schemas())
     except schema.SchemaError as error:
         raise ConfigError(f"{source}: {error}") from None
 
 
-def resolve(cfg: dict, source: str, derive: bool = True) -> dict:
-    """The complete config: ``cfg`` validated against the schema (unknown keys, types and
-    enumerations refused with a ConfigError naming ``source`` and the dotted key), every default
-    filled in and, with ``derive``, the derived geometry (:func:`opencood.config_schema.derive`).
+def resolve(cfg: Mapping, source: str) -> schema.Config:
+    """The complete, typed config: ``cfg`` (plain data or a resolved config) validated against
+    the schema (unknown keys, types and enumerations refused with a ConfigError naming
+    ``source`` and the dotted key), every default filled in and the derived geometry
+    (:func:`opencood.config_schema.derive`) added.
 
-    Idempotent: resolving a resolved config gives it back, so a saved config reloads unchanged.
-    """
-    config = _schema_config(cfg, source)
-    return schema.to_plain(schema.derive(config) if derive else config)
+    Idempotent: resolving a resolved config (or its plain form, a saved ``config.yaml``) gives
+    an equal config, so a saved config reloads unchanged."""
+    return schema.derive(_schema_config(cfg, source))
 
 
-def validate_config(cfg: dict, source: str) -> None:
+def validate_config(cfg: Mapping, source: str) -> None:
     """Raise ConfigError naming ``source`` and the key if ``cfg`` breaks the schema."""
     _schema_config(cfg, source)
 
 
-def resolve_section(name: str, section: dict | None = None, source: str = "config") -> dict:
-    """One top-level section, complete: ``resolve_section("optimizer", {"lr": 0.1})`` gives
-    every optimizer key. For code (and tests) that build one part from a partial mapping."""
+def resolve_section(name: str, section: Mapping | None = None, source: str = "config") -> Any:
+    """One top-level section, complete and typed: ``resolve_section("optimizer", {"lr": 0.1})``
+    gives every optimizer key. For code (and tests) that build one part from a partial mapping."""
     try:
-        return schema.to_plain(schema.convert(schema.section_schema(name), section, name,
-                                              registered_schemas()))
+        return schema.convert(schema.section_schema(name), schema.to_plain(section), name,
+                              registered_schemas())
     except schema.SchemaError as error:
         raise ConfigError(f"{source}: {error}") from None
 
 
-def load_config(path, overrides: Iterable[str] = ()) -> dict:
-    """Load ``path`` with its ``_base_`` chain and return the resolved config (:func:`resolve`).
+def replaced(cfg: Mapping, changes: Mapping[str, Any], source: str = "config") -> schema.Config:
+    """A resolved copy of ``cfg`` with the dotted keys of ``changes`` set to their (python)
+    values: ``replaced(cfg, {"train_params.epoches": 1})``. The loaded config is read-only;
+    this is how code and tests change it. Derived values are kept as they are (as for
+    ``--set`` on a resolved config): change the model's own keys along with the geometry."""
+    plain = schema.to_plain(cfg)
+    for dotted, value in changes.items():
+        *parents, last = dotted.split(".")
+        node = plain
+        for depth, key in enumerate(parents):
+            if not isinstance(node.get(key), dict):
+                raise ConfigError(f"{source}: {'.'.join(parents[:depth + 1])!r} is not a "
+                                  f"section of the config")
+            node = node[key]
+        node[last] = schema.to_plain(value)
+    return resolve(plain, source)
+
+
+def load_config(path, overrides: Iterable[str] = ()) -> schema.Config:
+    """Load ``path`` with its ``_base_`` chain and return the resolved, typed config
+    (:func:`resolve`); its sections read as read-only mappings too (``cfg["model"]["args"]``).
 
     ``--set`` overrides may name any key of the schema, present in the file or not: they apply
     to the config with its defaults filled in, before the derived values are."""
@@ -218,13 +238,13 @@ def load_config(path, overrides: Iterable[str] = ()) -> dict:
     cfg = _load_with_bases(path, chain=())
     if not overrides:
         return resolve(cfg, str(path))
-    cfg = resolve(cfg, str(path), derive=False)
+    defaults_filled = schema.to_plain(_schema_config(cfg, str(path)))
     source = f"{path} (--set)"
-    return resolve(apply_overrides(cfg, overrides, source=source), source)
+    return resolve(apply_overrides(defaults_filled, overrides, source=source), source)
 
 
-def save_config(cfg: dict, path) -> None:
-    """Write the resolved config (no ``_base_`` left) as yaml, atomically."""
-    text = yaml.dump(cfg, Dumper=_Dumper, sort_keys=False, default_flow_style=None)
+def save_config(cfg: Mapping, path) -> None:
+    """Write the resolved config (no ``_base_`` left) as plain yaml, atomically."""
+    text = yaml.dump(schema.to_plain(cfg), Dumper=_Dumper, sort_keys=False, default_flow_style=None)
     with atomic_write(path) as stream:
         stream.write(text)

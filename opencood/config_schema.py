@@ -30,7 +30,7 @@ How a section class reads:
 """
 from __future__ import annotations
 
-import copy
+import collections.abc
 import dataclasses
 import difflib
 import math
@@ -39,7 +39,6 @@ from typing import Any, Callable, Dict, Iterator, Literal, Mapping, Optional, Tu
     get_args, get_origin, get_type_hints
 
 MISSING = dataclasses.MISSING
-section = dataclass(frozen=True, kw_only=True)
 Problems = Iterator[Tuple[str, str]]
 # kind ("model", "fusion", ...) -> {registered name: its arguments' schema, or None}
 Registered = Mapping[str, Mapping[str, Optional[type]]]
@@ -57,6 +56,103 @@ FEATURE_STRIDE = 2
 # Weight of DiscoNet's distillation term: HEAL's lidar_disco.yaml (the loss is a mean over
 # channels too, opencood.losses.distillation).
 DEFAULT_KD_WEIGHT = 1e4
+
+
+# -- read-only mapping access -------------------------------------------------------------------
+# The loaded config is carried through the program typed (``load_config`` returns a ``Config``),
+# while most code reads it as the plain nested dict it used to be (``cfg["model"]["args"]``).
+# A section therefore also reads as a read-only mapping: a key gives what the plain dict held
+# (a tuple reads as a fresh list, a nested section stays typed), and writing is a TypeError.
+
+READ_ONLY = ("the loaded config is read-only: change a copy (opencood.config.replaced, "
+             "apply_overrides) or take schema.to_plain for plain data")
+
+
+def plain_reading(value: Any) -> Any:
+    """What a stored value reads as through mapping access: a tuple as a new list (of such
+    readings), anything else (scalar, section, FrozenDict) as it is."""
+    if isinstance(value, tuple):
+        return [plain_reading(item) for item in value]
+    return value
+
+
+def _refuse_write(self, *args) -> None:
+    raise TypeError(f"{type(self).__name__}: {READ_ONLY}")
+
+
+class FrozenDict(collections.abc.Mapping):
+    """A read-only open mapping: what an open section (``optimizer.args``, the ``args`` of a
+    component registered without a schema) holds. Nested mappings are FrozenDicts and lists are
+    tuples (:func:`freeze`); reading gives lists back, like a section's keys."""
+
+    def __init__(self, items: Mapping = ()):
+        self._items = dict(items)
+
+    def __getitem__(self, key: Any) -> Any:
+        return plain_reading(self._items[key])
+
+    def __iter__(self):
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __repr__(self) -> str:
+        return f"FrozenDict({self._items!r})"
+
+    __setitem__ = __delitem__ = _refuse_write
+
+
+def freeze(value: Any) -> Any:
+    """Plain data -> its read-only form: mappings -> FrozenDict, lists -> tuples."""
+    if isinstance(value, collections.abc.Mapping):
+        return FrozenDict({key: freeze(item) for key, item in value.items()})
+    if isinstance(value, (list, tuple)):
+        return tuple(freeze(item) for item in value)
+    return value
+
+
+def _section_keys(self) -> Tuple[str, ...]:
+    return type(self).__section_keys__
+
+
+def _section_getitem(self, key: Any) -> Any:
+    if key not in type(self).__section_keys__:
+        raise KeyError(key)
+    return plain_reading(getattr(self, key))
+
+
+def _section_eq(self, other: Any) -> bool:
+    """Mapping equality (``collections.abc.Mapping``'s): a section equals a section or a plain
+    dict of the same keys and values, as the plain config's dicts did."""
+    if not isinstance(other, collections.abc.Mapping):
+        return NotImplemented
+    return dict(self.items()) == dict(other.items())
+
+
+_MAPPING_METHODS = {
+    "__getitem__": _section_getitem, "__eq__": _section_eq,
+    "__iter__": lambda self: iter(type(self).__section_keys__),
+    "__len__": lambda self: len(type(self).__section_keys__),
+    "__contains__": lambda self, key: key in type(self).__section_keys__,
+    "get": collections.abc.Mapping.get, "keys": collections.abc.Mapping.keys,
+    "items": collections.abc.Mapping.items, "values": collections.abc.Mapping.values,
+    "__setitem__": _refuse_write, "__delitem__": _refuse_write,
+}
+
+
+def section(cls: type) -> type:
+    """Decorator of a schema section: a frozen, keyword-only dataclass that also reads as a
+    read-only mapping of its fields (see READ_ONLY above)."""
+    cls = dataclass(frozen=True, kw_only=True)(cls)
+    cls.__section_keys__ = tuple(item.name for item in fields(cls))
+    clash = set(cls.__section_keys__) & set(_MAPPING_METHODS)
+    if clash:
+        raise TypeError(f"{cls.__name__}: a field may not be named {', '.join(sorted(clash))}")
+    for name, method in _MAPPING_METHODS.items():
+        setattr(cls, name, method)
+    collections.abc.Mapping.register(cls)
+    return cls
 
 
 class SchemaError(ValueError):
@@ -181,7 +277,7 @@ class Augmentation:
 
     @classmethod
     def choose(cls, value: Any, key: str) -> type:
-        name = value.get("NAME") if isinstance(value, dict) else None
+        name = value.get("NAME") if isinstance(value, collections.abc.Mapping) else None
         if name not in AUGMENTATIONS:
             raise SchemaError(f"key {key + '.NAME'!r} is {name!r}; expected one of "
                               f"{', '.join(AUGMENTATIONS)}")
@@ -709,6 +805,8 @@ def parse(cls: type, data: Any, prefix: str = "", registered: Registered | None 
     """``data`` (a mapping; None reads as empty) -> a ``cls`` with every default filled in.
     ``registered``: the names and argument schemas of the registries (module doc)."""
     data = {} if data is None else data
+    if isinstance(data, collections.abc.Mapping) and not isinstance(data, dict):
+        data = to_plain(data)       # a section or FrozenDict given again
     if not isinstance(data, dict):
         raise SchemaError(f"key {prefix!r} must be a mapping, got {data!r}")
     data = _unalias(cls, data, prefix)
@@ -782,7 +880,7 @@ def convert(hint: Any, value: Any, key: str, registered: Registered | None = Non
     """Check ``value`` against the type ``hint`` (int -> float where a float is expected)."""
     origin, params = get_origin(hint), get_args(hint)
     if hint is Any:
-        return copy.deepcopy(value)
+        return freeze(value)
     if isinstance(hint, type) and "choose" in vars(hint):
         return parse(hint.choose(value, key), value, key, registered)
     if is_dataclass(hint):
@@ -800,23 +898,25 @@ def convert(hint: Any, value: Any, key: str, registered: Registered | None = Non
     if origin is tuple:
         return _sequence(params, value, key, registered)
     if origin is dict:
-        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        if not isinstance(value, collections.abc.Mapping) or \
+                not all(isinstance(k, str) for k in value):
             raise SchemaError(f"key {key!r} must be a mapping, got {value!r}")
         if params[1] is Any:
-            return copy.deepcopy(value)
-        # a typed mapping (heter's per-modality sections, its name -> name tables)
-        return {name: convert(params[1], item, f"{key}.{name}", registered)
-                for name, item in value.items()}
+            return freeze(value)
+        # a typed mapping (heter's per-modality sections, its name -> name tables), read-only
+        return FrozenDict({name: convert(params[1], item, f"{key}.{name}", registered)
+                           for name, item in value.items()})
     return _scalar(hint, value, key)
 
 
 def to_plain(value: Any) -> Any:
-    """Sections -> dicts (keys in schema order), tuples -> lists: what yaml and the code read."""
+    """Sections -> dicts (keys in schema order), FrozenDicts -> dicts, tuples -> lists: plain
+    data, for what leaves the program (yaml, json, checkpoints, hashes) or is to be changed."""
     if is_dataclass(value):
         return {item.name: to_plain(getattr(value, item.name)) for item in fields(value)}
     if isinstance(value, (list, tuple)):
         return [to_plain(item) for item in value]
-    if isinstance(value, dict):
+    if isinstance(value, collections.abc.Mapping):
         return {key: to_plain(item) for key, item in value.items()}
     return value
 
@@ -854,7 +954,7 @@ def derive(config: Config) -> Config:
         if hasattr(args, "derived_from"):   # what else a model reads of the data sections
             args = args.derived_from(config)
     else:       # a model without a schema: its open mapping gets what it lacks
-        args = {**to_plain(derived), **args}
+        args = freeze({**to_plain(derived), **to_plain(args)})
     model = dataclasses.replace(config.model, args=args)
     return dataclasses.replace(config, postprocess=post, model=model, bev_grid=grid)
 

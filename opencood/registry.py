@@ -108,11 +108,13 @@ class Registry:
         return {name: self._schemas.get(name) for name in self._entries}
 
     def parse_args(self, name: str, args: Any, key: str) -> Any:
-        """``args`` (a mapping: a resolved config's, or a partial one) -> the parsed dataclass
-        ``name`` registered, every default filled in; the mapping itself without a schema.
-        ``key``: the dotted config key of ``args``, for the SchemaError message."""
+        """``args`` -> the dataclass ``name`` registered, every default filled in: ``args``
+        itself when it is one already (a loaded config's ``model.args``, parsed by the loader:
+        never parsed twice), else a mapping (a partial one, or a checkpoint's plain config)
+        parsed; the mapping itself without a schema. ``key``: the dotted config key of
+        ``args``, for the SchemaError message."""
         schema = self.args_schema(name)
-        if schema is None:
+        if schema is None or isinstance(args, schema):
             return args
         return config_schema.parse(schema, args, key, registered_schemas())
 

@@ -15,6 +15,7 @@ import yaml
 
 from opencood import config_schema as schema
 from opencood.config import load_config, resolve, resolve_section
+from opencood.config_schema import to_plain
 from opencood.errors import ConfigError
 from opencood.utils.checkpoint import load_checkpoint
 from opv2v_factory import write_simple_split
@@ -141,7 +142,7 @@ def test_every_shipped_config_is_complete_and_resolves_to_itself():
     for path in sorted(REPO_ROOT.glob("hypes_yaml/*/*.yaml")):
         cfg = load_config(path)
         assert resolve(cfg, str(path)) == cfg, path
-        assert yaml.safe_load(yaml.safe_dump(cfg)) == cfg, path
+        assert yaml.safe_load(yaml.safe_dump(to_plain(cfg))) == cfg, path
 
 
 def test_resolve_section_completes_one_section():
@@ -153,7 +154,7 @@ def test_resolve_section_completes_one_section():
 
 # -- unknown keys, types, enumerations ------------------------------------------------------
 
-SECTIONS = sorted(_sections(load_config(SMOKE_YAML)))
+SECTIONS = sorted(_sections(to_plain(load_config(SMOKE_YAML))))
 
 
 def test_the_unknown_key_cases_cover_every_section():
@@ -168,7 +169,7 @@ def test_the_unknown_key_cases_cover_every_section():
 
 @pytest.mark.parametrize("section", ["<top level>"] + SECTIONS)
 def test_an_unknown_key_in_each_section_is_refused_naming_file_and_key(section, tmp_path):
-    cfg = load_config(SMOKE_YAML)
+    cfg = to_plain(load_config(SMOKE_YAML))         # the loaded config is read-only
     if section == "<top level>":
         cfg["bogus_key"], dotted = 1, "bogus_key"
     else:
@@ -195,7 +196,8 @@ BAD_ENUMERATIONS = [
 
 @pytest.mark.parametrize("dotted, value", BAD_ENUMERATIONS, ids=[k for k, _ in BAD_ENUMERATIONS])
 def test_a_bad_enumeration_is_refused_naming_file_and_key(dotted, value, tmp_path):
-    cfg = load_config(REPO_ROOT / "hypes_yaml" / "synthetic" / "point_pillar_where2comm.yaml")
+    cfg = to_plain(load_config(REPO_ROOT / "hypes_yaml" / "synthetic" /
+                               "point_pillar_where2comm.yaml"))
     parent, _, leaf = dotted.rpartition(".")
     name, _, index = leaf.partition("[")
     if index:
@@ -221,7 +223,7 @@ def test_a_bad_enumeration_is_refused_naming_file_and_key(dotted, value, tmp_pat
 ])
 def test_a_wrong_type_or_value_is_refused_naming_file_and_key(dotted, value, expected,
                                                               tmp_path):
-    cfg = load_config(SMOKE_YAML)
+    cfg = to_plain(load_config(SMOKE_YAML))
     parent, _, leaf = dotted.rpartition(".")
     _node(cfg, parent)[leaf] = value
     message = _refusal(tmp_path, cfg)

@@ -207,12 +207,15 @@ def split_paths(folder: Path, data_format: str) -> List[Path]:
 
 
 def data_fingerprint(cfg: Dict, folder: Path) -> Dict[str, str]:
+    from opencood.config import resolve
+    from opencood.config_schema import to_plain
     from opencood.data.collate import collate_samples
     out: Dict[str, str] = {}
-    cfg = json.loads(json.dumps(cfg))
+    cfg = to_plain(cfg)             # a plain copy to point at the data; resolved again below
     for key, split_path in zip(("root_dir", "validate_dir", "test_dir"),
                                split_paths(folder, cfg["fusion"]["dataset"])):
         cfg[key] = str(split_path)
+    cfg = resolve(cfg, "fingerprint")
     for split, train in (("train", True), ("test", False)):
         dataset = config_dataset(cfg, split, train, folder / ".cache")
         count = min(len(dataset), 3)

@@ -20,7 +20,7 @@ config gives every key of every entry.
 """
 from __future__ import annotations
 
-from typing import List, NamedTuple, Sequence
+from typing import List, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -114,7 +114,7 @@ def augment_boxes(boxes: np.ndarray, steps) -> np.ndarray:
 def check_augment_config(augment_cfg: Sequence[dict], source: str = "data_augment") -> None:
     """Raise ValueError naming the bad entry of the ``data_augment`` list."""
     for position, entry in enumerate(augment_cfg or []):
-        name = entry.get("NAME") if isinstance(entry, dict) else None
+        name = entry.get("NAME") if isinstance(entry, Mapping) else None
         if name not in AUGMENTATIONS:
             raise ValueError(f"{source}[{position}]: unknown augmentation {name!r}; "
                              f"known: {', '.join(AUGMENTATIONS)}")

@@ -191,8 +191,8 @@ def evaluate_setting(cfg, args, run_dir, model, info, setting, checkpoint: Dict,
         fusion, tag = mode["fusion"], "_".join(filter(None, [tag, mode["suffix"].strip("_")]))
         corrector = corrector if mode["correct"] else None
         if mode["suffix"]:      # what corrected the poses, in the record (and its hash)
-            correction = {"box_align": cfg_run["box_align"] or {"args": to_plain(
-                BoxAlignArgs())}, "stage1": "stage1_model_dir" if mode["correct"] else "own"}
+            correction = {"box_align": to_plain(cfg_run["box_align"] or {"args": BoxAlignArgs()}),
+                          "stage1": "stage1_model_dir" if mode["correct"] else "own"}
     # The engine's one choice for this setting, handed to the data and the evaluation.
     strategy = choose_strategy(cfg_run, fusion)
     dataset = build_dataset(cfg_run, args.split, train=False, strategy=strategy,

@@ -53,7 +53,7 @@ def check_registered_names(cfg: Dict, source: str) -> None:
     fusion = cfg["model"]["args"].get("fusion")     # model args are model-specific
     names = [("model.core_method", MODELS, cfg["model"]["core_method"]),
              ("model.args.fusion.core_method", FUSIONS,
-              fusion["core_method"] if isinstance(fusion, dict) else None),
+              fusion["core_method"] if isinstance(fusion, Mapping) else None),
              ("loss.core_method", LOSSES, cfg["loss"]["core_method"]),
              ("postprocess.core_method", POSTPROCESSORS, cfg["postprocess"]["core_method"])]
     with alike_on_every_rank(dist_utils.get_rank()):
@@ -319,7 +319,7 @@ def build_teacher(cfg: Dict, device: torch.device) -> FrozenTeacher | None:
     kd = cfg["kd"]
     if kd is None:
         return None
-    return load_teacher(kd["teacher"], kd["weight"], cfg, device)
+    return load_teacher(kd["teacher"], kd["weight"], cfg["preprocess"], device)
 
 
 def distillation_dataset_args(teacher: FrozenTeacher | None) -> Dict:

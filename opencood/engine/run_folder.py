@@ -20,7 +20,7 @@ import logging
 from pathlib import Path
 from typing import Dict, Mapping
 
-from opencood.config import ConfigError, get_key, load_config, save_config
+from opencood.config import ConfigError, get_key, load_config, replaced, save_config
 
 logger = logging.getLogger("opencood")
 
@@ -103,12 +103,11 @@ def record_schedule(run_dir, cfg: Dict) -> list:
     saved = load_config(saved_path)
     changed = [key for key in SCHEDULE_KEYS if get_key(saved, key) != get_key(cfg, key)]
     for key in changed:
-        section, name = key.split(".")
         logger.info("%s: %s %s -> %s (set on resume)", saved_path, key, get_key(saved, key),
                     get_key(cfg, key))
-        saved[section][name] = get_key(cfg, key)
     if changed:
-        save_config(saved, saved_path)
+        save_config(replaced(saved, {key: get_key(cfg, key) for key in changed},
+                             str(saved_path)), saved_path)
     return changed
 
 

@@ -16,6 +16,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from opencood.config import ConfigError
+from opencood.config_schema import to_plain
 from opencood.engine.run_folder import record_schedule
 from opencood.utils import dist as dist_utils
 from opencood.utils.checkpoint import (capture_rng_state, newest_readable_checkpoint,
@@ -86,7 +87,7 @@ def training_state(parts: TrainingParts, progress: TrainState, cfg: Dict, seed: 
         "sampler": {"seed": seed, "epoch": progress.epoch},
         "rng": own_rng,
         "rng_per_rank": dist_utils.gather_object_to_main(own_rng),
-        "config": cfg,
+        "config": to_plain(cfg),        # plain data: checkpoints load with weights_only
     }
 
 

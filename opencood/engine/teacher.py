@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Dict
+from typing import Dict, Mapping
 
 import torch
 
@@ -83,16 +83,17 @@ def _same_values(first, second) -> bool:
         for a, b in zip(first, second))
 
 
-def check_teacher_config(teacher_cfg: Dict, student_cfg: Dict, path: Path) -> None:
-    """One-line ConfigError unless ``teacher_cfg`` is an early-fusion model on the student's
-    pillar grid (the teacher is fed pillars made with the student's settings)."""
+def check_teacher_config(teacher_cfg: Mapping, student_preprocess: Mapping, path: Path) -> None:
+    """One-line ConfigError unless ``teacher_cfg`` (the checkpoint's whole config) is an
+    early-fusion model on the pillar grid of ``student_preprocess`` (the student's
+    ``preprocess`` section: the teacher is fed pillars made with the student's settings)."""
     fusion = (teacher_cfg.get("fusion") or {}).get("core_method")
     model_name = (teacher_cfg.get("model") or {}).get("core_method")
     if fusion != TEACHER_FUSION:
         raise ConfigError(f"kd.teacher: {path} holds a {model_name!r} model trained with "
                           f"{fusion!r} fusion; DiscoNet distils from an early-fusion model")
     for key in ("cav_lidar_range", "args.voxel_size"):
-        theirs, ours = teacher_cfg["preprocess"], student_cfg["preprocess"]
+        theirs, ours = teacher_cfg["preprocess"], student_preprocess
         for part in key.split("."):
             theirs, ours = theirs[part], ours[part]
         if not _same_values(theirs, ours):
@@ -101,7 +102,7 @@ def check_teacher_config(teacher_cfg: Dict, student_cfg: Dict, path: Path) -> No
                               f"pillar grid")
 
 
-def load_teacher(source: str, weight: float, student_cfg: Dict,
+def load_teacher(source: str, weight: float, student_preprocess: Mapping,
                  device: torch.device) -> FrozenTeacher:
     """The teacher named by ``kd.teacher``, on ``device``, frozen. Its EMA weights when its run
     kept an EMA (those are what it validated and is evaluated with)."""
@@ -111,7 +112,7 @@ def load_teacher(source: str, weight: float, student_cfg: Dict,
         raise CheckpointError(f"kd.teacher: {path} is not a checkpoint of tools/train.py (it "
                               f"needs 'model' and 'config' entries)")
     teacher_cfg = checkpoint["config"]
-    check_teacher_config(teacher_cfg, student_cfg, path)
+    check_teacher_config(teacher_cfg, student_preprocess, path)
     model = build_model(teacher_cfg["model"])
     state = (checkpoint.get("ema") or {}).get("module") or checkpoint["model"]
     check_state_dict_compatible(model, state, path)

@@ -19,7 +19,7 @@ replaced), so the evaluation can measure the pose error before and after.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -101,13 +101,13 @@ class PoseCorrector:
         return mark_corrected(inputs, corrected, boxes)
 
 
-def check_stage1_config(stage1_cfg: Dict, stage1_dir: Path) -> None:
-    """ConfigError (one line) when the stage-1 run is not single-agent (it detects in every
-    agent's own frame, each agent on its own)."""
-    if stage1_cfg["model"]["core_method"] != "point_pillar":
+def check_stage1_model(stage1_model: Mapping, stage1_dir: Path) -> None:
+    """ConfigError (one line) when the stage-1 run's ``model`` section is not single-agent (it
+    detects in every agent's own frame, each agent on its own)."""
+    if stage1_model["core_method"] != "point_pillar":
         raise ConfigError(f"{stage1_dir}: box_align.stage1_model_dir must be a single-agent run "
                           f"(model point_pillar, trained for late fusion); its model is "
-                          f"{stage1_cfg['model']['core_method']!r}")
+                          f"{stage1_model['core_method']!r}")
 
 
 def load_pose_corrector(cfg: Dict, strategy, device,
@@ -137,7 +137,7 @@ def load_pose_corrector(cfg: Dict, strategy, device,
         raise ConfigError(f"box_align.stage1_model_dir: {config_path} not found (a run folder "
                           f"written by tools/train.py)")
     stage1_cfg = load_config(config_path)
-    check_stage1_config(stage1_cfg, stage1_dir)
+    check_stage1_model(stage1_cfg["model"], stage1_dir)
     model = load_model(stage1_cfg, run_checkpoint(stage1_dir, None))
     preparer = BatchPreparer.from_config(stage1_cfg, device, training=False)
     return PoseCorrector(model, preparer, box_align_args(cfg["box_align"]))

@@ -33,12 +33,13 @@ import json
 import subprocess
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, Mapping, Optional, Tuple
 
 import torch
 import yaml
 
 import opencood
+from opencood.config_schema import to_plain
 from opencood.errors import OpencoodError
 from opencood.utils.atomic import atomic_write
 
@@ -64,8 +65,10 @@ def file_sha256(path: Path, chunk_bytes: int = 1 << 20) -> str:
 
 
 def config_sha256(cfg: Dict) -> str:
-    """Hex sha256 of a resolved config, independent of key order."""
-    return hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()
+    """Hex sha256 of a resolved config (typed or plain: the hash of its plain data, what
+    ``config.yaml`` saves), independent of key order."""
+    return hashlib.sha256(json.dumps(to_plain(cfg), sort_keys=True, default=str)
+                          .encode()).hexdigest()
 
 
 def git_commit() -> Optional[str]:
@@ -113,7 +116,7 @@ def record_name(split: str, fusion: str, tag: str, protocol: str, default_protoc
     data folder and checkpoint content."""
     words = [split, fusion] + ([tag] if tag else []) + \
         ([protocol] if protocol != default_protocol else [])
-    keyed = {"settings": settings, "checkpoint": checkpoint["sha256"],
+    keyed = {"settings": to_plain(settings), "checkpoint": checkpoint["sha256"],
              "weights": checkpoint["weights"]}
     digest = hashlib.sha256(json.dumps(keyed, sort_keys=True, default=str).encode()).hexdigest()
     return "_".join(words + [digest[:8]])
@@ -225,8 +228,9 @@ def matching_records(records: Iterable[Tuple[Path, Dict]], **wanted) -> List[Tup
 
 
 def plain(value):
-    """Numpy/tensor scalars -> python numbers, tuples -> lists, for yaml.safe_dump."""
-    if isinstance(value, dict):
+    """Numpy/tensor scalars -> python numbers, tuples -> lists, config sections -> dicts, for
+    yaml.safe_dump."""
+    if isinstance(value, Mapping):
         return {str(k): plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [plain(v) for v in value]

@@ -38,6 +38,7 @@ import torch
 import yaml
 
 from opencood.config import load_config
+from opencood.config_schema import to_plain
 from opencood.interop.opencood_ckpt import LINEAR_AS_CONV, RULES, InteropError, ours_to_opencood
 from opencood.interop.importer import our_state_shapes, staged_folder
 from opencood.interop.opencood_config import DATASETS, OPENCOOD_ANCHOR_Z
@@ -359,7 +360,7 @@ def translate_our_run(run_dir, checkpoint: Optional[str] = None) -> Tuple[dict, 
     config_path = run_dir / "config.yaml"
     if not config_path.is_file():
         raise InteropError(f"{run_dir}: no config.yaml (give one of our run folders)")
-    cfg = load_config(config_path)
+    cfg = to_plain(load_config(config_path))       # translated into another program's yaml
     core_method, hypes = peer_config(cfg, str(config_path))
     path = run_checkpoint(run_dir, checkpoint)
     saved = load_checkpoint(path)

@@ -38,7 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from opencood.config_schema import Problems, all_positive, box_range, positive, section, spec
+from opencood.config_schema import (FrozenDict, Problems, all_positive, box_range, positive,
+                                     section, spec)
 from opencood.models.backbone import BackboneArgs, BaseBEVBackbone
 from opencood.models.detectors import (ShrinkHeader, ShrinkHeaderArgs, bev_grid, is_own_frame,
                                        set_bn_momentum)
@@ -125,7 +126,7 @@ class HeterPyramidArgs:
                     modality, lidar_range=modality.lidar_range or pre.cav_lidar_range,
                     voxel_size=modality.voxel_size or pre.args.voxel_size)
             modalities[name] = modality
-        return dataclasses.replace(self, modalities=modalities)
+        return dataclasses.replace(self, modalities=FrozenDict(modalities))   # read-only
 
 
 class ConvNeXtBlock(nn.Module):
