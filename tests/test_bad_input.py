@@ -25,6 +25,7 @@ import torch
 import yaml
 
 from opencood.config import load_config, save_config
+from opencood.config_schema import to_plain
 from opencood.engine import evaluator, trainer
 from opencood.engine.hooks import TrainHooks
 from opencood.utils import dist as dist_utils
@@ -141,7 +142,7 @@ def run_copy(trained_run, tmp_path) -> Path:
 
 def _standalone_yaml(folder: Path, edit) -> Path:
     """smoke.yaml resolved into one file (no _base_), with ``edit(cfg)`` applied."""
-    cfg = load_config(SMOKE_YAML)
+    cfg = to_plain(load_config(SMOKE_YAML))        # a plain copy: the loaded one is read-only
     edit(cfg)
     path = folder / "experiment.yaml"
     save_config(cfg, path)

@@ -7,13 +7,13 @@ lite config through the trainer.
 """
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import pytest
 import torch
 
 from opencood.config import resolve_section
+from opencood.config_schema import to_plain
 from opencood.engine import trainer
 from opencood.losses import DetectionLoss
 from opencood.models import build_model
@@ -108,7 +108,7 @@ def test_non_ego_agents_send_their_whole_fused_map(name):
 
 def test_v2vnet_without_rounds_is_the_single_agent_path():
     torch.manual_seed(0)
-    cfg = copy.deepcopy(BASELINES["v2vnet"])
+    cfg = to_plain(BASELINES["v2vnet"])
     cfg["args"]["fusion"]["args"]["num_iteration"] = 0
     model = build_model(cfg).eval()
     batch = make_batch([3, 2], seed=1)
@@ -235,7 +235,7 @@ def test_v2vnet_masks_messages_from_cells_outside_the_senders_view():
 # ---------------------------------------------------------------------------------------------
 
 def v2xvit_model(**overrides):
-    cfg = copy.deepcopy(BASELINES["v2xvit"])
+    cfg = to_plain(BASELINES["v2xvit"])
     cfg["args"]["fusion"]["args"].update(overrides)
     torch.manual_seed(0)
     return build_model(cfg).eval()

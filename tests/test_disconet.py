@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from opencood.config import load_config, resolve_section
+from opencood.config_schema import to_plain
 from opencood.engine import recipe, trainer
 from opencood.engine.hooks import TrainHooks
 from opencood.engine.teacher import FrozenTeacher
@@ -205,7 +206,7 @@ def test_build_teacher_loads_a_frozen_model_and_refuses_mismatches(tmp_path):
     student = smoke_cfg(tmp_path, "point_pillar_disconet")
     early = smoke_cfg(tmp_path, "point_pillar_early_fusion")
     good = save_fake_run(tmp_path / "early.pth", early)
-    cfg = copy.deepcopy(student)
+    cfg = to_plain(student)
     cfg["kd"] = {"teacher": str(good), "weight": 3.0}
     teacher = recipe.build_teacher(cfg, CPU)
     assert teacher.weight == 3.0 and not teacher.model.training

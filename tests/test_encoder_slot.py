@@ -1,11 +1,11 @@
 """The encoder slot (opencood.models.encoders) and the bev_grid section: both config forms build
 the same network, old checkpoints load through one prefix rule, mismatched grids are refused."""
-import copy
 
 import pytest
 import torch
 
 from opencood.config import load_config
+from opencood.config_schema import to_plain
 from opencood.data.pipeline import BatchPreparer
 from opencood.errors import ConfigError
 from opencood.models import build_model
@@ -18,7 +18,7 @@ SMOKE = "hypes_yaml/synthetic/point_pillar_attfuse.yaml"
 
 def encoder_form(cfg):
     """The resolved config's model section with its pillar keys moved under ``encoder``."""
-    model = copy.deepcopy(cfg["model"])
+    model = to_plain(cfg["model"])
     args = model["args"]
     args["encoder"] = {"core_method": "pillar",
                        "args": {"pillar_vfe": args.pop("pillar_vfe"),

@@ -75,8 +75,8 @@ def _detector(cfg: dict) -> torch.nn.Module:
 
 def _make_run(run_dir: Path, data_dir: Path, overrides=()) -> Path:
     run_dir.mkdir(parents=True)
-    cfg = _config(data_dir, overrides)
-    cfg["postprocess"]["pre_nms_max"] = 64  # keeps the exact rotated-IoU NMS cheap on CPU
+    # pre_nms_max 64 keeps the exact rotated-IoU NMS cheap on CPU
+    cfg = _config(data_dir, [*overrides, "postprocess.pre_nms_max=64"])
     save_config(cfg, run_dir / "config.yaml")
     save_checkpoint(run_dir / "last.pth", {"model": _detector(cfg).state_dict(), "epoch": 1})
     return run_dir

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from opencood.config_schema import to_plain
 from opencood.interop.importer import translate_run
 from opencood.interop.opencood_ckpt import InteropError
 from opencood.models.build import build_model
@@ -239,7 +240,7 @@ def heal_model_with_fixture_weights(name: str, tmp_path: Path, stage=None):
     from opencood.interop.opencood_config import read_opencood_yaml
     from parity_weights import materialize
     fixture = torch.load(FIXTURES / f"heal_{name}.parity.pt", weights_only=True)
-    cfg = translate(f"heal_{name}", tmp_path)[0]
+    cfg = to_plain(translate(f"heal_{name}", tmp_path)[0])      # changed below: a plain copy
     if stage is not None:
         cfg["model"]["args"]["fusion"]["stage"] = stage
     model = build_model(cfg["model"])

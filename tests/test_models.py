@@ -1,6 +1,5 @@
 """Detectors and fusion modules on a tiny hand-made pillar batch (CPU, 32x32 grid), and the
 camera models of hypes_yaml/synthetic/camera_*.yaml on a fake camera batch."""
-import copy
 import math
 from pathlib import Path
 
@@ -8,6 +7,7 @@ import pytest
 import torch
 
 from opencood.config import load_config, resolve_section
+from opencood.config_schema import to_plain
 from opencood.losses import DetectionLoss, build_loss
 from opencood.models import build_model
 from opencood.models.backbone import BackboneArgs, BaseBEVBackbone
@@ -151,10 +151,10 @@ def test_camera_model_forward_backward_every_parameter_gets_a_finite_grad(name):
     for every parameter."""
     torch.manual_seed(0)
     cfg = load_config(CAMERA_CONFIGS[name])
-    args = cfg["model"]["args"]
-    args["encoder"]["args"]["image_size"] = list(CAMERA_IMAGE)
-    args["bev_range"] = CAMERA_BEV_RANGE
-    model = build_model(cfg["model"])
+    model_cfg = to_plain(cfg["model"])          # a changed copy: the loaded config is read-only
+    model_cfg["args"]["encoder"]["args"]["image_size"] = list(CAMERA_IMAGE)
+    model_cfg["args"]["bev_range"] = CAMERA_BEV_RANGE
+    model = build_model(model_cfg)
     single_agent = cfg["model"]["core_method"] == "point_pillar"
     record_len = [1, 1] if single_agent else [1, 2]
     agents = sum(record_len)
@@ -342,14 +342,14 @@ def test_build_model_unknown_names_list_the_registered_ones():
 
 
 def test_where2comm_refuses_a_stage_without_anchor_grid():
-    cfg = copy.deepcopy(intermediate_cfg("where2comm"))
+    cfg = to_plain(intermediate_cfg("where2comm"))
     cfg["args"]["fusion"]["stage"] = "multiscale"
     with pytest.raises(ValueError, match="supported: backbone"):
         build_model(cfg)
 
 
 def test_fcooper_at_backbone_stage_fuses_the_backbone_output():
-    cfg = copy.deepcopy(MODEL_CFGS["fcooper"])
+    cfg = to_plain(MODEL_CFGS["fcooper"])
     cfg["args"]["fusion"]["stage"] = "backbone"
     with torch.no_grad():
         outputs = build_model(cfg).eval()(make_batch([2]))

@@ -17,7 +17,6 @@ the EfficientNet each move the outputs by far more than the tolerance.
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 from pathlib import Path
@@ -27,7 +26,7 @@ import pytest
 import torch
 
 from opencood.config import load_config
-from opencood.config_schema import SchemaError, parse
+from opencood.config_schema import SchemaError, parse, to_plain
 from opencood.models import build_model
 from opencood.models import lift_splat
 from opencood.models.camera_backbones import (EfficientNetB0, SamePadConv2d, WeightMappingError,
@@ -484,7 +483,7 @@ def test_registered_as_lss_and_a_detector_runs_on_cameras_alone():
     """``model.args.encoder: {core_method: lss}`` in a LiDAR config's detector: the splat is
     the bev_grid's map (128 x 64 cells of 0.8 m), the heads run on it and train the cameras."""
     cfg = load_config("hypes_yaml/synthetic/point_pillar_attfuse.yaml")
-    model_section = copy.deepcopy(cfg["model"])
+    model_section = to_plain(cfg["model"])
     for key in ("pillar_vfe", "point_pillar_scatter"):
         model_section["args"].pop(key)
     model_section["args"]["encoder"] = {"core_method": "lss", "args": {

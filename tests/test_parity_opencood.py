@@ -50,6 +50,7 @@ import pytest
 import torch
 
 from opencood.config import resolve
+from opencood.config_schema import to_plain
 from opencood.engine import evaluator, trainer
 from opencood.errors import OpencoodError
 from opencood.interop.exporter import export_opencood_run
@@ -91,8 +92,9 @@ def peer_state(fixture: dict) -> "OrderedDict[str, torch.Tensor]":
 
 
 def translated_config(name: str) -> dict:
+    """The resolved config of an OpenCOOD fixture, as plain data (the tests change it)."""
     path = FIXTURES / f"{name}.config.yaml"
-    return resolve(translate_config(read_opencood_yaml(path), str(path)), str(path))
+    return to_plain(resolve(translate_config(read_opencood_yaml(path), str(path)), str(path)))
 
 
 def our_model(name: str, fixture: dict, **defaults_back) -> torch.nn.Module:

@@ -47,13 +47,12 @@ def test_yaml_core_method_selects_the_voxel_postprocessor():
         ("hwl", 0.2, 0.15)
     # Absent from a yaml: the schema gives OpenCOOD's default (no read site restates it).
     absent = {key: value for key, value in cfg["postprocess"].items() if key != "core_method"}
-    cfg["postprocess"] = resolve_section("postprocess", absent)
+    cfg = {**cfg, "postprocess": resolve_section("postprocess", absent)}
     assert type(build_postprocessor(cfg, CPU)) is VoxelPostprocessor
 
 
 def test_unknown_core_method_is_a_one_line_config_error_naming_the_key():
-    cfg = smoke_config()
-    cfg["postprocess"]["core_method"] = "VoxelPostprocesor"
+    cfg = smoke_config(overrides=["postprocess.core_method=VoxelPostprocesor"])
     with pytest.raises(ConfigError) as built:
         build_postprocessor(cfg, CPU)
     with pytest.raises(ConfigError) as checked:
@@ -126,10 +125,9 @@ def test_lwh_run_and_hwl_run_give_the_same_loss_and_ap(tmp_path):
     and AP of an 'lwh' run give exactly the 'hwl' numbers (boxes with columns 3 and 5 swapped)."""
     data = write_simple_split(tmp_path / "test", num_cavs=2,
                               timestamps=("000000", "000002", "000004"))
-    cfg_hwl = smoke_config(data)
-    cfg_lwh = smoke_config(data, ["postprocess.order=lwh"])
-    for cfg in (cfg_hwl, cfg_lwh):
-        cfg["postprocess"]["pre_nms_max"] = 64           # keeps the rotated-IoU NMS cheap
+    cheap_nms = "postprocess.pre_nms_max=64"             # keeps the rotated-IoU NMS cheap
+    cfg_hwl = smoke_config(data, [cheap_nms])
+    cfg_lwh = smoke_config(data, ["postprocess.order=lwh", cheap_nms])
     torch.manual_seed(0)
     model_hwl = init_weights(build_model(cfg_hwl["model"]), cls_prior=0.1)
     with torch.no_grad():                                # scores peak where the points are
