@@ -198,7 +198,8 @@ def smoke_cfg(tmp_path, name, *overrides):
 def save_fake_run(path: Path, cfg) -> Path:
     """A checkpoint as tools/train.py writes it (model + config), of an untrained model."""
     torch.manual_seed(0)
-    save_checkpoint(path, {"model": build_model(cfg["model"]).state_dict(), "config": cfg})
+    save_checkpoint(path, {"model": build_model(cfg["model"]).state_dict(),
+                           "config": to_plain(cfg)})
     return path
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from opv2v_factory import write_simple_split
-from opencood.config import load_config, resolve_section
+from opencood.config import load_config, replaced, resolve_section
 from opencood.errors import ConfigError
 from opencood.data.collate import collate_samples
 from opencood.data.datasets import build_dataset
@@ -175,7 +175,8 @@ def test_max_voxel_caps_pillars_per_agent_by_mode():
     uncapped = BatchPreparer.from_config(cfg, CPU).model_inputs(batch)
     occupied = pillars_per_agent(uncapped, 3)
     assert min(occupied) > 250
-    cfg["preprocess"]["args"].update(max_voxel_train=100, max_voxel_test=200)
+    cfg = replaced(cfg, {"preprocess.args.max_voxel_train": 100,
+                         "preprocess.args.max_voxel_test": 200})
     train = BatchPreparer.from_config(cfg, CPU, training=True).model_inputs(batch)
     test = BatchPreparer.from_config(cfg, CPU, training=False).model_inputs(batch)
     assert pillars_per_agent(train, 3) == [100] * 3
@@ -193,7 +194,8 @@ def test_max_voxel_cap_not_hit_changes_nothing():
                                 pillars_per_agent=300,
                                 points_per_pillar=3, seed=1)
     uncapped = BatchPreparer.from_config(cfg, CPU).model_inputs(batch)
-    cfg["preprocess"]["args"].update(max_voxel_train=2048, max_voxel_test=2048)  # the whole grid
+    cfg = replaced(cfg, {"preprocess.args.max_voxel_train": 2048,       # the whole grid
+                         "preprocess.args.max_voxel_test": 2048})
     capped = BatchPreparer.from_config(cfg, CPU).model_inputs(batch)
     for key in ("voxel_coords", "voxel_num_points", "voxel_features"):
         assert torch.equal(capped[key], uncapped[key]), key
