@@ -5,9 +5,13 @@
   the file and the dotted key. The arguments of a model, fusion module or loss
   (``model.args``, ``model.args.fusion.args``, ``loss.args``) have the schema that component
   registered next to its class (``opencood.registry``). :func:`load_config` returns the
-  *resolved* config, a plain nested dict with every default filled in, so code indexes it
-  (``cfg["train_params"]["eval_freq"]``) and the run folder's saved ``config.yaml`` reloads to
-  the same dict.
+  *resolved* config, typed (``config_schema.Config``, every default filled in), which the
+  program carries: code reads it by attribute (``cfg.train_params.eval_freq``) or indexes it
+  as the plain dict it once was (``cfg["train_params"]["eval_freq"]``: sections read as
+  read-only mappings, lists as lists). It is never changed in place: :func:`replaced` and
+  :func:`apply_overrides` give a changed copy. Plain data (``config_schema.to_plain``) only
+  where it leaves the program: the run folder's ``config.yaml`` (:func:`save_config`, which
+  reloads to an equal config), checkpoints, evaluation records and their hashes.
 
 * Files are parsed with ``yaml.safe_load`` semantics only (never ``eval`` of strings).
 * ``_base_: other.yaml`` (or a list of files) inherits from files resolved relative to the

@@ -4,12 +4,17 @@ Why: defaults used to live at the read sites (``section.get(key, default)``), so
 saved ``config.yaml`` lacked what had been applied, a misspelt key was silently ignored and a
 bad enumeration failed (or not) deep inside training. Here every key has one type and one
 default, in one place; :func:`parse` refuses unknown keys, wrong types and bad enumerations
-with a :class:`SchemaError` naming the dotted key, and ``to_plain(parse(...))`` is the complete
-(resolved) config: the plain nested dict the code reads, that the run folder saves and that
-``--model_dir`` reloads to the same dict. OpenCOOD key names are kept (``train_params.epoches``,
+with a :class:`SchemaError` naming the dotted key. ``parse(...)`` is the complete (resolved)
+config that the program carries (``opencood.config.load_config``): each section also reads as
+a read-only mapping (below), and ``to_plain`` of it is the plain nested dict the run folder
+saves and ``--model_dir`` reloads to an equal config. OpenCOOD key names are kept (``train_params.epoches``,
 ``preprocess.args.max_voxel_train``, ``data_augment[].NAME``).
 
 How a section class reads:
+* ``@section``: a frozen, keyword-only dataclass that is also a read-only ``Mapping`` of its
+  fields (``section["key"]``, ``.get``, ``in``, iteration, equality with a dict): a key reads as
+  the plain config held it (a tuple as a new list, a nested section typed), a write is a
+  TypeError; open mappings (``Dict[str, Any]``) are stored as a read-only ``FrozenDict``;
 * its fields are the keys, in the order a saved config lists them; a field without a default is
   required, except a section (or ``spec(args_of=...)``) field, which an absent key gives the
   defaults of (and names its first required key when it has one);

@@ -165,7 +165,7 @@ def test_camera_model_forward_backward_every_parameter_gets_a_finite_grad(name):
              "points_in_agent_frame": True}
     outputs = model(batch)
 
-    grid_range, cell = args["bev_range"], args["bev_cell_size"]
+    grid_range, cell = model_cfg["args"]["bev_range"], model_cfg["args"]["bev_cell_size"]
     stride = cfg["postprocess"]["anchor_args"]["feature_stride"]
     rows = round((grid_range[4] - grid_range[1]) / cell[1]) // stride
     cols = round((grid_range[3] - grid_range[0]) / cell[0]) // stride

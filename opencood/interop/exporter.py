@@ -152,6 +152,7 @@ def check_head_width(ours: _Ours, core_method: str, fusion: Optional[dict]) -> N
 
 def peer_config(cfg: dict, source: str) -> Tuple[str, dict]:
     """(OpenCOOD core_method, its hypes) for our resolved ``cfg``; raises InteropError."""
+    cfg = to_plain(cfg)             # plain data: translated into another program's yaml
     ours = _Ours(cfg, source)
     core_method, fusion = opencood_model(ours)
     check_reference_options(ours, core_method)
@@ -360,7 +361,7 @@ def translate_our_run(run_dir, checkpoint: Optional[str] = None) -> Tuple[dict, 
     config_path = run_dir / "config.yaml"
     if not config_path.is_file():
         raise InteropError(f"{run_dir}: no config.yaml (give one of our run folders)")
-    cfg = to_plain(load_config(config_path))       # translated into another program's yaml
+    cfg = load_config(config_path)
     core_method, hypes = peer_config(cfg, str(config_path))
     path = run_checkpoint(run_dir, checkpoint)
     saved = load_checkpoint(path)
