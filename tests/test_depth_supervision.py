@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from opencood.config import load_config
+from opencood.config_schema import to_plain
 from opencood.losses import build_loss
 from opencood.losses.detection_loss import DetectionLoss, PointPillarLossArgs
 from opencood.losses.depth import DepthLossArgs
@@ -66,10 +67,10 @@ def test_camera_model_outputs_its_depth_logits_when_training_and_needs_no_depth_
     torch.manual_seed(0)
     cfg = load_config(CAMERA_SMALL)
     assert "depth" in cfg["input_source"] and cfg["loss"]["args"]["depth"]["weight"] > 0
-    args = cfg["model"]["args"]
-    args["encoder"]["args"]["image_size"] = [32, 64]
-    args["bev_range"] = [-12.8, -6.4, -3.0, 12.8, 6.4, 1.0]
-    model = build_model(cfg["model"])
+    model_cfg = to_plain(cfg["model"])          # a changed copy: the loaded config is read-only
+    model_cfg["args"]["encoder"]["args"]["image_size"] = [32, 64]
+    model_cfg["args"]["bev_range"] = [-12.8, -6.4, -3.0, 12.8, 6.4, 1.0]
+    model = build_model(model_cfg)
     batch = {**fake_camera_batch(3, image_size=(32, 64), depth=True),
              "record_len": torch.tensor([1, 2]),
              "transforms_to_ego": torch.eye(4).repeat(3, 1, 1)}

@@ -453,13 +453,13 @@ def test_each_agent_gets_its_own_labels_for_the_pyramid_loss(heter_data, tmp_pat
     is one of the sample's GT (same object, same place); the preparer turns them into one label
     row per agent."""
     from opencood import batch_keys
-    from opencood.config import resolve_section
+    from opencood.config import replaced
     from opencood.data.collate import collate_samples
     from opencood.data.pipeline import BatchPreparer
     scenario = _scenario(heter_data)
     assignment = {scenario.name: {"7127": "m4", "8616": "m2", "9883": "m1"}}
     cfg = _heter_config(tmp_path, heter_data, assignment)
-    cfg["loss"] = resolve_section("loss", {"core_method": "point_pillar_pyramid_loss"})
+    cfg = replaced(cfg, {"loss": {"core_method": "point_pillar_pyramid_loss"}})
     sample = _dataset(cfg)[0]
     batch_keys.check_keys("sample", sample, "heter dataset")
     own = sample["agent_gt_boxes"]

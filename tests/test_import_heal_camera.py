@@ -207,7 +207,7 @@ def test_export_to_heal_inverts_the_import(name, tmp_path):
 def test_export_to_heal_refuses_what_heal_has_not(tmp_path):
     """Our synthetic camera models fuse without HEAL's shrinker, on cell-centre anchors:
     refused in one line naming the key; nothing is written."""
-    from opencood.config import load_config, save_config
+    from opencood.config import load_config, replaced, save_config
     from opencood.interop.heal_export import translate_our_camera_run
     run = tmp_path / "run"
     run.mkdir()
@@ -215,7 +215,7 @@ def test_export_to_heal_refuses_what_heal_has_not(tmp_path):
     save_config(cfg, run / "config.yaml")
     with pytest.raises(InteropError, match="model.args.fusion.stage"):
         translate_our_camera_run(run)
-    cfg["model"]["args"]["fusion"]["stage"] = "backbone"
+    cfg = replaced(cfg, {"model.args.fusion.stage": "backbone"})
     save_config(cfg, run / "config.yaml")
     with pytest.raises(InteropError, match="model.args.shrink_header is missing"):
         translate_our_camera_run(run)

@@ -30,6 +30,7 @@ import torch
 import yaml
 
 from opencood.config import load_config
+from opencood.config_schema import to_plain
 from opencood.interop.heal import FUSIONS, heal_rules
 from opencood.interop.heal_camera import CAMERA_ENCODER
 from opencood.interop.importer import our_state_shapes, staged_folder
@@ -281,7 +282,7 @@ def translate_our_camera_run(run_dir, checkpoint: Optional[str] = None
     config_path = run_dir / "config.yaml"
     if not config_path.is_file():
         raise InteropError(f"{run_dir}: no config.yaml (give one of our run folders)")
-    cfg = load_config(config_path)
+    cfg = to_plain(load_config(config_path))       # translated into HEAL's yaml: plain data
     source = str(config_path)
     check_exportable(cfg, source)
     hypes = heal_hypes(cfg)
