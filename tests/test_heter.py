@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from opencood.config import load_config
+from opencood.config_schema import to_plain
 from opencood.errors import ConfigError
 
 BACKBONE = {"layer_nums": [1], "layer_strides": [2], "num_filters": [16],
@@ -103,7 +104,7 @@ def test_heals_heter_section_resolves_complete_and_reloads_unchanged(tmp_path):
     assert m2["grid_conf"]["mode"] == "LID"
     assert cfg["input_source"] == ["lidar", "camera", "depth"] and cfg["camera"] is None
     # the resolved config is what a run folder saves and --model_dir reloads
-    again = load_config(_write(tmp_path / "resolved.yaml", cfg))
+    again = load_config(_write(tmp_path / "resolved.yaml", to_plain(cfg)))
     assert again == cfg
     # without the section: no heter, lidar labels
     plain = _with("heter", None)
