@@ -733,7 +733,8 @@ class Config:
         if post.classes is None:
             return
         args = self.model.args
-        given = vars(args) if is_dataclass(args) else (args if isinstance(args, dict) else {})
+        given = vars(args) if is_dataclass(args) else \
+            (args if isinstance(args, collections.abc.Mapping) else {})
         expected = {"num_class": num_classes(post),
                     "anchor_number": num_classes(post) * len(post.anchor_args.r)}
         for key, value in expected.items():
