@@ -149,7 +149,11 @@ class CudaGraphStep:
             self.say_once(reason)
             return self.eager(micro_batches, where, skip_nonfinite)
         signature, _ = batch_signature(padded)
-        if self.graph is None and self.eager_warmups < self.warmup_steps:
+        # Capture only shapes the last warm-up ran (cudnn's algorithm search for new shapes
+        # must not happen inside the capture).
+        if self.graph is None and (self.eager_warmups < self.warmup_steps
+                                   or signature != self.signature):
+            self.signature = signature
             return self.warm_up(padded, where)
         if self.graph is None:
             if not self.capture(padded, signature):
