@@ -7,18 +7,23 @@ Usage in a test::
 
     results = run_on_ranks(_body, world_size=2, args=(10,))   # [result of rank 0, of rank 1]
 
-Each rank is a fresh spawned process (no CUDA, one intra-op thread so two ranks share two cores
-politely). By default the helper creates the gloo group through a ``file://`` store in a temporary
-folder (no port to race for) and destroys it afterwards; with ``init_group=False`` the function sets
-up its own group, e.g. to exercise ``init_distributed_mode`` with a port from :func:`free_port`.
-A failing rank re-raises in the test with the rank's traceback; a hung collective fails after
-``timeout_s`` instead of hanging the test session.
+Each rank is a fresh process (no CUDA, one intra-op thread so two ranks share two cores
+politely), forked by the forkserver of the loader workers (opencood.data.collate), which has
+imported torch and the trainer once: a spawned rank spent about 2 s of CPU importing them again,
+and the suite starts some fifty ranks (spawned where there is no forkserver). A rank gets the
+test's environment of the moment it starts. By default the helper creates the gloo group through a
+``file://`` store in a temporary folder (no port to race for) and destroys it afterwards; with
+``init_group=False`` the function sets up its own group, e.g. to exercise
+``init_distributed_mode`` with a port from :func:`free_port`. A failing rank re-raises in the
+test with the rank's traceback; a hung collective fails after ``timeout_s`` instead of hanging the
+test session.
 """
 
 from __future__ import annotations
 
 import datetime
 import gc
+import multiprocessing
 import os
 import pickle
 import socket
@@ -30,6 +35,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from opencood.data.collate import WORKER_PRELOAD
+
+RANK_PRELOAD = WORKER_PRELOAD + ("torch.distributed", "opencood.engine.trainer",
+                                 "opencood.engine.evaluator")
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
@@ -39,7 +49,10 @@ def free_port() -> int:
 
 
 def _rank_main(rank: int, fn: Callable, world_size: int, args: tuple, work_dir: str,
-               init_group: bool, timeout_s: float) -> None:
+               init_group: bool, timeout_s: float, environ: dict) -> None:
+    # The test's environment at launch (the forkserver's own is that of its start).
+    os.environ.clear()
+    os.environ.update(environ)
     torch.set_num_threads(1)
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU tests must not touch a GPU the host may have
     if init_group:
@@ -69,9 +82,14 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int = 2, args: tuple = (),
     through pickle files, so they can be any picklable object.
     """
     with tempfile.TemporaryDirectory(prefix="dist_test_") as work_dir:
+        start_method = "spawn"
+        if "forkserver" in multiprocessing.get_all_start_methods():
+            start_method = "forkserver"     # read when the server starts; a no-op afterwards
+            multiprocessing.get_context(start_method).set_forkserver_preload(list(RANK_PRELOAD))
         context = mp.start_processes(
-            _rank_main, args=(fn, world_size, args, work_dir, init_group, timeout_s),
-            nprocs=world_size, join=False, start_method="spawn")
+            _rank_main, args=(fn, world_size, args, work_dir, init_group, timeout_s,
+                              dict(os.environ)),
+            nprocs=world_size, join=False, start_method=start_method)
         deadline = time.monotonic() + timeout_s + 30  # spawning and importing torch take time
         while not context.join(timeout=1):  # re-raises a rank's exception with its traceback
             if time.monotonic() > deadline:
