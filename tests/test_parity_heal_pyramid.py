@@ -350,7 +350,7 @@ def test_depth_supervision_joins_the_loss(collab):
 def test_a_lidar_type_encodes_on_the_grid_the_data_side_pillarises_it_on():
     """A LiDAR type's pillar grid comes from its heter preprocess (the grid of its
     modality_pillars); types whose maps would not meet in one size are refused at build."""
-    from opencood.config import load_config
+    from opencood.config import load_config, replaced
     from opencood.models import build_model
     yaml = Path(__file__).resolve().parents[1] / "hypes_yaml" / "synthetic" / \
         "heter_pyramid_collab.yaml"
@@ -362,8 +362,8 @@ def test_a_lidar_type_encodes_on_the_grid_the_data_side_pillarises_it_on():
     assert modalities["m1"]["voxel_size"] == cfg["preprocess"]["args"]["voxel_size"]
     with pytest.raises(ValueError, match="one map size"):
         build_model(cfg["model"])
-    modalities["m3"]["backbone"]["layer_strides"] = [4]       # 0.4 m x 4 = 0.8 m x 2
-    model = build_model(cfg["model"])
+    cfg = replaced(cfg, {"model.args.modalities.m3.backbone.layer_strides": [4]})  # 0.4 m x 4
+    model = build_model(cfg["model"])                                             # = 0.8 m x 2
     assert (model.branches["m3"].encoder.scatter.nx, model.branches["m1"].encoder.scatter.nx) \
         == (256, 128)
     assert model.branches["m3"].map_size == model.branches["m1"].map_size == (32, 64)
