@@ -5,18 +5,21 @@ from __future__ import annotations
 
 import copy
 import logging
+import re
 
 import pytest
 import torch
 
 from opencood.config import load_config
-from opencood.engine.cuda_graph import (GraphLimits, batch_signature, build_graph_step,
-                                        pad_batch, run_refusal, tensor_lrs)
+from opencood.engine.cuda_graph import (CudaGraphStep, GraphLimits, batch_signature,
+                                        build_graph_step, capture_failure, pad_batch,
+                                        run_refusal, tensor_lrs)
 from opencood.engine.loop import optimizer_step
 from opencood.engine.recipe import build_training_parts
 from opencood.utils.dist import DistInfo
 from opencood.utils.ema import ModelEMA
 from opencood.utils.fake_batch import fake_collated_batch
+from opencood.utils.host_syncs import HostDataTensors
 
 CONFIG = "hypes_yaml/synthetic/point_pillar_attfuse.yaml"
 FAST = ["performance.static_pillars=320", "performance.sync_free_step=true",
@@ -114,6 +117,39 @@ def test_on_cpu_the_run_steps_eagerly_with_one_line_saying_why(caplog):
                            torch.amp.GradScaler("cpu", enabled=False)) == reason
     assert run_refusal(load_config(CONFIG, FAST), cuda, 2, 1, parts.optimizer, parts.scaler) == \
         "several ranks (DDP) are not captured"
+
+
+def test_the_captured_step_builds_no_tensor_from_host_data():
+    """On CUDA a tensor made from host data inside the step (``torch.tensor(constant)``, a
+    Python-list index) is a host-to-device copy, which the capture refuses (the first H200
+    run failed so at pillar_vfe's ``voxel_coords[:, [3, 2, 1]]``). The step's recorded work
+    after an eager warm-up, with the EMA, under ``HostDataTensors`` on CPU: no such tensor.
+    (Adam's capturable path runs on CUDA only; on CPU the same step without it.)"""
+    cfg, parts = lite_parts(torch.device("cpu"), ["ema.enabled=true"])
+    step = CudaGraphStep(parts.model, parts.task.training_loss, parts.optimizer, parts.scaler,
+                         parts.ema, torch.device("cpu"), None, cfg["train_params"]["grad_clip"],
+                         GraphLimits(2000, 8, tuple(cfg["preprocess"]["cav_lidar_range"])))
+    for group in parts.optimizer.param_groups:
+        group["capturable"] = False
+    padded, _ = pad_batch(lite_batch(cfg, seed=3, pillars=150), step.limits)
+    step.eager([padded], "test", skip_nonfinite=False)           # the warm-up
+    parts.optimizer.zero_grad(set_to_none=True)
+    step.static_batch = padded
+    with HostDataTensors() as found:
+        values = step.captured_step()
+    assert found.sites == [] and bool(values[0])
+    # The detector sees each kind of construction, where it happens.
+    table = torch.arange(6.0).view(2, 3)
+    with HostDataTensors() as found:
+        _ = table[:, [2, 1]] * 2.0 + torch.ones(())                  # a list index
+        _ = table + torch.tensor(1.0)                                 # data from the host
+        _ = torch.from_numpy(table.numpy().copy()) + 1
+    assert [site.split(" ")[-1] for site in found.sites] == ["aten.lift_fresh.default"] * 3
+    # A failed capture names the innermost opencood frame of its traceback.
+    with pytest.raises(KeyError) as error:
+        pad_batch({"points": torch.zeros(3, 4)}, GraphLimits(5, 0, (0.0,) * 6))
+    assert re.fullmatch(r"the capture failed at opencood/engine/cuda_graph\.py:\d+: "
+                        r"'agent_index'", capture_failure(error.value))
 
 
 @pytest.mark.filterwarnings("ignore:Detected call of")

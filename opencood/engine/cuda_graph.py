@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import traceback
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Tuple
 
@@ -30,6 +31,7 @@ import torch
 
 from opencood.engine.loop import (nonfinite_error, nonfinite_reason, optimizer_step,
                                   unscale_and_clip)
+from opencood.utils.host_syncs import project_site
 
 logger = logging.getLogger("opencood")
 
@@ -220,7 +222,7 @@ class CudaGraphStep:
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 self.values = self.captured_step()
         except RuntimeError as error:
-            self.run_refused = "the capture failed: " + str(error).strip().splitlines()[0]
+            self.run_refused = capture_failure(error)
             self.say_once(self.run_refused)
             self.optimizer.zero_grad(set_to_none=True)
             return False
@@ -263,6 +265,15 @@ class CudaGraphStep:
             raise nonfinite_error(nonfinite)
         return {"loss": loss, **dict(zip(self.term_names, terms)), "grad_norm": grad_norm,
                 "samples": self.samples, "skipped": 0, "overflow": 0, "nonfinite": None}
+
+
+def capture_failure(error: BaseException) -> str:
+    """The one-line reason of a failed capture, with where it failed: the innermost
+    ``opencood/`` frame of the error's traceback (``at opencood/models/x.py:12``), as a GPU
+    run's log is often all there is to go on."""
+    site = project_site(traceback.extract_tb(error.__traceback__))
+    lines = str(error).strip().splitlines() or [type(error).__name__]
+    return f"the capture failed{' at ' + site if site else ''}: {lines[0]}"
 
 
 def copy_batch(static: Dict, padded: Dict) -> None:

@@ -64,7 +64,8 @@ def pad_by_sample(features: torch.Tensor, record_len: torch.Tensor,
     padded = features.new_zeros(*shape, *features.shape[1:])
     padded = padded.index_put((sample_index, slot), features)
     is_real = torch.zeros(shape, dtype=torch.bool, device=features.device)
-    is_real[sample_index, slot] = True
+    # A device True, not the Python one (which becomes a host tensor copied to the device).
+    is_real[sample_index, slot] = torch.ones((), dtype=torch.bool, device=features.device)
     return padded, is_real
 
 

@@ -215,8 +215,10 @@ class PillarVFE(nn.Module):
         valid = point_mask.unsqueeze(-1).to(xyz.dtype)
         counts = voxel_num_points.clamp(min=1).to(xyz.dtype).view(-1, 1, 1)
         offset_to_mean = xyz - (xyz * valid).sum(dim=1, keepdim=True) / counts
-        # voxel_coords is [agent, z, y, x]; flip to (x, y, z) to match the point channels.
-        cell_xyz = voxel_coords[:, [3, 2, 1]].to(xyz.dtype)
+        # voxel_coords is [agent, z, y, x]; flip to (x, y, z) to match the point channels
+        # (a slice and flip: a Python-list index is a host tensor copied to the device, which a
+        # CUDA graph capture refuses).
+        cell_xyz = voxel_coords[:, 1:4].flip(-1).to(xyz.dtype)
         pillar_centre = (cell_xyz + 0.5) * self.voxel_size.to(xyz.dtype) + self.range_min.to(
             xyz.dtype)
         parts = [voxel_features, offset_to_mean, xyz - pillar_centre.unsqueeze(1)]

@@ -15,8 +15,10 @@ Counted (``HostSyncCounter.counts``, by kind):
 """
 from __future__ import annotations
 
+import os
+import traceback
 from collections import Counter
-from typing import Iterable, Optional
+from typing import Iterable, List, Optional
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -114,3 +116,37 @@ def optimizer_host_tensors(optimizer: torch.optim.Optimizer):
     AdamW): reading them is no device sync. Empty before the first step creates the state."""
     return [state["step"] for state in optimizer.state.values()
             if torch.is_tensor(state.get("step")) and state["step"].device.type == "cpu"]
+
+
+def project_site(frames) -> str:
+    """The innermost ``opencood/`` frame of ``frames`` (a ``traceback`` StackSummary or frame
+    list, outermost first) as ``opencood/path.py:line``, or "" when none is ours. This
+    module's own frames (the detector below) are skipped."""
+    marker = f"{os.sep}opencood{os.sep}"
+    for frame in reversed(frames):
+        if marker in frame.filename and frame.filename != __file__:
+            return "opencood" + os.sep + frame.filename.rsplit(marker, 1)[1] + f":{frame.lineno}"
+    return ""
+
+
+class HostDataTensors(TorchDispatchMode):
+    """``with HostDataTensors() as found: ...`` then ``found.sites``: one
+    ``"opencood/file.py:line op"`` per tensor built from host data inside the region.
+
+    On CUDA such a tensor is a host-to-device copy, which a CUDA graph capture refuses
+    ("Cannot copy between CPU and CUDA tensors during CUDA graph capture"). On CPU every such
+    construction is one op, ``lift_fresh``: ``torch.tensor``/``as_tensor`` of numbers, lists or
+    arrays, ``torch.from_numpy``, a Python-list or numpy index (``x[:, [2, 1]]``). Python
+    scalars in arithmetic (``x * 2.0``) are not lifted (the kernel takes them as arguments),
+    nor are ``torch.full``/``zeros``/``arange`` (made on the device)."""
+
+    _LIFTS = {aten.lift_fresh.default, aten.lift_fresh_copy.default}
+
+    def __init__(self):
+        super().__init__()
+        self.sites: List[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self._LIFTS:
+            self.sites.append(f"{project_site(traceback.extract_stack())} {func}")
+        return func(*args, **(kwargs or {}))
