@@ -150,6 +150,14 @@ def test_the_captured_step_builds_no_tensor_from_host_data():
         pad_batch({"points": torch.zeros(3, 4)}, GraphLimits(5, 0, (0.0,) * 6))
     assert re.fullmatch(r"the capture failed at opencood/engine/cuda_graph\.py:\d+: "
                         r"'agent_index'", capture_failure(error.value))
+    # torch.compile's tracing errors name the user code in their message, the cause apart.
+    traced = RuntimeError('RuntimeError when making fake tensor call\n\nfrom user code:\n'
+                          '  File "/x/opencood/models/fusion.py", line 12, in forward\n'
+                          '  File "/x/opencood/models/warp.py", line 34, in warp')
+    traced.__cause__ = RuntimeError("Cannot copy between CPU and CUDA tensors\nmore")
+    assert capture_failure(traced) == (
+        "the capture failed at opencood/models/warp.py:34: RuntimeError when making fake "
+        "tensor call (cause: Cannot copy between CPU and CUDA tensors)")
 
 
 @pytest.mark.filterwarnings("ignore:Detected call of")

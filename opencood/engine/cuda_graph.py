@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import traceback
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Tuple
@@ -269,11 +270,19 @@ class CudaGraphStep:
 
 def capture_failure(error: BaseException) -> str:
     """The one-line reason of a failed capture, with where it failed: the innermost
-    ``opencood/`` frame of the error's traceback (``at opencood/models/x.py:12``), as a GPU
-    run's log is often all there is to go on."""
-    site = project_site(traceback.extract_tb(error.__traceback__))
-    lines = str(error).strip().splitlines() or [type(error).__name__]
-    return f"the capture failed{' at ' + site if site else ''}: {lines[0]}"
+    ``opencood/`` frame of the error's traceback (``at opencood/models/x.py:12``), or, for an
+    error of torch.compile's tracing, the innermost one its message's user-code stack names;
+    and the first line of the error's cause, if it has one. A GPU run's log is often all there
+    is to go on."""
+    message = str(error).strip()
+    traced = re.findall(r'File "[^"]*/(opencood/[^"]+)", line (\d+)', message)
+    site = (f"{traced[-1][0]}:{traced[-1][1]}" if traced
+            else project_site(traceback.extract_tb(error.__traceback__)))
+    reason = (message.splitlines() or [type(error).__name__])[0]
+    cause = str(error.__cause__ or "").strip().splitlines()
+    if cause and cause[0] not in reason:
+        reason += f" (cause: {cause[0]})"
+    return f"the capture failed{' at ' + site if site else ''}: {reason}"
 
 
 def copy_batch(static: Dict, padded: Dict) -> None:
