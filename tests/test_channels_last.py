@@ -63,18 +63,6 @@ def test_channels_last_step_equals_the_default_in_float64(config):
         torch.testing.assert_close(cl_buffers[name], buffer, rtol=1e-9, atol=1e-12, msg=name)
 
 
-@pytest.fixture
-def two_threads():
-    """torch's default on the 2-core CI machine, which the bound below was measured with: the
-    suite runs on one thread (tests/conftest.py), and there the default float32 step's sums run in
-    another order, its worst tensor 8.5e-5 of its scale against channels-last's 4.2e-3."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.mark.usefixtures("two_threads")
 def test_channels_last_step_in_float32_is_as_far_from_exact_as_the_default():
     """Against the float64 step, per tensor relative to its scale: no farther than 1.5x the
     default float32 step's worst tensor. Not per tensor to its own rounding: the sums inside a
