@@ -846,7 +846,8 @@ def test_unknown_model_name_is_a_one_line_error_listing_models(tmp_path):
               "--set", "model.core_method=pointpillar"])
     message = str(info.value)
     assert message == ("error: hypes_yaml/synthetic/smoke.yaml: model.core_method: unknown model "
-                       "'pointpillar'; registered models: point_pillar, point_pillar_intermediate")
+                       "'pointpillar'; registered models: heter_model_late, heter_pyramid_collab, "
+                       "heter_pyramid_single, point_pillar, point_pillar_intermediate")
     assert not (tmp_path / "run").exists()   # refused before any file is written
 
 
