@@ -812,7 +812,7 @@ def bench_eval_inference(suite: Suite) -> List[Dict]:
     @torch.no_grad()
     def inference():
         results, _ = detect(model, bench.batch, preparer, strategy)
-        counts.append(sum(int(scores.shape[0]) for _, scores, _ in results))
+        counts.append(sum(int(frame.scores.shape[0]) for frame in results))
 
     model.eval()
     try:
