@@ -541,9 +541,9 @@ def test_run_inference_scores_each_class_from_the_detections_and_gt_class_ids(tm
     saved = np.load(write_detections(tmp_path / "single.npz", single.frames, "hwl"))
     assert sorted(saved.files) == ["box_order", "boxes", "frame_offsets", "sample_keys",
                                    "scores"]
-    assert inference.detection_class_names({"postprocess": {}}) is None
+    assert inference.detection_class_names({}) is None
     assert inference.detection_class_names(
-        {"postprocess": {"classes": [{"name": "car"}, {"name": "pedestrian"}]}}) == \
+        {"classes": [{"name": "car"}, {"name": "pedestrian"}]}) == \
         ["car", "pedestrian"]
 
 

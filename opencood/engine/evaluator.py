@@ -207,10 +207,10 @@ def evaluate_setting(cfg, args, run_dir, model, info, setting, checkpoint: Dict,
     collector = DetectionCollector(then=on_sample) if args.save_detections else None
     metrics = evaluate_loader(model, loader, preparer, info.device, strategy,
                               collector or on_sample, protocol, corrector,
-                              detection_class_names(cfg_run))
+                              detection_class_names(cfg_run["postprocess"]))
     if collector is not None:
         save_detections(collector, run_dir, args, fusion, tag, cfg_run["postprocess"]["order"],
-                        detection_class_names(cfg_run))
+                        detection_class_names(cfg_run["postprocess"]))
     if metrics is None:
         return None
     if "visibility" in metrics:

@@ -362,7 +362,7 @@ def validate(model_for_eval, val_loaders, task: DetectionTask, info, amp_dtype, 
         picture = first_sample_picture(cfg["preprocess"]["cav_lidar_range"], pictures)
         metrics = evaluate_loader(model_for_eval, ap_loader, task.eval_preparer, info.device,
                                   task.strategy, on_sample=picture,
-                                  class_names=detection_class_names(cfg))
+                                  class_names=detection_class_names(cfg["postprocess"]))
         if metrics is not None:
             results.update({k: metrics[k] for k in ("ap_30", "ap_50", "ap_70")})
             if "visibility" in metrics:

@@ -9,7 +9,7 @@ gathered to rank 0, checked to hold every sample exactly once, and AP is compute
 from __future__ import annotations
 
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -36,10 +36,10 @@ def detect(model, batch: Dict, preparer, strategy, corrector=None) -> Tuple[List
     return strategy.detections(preparer.postprocessor, outputs, inputs), inputs
 
 
-def detection_class_names(cfg: Dict) -> Optional[List[str]]:
-    """The names of the resolved config's ``postprocess.classes`` (class id k is entry k), None
-    without a class list (one class)."""
-    classes = cfg["postprocess"].get("classes")
+def detection_class_names(postprocess: Mapping) -> Optional[List[str]]:
+    """The names of a resolved ``postprocess`` section's ``classes`` (class id k is entry k),
+    None without a class list (one class)."""
+    classes = postprocess.get("classes")
     return None if classes is None else [entry["name"] for entry in classes]
 
 
