@@ -193,8 +193,11 @@ def bad_state(name: str, kind: str):
     ("v2v4real_late_fusion", "missing", "left unfilled: head.cls_conv.bias"),
     ("heal_attfuse", "fusion_method: v2xvit",
      "model.args.fusion_method 'v2xvit': HEAL's v2xvit has no established key mapping"),
+    ("heal_attfuse", "core_method: heter_model_sharedhead",
+     "model.core_method 'heter_model_sharedhead' has no counterpart here"),
+    # a heter pyramid model is imported (opencood.interop.heal_heter_run); its config is checked
     ("heal_attfuse", "core_method: heter_pyramid_collab",
-     "model.core_method 'heter_pyramid_collab' has no counterpart here"),
+     r"model.args: \(HEAL's heter_pyramid_collab\) 'aligner_args' is missing"),
     ("v2v4real_v2vnet", None, "temporal-encoding conv \\(fusion_net.cnn"),
 ])
 def test_refusals_in_one_line_and_nothing_written(tmp_path, name, change, message):

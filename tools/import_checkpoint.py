@@ -14,7 +14,9 @@ loader does). Supported models: ``point_pillar`` (no / early / late fusion),
 highest ``net_epoch<N>.pth`` is taken; its V2VNet is refused). ``--from heal``: HEAL's
 ``heter_model_baseline`` with one LiDAR PointPillar modality and ``fusion_method`` max / att /
 v2vnet (``net_epoch_bestval_at<N>.pth`` preferred, as HEAL's loader does); see
-``opencood/interop/heal.py`` and ``v2v4real.py`` for what is refused and why. ``--from
+``opencood/interop/heal.py`` and ``v2v4real.py`` for what is refused and why; HEAL's
+heterogeneous runs (``heter_pyramid_collab``, ``heter_pyramid_single``, ``heter_model_late``)
+import with their ``heter`` section (``opencood/interop/heal_heter_run.py``). ``--from
 coalign``: CoAlign's fusion network (``point_pillar_baseline_multiscale``, ``fusion_method:
 att``; checkpoints picked as HEAL's), imported own-frame with the ResNet backbone
 (``opencood/interop/coalign.py``).

@@ -23,7 +23,10 @@ v2vnet                   v2vnet       shrinker_m.layers.0.double_conv.{0,2} -> s
 Camera modalities (``lift_splat_shoot`` encoders, HEAL's CameraOnly runs) import the same way
 with our ``lss`` encoder in the slot (:mod:`opencood.interop.heal_camera`).
 
-Refused, each in one line: another ``model.core_method`` (pyramid, multiscale, late, DiscoNet's
+HEAL's heterogeneous models (``heter_pyramid_collab``, ``heter_pyramid_single``,
+``heter_model_late``) are imported by :mod:`opencood.interop.heal_heter_run`.
+
+Refused, each in one line: another ``model.core_method`` (multiscale, DiscoNet's
 own model), more than one modality or an encoder other than PointPillar and lift-splat-shoot, the fusions whose
 key mapping is not established here (``disconet``, ``v2xvit``, ``cobevt``, ``where2comm``,
 ``who2com``), single-supervision heads, a compressor, a second shrink after fusion, direction

@@ -33,6 +33,7 @@ from opencood.config import ConfigError, resolve, save_config
 from opencood.interop.coalign import coalign_notes, coalign_rules, translate_coalign_config
 from opencood.interop.heal import (heal_notes, heal_rules, heal_unused_keys, pick_heal_checkpoint,
                                    translate_heal_config)
+from opencood.interop.heal_heter_run import is_heal_heter, translate_heal_heter_run
 from opencood.interop.opencood_ckpt import (InteropError, peer_state_to_ours, rules_for,
                                             strip_ddp_prefix,
                                             state_shapes)
@@ -139,6 +140,10 @@ def translate_run(peer_dir, checkpoint: Optional[str] = None,
     config_path = peer_dir / "config.yaml"
     peer = read_opencood_yaml(config_path)
     source = str(config_path)
+    if codebase == "heal" and is_heal_heter(peer):
+        cfg, ours, provenance = translate_heal_heter_run(peer_dir, peer, source, checkpoint)
+        provenance["notes"] += validation_as_test_notes(peer, cfg, source)
+        return cfg, ours, provenance
     try:
         cfg = resolve(peer_format.translate_config(peer, source), f"{source} (translated)")
     except ConfigError as error:

@@ -1,0 +1,165 @@
+"""HEAL's heterogeneous run folders -> ours (issue 37 point 5): ``--from heal`` of runs whose
+``model.core_method`` is ``heter_pyramid_collab`` (HEAL's stage one and its final
+collaboration), ``heter_pyramid_single`` (a type trained or aligned alone, stage two) or
+``heter_model_late`` (its late baseline).
+
+The run folder is HEAL's (``config.yaml`` + ``net_epoch*.pth``, the checkpoint picked as HEAL's
+loader picks it, :func:`opencood.interop.heal.pick_heal_checkpoint`). Written: our config with
+the model of the same name (``model.args`` from :mod:`opencood.interop.heal_heter`), HEAL's
+``heter`` section (our schema reads it as HEAL does, docs/heterogeneous.md), own-frame fusion
+(``proj_first: false``, as HEAL fuses), HEAL's pyramid loss for the pyramid models; and the
+state dict placed strictly by :func:`heal_heter.heal_state_to_ours` (every tensor of HEAL's has
+one place of ours with its shape and every one of ours is filled, else one line naming the key
+and the file). HEAL's ``layers_<m>.resnet.layer0`` of the late model, which its forward never
+runs, is the only thing dropped (``heal_heter.LATE_UNUSED``).
+
+Not imported: HEAL's ``merge`` of stage-one checkpoints into one collaboration checkpoint (give
+the merged file, as HEAL's final inference does); ``label_type: camera`` (evaluated with the
+LiDAR labels, said in the notes).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Mapping, Optional, Tuple
+
+from opencood.config import ConfigError, resolve
+from opencood.interop import heal_heter
+from opencood.interop.heal import (PROJ_FIRST_NOTE, _get, pick_heal_checkpoint,
+                                   set_direction_head, set_own_frame_dataset)
+from opencood.interop.heal_camera import PLACEHOLDER_PILLARS
+from opencood.interop.opencood_ckpt import InteropError
+from opencood.interop.opencood_config import translate_config
+from opencood.utils.checkpoint import load_checkpoint
+
+# HEAL's model -> (its fusion.core_method, our fusion strategy)
+HETER_MODELS = {"heter_pyramid_collab": ("intermediateheter", "intermediate"),
+                "heter_pyramid_single": ("lateheter", "late"),
+                "heter_model_late": ("lateheter", "late")}
+HETER_KEYS = ("assignment_path", "ego_modality", "mapping_dict", "lidar_channels_dict",
+              "cav_preference")
+SETTING_KEYS = ("sensor_type", "core_method", "preprocess", "data_aug_conf", "grid_conf")
+LABEL_NOTE = ("HEAL's label_type: camera (each agent's labels its camera sees) is not built "
+              "here: the imported run is evaluated with the LiDAR labels")
+# what HEAL's data sections need of a model for the shared translation; replaced afterwards
+_PLACEHOLDER_MODEL = {"args": {
+    "pillar_vfe": PLACEHOLDER_PILLARS, "point_pillar_scatter": {"num_features": 64},
+    "base_bev_backbone": {"layer_nums": [1], "layer_strides": [1], "num_filters": [64],
+                          "upsample_strides": [1], "num_upsample_filter": [64]}}}
+
+
+def is_heal_heter(data: Mapping) -> bool:
+    """HEAL's hypes name one of its heterogeneous models."""
+    return (data.get("model") or {}).get("core_method") in HETER_MODELS
+
+
+def _model_args(data: dict, core: str, source: str) -> dict:
+    args = _get(data, "model.args", source)
+    try:
+        if core == "heter_model_late":
+            return heal_heter.late_model_args_from_heal(args)
+        return heal_heter.model_args_from_heal(args)
+    except KeyError as error:
+        raise InteropError(f"{source}: model.args: (HEAL's {core}) {error} is missing") \
+            from None
+
+
+def _heter_section(data: dict, modalities, source: str) -> dict:
+    """HEAL's ``heter`` section, the keys our schema reads; each model type's setting (a camera
+    type's image augmentation from its encoder when the section omits it)."""
+    heter = _get(data, "heter", source)
+    ours = {key: heter[key] for key in HETER_KEYS if heter.get(key) is not None}
+    settings = {}
+    for name, model_setting in modalities.items():
+        setting = dict(_get(data, f"heter.modality_setting.{name}", source))
+        setting = {key: setting[key] for key in SETTING_KEYS if setting.get(key) is not None}
+        if setting.get("sensor_type") == "camera" and "data_aug_conf" not in setting:
+            setting["data_aug_conf"] = _get(
+                data, f"model.args.{name}.encoder_args.data_aug_conf", source)
+        if isinstance(setting.get("preprocess"), Mapping):
+            setting["preprocess"] = {key: setting["preprocess"][key]
+                                     for key in ("core_method", "args", "cav_lidar_range")
+                                     if key in setting["preprocess"]}
+        settings[name] = setting
+    ours["modality_setting"] = settings
+    # HEAL's yamls name beams of types they leave out: only the model's are kept
+    if "lidar_channels_dict" in ours:
+        ours["lidar_channels_dict"] = {name: channels for name, channels in
+                                       ours["lidar_channels_dict"].items() if name in settings}
+    return ours
+
+
+def _loss(cfg_loss: dict, data: dict, core: str, source: str) -> dict:
+    if core == "heter_model_late":
+        return cfg_loss
+    pyramid = _get(data, "loss.args.pyramid", source)
+    args = {**cfg_loss["args"], "dir_weight": float(_get(data, "loss.args.dir.weight", source,
+                                                         0.2)),
+            "pyramid": {"relative_downsample": list(pyramid["relative_downsample"]),
+                        "weight": list(pyramid["weight"])}}
+    return {"core_method": "point_pillar_pyramid_loss", "args": args}
+
+
+def translate_heal_heter_config(data: dict, source: str) -> Tuple[dict, List[str]]:
+    """HEAL's hypes of a heterogeneous model -> (our config, unresolved; notes)."""
+    core = _get(data, "model.core_method", source)
+    dataset, strategy = HETER_MODELS[core]
+    if _get(data, "fusion.core_method", source) != dataset:
+        raise InteropError(f"{source}: fusion.core_method is "
+                           f"{_get(data, 'fusion.core_method', source)!r}; HEAL runs {core} "
+                           f"with {dataset!r}")
+    hypes = {key: data[key] for key in ("name", "root_dir", "validate_dir", "test_dir",
+                                        "train_params", "data_augment", "postprocess",
+                                        "preprocess", "optimizer", "lr_scheduler", "loss")
+             if key in data}
+    hypes["model"] = {"core_method": "point_pillar", "args": {
+        **_PLACEHOLDER_MODEL["args"],
+        "lidar_range": _get(data, "preprocess.cav_lidar_range", source),
+        "voxel_size": _get(data, "preprocess.args.voxel_size", source),
+        "anchor_number": _get(data, "model.args.anchor_number", source)}}
+    hypes["fusion"] = {"core_method": "LateFusionDataset", "args": {}}
+    hypes["loss"] = {"args": {"cls_weight": _get(data, "loss.args.cls.weight", source, 1.0),
+                              "reg": _get(data, "loss.args.reg.weight", source, 2.0)}}
+    cfg = translate_config(hypes, source)
+    model_args = _model_args(data, core, source)
+    cfg["model"] = {"core_method": core, "args": model_args}
+    cfg["fusion"] = {"core_method": strategy}
+    set_own_frame_dataset(cfg["fusion"], data, source)
+    cfg["loss"] = _loss(cfg["loss"], data, core, source)
+    set_direction_head(cfg["loss"], data, source)
+    cfg["heter"] = _heter_section(data, model_args["modalities"], source)
+    cfg["input_source"] = [sensor for sensor in _get(data, "input_source", source, ["lidar"])
+                           if sensor in ("lidar", "camera", "depth")]
+    notes = [PROJ_FIRST_NOTE]
+    if _get(data, "label_type", source, "lidar") == "camera":
+        notes.append(LABEL_NOTE)
+    return cfg, notes
+
+
+def heal_heter_state(data: dict, state: Mapping, our_shapes: Mapping, cfg: dict,
+                     source: str) -> dict:
+    """HEAL's state dict of this run -> ours (keys and shapes of ``our_shapes``), strictly."""
+    args = _get(data, "model.args", source)
+    modalities = list(cfg["model"]["args"]["modalities"])
+    camera_encoders = heal_heter.camera_encoders_of(args)
+    if data["model"]["core_method"] == "heter_model_late":
+        return heal_heter.heal_late_state_to_ours(state, camera_encoders, our_shapes,
+                                                  modalities, source)
+    return heal_heter.heal_state_to_ours(state, camera_encoders, our_shapes, modalities, source)
+
+
+def translate_heal_heter_run(peer_dir: Path, data: dict, source: str,
+                             checkpoint: Optional[str]) -> Tuple[dict, dict, dict]:
+    """(our resolved config, our state dict, provenance) of HEAL's heterogeneous run folder."""
+    from opencood.interop.importer import our_state_shapes
+    unresolved, notes = translate_heal_heter_config(data, source)
+    try:
+        cfg = resolve(unresolved, f"{source} (translated)")
+    except ConfigError as error:
+        raise InteropError(str(error)) from None
+    path, epoch = pick_heal_checkpoint(peer_dir, checkpoint)
+    ours = heal_heter_state(data, load_checkpoint(path), our_state_shapes(cfg["model"]),
+                            unresolved, str(path))
+    provenance = {"codebase": "heal", "run_dir": str(peer_dir.resolve()),
+                  "checkpoint": str(Path(path).resolve()), "epoch": epoch,
+                  "model": data["model"]["core_method"], "notes": notes}
+    return cfg, ours, provenance

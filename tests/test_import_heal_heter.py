@@ -1,0 +1,172 @@
+"""``tools/import_checkpoint.py --from heal`` of HEAL's heterogeneous runs (issue 37 point 5).
+
+The run folders are built from ``tests/fixtures/parity/heal_pyramid.pt`` (HEAL's own
+``HeterPyramidCollab``, ``HeterPyramidSingle`` and ``HeterModelLate`` on generated weights,
+see test_parity_heal_pyramid.py): its ``model.args`` inside a HEAL hypes laid out as HEAL's
+``MoreModality/HEAL`` yamls, its state dict as ``net_epoch<N>.pth``. The imported run, loaded
+strictly as tools/eval.py loads it, must give HEAL's outputs on the fixture's inputs.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import yaml
+
+from opencood.config import load_config
+from opencood.interop.importer import translate_run
+from opencood.interop.opencood_ckpt import InteropError
+from opencood.models.build import build_model
+from parity_weights import materialize
+from test_parity_heal_pyramid import TOLERANCE, differences, modality_groups, relative
+from tool_modules import load_tool
+
+RANGE = [-12.8, -12.8, -3.0, 12.8, 12.8, 1.0]
+DIR_ARGS = {"dir_offset": 0.7853, "num_bins": 2, "anchor_yaw": [0, 90]}
+FUSION_DATASET = {"heter_pyramid_collab": "intermediateheter",
+                  "heter_pyramid_single": "lateheter", "heter_model_late": "lateheter"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """As the fixture was made (the lift-splat cumsum makes last bits visible)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def fixture() -> dict:
+    from test_parity_heal_pyramid import FIXTURE
+    return torch.load(FIXTURE, weights_only=True)
+
+
+def heal_hypes(heal_args: dict, core: str) -> dict:
+    """HEAL's hypes of a heter run around the fixture's ``model.args`` (its 25.6 m grid)."""
+    settings = {name: {"sensor_type": value["sensor_type"], "core_method": value["core_method"]}
+                for name, value in heal_args.items() if name.startswith("m")}
+    return {
+        "name": f"heal_{core}", "root_dir": "dataset/OPV2V/train",
+        "validate_dir": "dataset/OPV2V/validate", "test_dir": "dataset/OPV2V/test",
+        "yaml_parser": "load_general_params",
+        "train_params": {"batch_size": 2, "epoches": 4, "eval_freq": 1, "save_freq": 1,
+                         "max_cav": 5},
+        "input_source": ["lidar", "camera", "depth"], "label_type": "lidar",
+        "heter": {"assignment_path": "heter_modality_assign/opv2v_4modality.json",
+                  "ego_modality": "m1&m3", "mapping_dict": {"m1": "m1", "m2": "m2", "m3": "m3",
+                                                            "m4": "m3"},
+                  "lidar_channels_dict": {"m3": 32, "m4": 16}, "modality_setting": settings},
+        "fusion": {"core_method": FUSION_DATASET[core], "dataset": "opv2v",
+                   "args": {"proj_first": False, "grid_conf": "None"}},
+        "preprocess": {"core_method": "SpVoxelPreprocessor", "cav_lidar_range": RANGE,
+                       "args": {"voxel_size": [0.4, 0.4, 4], "max_points_per_voxel": 32,
+                                "max_voxel_train": 32000, "max_voxel_test": 70000}},
+        "postprocess": {"core_method": "VoxelPostprocessor", "gt_range": RANGE,
+                        "anchor_args": {"cav_lidar_range": RANGE, "l": 3.9, "w": 1.6,
+                                        "h": 1.56, "r": [0, 90], "feature_stride": 2,
+                                        "num": 2},
+                        "target_args": {"pos_threshold": 0.6, "neg_threshold": 0.45,
+                                        "score_threshold": 0.2},
+                        "order": "hwl", "max_num": 150, "nms_thresh": 0.15,
+                        "dir_args": DIR_ARGS},
+        "model": {"core_method": core, "args": copy.deepcopy(heal_args)},
+        "loss": {"core_method": "point_pillar_pyramid_loss", "args": {
+            "pos_cls_weight": 2.0, "cls": {"type": "SigmoidFocalLoss", "alpha": 0.25,
+                                           "gamma": 2.0, "weight": 1.0},
+            "reg": {"type": "WeightedSmoothL1Loss", "sigma": 3.0, "codewise": True,
+                    "weight": 2.0},
+            "dir": {"type": "WeightedSoftmaxClassificationLoss", "weight": 0.2,
+                    "args": DIR_ARGS},
+            "pyramid": {"relative_downsample": [1, 2, 4], "weight": [0.4, 0.2, 0.1]}}},
+        "optimizer": {"core_method": "Adam", "lr": 0.002, "eps": 1e-10, "weight_decay": 1e-4},
+        "lr_scheduler": {"core_method": "multistep", "gamma": 0.1, "step_size": [15, 50]},
+    }
+
+
+def write_heal_run(folder, case: dict, core: str, state=None):
+    """HEAL's run folder: config.yaml (as its train.py dumps the hypes) + net_epoch3.pth."""
+    folder.mkdir(parents=True)
+    (folder / "config.yaml").write_text(yaml.safe_dump(heal_hypes(case["heal_args"], core)))
+    torch.save(materialize(case["state_dict"]) if state is None else state,
+               folder / "net_epoch3.pth")
+    return folder
+
+
+def import_and_load(tmp_path, case: dict, core: str):
+    """Through the tool, then what tools/eval.py does: build from config.yaml, strict load."""
+    peer = write_heal_run(tmp_path / "peer", case, core)
+    out = tmp_path / "ours"
+    load_tool("import_checkpoint").main(["--from", "heal", str(peer), "--out", str(out)])
+    cfg = load_config(out / "config.yaml")
+    model = build_model(cfg["model"])
+    checkpoint = torch.load(out / "last.pth", weights_only=True)
+    model.load_state_dict(checkpoint["model"], strict=True)
+    return cfg, model.eval(), checkpoint
+
+
+def single_agent_batch(case: dict) -> dict:
+    modalities = [batch["modality"] for batch in case["batches"]]
+    return {"record_len": torch.ones(len(modalities), dtype=torch.long),
+            "agent_modality": modalities,
+            **modality_groups({b["modality"]: b["inputs"] for b in case["batches"]})}
+
+
+def test_imported_collab_run_gives_heal_s_outputs(fixture, tmp_path):
+    """HEAL's HeterPyramidCollab run (three agent types, camera included) imported and loaded
+    strictly: fused map, every occupancy scale and the heads equal HEAL's; the config carries
+    HEAL's heter section, own-frame fusion and its pyramid loss."""
+    case = fixture["collab"]
+    cfg, model, checkpoint = import_and_load(tmp_path, case, "heter_pyramid_collab")
+    assert cfg["model"]["core_method"] == "heter_pyramid_collab"
+    assert cfg["fusion"]["core_method"] == "intermediate"
+    assert cfg["fusion"]["args"]["proj_first"] is False
+    assert cfg["heter"]["mapping_dict"]["m4"] == "m3"
+    assert cfg["heter"]["lidar_channels_dict"] == {"m3": 32}     # m4 is not a model type
+    assert set(cfg["heter"]["modality_setting"]) == {"m1", "m2", "m3"}
+    assert cfg["heter"]["modality_setting"]["m2"]["data_aug_conf"]["final_dim"] == [64, 128]
+    assert cfg["loss"]["core_method"] == "point_pillar_pyramid_loss"
+    assert cfg["loss"]["args"]["pyramid"]["weight"] == [0.4, 0.2, 0.1]
+    assert checkpoint["epoch"] == 3 and checkpoint["imported_from"]["codebase"] == "heal"
+    batch = {"record_len": case["record_len"],
+             "transforms_to_ego": case["transforms_to_ego"].float(),
+             "points_in_agent_frame": True, "agent_modality": case["agent_modality_list"],
+             **modality_groups(case["inputs"])}
+    with torch.no_grad():
+        diffs = differences(model(batch), case["outputs"]["eval"])
+    assert len(diffs) >= 4 and max(diffs.values()) <= TOLERANCE, diffs
+
+
+@pytest.mark.parametrize("core", ["heter_pyramid_single", "heter_model_late"])
+def test_imported_single_and_late_runs_give_heal_s_heads(fixture, tmp_path, core):
+    """HEAL's single-agent pyramid (stage two) and its late baseline: each agent's heads equal
+    HEAL's, one mixed batch of single-agent samples."""
+    case = fixture["single" if core == "heter_pyramid_single" else "late"]
+    cfg, model, _ = import_and_load(tmp_path, case, core)
+    assert cfg["model"]["core_method"] == core and cfg["fusion"]["core_method"] == "late"
+    with torch.no_grad():
+        outputs = model(single_agent_batch(case))
+    for index, expected in enumerate(case["outputs"]):
+        for head in ("cls_preds", "reg_preds", "dir_preds"):
+            assert relative(outputs[head][index:index + 1], expected[head]) <= TOLERANCE, \
+                (index, head)
+
+
+def test_a_tampered_key_is_refused_in_one_line(fixture, tmp_path):
+    """A renamed tensor fails the import naming the key and the checkpoint file, on one line,
+    and leaves no run folder behind."""
+    case = fixture["collab"]
+    state = materialize(case["state_dict"])
+    state["backbone_m3.resnet.layer0.9.conv1.weight"] = state.pop(
+        "backbone_m3.resnet.layer0.0.conv1.weight")
+    peer = write_heal_run(tmp_path / "peer", case, "heter_pyramid_collab", state=state)
+    with pytest.raises(InteropError) as error:
+        translate_run(peer, None, "heal")
+    message = str(error.value)
+    assert "backbone_m3.resnet.layer0.9.conv1.weight" in message
+    assert "net_epoch3.pth" in message and "\n" not in message
+    out = tmp_path / "ours"
+    with pytest.raises(SystemExit):
+        load_tool("import_checkpoint").main(["--from", "heal", str(peer), "--out", str(out)])
+    assert not out.exists()
