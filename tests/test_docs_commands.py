@@ -69,6 +69,9 @@ SKIPPED_BLOCKS: Dict[BlockKey, str] = {
         "tests/test_parity_opencood.py and test_e2e_parity.py run import and export",
     ("docs/checkpoints.md", "Checkpoints and interop: using published checkpoints", 1):
         "needs HEAL / V2V4Real / CoAlign run folders; tests/test_import_heal_v2v4real.py runs them",
+    ("docs/heterogeneous.md", "HEAL's heterogeneous runs", 0):
+        "needs a HEAL heterogeneous run folder; tests/test_import_heal_heter.py imports runs "
+        "built from HEAL's own pyramid models through the tool",
     ("docs/cameras.md", "HEAL's camera runs", 0):
         "needs a HEAL camera run folder; tests/test_import_heal_camera.py imports HEAL's own "
         "model through the tool",
