@@ -170,3 +170,28 @@ def test_a_tampered_key_is_refused_in_one_line(fixture, tmp_path):
     with pytest.raises(SystemExit):
         load_tool("import_checkpoint").main(["--from", "heal", str(peer), "--out", str(out)])
     assert not out.exists()
+
+
+@pytest.mark.parametrize("part", ["collab", "single"])
+def test_key_rules_run_back_to_heal_s_state_bit_exact(fixture, part):
+    """HEAL's state dict -> ours -> HEAL's by the same rules backwards: every key back, every
+    tensor bit-exact (the camera trunk, ConvNeXt aligners, ResNeXt pyramid included); a
+    tampered key of ours is refused in one line naming it."""
+    from opencood.interop.heal_heter import (camera_encoders_of, heal_state_to_ours,
+                                             model_args_from_heal, ours_to_heal_state)
+    from test_parity_heal_pyramid import our_model
+    case = fixture[part]
+    heal_state = materialize(case["state_dict"])
+    cameras = camera_encoders_of(case["heal_args"])
+    modalities = list(model_args_from_heal(case["heal_args"])["modalities"])
+    model = our_model(case, f"heter_pyramid_{part}")
+    shapes = {key: tuple(value.shape) for key, value in model.state_dict().items()}
+    ours = heal_state_to_ours(heal_state, cameras, shapes, modalities)
+    back = ours_to_heal_state(ours, cameras, modalities)
+    assert cameras == {"m2": "Resnet101"} and set(back) == set(heal_state)
+    unequal = [key for key in heal_state if not torch.equal(back[key], heal_state[key])]
+    assert not unequal, unequal[:5]
+    ours["branches.m3.aligner.0.gammma"] = ours.pop("branches.m3.aligner.0.gamma")
+    with pytest.raises(InteropError) as error:
+        ours_to_heal_state(ours, cameras, modalities, "last.pth")
+    assert "branches.m3.aligner.0.gammma" in str(error.value) and "\n" not in str(error.value)

@@ -26,13 +26,15 @@ cls_head / reg_head / dir_head                     head.cls_conv / reg_conv / di
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
 from typing import Dict, Mapping, Tuple
 
 import torch
 
 from opencood.interop.opencood_ckpt import (SHRINK_RULES, InteropError, Rule,
-                                            peer_state_to_ours, strip_ddp_prefix)
+                                            ours_to_peer_state, peer_state_to_ours,
+                                            strip_ddp_prefix)
 from opencood.models.lift_splat import args_from_heal as lss_args_from_heal
 from opencood.models.lift_splat import heal_to_ours as lss_heal_to_ours
 
@@ -242,3 +244,27 @@ def late_model_args_from_heal(args: Mapping) -> dict:
             layers={**_backbone_from_heal(args[name]["layers_args"]), "resnet": True},
             shrink_header=_shrink_from_heal(args[name]["shrink_header"]))
     return ours
+
+
+def camera_rules(name: str, camera_encoder: str, branch: str = "") -> Tuple[Rule, ...]:
+    """HEAL's ``encoder_<name>.camencode.*`` <-> our ``<branch>.encoder.camera_encoder.*``: the
+    camera import's rules (:func:`heal_camera.camera_encoder_rules`) under the type's branch,
+    the same places :func:`lss_heal_to_ours` gives, as rules that also run backwards."""
+    from opencood.interop.heal_camera import camera_encoder_rules
+    branch = branch or f"branches.{name}"
+    return tuple(dataclasses.replace(rule, ours=f"{branch}.{rule.ours}")
+                 for rule in camera_encoder_rules(name, camera_encoder))
+
+
+def ours_to_heal_state(state: Mapping[str, torch.Tensor], camera_encoders: Mapping[str, str],
+                       modalities, source: str = "checkpoint") -> Dict[str, torch.Tensor]:
+    """Our ``heter_pyramid_collab`` / ``heter_pyramid_single`` state dict -> HEAL's keys, the
+    inverse of :func:`heal_state_to_ours` by the same rules run backwards, strictly (every one
+    of ours placed, HEAL's shapes those of ours). An EfficientNet camera type's never-run
+    classifier (which HEAL's strict load wants) is not added here."""
+    from opencood.interop.heal_export import peer_shapes_by_rules
+    rules = sum((camera_rules(name, camera_encoders[name]) for name in camera_encoders), ()) \
+        + sum((modality_rules(name) for name in modalities), ()) + SHARED_RULES
+    shapes = peer_shapes_by_rules({key: tuple(value.shape) for key, value in state.items()},
+                                  rules)
+    return ours_to_peer_state(state, rules, shapes, source, "HEAL's heter pyramid model")
