@@ -246,6 +246,8 @@ class TrainParams:
     max_cav: int = spec(5, check=positive)
     num_workers: int = spec(2, check=non_negative)
     grad_clip: Optional[float] = None               # None: no gradient-norm clipping
+    # Parameter-name prefixes kept fixed (HEAL's backward alignment; opencood.engine.freeze)
+    fix_modules: Tuple[str, ...] = ()
 
 
 @section

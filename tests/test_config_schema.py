@@ -44,7 +44,7 @@ DEFAULTS = {
                      "eval_freq": 1, "save_freq": 1, "keep_checkpoints": 3,
                      "skip_nonfinite_steps": 0, "checkpoint_every_steps": 0,
                      "checkpoint_every_minutes": 0.0, "max_cav": 5, "num_workers": 2,
-                     "grad_clip": None},
+                     "grad_clip": None, "fix_modules": []},
     "preprocess": {"core_method": "SpVoxelPreprocessor",
                    "args": {"voxel_size": [0.8, 0.8, 4.0], "max_points_per_voxel": 32,
                             "max_voxel_train": None, "max_voxel_test": None},

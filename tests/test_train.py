@@ -200,8 +200,14 @@ def _session_jobs(root: Path, work: Path, configs):
 @pytest.fixture(scope="module")
 def two_rank_runs(data_root, tmp_path_factory):
     work = tmp_path_factory.mktemp("runs_2rank")
+    # HEAL's backward alignment (train_params.fix_modules, tests/test_freeze.py): the backbone
+    # and heads frozen, the encoder trained; 2 epochs of 2 steps.
+    frozen = ("frozen", free_port(), [
+        "--hypes_yaml", str(SMOKE_YAML), "--model_dir", str(work / "frozen"),
+        "--set", "train_params.fix_modules=[backbone, head]", "--set", "train_params.epoches=2",
+        "--set", "train_params.max_micro_batch=1", *data_args(root=data_root, validate=None)])
     results = run_on_ranks(_two_rank_body, world_size=2, init_group=False, timeout_s=300,
-                           args=(_session_jobs(data_root, work, FAST_DDP_CONFIGS),))
+                           args=(_session_jobs(data_root, work, FAST_DDP_CONFIGS) + [frozen],))
     return work, results
 
 
@@ -310,6 +316,21 @@ def test_trainer_wraps_ddp_without_unused_parameter_search(two_rank_runs):
         assert seen["device_ids"] is None and seen["backend"] == "gloo"
         assert seen["sync_bn"] == 0 and seen["plain_bn"] > 0
         assert seen["param_devices"] == ["cpu"]
+
+
+def test_a_frozen_part_trains_under_ddp_without_unused_parameter_search(two_rank_runs):
+    """DDP without find_unused_parameters raises at a step's forward if the last backward left
+    a parameter it reduces without gradient: frozen parameters (requires_grad off before DDP
+    wraps the model) are not among them. Between the epochs' checkpoints the frozen weights and
+    BatchNorm statistics stay exact while the encoder moves."""
+    work, results = two_rank_runs
+    assert [rank["step"] for rank in _finished(results, "frozen")] == [4, 4]
+    assert all(rank["frozen"]["model"]["find_unused_parameters"] is False for rank in results)
+    epoch_1 = load_checkpoint(work / "frozen" / "epoch_1.pth")["model"]
+    epoch_2 = load_checkpoint(work / "frozen" / "epoch_2.pth")["model"]
+    changed = {key for key in epoch_1 if not torch.equal(epoch_1[key], epoch_2[key])}
+    assert "encoder.vfe.layers.0.norm.running_mean" in changed
+    assert not any(key.startswith(("backbone.", "head.")) for key in changed), changed
 
 
 @pytest.mark.parametrize("name", FAST_DDP_CONFIGS)

@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from opencood.config import ConfigError, load_config
 from opencood.data.collate import build_loader
 from opencood.data.datasets import build_dataset
+from opencood.engine.freeze import freeze_parameters
 from opencood.engine.loop import validation_loss
 from opencood.engine.optim import build_optimizer, build_scheduler
 from opencood.engine.run_folder import refuse_another_config, refuse_training_changes
@@ -256,7 +257,8 @@ def prepare_model(cfg: Dict, info: dist_utils.DistInfo, checkpoint: Dict | None,
     """(model to train: DDP-wrapped when distributed, model_without_ddp, EMA or None).
 
     The order matters: Xavier init before anything copies the weights; SyncBN conversion before
-    the move to the device and before DDP; resume's weights before the EMA copies them; DDP last,
+    the move to the device and before DDP; resume's weights before the EMA copies them; the
+    ``train_params.fix_modules`` parts frozen before DDP (which then ignores them); DDP last,
     on the device, and the checkpoint saved from ``model_without_ddp`` (no ``module.`` prefix).
     """
     model = build_model(cfg["model"])
@@ -267,6 +269,8 @@ def prepare_model(cfg: Dict, info: dist_utils.DistInfo, checkpoint: Dict | None,
     if cfg["performance"]["channels_last"]:   # before the EMA copies the weights' layout
         use_channels_last(model)
     load_model_weights(model, checkpoint, ckpt_path)
+    # Before DDP wraps it: DDP registers only parameters that require gradients.
+    freeze_parameters(model, cfg["train_params"]["fix_modules"])
     ema = build_ema(model, cfg["ema"], checkpoint)
     model_without_ddp = model
     if info.distributed:
@@ -300,7 +304,9 @@ def build_training_parts(cfg: Dict, info: dist_utils.DistInfo, checkpoint: Dict 
     model, model_without_ddp, ema = prepare_model(cfg, info, checkpoint, ckpt_path)
     model = compile_for_training(model, cfg["performance"])
     task = DetectionTask.from_config(cfg, info.device, teacher, strategy)
-    optimizer = build_optimizer(model_without_ddp.parameters(), cfg["optimizer"])
+    # Frozen parameters (train_params.fix_modules) are not the optimizer's.
+    optimizer = build_optimizer((param for param in model_without_ddp.parameters()
+                                 if param.requires_grad), cfg["optimizer"])
     scheduler = (None if schedule is None
                  else build_scheduler(optimizer, cfg["lr_scheduler"], *schedule))
     amp_dtype, scaler = amp_settings(cfg["amp"], info.device)

@@ -23,6 +23,7 @@ from opencood.config import ConfigError, save_config
 from opencood.data.collate import DevicePrefetcher, build_loader
 from opencood.data.datasets import build_dataset
 from opencood.engine.cuda_graph import build_graph_step
+from opencood.engine.freeze import train_keeping_frozen
 from opencood.engine.hooks import NO_HOOKS, TrainHooks
 from opencood.engine.loop import group_micro_batches, optimizer_step
 from opencood.engine.recipe import (ScalarLogger, build_teacher, build_training_parts,
@@ -198,7 +199,9 @@ class EpochRunner:
         train_loader.generator.manual_seed(self.plan.seed * 100003 + epoch)
         # Resumed inside this epoch: the same shuffled order without the steps already done.
         train_loader.batch_sampler.resume_in_epoch(epoch, progress.epoch_steps_done * self.plan.accum)
-        self.parts.model.train()
+        # train(), the frozen parts' BatchNorm back in eval (also after the last validation).
+        train_keeping_frozen(self.parts.model, self.parts.model_without_ddp,
+                             self.cfg["train_params"]["fix_modules"])
         bar = progress_bar(self.plan.steps_per_epoch, epoch, progress.epoch_steps_done)
         epoch_start, epoch_samples = time.perf_counter(), 0
         # On CUDA the next batch's copy to the device overlaps this step (a pass-through on CPU).

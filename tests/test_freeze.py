@@ -1,0 +1,144 @@
+"""``train_params.fix_modules`` (opencood.engine.freeze): HEAL's backward alignment as a config.
+
+Real runs of the trainer on tiny data (smoke.yaml's PointPillar; freezing is model-agnostic):
+the frozen parts' weights and BatchNorm statistics stay bit-identical through training,
+validation and a resume, the trained part moves and the optimizer holds only what trains.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from opencood.config import ConfigError
+from opencood.engine import trainer
+from opencood.engine.freeze import freeze_parameters, train_keeping_frozen
+from opencood.engine.hooks import TrainHooks
+from opencood.utils.checkpoint import load_checkpoint
+from opv2v_factory import frame_stamps, write_simple_split
+
+SMOKE_YAML = Path(__file__).resolve().parents[1] / "hypes_yaml" / "synthetic" / "smoke.yaml"
+# HEAL's stage two in smoke.yaml's names: the "fusion side" (backbone, heads) fixed, the
+# encoder (with a BatchNorm of its own) trained.
+FROZEN = ("backbone", "head")
+FIX = ["--set", f"train_params.fix_modules=[{', '.join(FROZEN)}]"]
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("synthetic")
+    for split, count in (("train4", 4), ("validate2", 2)):
+        write_simple_split(root / split, num_cavs=2, timestamps=frame_stamps(count))
+    return root
+
+
+def _data(root: Path, validate=True):
+    return ["--set", f"root_dir={root / 'train4'}",
+            "--set", f"validate_dir={root / 'validate2'}" if validate else "validate_dir=null",
+            "--set", f"test_dir={root / 'validate2'}"]
+
+
+def _frozen(name: str) -> bool:
+    return any(name == part or name.startswith(part + ".") for part in FROZEN)
+
+
+class PartsSpy:
+    """What build_training_parts handed the run: the weights before any step, which
+    parameters require gradients and which the optimizer holds (by name)."""
+
+    def __init__(self):
+        self.seen = []
+
+    def __call__(self, parts, info):
+        model = parts.model_without_ddp
+        names = {id(param): name for name, param in model.named_parameters()}
+        self.seen.append({
+            "state": {key: value.clone() for key, value in model.state_dict().items()},
+            "requires_grad": {name for name, param in model.named_parameters()
+                              if param.requires_grad},
+            "optimized": {names[id(param)] for group in parts.optimizer.param_groups
+                          for param in group["params"]},
+            "all": set(names.values())})
+
+
+def test_frozen_parts_stay_bit_identical_through_training_validation_and_resume(
+        data_root, tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    run_dir, spy = tmp_path / "run", PartsSpy()
+    # 2 epochs x 2 steps with validation between them (validation's eval/train toggling must
+    # not leave the frozen BatchNorms in train mode), then a resume for a third epoch.
+    trainer.main(["--hypes_yaml", str(SMOKE_YAML), "--model_dir", str(run_dir), *FIX,
+                  "--set", "train_params.epoches=2", *_data(data_root)],
+                 hooks=TrainHooks(on_parts=spy))
+    # A resume keeps the folder's frozen set: changing it is refused (another run's recipe).
+    with pytest.raises(SystemExit) as raised:
+        trainer.main(["--model_dir", str(run_dir), "--set", "train_params.epoches=3",
+                      "--set", "train_params.fix_modules=[head]"])
+    assert "train_params.fix_modules" in str(raised.value.code)
+    assert "\n" not in str(raised.value.code)
+    result = trainer.main(["--model_dir", str(run_dir), "--set", "train_params.epoches=3"],
+                          hooks=TrainHooks(on_parts=spy))
+    assert result["step"] == 6
+    first, resumed = spy.seen
+    trainable = {name for name in first["all"] if not _frozen(name)}
+    assert trainable and len(trainable) < len(first["all"])
+    for seen in (first, resumed):                      # the resumed run freezes the same set
+        assert seen["requires_grad"] == trainable
+        assert seen["optimized"] == trainable
+    before, after = first["state"], load_checkpoint(run_dir / "last.pth")["model"]
+    frozen_keys = [key for key in before if _frozen(key)]
+    # Weights and BatchNorm buffers (running mean / var, batch counts) of the frozen parts.
+    assert any(key.endswith("running_var") for key in frozen_keys)
+    changed_frozen = [key for key in frozen_keys if not torch.equal(before[key], after[key])]
+    assert changed_frozen == []
+    # The trained part moved, its BatchNorm statistics included.
+    assert not torch.equal(before["encoder.vfe.layers.0.norm.running_mean"],
+                           after["encoder.vfe.layers.0.norm.running_mean"])
+    moved = [key for key in before if not _frozen(key) and before[key].is_floating_point()
+             and not torch.equal(before[key], after[key])]
+    assert len(moved) == len([key for key in before if not _frozen(key)
+                              and before[key].is_floating_point()])
+
+
+def test_train_mode_keeps_frozen_batchnorms_in_eval():
+    model = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 1), torch.nn.BatchNorm2d(2),
+                                torch.nn.Sequential(torch.nn.Conv2d(2, 2, 1),
+                                                    torch.nn.BatchNorm2d(2)))
+    assert freeze_parameters(model, ["2"]) == ["2.0.weight", "2.0.bias", "2.1.weight",
+                                                "2.1.bias"]
+    model.eval()
+    train_keeping_frozen(model, model, ["2"])
+    # Only the frozen part's BatchNorm is in eval (HEAL's fix_bn): the trained one and the
+    # frozen convolution follow train().
+    assert [module.training for module in model.modules()] == [True, True, True, True, True,
+                                                               False]
+
+
+def test_a_prefix_matching_no_parameter_is_one_line_naming_the_key(data_root, tmp_path,
+                                                                   monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as raised:          # through the trainer: the model's parts
+        trainer.main(["--hypes_yaml", str(SMOKE_YAML), "--model_dir", str(tmp_path / "run"),
+                      "--set", "train_params.fix_modules=[heads]", *_data(data_root, False)])
+    assert str(raised.value.code) == (
+        "error: train_params.fix_modules: 'heads' matches no parameter of the model (its "
+        "parts: backbone.blocks, backbone.deblocks, encoder.vfe, head.cls_conv, head.dir_conv, "
+        "head.reg_conv)")
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    with pytest.raises(ConfigError) as error:
+        freeze_parameters(model, ["0", "heads"])
+    message = str(error.value)
+    assert "\n" not in message
+    assert message.startswith("train_params.fix_modules: 'heads' matches no parameter")
+    # A prefix is whole name parts: "0.w" is not a part of "0.weight".
+    with pytest.raises(ConfigError, match="'0.w' matches no parameter"):
+        freeze_parameters(model, ["0.w"])
+    with pytest.raises(ConfigError, match="freezes every parameter"):
+        freeze_parameters(model, ["0", "1"])
+    assert all(param.requires_grad for param in model.parameters())   # refused before freezing
+
+
+# The 2-rank DDP run with a frozen part shares the spawned ranks of tests/test_train.py's
+# two_rank_runs session (job "frozen"): test_a_frozen_part_trains_under_ddp_without_unused_search.
