@@ -5,7 +5,8 @@ step's loss terms and every gradient on a fixed fake batch (``opencood.utils.fak
 eval-mode head outputs, the decoded + NMS'd boxes (scores shifted up so decoding and NMS have
 work to do on an untrained model) and their AP against the batch's GT; and, with ``--data``, the
 first batches of the config's dataset read from a synthetic folder of its format (train and test
-mode, collated). Each tensor is reduced to a sha256 of its bytes, so two fingerprints compare
+mode, collated; a ``heter`` config's batch holds its agents' modalities, from a ``--heter``
+folder). Each tensor is reduced to a sha256 of its bytes, so two fingerprints compare
 exactly (``--compare``), naming the first keys that differ.
 
     python tools/fingerprint.py --out before.json [--data /tmp/fp_data] [--configs GLOB ...]
@@ -83,10 +84,18 @@ def fake_batch(cfg: Dict, model) -> Dict:
     # The whole config before issue 35, its preprocess section after.
     first = inspect.signature(fake_collated_batch).parameters
     source = cfg if "cfg" in first else cfg["preprocess"]
-    batch = fake_collated_batch(source, batch_size=2, agents_per_sample=3, pillars_per_agent=1500,
-                               points_per_pillar=4, max_gt=12,
-                               single_agent=not fuses_agents(model), seed=0)
-    return with_cameras(cfg, batch)
+    single_agent = not fuses_agents(model)
+    heter = cfg.get("heter")
+    # A heterogeneous batch: its modalities' grids and images (trees before it: no heter).
+    extra = {} if heter is None else {"heter": heter,
+                                      "depth": "depth" in cfg.get("input_source", [])}
+    # One agent per sample: a sample per modality, so that a late model trains every type.
+    batch_size = 2 if heter is None or not single_agent else \
+        max(2, len(heter["modality_setting"]))
+    batch = fake_collated_batch(source, batch_size=batch_size, agents_per_sample=3,
+                                pillars_per_agent=1500, points_per_pillar=4, max_gt=12,
+                                single_agent=single_agent, seed=0, **extra)
+    return batch if heter is not None else with_cameras(cfg, batch)
 
 
 def with_cameras(cfg: Dict, batch: Dict) -> Dict:
@@ -176,15 +185,17 @@ def model_fingerprint(cfg: Dict) -> Dict[str, str]:
 
 
 def data_folder(data_root: Path, data_format: str, cameras: bool = False,
-                depth: bool = False) -> Path:
+                depth: bool = False, heter: bool = False) -> Path:
     """A tiny synthetic data set of ``data_format`` under ``data_root`` (written once; V2XSet
     data is OPV2V's layout; ``cameras``: a second one with OPV2V's 4 cameras per agent;
-    ``depth``: a third one with their depth images too)."""
+    ``depth``: a third one with their depth images too; ``heter``: OPV2V-H's extra LiDARs and
+    HEAL's modality assignment json, ``generate_synthetic.py --heter``)."""
     data_format = "opv2v" if data_format == "v2xset" else data_format
     folder = data_root / (data_format + ("_cameras" if cameras else "")
-                          + ("_depth" if cameras and depth else ""))
+                          + ("_depth" if cameras and depth else "") + ("_heter" if heter else ""))
     extra = ["--cameras"] if cameras else []          # 800 x 600, what the configs read
     extra += ["--depth"] if cameras and depth else []
+    extra += ["--heter"] if heter else []
     if not (folder / "generation.yaml").exists() and not any(folder.glob("*/generation.yaml")):
         subprocess.run([sys.executable, str(ROOT / "tools/generate_synthetic.py"), "--out",
                         str(folder), "--preset", "tiny", "--format", data_format, "--seed", "0",
@@ -215,6 +226,9 @@ def data_fingerprint(cfg: Dict, folder: Path) -> Dict[str, str]:
     for key, split_path in zip(("root_dir", "validate_dir", "test_dir"),
                                split_paths(folder, cfg["fusion"]["dataset"])):
         cfg[key] = str(split_path)
+    if cfg.get("heter") is not None:         # the folder's own assignment (--heter writes it)
+        from opencood.data.synthetic.writer import ASSIGNMENT_FILES, ASSIGNMENT_FOLDER
+        cfg["heter"]["assignment_path"] = str(folder / ASSIGNMENT_FOLDER / ASSIGNMENT_FILES[0])
     cfg = resolve(cfg, "fingerprint")
     for split, train in (("train", True), ("test", False)):
         dataset = config_dataset(cfg, split, train, folder / ".cache")
@@ -252,7 +266,7 @@ def fingerprint(paths: List[Path], data_root: Path | None) -> Dict[str, Dict[str
                 sources = cfg.get("input_source", ["lidar"])
                 record.update(data_fingerprint(cfg, data_folder(
                     data_root, cfg["fusion"]["dataset"], "camera" in sources,
-                    "depth" in sources)))
+                    "depth" in sources, heter=cfg.get("heter") is not None)))
         except Exception as error:           # a config that cannot run is part of the print
             record = {"error": f"{type(error).__name__}: {error}"}
         results[name] = record

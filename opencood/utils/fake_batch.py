@@ -19,7 +19,8 @@ from opencood.ops.voxelize import grid_size
 def fake_collated_batch(preprocess: Dict, batch_size: int = 2, agents_per_sample: int = 3,
                         pillars_per_agent: int = 16000, points_per_pillar: int = 6,
                         max_gt: int = 20, single_agent: bool = False,
-                        seed: int = 0, num_classes: int = 1) -> Dict:
+                        seed: int = 0, num_classes: int = 1, heter: Dict | None = None,
+                        depth: bool = False) -> Dict:
     """A batch in the layout of ``opencood.data.collate.collate_samples``
     (``opencood.batch_keys.BATCH``: its common and LiDAR keys).
 
@@ -27,29 +28,28 @@ def fake_collated_batch(preprocess: Dict, batch_size: int = 2, agents_per_sample
     ``agents_per_sample`` agents (intermediate fusion).
     num_classes > 1: also ``gt_classes``, GT row g of class ``g % num_classes`` (the boxes stay
     car-sized: each still claims its best anchor of its class).
+    heter: a config's resolved ``heter`` section: a heterogeneous batch (:func:`fake_modalities`
+    picks each agent's modality); a LiDAR agent's points lie on its modality's own grid (its
+    ``preprocess``, else ``preprocess``), a camera agent has none and its images are in
+    ``modality_cameras`` at its ``data_aug_conf`` size (``depth``: with depth maps); a fusing
+    batch also carries ``agent_gt_boxes`` / ``agent_gt_mask`` (identity poses: the sample's GT).
     """
     generator = torch.Generator().manual_seed(seed)
     lidar_range = preprocess["cav_lidar_range"]
-    voxel = preprocess["args"]["voxel_size"]
-    nx, ny, _ = grid_size(lidar_range, voxel)
     agents = 1 if single_agent else agents_per_sample
     total_agents = batch_size * agents
-    cells = min(pillars_per_agent, nx * ny)
+    modalities = (fake_modalities(heter, batch_size, agents) if heter is not None
+                  else [None] * total_agents)
     clouds, agent_index = [], []
-    for agent in range(total_agents):
-        flat = torch.randperm(nx * ny, generator=generator)[:cells]
-        cell_x = (flat % nx).repeat_interleave(points_per_pillar).double()
-        cell_y = (flat // nx).repeat_interleave(points_per_pillar).double()
-        count = cell_x.shape[0]
-        # Kept off the cell edges, where float32 rounding could move a point to the next cell.
-        jitter = 0.05 + 0.9 * torch.rand(count, 2, generator=generator, dtype=torch.float64)
-        x = lidar_range[0] + (cell_x + jitter[:, 0]) * voxel[0]
-        y = lidar_range[1] + (cell_y + jitter[:, 1]) * voxel[1]
-        z = torch.empty(count, dtype=torch.float64).uniform_(lidar_range[2], lidar_range[5] - 1e-3,
-                                                              generator=generator)
-        intensity = torch.rand(count, generator=generator, dtype=torch.float64)
-        clouds.append(torch.stack([x, y, z, intensity], dim=1).float())
-        agent_index.append(torch.full((count,), agent, dtype=torch.int64))
+    for agent, modality in enumerate(modalities):
+        setting = heter["modality_setting"][modality] if modality is not None else None
+        if setting is not None and setting["sensor_type"] == "camera":
+            continue                         # a camera agent sends no points
+        grid = (setting["preprocess"] if setting is not None else None) or preprocess
+        cloud = _agent_cloud(grid["cav_lidar_range"], grid["args"]["voxel_size"],
+                             pillars_per_agent, points_per_pillar, generator)
+        clouds.append(cloud)
+        agent_index.append(torch.full((cloud.shape[0],), agent, dtype=torch.int64))
     gt_boxes = torch.zeros(batch_size, max_gt, 7)
     gt_boxes[..., 0] = torch.empty(batch_size, max_gt).uniform_(lidar_range[0] + 5,
                                                                 lidar_range[3] - 5,
@@ -60,7 +60,9 @@ def fake_collated_batch(preprocess: Dict, batch_size: int = 2, agents_per_sample
     gt_boxes[..., 2:7] = torch.tensor([ANCHOR_Z, *ANCHOR_HWL, 0.0])     # anchor-sized, yaw 0
     classes = {} if num_classes == 1 else {
         "gt_classes": (torch.arange(max_gt) % num_classes).repeat(batch_size, 1)}
-    return {**classes,
+    extra = {**classes, **({} if heter is None else fake_heter_keys(
+        heter, modalities, gt_boxes, with_agent_gt=not single_agent, seed=seed, depth=depth))}
+    return {**extra,
         "points": torch.cat(clouds), "agent_index": torch.cat(agent_index),
         "record_len": torch.full((batch_size,), agents, dtype=torch.int64),
         "agent_types": torch.zeros(total_agents, dtype=torch.int64),      # all vehicles
@@ -74,6 +76,68 @@ def fake_collated_batch(preprocess: Dict, batch_size: int = 2, agents_per_sample
         "gt_ego_points": [torch.full((max_gt,), -1).numpy() for _ in range(batch_size)],
         "points_in_agent_frame": False,
     }
+
+
+def _agent_cloud(lidar_range: Sequence[float], voxel: Sequence[float], pillars: int,
+                 points_per_pillar: int, generator: torch.Generator) -> torch.Tensor:
+    """(N, 4) float32 x, y, z, intensity: ``points_per_pillar`` points in each of ``pillars``
+    random cells of the grid (all its cells when it has fewer)."""
+    nx, ny, _ = grid_size(lidar_range, voxel)
+    flat = torch.randperm(nx * ny, generator=generator)[:min(pillars, nx * ny)]
+    cell_x = (flat % nx).repeat_interleave(points_per_pillar).double()
+    cell_y = (flat // nx).repeat_interleave(points_per_pillar).double()
+    count = cell_x.shape[0]
+    # Kept off the cell edges, where float32 rounding could move a point to the next cell.
+    jitter = 0.05 + 0.9 * torch.rand(count, 2, generator=generator, dtype=torch.float64)
+    x = lidar_range[0] + (cell_x + jitter[:, 0]) * voxel[0]
+    y = lidar_range[1] + (cell_y + jitter[:, 1]) * voxel[1]
+    z = torch.empty(count, dtype=torch.float64).uniform_(lidar_range[2], lidar_range[5] - 1e-3,
+                                                          generator=generator)
+    intensity = torch.rand(count, generator=generator, dtype=torch.float64)
+    return torch.stack([x, y, z, intensity], dim=1).float()
+
+
+def fake_modalities(heter: Dict, batch_size: int, agents_per_sample: int) -> List[str]:
+    """Each agent's modality, sample after sample: sample s's ego the s-th of ``ego_modality``
+    (cycling), its other agents the modalities of ``modality_setting`` in turn, continuing
+    from the previous sample's; one agent per sample: every modality in turn (a late model
+    trains every type's examples). 2 samples of 3 agents of HEAL's m1 m2 m3 (ego m1&m3):
+    m1 m1 m2 | m3 m3 m1."""
+    names = list(heter["modality_setting"])
+    if agents_per_sample == 1:
+        return [names[sample % len(names)] for sample in range(batch_size)]
+    egos = heter["ego_modality"].split("&")
+    modalities, turn = [], 0
+    for sample in range(batch_size):
+        modalities.append(egos[sample % len(egos)])
+        for _ in range(agents_per_sample - 1):
+            modalities.append(names[turn % len(names)])
+            turn += 1
+    return modalities
+
+
+def fake_heter_keys(heter: Dict, modalities: List[str], gt_boxes: torch.Tensor,
+                    with_agent_gt: bool, seed: int = 0, depth: bool = False) -> Dict:
+    """A heterogeneous batch's own keys (``opencood.batch_keys.HETER_KEYS``): ``agent_modality``,
+    ``modality_cameras`` (:func:`fake_camera_batch` per camera modality present, at its
+    ``data_aug_conf`` final_dim of an H x W camera, seeds ``seed + 1``, ``seed + 2``... in
+    ``modality_setting`` order) and, ``with_agent_gt``, each agent's own GT: its sample's rows of
+    ``gt_boxes`` (B, G, 7)."""
+    cameras = {}
+    for offset, (name, setting) in enumerate(heter["modality_setting"].items(), start=1):
+        count = modalities.count(name)
+        if setting["sensor_type"] != "camera" or count == 0:
+            continue
+        conf = setting["data_aug_conf"]
+        cameras[name] = fake_camera_batch(count, image_size=tuple(conf["final_dim"]),
+                                          original_size=(conf["H"], conf["W"]),
+                                          seed=seed + offset, depth=depth)
+    keys = {"agent_modality": list(modalities), "modality_cameras": cameras}
+    if with_agent_gt:
+        per_sample = len(modalities) // gt_boxes.shape[0]
+        keys["agent_gt_boxes"] = gt_boxes.repeat_interleave(per_sample, dim=0)
+        keys["agent_gt_mask"] = torch.ones(keys["agent_gt_boxes"].shape[:2], dtype=torch.bool)
+    return keys
 
 
 def random_vehicle_boxes(count: int, generator: torch.Generator,
