@@ -24,6 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from opencood.engine.freeze import freeze_parameters, train_keeping_frozen
+from opencood.engine.optim import build_optimizer
 from opencood.interop.heal_heter import (camera_encoders_of, heal_state_to_ours,
                                          model_args_from_heal)
 from opencood.interop.opencood_ckpt import InteropError, state_shapes
@@ -367,3 +369,36 @@ def test_a_lidar_type_encodes_on_the_grid_the_data_side_pillarises_it_on():
     assert (model.branches["m3"].encoder.scatter.nx, model.branches["m1"].encoder.scatter.nx) \
         == (256, 128)
     assert model.branches["m3"].map_size == model.branches["m1"].map_size == (32, 64)
+
+
+def test_backward_alignment_trains_only_the_new_type(collab):
+    """HEAL's stage two (HeterPyramidSingle.fix_modules: pyramid fusion, shrink header, heads;
+    here with the base's other types, whose branches our collab model holds, fixed too) as
+    ``train_params.fix_modules``: one Adam step on the three-type batch changes exactly the
+    camera type's branch, and leaves the fixed parts' weights and BatchNorm statistics exact."""
+    model = copy.deepcopy(collab.model)
+    fixed = ["pyramid", "shrink", "head", "branches.m1", "branches.m3"]
+    frozen = set(freeze_parameters(model, fixed))
+    trained = {name for name, _ in model.named_parameters()} - frozen
+    assert trained and all(name.startswith("branches.m2.") for name in trained)
+    train_keeping_frozen(model, model, fixed)
+    assert [name for name, module in model.named_modules()
+            if isinstance(module, torch.nn.BatchNorm2d) and not module.training] == \
+        [name for name, module in model.named_modules()
+         if isinstance(module, torch.nn.BatchNorm2d) and not name.startswith("branches.m2.")]
+    before = {key: value.clone() for key, value in model.state_dict().items()}
+    optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad],
+                                {"core_method": "Adam", "lr": 1e-3, "args": {}})
+    outputs = model(collab.batch)
+    samples, anchors = outputs["cls_preds"].shape[0], outputs["cls_preds"][0].numel()
+    targets = detection_targets(samples, anchors, seed=1)
+    targets["agent_labels"] = collab.case["labels"].long()
+    loss = build_loss({"core_method": "point_pillar_pyramid_loss", "args": {}})
+    loss(outputs, targets)[0].backward()
+    assert {name for name, p in model.named_parameters() if p.grad is not None} == trained
+    optimizer.step()
+    changed = {key for key, value in model.state_dict().items()
+               if not torch.equal(value, before[key])}
+    assert changed and all(key.startswith("branches.m2.") for key in changed), changed
+    assert any(key.endswith("running_mean") for key in changed)
+    assert trained <= changed
