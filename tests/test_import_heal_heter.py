@@ -18,6 +18,7 @@ from opencood.config import load_config
 from opencood.interop.importer import translate_run
 from opencood.interop.opencood_ckpt import InteropError
 from opencood.models.build import build_model
+from opencood.strategies import choose_strategy
 from parity_weights import materialize
 from test_parity_heal_pyramid import TOLERANCE, differences, modality_groups, relative
 from tool_modules import load_tool
@@ -145,6 +146,8 @@ def test_imported_single_and_late_runs_give_heal_s_heads(fixture, tmp_path, core
     case = fixture["single" if core == "heter_pyramid_single" else "late"]
     cfg, model, _ = import_and_load(tmp_path, case, core)
     assert cfg["model"]["core_method"] == core and cfg["fusion"]["core_method"] == "late"
+    assert cfg["fusion"]["args"]["proj_first"] is True        # late: boxes travel, not maps
+    assert choose_strategy(cfg).name == "late"                 # as tools/eval.py takes it
     with torch.no_grad():
         outputs = model(single_agent_batch(case))
     for index, expected in enumerate(case["outputs"]):

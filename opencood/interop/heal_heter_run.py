@@ -29,6 +29,7 @@ from opencood.interop.heal import (PROJ_FIRST_NOTE, _get, pick_heal_checkpoint,
 from opencood.interop.heal_camera import PLACEHOLDER_PILLARS
 from opencood.interop.opencood_ckpt import InteropError
 from opencood.interop.opencood_config import translate_config
+from opencood.strategies import choose_strategy
 from opencood.utils.checkpoint import load_checkpoint
 
 # HEAL's model -> (its fusion.core_method, our fusion strategy)
@@ -124,12 +125,15 @@ def translate_heal_heter_config(data: dict, source: str) -> Tuple[dict, List[str
     cfg["model"] = {"core_method": core, "args": model_args}
     cfg["fusion"] = {"core_method": strategy}
     set_own_frame_dataset(cfg["fusion"], data, source)
+    if strategy == "late":
+        # each agent detects in its own frame and only boxes travel: no feature warp to set
+        cfg["fusion"]["args"] = {}
     cfg["loss"] = _loss(cfg["loss"], data, core, source)
     set_direction_head(cfg["loss"], data, source)
     cfg["heter"] = _heter_section(data, model_args["modalities"], source)
     cfg["input_source"] = [sensor for sensor in _get(data, "input_source", source, ["lidar"])
                            if sensor in ("lidar", "camera", "depth")]
-    notes = [PROJ_FIRST_NOTE]
+    notes = [PROJ_FIRST_NOTE] if strategy == "intermediate" else []
     if _get(data, "label_type", source, "lidar") == "camera":
         notes.append(LABEL_NOTE)
     return cfg, notes
@@ -154,6 +158,7 @@ def translate_heal_heter_run(peer_dir: Path, data: dict, source: str,
     unresolved, notes = translate_heal_heter_config(data, source)
     try:
         cfg = resolve(unresolved, f"{source} (translated)")
+        choose_strategy(cfg)            # what tools/eval.py checks of the fusion section
     except ConfigError as error:
         raise InteropError(str(error)) from None
     path, epoch = pick_heal_checkpoint(peer_dir, checkpoint)
