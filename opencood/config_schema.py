@@ -434,6 +434,8 @@ class LrSchedulerSection:
 class InitSection:
     method: Literal["xavier_uniform", "xavier_normal", "kaiming", "default"] = "xavier_uniform"
     cls_prior: float = spec(0.01, check=probability)
+    # A new run's starting weights, by name (HEAL's stage two from its base; engine.freeze)
+    checkpoint: Optional[str] = None
 
 
 @section

@@ -65,7 +65,7 @@ DEFAULTS = {
     "optimizer": {"core_method": "Adam", "lr": 0.002, "args": {}},
     "lr_scheduler": {"core_method": "constant", "warmup_epochs": 0.0, "warmup_start_ratio": 0.01,
                      "min_lr_ratio": 0.0, "step_size": [], "gamma": 0.1},
-    "init": {"method": "xavier_uniform", "cls_prior": 0.01},
+    "init": {"method": "xavier_uniform", "cls_prior": 0.01, "checkpoint": None},
     "ema": {"enabled": False, "decay": 0.999, "tau": 200.0},
     "amp": {"enabled": False, "dtype": "bf16"},
     "distributed": {"backend": None, "timeout_minutes": 30.0, "find_unused_parameters": False},

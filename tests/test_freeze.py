@@ -13,9 +13,9 @@ import torch
 
 from opencood.config import ConfigError
 from opencood.engine import trainer
-from opencood.engine.freeze import freeze_parameters, train_keeping_frozen
+from opencood.engine.freeze import freeze_parameters, load_base_weights, train_keeping_frozen
 from opencood.engine.hooks import TrainHooks
-from opencood.utils.checkpoint import load_checkpoint
+from opencood.utils.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from opv2v_factory import frame_stamps, write_simple_split
 
 SMOKE_YAML = Path(__file__).resolve().parents[1] / "hypes_yaml" / "synthetic" / "smoke.yaml"
@@ -138,6 +138,38 @@ def test_a_prefix_matching_no_parameter_is_one_line_naming_the_key(data_root, tm
     with pytest.raises(ConfigError, match="freezes every parameter"):
         freeze_parameters(model, ["0", "1"])
     assert all(param.requires_grad for param in model.parameters())   # refused before freezing
+
+
+def test_a_new_run_aligns_against_the_bases_weights(data_root, tmp_path, monkeypatch):
+    """HEAL's stage two: a base trained, then a new run starting from its checkpoint
+    (``init.checkpoint``) with the fusion side frozen keeps the base's tensors there exactly."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    trainer.main(["--hypes_yaml", str(SMOKE_YAML), "--model_dir", str(tmp_path / "base"),
+                  "--set", "train_params.epoches=1", *_data(data_root, False)])
+    base = load_checkpoint(tmp_path / "base" / "last.pth")["model"]
+    trainer.main(["--hypes_yaml", str(SMOKE_YAML), "--model_dir", str(tmp_path / "align"), *FIX,
+                  "--set", f"init.checkpoint={tmp_path / 'base' / 'last.pth'}",
+                  "--set", "train_params.epoches=1", *_data(data_root, False)])
+    aligned = load_checkpoint(tmp_path / "align" / "last.pth")["model"]
+    same = {key for key in base if torch.equal(base[key], aligned[key])}
+    assert {key for key in base if _frozen(key)} <= same
+    assert "encoder.vfe.layers.0.norm.running_mean" not in same
+    assert "loaded" in (tmp_path / "align" / "train.log").read_text()
+
+
+def test_a_base_checkpoint_without_the_frozen_parts_is_one_line(tmp_path):
+    """Freezing what the checkpoint does not hold would keep fresh weights fixed: refused."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 3))
+    path = tmp_path / "base.pth"
+    save_checkpoint(path, {"model": {"0.weight": torch.ones(2, 2), "0.bias": torch.ones(2)}})
+    load_base_weights(model, str(path), ["0"])
+    assert torch.equal(model[0].weight, torch.ones(2, 2))
+    with pytest.raises(CheckpointError, match=r"lacks 2 tensors of the parts train_params\."
+                                              r"fix_modules freezes: 1\.weight, 1\.bias"):
+        load_base_weights(model, str(path), ["1"])
+    save_checkpoint(path, {"model": {"1.weight": torch.ones(2, 2)}})
+    with pytest.raises(CheckpointError, match=r"1\.weight \(2, 2\) vs model \(3, 2\)"):
+        load_base_weights(model, str(path), [])
 
 
 # The 2-rank DDP run with a frozen part shares the spawned ranks of tests/test_train.py's

@@ -13,15 +13,22 @@ docs/heterogeneous.md for HEAL's list in our names):
   optimizer (no moments, no weight decay);
 * BatchNorm layers inside a frozen part run in eval mode (running statistics used, never
   updated): :func:`train_keeping_frozen` is the trainer's ``model.train()``;
-* a resumed run reads the same list from its folder's config.yaml, so it freezes the same set.
+* a resumed run reads the same list from its folder's config.yaml, so it freezes the same set;
+* a new run starts from the base's weights with ``init.checkpoint`` (:func:`load_base_weights`:
+  HEAL's stage two loads the base's checkpoint non-strictly); every tensor of a frozen part must
+  come from it, or the run would keep freshly initialised weights fixed.
 """
 from __future__ import annotations
 
+import logging
 from typing import List, Sequence
 
 import torch
 
 from opencood.config import ConfigError
+from opencood.utils.checkpoint import CheckpointError, load_checkpoint
+
+logger = logging.getLogger("opencood")
 
 FIX_MODULES_KEY = "train_params.fix_modules"
 
@@ -71,3 +78,27 @@ def train_keeping_frozen(model: torch.nn.Module, bare_model: torch.nn.Module,
     model.train()
     for batchnorm in frozen_batchnorms(bare_model, prefixes):
         batchnorm.eval()
+
+
+def load_base_weights(model: torch.nn.Module, path: str, prefixes: Sequence[str]) -> None:
+    """Load every tensor of checkpoint ``path`` (``init.checkpoint``) that ``model`` has, by name
+    (HEAL's non-strict load of the base for its stage two); tensors only the model has keep their
+    initialisation. One line (CheckpointError) for a shape that differs or a frozen part's
+    (``prefixes``) tensor the checkpoint lacks."""
+    saved = load_checkpoint(path)["model"]
+    own = model.state_dict()
+    mismatched = [f"{key} {tuple(saved[key].shape)} vs model {tuple(tensor.shape)}"
+                  for key, tensor in own.items()
+                  if key in saved and tuple(saved[key].shape) != tuple(tensor.shape)]
+    if mismatched:
+        raise CheckpointError(f"init.checkpoint {path}: {len(mismatched)} tensors of another "
+                              f"shape: {', '.join(mismatched[:3])}")
+    unfilled = [key for key in own if key not in saved
+                and any(under_prefix(key, prefix) for prefix in prefixes)]
+    if unfilled:
+        raise CheckpointError(f"init.checkpoint {path} lacks {len(unfilled)} tensors of the "
+                              f"parts {FIX_MODULES_KEY} freezes: {', '.join(unfilled[:3])}")
+    model.load_state_dict({key: saved[key] for key in own if key in saved}, strict=False)
+    logger.info("init.checkpoint %s: %d tensors loaded, %d initialised afresh, %d of the file "
+                "not in the model", path, sum(key in saved for key in own),
+                sum(key not in saved for key in own), sum(key not in own for key in saved))

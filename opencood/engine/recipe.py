@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from opencood.config import ConfigError, load_config
 from opencood.data.collate import build_loader
 from opencood.data.datasets import build_dataset
-from opencood.engine.freeze import freeze_parameters
+from opencood.engine.freeze import freeze_parameters, load_base_weights
 from opencood.engine.loop import validation_loss
 from opencood.engine.optim import build_optimizer, build_scheduler
 from opencood.engine.run_folder import refuse_another_config, refuse_training_changes
@@ -263,6 +263,8 @@ def prepare_model(cfg: Dict, info: dist_utils.DistInfo, checkpoint: Dict | None,
     """
     model = build_model(cfg["model"])
     init_weights(model, **init_settings(cfg["init"]))
+    if checkpoint is None and cfg["init"]["checkpoint"]:   # a resume has its own weights
+        load_base_weights(model, cfg["init"]["checkpoint"], cfg["train_params"]["fix_modules"])
     if use_sync_batchnorm(info):           # CUDA with world > 1
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model.to(info.device)
