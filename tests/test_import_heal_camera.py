@@ -155,8 +155,9 @@ def test_camera_key_rules_run_both_ways(name, tmp_path):
 
 
 def test_heal_s_single_agent_camera_pretraining_is_refused_in_one_line(tmp_path):
-    """HEAL's camera pretraining runs (heter_model_late: a two-part ResNet BEV backbone and an
-    aligner) have no counterpart: one line naming the key."""
+    """HEAL's camera pretraining runs are heter_model_late, imported by the heterogeneous path
+    (tests/test_import_heal_heter.py); a baseline camera run relabelled so (its data set is
+    intermediate fusion's) is refused in one line naming the key."""
     import yaml
 
     from opencood.data.numpy_yaml import NumpyYamlDumper, NumpyYamlLoader
@@ -165,7 +166,8 @@ def test_heal_s_single_agent_camera_pretraining_is_refused_in_one_line(tmp_path)
     data = yaml.load(config.read_text(), Loader=NumpyYamlLoader)
     data["model"]["core_method"] = "heter_model_late"
     config.write_text(yaml.dump(data, Dumper=NumpyYamlDumper))
-    with pytest.raises(InteropError, match="model.core_method 'heter_model_late'.*camera") as error:
+    with pytest.raises(InteropError, match="fusion.core_method is 'intermediateheter'; HEAL runs "
+                                           "heter_model_late with 'lateheter'") as error:
         translate_run(peer, None, "heal")
     assert "\n" not in str(error.value)
 
