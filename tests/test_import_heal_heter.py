@@ -198,3 +198,33 @@ def test_key_rules_run_back_to_heal_s_state_bit_exact(fixture, part):
     with pytest.raises(InteropError) as error:
         ours_to_heal_state(ours, cameras, modalities, "last.pth")
     assert "branches.m3.aligner.0.gammma" in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("part", ["collab", "single"])
+def test_export_to_heal_inverts_the_import(fixture, tmp_path, part):
+    """``--to heal`` of an imported HEAL pyramid run: HEAL's state dict back bit for bit (every
+    key), and importing the export gives our model section and state dict back unchanged."""
+    core = f"heter_pyramid_{part}"
+    case = fixture[part]
+    cfg, _, checkpoint = import_and_load(tmp_path, case, core)
+    exported = tmp_path / "heal_export"
+    load_tool("export_checkpoint").main(["--to", "heal", "--model_dir", str(tmp_path / "ours"),
+                                         "--out", str(exported)])
+    heal_state = materialize(case["state_dict"])
+    state = torch.load(exported / "net_epoch3.pth", weights_only=True)
+    assert set(state) == set(heal_state)
+    assert all(torch.equal(state[key], heal_state[key]) for key in heal_state)
+    again, ours, _ = translate_run(exported, None, "heal")
+    assert again["model"] == cfg["model"] and again["heter"] == cfg["heter"]
+    assert all(torch.equal(ours[key], value) for key, value in checkpoint["model"].items())
+
+
+def test_export_of_the_late_model_is_refused_in_one_line(fixture, tmp_path):
+    """HEAL's HeterModelLate keeps a first ``layers`` stage it never runs, which ours does not
+    build: its export is refused, naming the model, and nothing is written."""
+    import_and_load(tmp_path, fixture["late"], "heter_model_late")
+    exported = tmp_path / "heal_export"
+    with pytest.raises(SystemExit, match="model.core_method 'heter_model_late'"):
+        load_tool("export_checkpoint").main(["--to", "heal", "--model_dir",
+                                             str(tmp_path / "ours"), "--out", str(exported)])
+    assert not exported.exists()

@@ -11,7 +11,8 @@ models whose architecture exists there, run with the reference options
 (``hypes_yaml/opv2v/reference/``, or any run made by ``tools/import_checkpoint.py``;
 ``opencood/interop/exporter.py``). ``--to heal``: camera runs (the lss encoder), as HEAL's
 ``heter_model_baseline`` with one ``lift_splat_shoot`` modality, the inverse of ``--from heal``
-(``opencood/interop/heal_export.py``). Others are refused in one line. Nothing is written
+(``opencood/interop/heal_export.py``); and HEAL's heter pyramid runs (``heter_pyramid_collab``,
+``heter_pyramid_single``: ``opencood/interop/heal_heter_export.py``). Others are refused in one line. Nothing is written
 unless the whole export succeeds.
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ import argparse
 from opencood.errors import run_cli
 from opencood.interop.exporter import export_opencood_run
 from opencood.interop.heal_export import export_heal_run
+from opencood.interop.heal_heter_export import export_heal_heter_run, is_heter_run
 
 CODEBASES = ("opencood", "heal")
 
@@ -38,7 +40,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def run(args: argparse.Namespace):
     if args.codebase == "heal":
-        out, notes = export_heal_run(args.model_dir, args.out, args.checkpoint)
+        export = export_heal_heter_run if is_heter_run(args.model_dir) else export_heal_run
+        out, notes = export(args.model_dir, args.out, args.checkpoint)
     else:
         out, notes = export_opencood_run(args.model_dir, args.out, args.checkpoint), []
     print(f"exported {args.model_dir} -> {out} ({args.codebase}: config.yaml, "

@@ -151,11 +151,8 @@ def heal_hypes(cfg: dict) -> dict:
     """HEAL's hypes (its CameraOnly yamls' layout) for our resolved camera ``cfg``."""
     args = cfg["model"]["args"]
     lidar_range = [float(v) for v in cfg["preprocess"]["cav_lidar_range"]]
-    post = cfg["postprocess"]
-    anchors = post["anchor_args"]
     loss = cfg["loss"]["args"]
-    dir_args = {"dir_offset": float(loss["dir_offset"]), "num_bins": 2,
-                "anchor_yaw": [float(r) for r in anchors["r"]]}
+    dir_args = heal_dir_args(cfg)
     modality = heal_modality_args(cfg)
     fusion = args["fusion"]
     model_args = {"lidar_range": lidar_range, "anchor_number": int(args["anchor_number"]),
@@ -168,17 +165,8 @@ def heal_hypes(cfg: dict) -> dict:
         model_args["v2vnet"] = heal_v2vnet(cfg, fusion["args"])
     depth = bool(modality["encoder_args"]["depth_supervision"])
     return {
-        "name": str(cfg.get("name") or "heal_export"),
-        "root_dir": cfg.get("root_dir") or "", "validate_dir": cfg.get("validate_dir") or "",
-        "test_dir": cfg.get("test_dir") or cfg.get("validate_dir") or "",
-        "yaml_parser": "load_general_params",
+        **heal_run_sections(cfg, dir_args),
         "input_source": ["camera", "depth"] if depth else ["camera"],
-        "label_type": "lidar",
-        "comm_range": float(cfg["comm_range"]),
-        "cav_lidar_range": lidar_range,
-        "train_params": {key: int(cfg["train_params"][key]) for key in
-                         ("batch_size", "epoches", "eval_freq", "save_freq", "max_cav")},
-        "data_augment": [dict(entry) for entry in cfg.get("data_augment") or []],
         "heter": {"assignment_path": "opencood/logs/heter_modality_assign/opv2v_4modality.json",
                   "ego_modality": MODALITY,
                   "mapping_dict": {name: MODALITY for name in HEAL_MODALITIES},
@@ -194,6 +182,35 @@ def heal_hypes(cfg: dict) -> dict:
                                 "max_points_per_voxel": 1, "max_voxel_train": 1,
                                 "max_voxel_test": 1},
                        "cav_lidar_range": lidar_range},
+        "model": {"core_method": "heter_model_baseline", "args": model_args},
+        "loss": {"core_method": "point_pillar_depth_loss" if depth else "point_pillar_loss",
+                 "args": heal_loss_args(loss, dir_args, depth)},
+    }
+
+
+def heal_dir_args(cfg: dict) -> dict:
+    """HEAL's ``dir_args`` (2 bins) from our loss's offset and the anchors' yaws."""
+    return {"dir_offset": float(cfg["loss"]["args"]["dir_offset"]), "num_bins": 2,
+            "anchor_yaw": [float(r) for r in cfg["postprocess"]["anchor_args"]["r"]]}
+
+
+def heal_run_sections(cfg: dict, dir_args: dict) -> dict:
+    """The hypes sections every HEAL export shares (names and folders, training, augmentation,
+    post-processing, optimiser), from our resolved ``cfg``."""
+    lidar_range = [float(v) for v in cfg["preprocess"]["cav_lidar_range"]]
+    post = cfg["postprocess"]
+    anchors = post["anchor_args"]
+    return {
+        "name": str(cfg.get("name") or "heal_export"),
+        "root_dir": cfg.get("root_dir") or "", "validate_dir": cfg.get("validate_dir") or "",
+        "test_dir": cfg.get("test_dir") or cfg.get("validate_dir") or "",
+        "yaml_parser": "load_general_params",
+        "label_type": "lidar",
+        "comm_range": float(cfg["comm_range"]),
+        "cav_lidar_range": lidar_range,
+        "train_params": {key: int(cfg["train_params"][key]) for key in
+                         ("batch_size", "epoches", "eval_freq", "save_freq", "max_cav")},
+        "data_augment": [dict(entry) for entry in cfg.get("data_augment") or []],
         "postprocess": {"core_method": "VoxelPostprocessor",
                         "gt_range": [float(v) for v in post["gt_range"]],
                         "anchor_args": {"cav_lidar_range": lidar_range,
@@ -206,9 +223,6 @@ def heal_hypes(cfg: dict) -> dict:
                                         ("pos_threshold", "neg_threshold", "score_threshold")},
                         "dir_args": dir_args, "order": "hwl",
                         "max_num": int(post["max_num"]), "nms_thresh": float(post["nms_thresh"])},
-        "model": {"core_method": "heter_model_baseline", "args": model_args},
-        "loss": {"core_method": "point_pillar_depth_loss" if depth else "point_pillar_loss",
-                 "args": heal_loss_args(loss, dir_args, depth)},
         "optimizer": {"core_method": cfg["optimizer"]["core_method"],
                       "lr": float(cfg["optimizer"]["lr"]),
                       "args": dict(cfg["optimizer"]["args"])},

@@ -1,0 +1,167 @@
+"""Our ``heter_pyramid_collab`` / ``heter_pyramid_single`` runs -> HEAL run folders (issue 37
+point 5): the inverse of :mod:`opencood.interop.heal_heter_run`.
+
+Written: ``config.yaml``, HEAL's hypes (its ``MoreModality/HEAL`` yamls' layout: each type's
+``model.args.<m>`` with ``encoder_args``, ``backbone_args``, ``aligner_args``, the pyramid's
+``fusion_backbone``, the ``heter`` section as ours holds it) and ``net_epoch<N>.pth``, HEAL's
+keys made by the import's rules run backwards (:func:`heal_heter.ours_to_heal_state`).
+``import(export(run))`` gives the run's model section and state dict back bit for bit
+(tests/test_import_heal_heter.py). Refused in one line naming the key: what HEAL's classes do
+not build (a pillar encoder without HEAL's PFN slots, a BevEncode after the splat, an EfficientNet
+camera type: its never-run classifier is not written here), ``heter_model_late``.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional, Tuple
+
+import torch
+import yaml
+
+from opencood.config import load_config
+from opencood.config_schema import to_plain
+from opencood.interop.heal_export import heal_dir_args, heal_loss_args, heal_run_sections
+from opencood.interop.heal_heter import ours_to_heal_state
+from opencood.interop.importer import staged_folder
+from opencood.interop.opencood_ckpt import InteropError
+from opencood.utils.checkpoint import load_checkpoint, run_checkpoint
+
+EXPORTED = {"heter_pyramid_collab": "intermediateheter", "heter_pyramid_single": "lateheter"}
+_BACKBONE_KEYS = ("layer_nums", "layer_strides", "num_filters", "upsample_strides",
+                  "num_upsample_filter")
+
+
+def _backbone(ours: dict, inplanes: int) -> dict:
+    args = {key: [int(v) for v in ours[key]] for key in _BACKBONE_KEYS if ours.get(key)}
+    return {**args, "inplanes": inplanes}
+
+
+def _encoder(name: str, modality: dict, cfg: dict, source: str) -> Tuple[dict, int]:
+    """(HEAL's ``encoder_args`` and ``core_method`` fields, the encoder's output channels)."""
+    encoder, key = modality["encoder"], f"{source}: model.args.modalities.{name}.encoder"
+    args = encoder["args"]
+    if encoder["core_method"] == "pillar":
+        vfe = args["pillar_vfe"]
+        if vfe.get("padded_slots") != "reference":
+            raise InteropError(f"{key}.args.pillar_vfe.padded_slots is "
+                               f"{vfe.get('padded_slots')!r}; HEAL's PFN is 'reference'")
+        features = int(args["point_pillar_scatter"]["num_features"])
+        return {"core_method": "point_pillar", "encoder_args": {
+            "lidar_range": [float(v) for v in modality["lidar_range"]],
+            "voxel_size": [float(v) for v in modality["voxel_size"]],
+            "pillar_vfe": {"use_norm": True, "with_distance": bool(vfe["with_distance"]),
+                           "use_absolute_xyz": True,
+                           "num_filters": [int(v) for v in vfe["num_filters"]]},
+            "point_pillar_scatter": {"num_features": features}}}, features
+    if encoder["core_method"] != "lss" or args.get("bev_encoder_channels") \
+            or args["camera_encoder"] != "Resnet101":
+        raise InteropError(f"{key}: only pillar and lss (ResNet-101 trunk, no BevEncode) "
+                           "types are exported")
+    grid = {"xbound": list(args["xbound"]), "ybound": list(args["ybound"]),
+            "zbound": list(args["zbound"]),
+            "ddiscr": [float(args["ddiscr"][0]), float(args["ddiscr"][1]), int(args["ddiscr"][2])],
+            "mode": args["depth_mode"]}
+    setting = cfg["heter"]["modality_setting"][name]
+    height_cells = int(round((grid["zbound"][1] - grid["zbound"][0]) / grid["zbound"][2]))
+    return {"core_method": "lift_splat_shoot", "encoder_args": {
+        "anchor_number": int(cfg["model"]["args"]["anchor_number"]), "grid_conf": grid,
+        "data_aug_conf": {**dict(setting["data_aug_conf"]),
+                          "final_dim": [int(v) for v in args["image_size"]]},
+        "img_downsample": int(args["img_downsample"]), "img_features": int(args["img_features"]),
+        "use_depth_gt": False, "depth_supervision": bool(args["depth_supervision"]),
+        "camera_encoder": args["camera_encoder"]},
+        "camera_mask_args": {"cav_lidar_range": list(cfg["model"]["args"]["lidar_range"]),
+                             "grid_conf": grid}}, int(args["img_features"]) * height_cells
+
+
+def _aligner(modality: dict) -> dict:
+    aligner = modality["aligner"]
+    if aligner["core_method"] == "identity":
+        return {"core_method": "identity"}
+    return {"core_method": "convnext", "spatial_align": False,
+            "args": {"num_of_blocks": int(aligner["num_of_blocks"]),
+                     "dim": int(modality["backbone"]["num_filters"][-1]),
+                     "kernel_size": int(aligner["kernel_size"])}}
+
+
+def heal_model_args(cfg: dict, source: str) -> dict:
+    """HEAL's ``model.args`` of our resolved heter pyramid ``cfg``."""
+    args = cfg["model"]["args"]
+    ours = {"lidar_range": [float(v) for v in args["lidar_range"]],
+            "anchor_number": int(args["anchor_number"]), "dir_args": heal_dir_args(cfg)}
+    for name, modality in args["modalities"].items():
+        encoder, channels = _encoder(name, modality, cfg, source)
+        ours[name] = {"sensor_type": modality["sensor_type"], **encoder,
+                      "backbone_args": _backbone(modality["backbone"], channels),
+                      "aligner_args": _aligner(modality)}
+    fusion = args["fusion_backbone"]
+    widths = [int(v) for v in next(iter(args["modalities"].values()))["backbone"]["num_filters"]]
+    ours["fusion_backbone"] = {**_backbone(fusion, widths[-1]), "resnext": bool(fusion["resnext"]),
+                               "anchor_number": int(args["anchor_number"])}
+    in_head = sum(int(v) for v in fusion["num_upsample_filter"])
+    if args.get("shrink_header"):
+        shrink = args["shrink_header"]
+        kernel = int(shrink["kernel_size"])
+        ours["shrink_header"] = {"kernal_size": [kernel], "stride": [int(shrink["stride"])],
+                                 "padding": [kernel // 2], "dim": [int(shrink["dim"])],
+                                 "input_dim": in_head}
+        in_head = int(shrink["dim"])
+    ours["in_head"] = in_head
+    return ours
+
+
+def heal_heter_hypes(cfg: dict, source: str) -> dict:
+    """HEAL's hypes for our resolved heter pyramid ``cfg``."""
+    dir_args = heal_dir_args(cfg)
+    loss = cfg["loss"]["args"]
+    loss_args = heal_loss_args(loss, dir_args, bool(loss.get("depth")))
+    loss_args["pyramid"] = {key: list(loss["pyramid"][key])
+                            for key in ("relative_downsample", "weight")}
+    heter = {key: value for key, value in cfg["heter"].items() if value is not None}
+    return {**heal_run_sections(cfg, dir_args),
+            "input_source": list(cfg["input_source"]), "heter": heter,
+            "fusion": {"core_method": EXPORTED[cfg["model"]["core_method"]],
+                       "dataset": cfg["fusion"]["dataset"],
+                       "args": {"proj_first": False, "grid_conf": "None",
+                                "data_aug_conf": "None"}},
+            "preprocess": dict(cfg["preprocess"]),
+            "model": {"core_method": cfg["model"]["core_method"],
+                      "args": heal_model_args(cfg, source)},
+            "loss": {"core_method": "point_pillar_pyramid_loss", "args": loss_args}}
+
+
+def export_heal_heter_run(run_dir, out_dir, checkpoint: Optional[str] = None
+                          ) -> Tuple[Path, List[str]]:
+    """Write HEAL's run folder ``out_dir`` (must not exist) for our heter pyramid ``run_dir``."""
+    run_dir = Path(run_dir)
+    source = str(run_dir / "config.yaml")
+    cfg = to_plain(load_config(run_dir / "config.yaml"))
+    if cfg["model"]["core_method"] not in EXPORTED:
+        raise InteropError(f"{source}: model.core_method {cfg['model']['core_method']!r}: "
+                           f"exported to HEAL are {', '.join(EXPORTED)}")
+    hypes = heal_heter_hypes(cfg, source)
+    path = run_checkpoint(run_dir, checkpoint)
+    saved = load_checkpoint(path)
+    if "model" not in saved:
+        raise InteropError(f"{path}: not a training checkpoint (no 'model' entry)")
+    args = hypes["model"]["args"]
+    cameras = {name: args[name]["encoder_args"]["camera_encoder"]
+               for name in cfg["model"]["args"]["modalities"]
+               if args[name]["sensor_type"] == "camera"}
+    state = ours_to_heal_state(saved["model"], cameras, list(cfg["model"]["args"]["modalities"]),
+                               str(path))
+    epoch = max(int(saved.get("epoch", 0)), 0)
+    with staged_folder(Path(out_dir), "export") as staging:
+        (staging / "config.yaml").write_text(yaml.safe_dump(hypes, sort_keys=False))
+        torch.save(state, staging / f"net_epoch{epoch}.pth")
+    return Path(out_dir), []
+
+
+def is_heter_run(run_dir) -> bool:
+    """Our run folder holds a heterogeneous model (exported by this module, not the camera
+    export); False when it has no config (the camera export then says so)."""
+    config = Path(run_dir) / "config.yaml"
+    if not config.is_file():
+        return False
+    return yaml.safe_load(config.read_text()).get("model", {}).get("core_method") in \
+        ("heter_pyramid_collab", "heter_pyramid_single", "heter_model_late")
