@@ -34,7 +34,7 @@ from opencood.config_schema import to_plain
 from opencood.interop.heal import FUSIONS, heal_rules
 from opencood.interop.heal_camera import CAMERA_ENCODER
 from opencood.interop.importer import our_state_shapes, staged_folder
-from opencood.interop.opencood_ckpt import InteropError, ours_to_peer_state
+from opencood.interop.opencood_ckpt import InteropError, ours_to_peer_state, peer_shapes_by_rules
 from opencood.utils.checkpoint import load_checkpoint, run_checkpoint
 
 MODALITY = "m2"                    # as HEAL's CameraOnly yamls name their camera agent
@@ -252,18 +252,6 @@ def heal_v2vnet(cfg: dict, fusion_args: dict) -> dict:
     v2v = peer_v2vnet(cfg, fusion_args, int(cfg["model"]["args"]["shrink_header"]["dim"]))
     return {key: value for key, value in v2v.items()
             if key not in ("voxel_size", "downsample_rate")}
-
-
-def peer_shapes_by_rules(our_shapes: dict, rules) -> Dict[str, Tuple[int, ...]]:
-    """The peer's key -> shape for every tensor a rule places (the camera rules copy)."""
-    shapes = {}
-    for key, shape in our_shapes.items():
-        for rule in rules:
-            peer_key = rule.ours_to_peer(key)
-            if peer_key is not None:
-                shapes[peer_key] = tuple(shape)
-                break
-    return shapes
 
 
 def in_heal_order(state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:

@@ -33,8 +33,8 @@ from typing import Dict, Mapping, Tuple
 import torch
 
 from opencood.interop.opencood_ckpt import (SHRINK_RULES, InteropError, Rule,
-                                            ours_to_peer_state, peer_state_to_ours,
-                                            strip_ddp_prefix)
+                                            ours_to_peer_state, peer_shapes_by_rules,
+                                            peer_state_to_ours, strip_ddp_prefix)
 from opencood.models.lift_splat import args_from_heal as lss_args_from_heal
 from opencood.models.lift_splat import heal_to_ours as lss_heal_to_ours
 
@@ -262,7 +262,6 @@ def ours_to_heal_state(state: Mapping[str, torch.Tensor], camera_encoders: Mappi
     inverse of :func:`heal_state_to_ours` by the same rules run backwards, strictly (every one
     of ours placed, HEAL's shapes those of ours). An EfficientNet camera type's never-run
     classifier (which HEAL's strict load wants) is not added here."""
-    from opencood.interop.heal_export import peer_shapes_by_rules
     rules = sum((camera_rules(name, camera_encoders[name]) for name in camera_encoders), ()) \
         + sum((modality_rules(name) for name in modalities), ()) + SHARED_RULES
     shapes = peer_shapes_by_rules({key: tuple(value.shape) for key, value in state.items()},

@@ -163,5 +163,5 @@ def is_heter_run(run_dir) -> bool:
     config = Path(run_dir) / "config.yaml"
     if not config.is_file():
         return False
-    return yaml.safe_load(config.read_text()).get("model", {}).get("core_method") in \
+    return load_config(config)["model"]["core_method"] in \
         ("heter_pyramid_collab", "heter_pyramid_single", "heter_model_late")

@@ -20,7 +20,7 @@ LiDAR labels, said in the notes).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Mapping, Optional, Tuple
+from typing import Callable, List, Mapping, Optional, Tuple
 
 from opencood.config import ConfigError, resolve
 from opencood.interop import heal_heter
@@ -152,9 +152,11 @@ def heal_heter_state(data: dict, state: Mapping, our_shapes: Mapping, cfg: dict,
 
 
 def translate_heal_heter_run(peer_dir: Path, data: dict, source: str,
-                             checkpoint: Optional[str]) -> Tuple[dict, dict, dict]:
-    """(our resolved config, our state dict, provenance) of HEAL's heterogeneous run folder."""
-    from opencood.interop.importer import our_state_shapes
+                             checkpoint: Optional[str], our_state_shapes: Callable[[dict], dict]
+                             ) -> Tuple[dict, dict, dict]:
+    """(our resolved config, our state dict, provenance) of HEAL's heterogeneous run folder;
+    ``our_state_shapes(model_section)`` gives our model's state-dict shapes (the importer's,
+    passed in so this module does not import the importer that imports it)."""
     unresolved, notes = translate_heal_heter_config(data, source)
     try:
         cfg = resolve(unresolved, f"{source} (translated)")

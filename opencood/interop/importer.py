@@ -141,7 +141,8 @@ def translate_run(peer_dir, checkpoint: Optional[str] = None,
     peer = read_opencood_yaml(config_path)
     source = str(config_path)
     if codebase == "heal" and is_heal_heter(peer):
-        cfg, ours, provenance = translate_heal_heter_run(peer_dir, peer, source, checkpoint)
+        cfg, ours, provenance = translate_heal_heter_run(peer_dir, peer, source, checkpoint,
+                                                       our_state_shapes)
         provenance["notes"] += validation_as_test_notes(peer, cfg, source)
         return cfg, ours, provenance
     try:

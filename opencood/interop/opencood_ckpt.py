@@ -406,6 +406,18 @@ def peer_state_to_ours(state: Mapping[str, torch.Tensor], rules: Tuple[Rule, ...
     return _translate(strip_ddp_prefix(state), rules, True, our_shapes, source, what)
 
 
+def peer_shapes_by_rules(our_shapes: dict, rules) -> Dict[str, Tuple[int, ...]]:
+    """The peer's key -> shape for every tensor a rule places (the camera rules copy)."""
+    shapes = {}
+    for key, shape in our_shapes.items():
+        for rule in rules:
+            peer_key = rule.ours_to_peer(key)
+            if peer_key is not None:
+                shapes[peer_key] = tuple(shape)
+                break
+    return shapes
+
+
 def ours_to_peer_state(state: Mapping[str, torch.Tensor], rules: Tuple[Rule, ...],
                        peer_shapes: Mapping[str, Tuple[int, ...]], source: str,
                        what: str) -> Dict[str, torch.Tensor]:
