@@ -203,11 +203,16 @@ class DetectionLoss(nn.Module):
         if self.uncertainty is not None:
             terms["unc_loss"] = self.uncertainty_map(outputs, targets, positive).sum() / normaliser
         if self.depth is not None:
-            terms["depth_loss"] = depth_term(outputs, self.depth)
+            terms["depth_loss"] = self.depth_loss(outputs)
         total = sum(terms.values())
         terms = {name: value.detach() for name, value in terms.items()}
         terms["total_loss"] = total.detach()
         return total, terms
+
+    def depth_loss(self, outputs: dict) -> torch.Tensor:
+        """The lift-splat encoder's depth term (``loss.args.depth``); a loss whose model
+        supervises depth in several places overrides it."""
+        return depth_term(outputs, self.depth)
 
     def per_sample_losses(self, outputs: dict, targets: dict) -> torch.Tensor:
         """(B,) float64: for each sample, the total ``forward`` gives a micro-batch of that

@@ -89,16 +89,14 @@ class PyramidLoss(DetectionLoss):
     def __init__(self, args: PyramidLossArgs):
         super().__init__(args)
         self.pyramid = args.pyramid
-        # the depth term is this loss's: per camera type of a heterogeneous model
-        self.depth_args, self.depth = self.depth, None
 
-    def heter_depth_term(self, outputs: dict) -> torch.Tensor:
+    def depth_loss(self, outputs: dict) -> torch.Tensor:
         """HEAL's depth supervision: each depth-supervised camera type's term
         (``losses.depth.depth_term`` of its ``depth_outputs``), summed as HEAL sums its
         ``depth_items``; a one-encoder model's ``depth_logits`` as the detection loss takes them."""
         if "depth_outputs" not in outputs:
-            return depth_term(outputs, self.depth_args)
-        return sum(depth_term(items, self.depth_args)
+            return depth_term(outputs, self.depth)
+        return sum(depth_term(items, self.depth)
                    for items in outputs["depth_outputs"].values())
 
     def pyramid_term(self, outputs: dict, targets: dict) -> torch.Tensor:
@@ -117,8 +115,6 @@ class PyramidLoss(DetectionLoss):
         extra = {}
         if outputs.get("occupancy_maps") is not None:
             extra["pyramid_loss"] = self.pyramid_term(outputs, targets)
-        if self.depth_args is not None:
-            extra["depth_loss"] = self.heter_depth_term(outputs)
         if not extra:
             return total, terms
         total = total + sum(extra.values())
