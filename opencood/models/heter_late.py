@@ -14,16 +14,16 @@ boxes).
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Dict
 
 import torch
 from torch import nn
 
-from opencood.config_schema import all_positive, box_range, positive, section, spec
+from opencood.config_schema import section
 from opencood.models.backbone import BackboneArgs, make_residual_stage, make_up_block
 from opencood.models.detectors import ShrinkHeader, ShrinkHeaderArgs, bev_grid, set_bn_momentum
 from opencood.models.heads import AnchorHead
-from opencood.models.heter_pyramid import (HeterPyramidArgs, ModalityArgs, ModalityBranch,
+from opencood.models.heter_pyramid import (HeterGridArgs, ModalityArgs, ModalityBranch,
                                            modality_batch)
 from opencood.registry import MODELS
 
@@ -39,19 +39,11 @@ class LateModalityArgs(ModalityArgs):
 
 
 @section
-class HeterLateArgs:
-    """``model.args`` of ``heter_model_late`` (the first six derived as the detectors')."""
+class HeterLateArgs(HeterGridArgs):
+    """``model.args`` of ``heter_model_late``: the shared keys (:class:`HeterGridArgs`) and one
+    detector per agent type."""
 
-    lidar_range: Optional[Tuple[float, ...]] = spec(None, check=box_range)
-    voxel_size: Optional[Tuple[float, float, float]] = spec(None, check=all_positive)
-    anchor_number: Optional[int] = spec(None, check=positive)     # yaws x classes
-    num_class: Optional[int] = spec(None, check=positive)         # class logits per anchor
-    bev_range: Optional[Tuple[float, ...]] = spec(None, check=box_range)
-    bev_cell_size: Optional[Tuple[float, float]] = spec(None, check=all_positive)
-    bn_momentum: Optional[float] = None
     modalities: Dict[str, LateModalityArgs]
-
-    derived_from = HeterPyramidArgs.derived_from
 
 
 class LateDetector(nn.Module):

@@ -94,9 +94,10 @@ class ModalityArgs:
 
 
 @section
-class HeterPyramidArgs:
-    """``model.args`` of ``heter_pyramid_collab`` / ``heter_pyramid_single``; the first six
-    are derived from the data sections unless given (as the detectors')."""
+class HeterGridArgs:
+    """The keys that HEAL's heterogeneous models share (``heter_pyramid_*``, ``heter_model_late``):
+    the first six derived from the data sections unless given (as the detectors'), and each
+    LiDAR type's pillar grid (:meth:`derived_from`). Subclasses add ``modalities``."""
 
     lidar_range: Optional[Tuple[float, ...]] = spec(None, check=box_range)
     voxel_size: Optional[Tuple[float, float, float]] = spec(None, check=all_positive)
@@ -105,15 +106,8 @@ class HeterPyramidArgs:
     bev_range: Optional[Tuple[float, ...]] = spec(None, check=box_range)
     bev_cell_size: Optional[Tuple[float, float]] = spec(None, check=all_positive)
     bn_momentum: Optional[float] = None
-    modalities: Dict[str, ModalityArgs]
-    fusion_backbone: PyramidFusionArgs
-    shrink_header: Optional[ShrinkHeaderArgs] = None
 
-    def problems(self) -> Problems:
-        if not self.modalities:
-            yield "modalities", "needs at least one agent type ({m1: {sensor_type, ...}})"
-
-    def derived_from(self, config) -> "HeterPyramidArgs":
+    def derived_from(self, config):
         """Each LiDAR type's pillar grid left unset: its ``heter`` preprocess's, else the
         top-level ``preprocess`` (``config_schema.derive`` calls this)."""
         settings = config.heter.modality_setting if config.heter is not None else {}
@@ -127,6 +121,20 @@ class HeterPyramidArgs:
                     voxel_size=modality.voxel_size or pre.args.voxel_size)
             modalities[name] = modality
         return dataclasses.replace(self, modalities=FrozenDict(modalities))   # read-only
+
+
+@section
+class HeterPyramidArgs(HeterGridArgs):
+    """``model.args`` of ``heter_pyramid_collab`` / ``heter_pyramid_single``: the shared keys
+    (:class:`HeterGridArgs`), the agent types, the pyramid and its shrink header."""
+
+    modalities: Dict[str, ModalityArgs]
+    fusion_backbone: PyramidFusionArgs
+    shrink_header: Optional[ShrinkHeaderArgs] = None
+
+    def problems(self) -> Problems:
+        if not self.modalities:
+            yield "modalities", "needs at least one agent type ({m1: {sensor_type, ...}})"
 
 
 class ConvNeXtBlock(nn.Module):
@@ -173,7 +181,7 @@ class ModalityBranch(nn.Module):
     """One agent type's encoder -> backbone -> aligner (-> camera crop):
     encoder inputs of its M agents -> (M, C, H, W)."""
 
-    def __init__(self, name: str, args: ModalityArgs, model_args: HeterPyramidArgs):
+    def __init__(self, name: str, args: ModalityArgs, model_args: HeterGridArgs):
         super().__init__()
         self.name, self.sensor_type = name, args.sensor_type
         grid = bev_grid(model_args)
