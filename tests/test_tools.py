@@ -298,6 +298,30 @@ def test_bench_operators_per_step_by_phase(capsys):
     assert 1 <= fused <= 3
 
 
+def test_bench_keeps_the_frozen_parts_batchnorms_in_eval_as_the_trainer(monkeypatch, capsys):
+    """``train_params.fix_modules``: after building the parts and after each figure that
+    switches to eval (profile, eval inference), the bench's train mode is the trainer's
+    (opencood.engine.freeze.train_keeping_frozen), not a plain ``model.train()``."""
+    bench = load_tool("bench")
+    modes, record = {}, bench.ModelBench.record
+
+    def record_modes(self, figure, **values):      # the BatchNorms' modes as each figure ends
+        modes[figure] = {name: module.training for name, module in
+                         self.parts.model_without_ddp.named_modules()
+                         if isinstance(module, torch.nn.modules.batchnorm._BatchNorm)}
+        return record(self, figure, **values)
+
+    monkeypatch.setattr(bench.ModelBench, "record", record_modes)
+    bench.main(["--quick", "--device", "cpu", "--steps", "1", "--figures",
+                "pillarise,profile,eval_inference_per_frame",
+                "--set", "train_params.fix_modules=[backbone]"])
+    assert list(modes) == ["pillarise", "profile", "eval_inference_per_frame"]
+    for figure, training in modes.items():
+        frozen = [name for name in training if name.startswith("backbone.")]
+        assert frozen and len(frozen) < len(training), figure
+        assert training == {name: name not in frozen for name in training}, figure
+
+
 def test_bench_list_names_every_figure_and_measures_nothing(capsys):
     bench = load_tool("bench")
     assert bench.main(["--list"]) == []

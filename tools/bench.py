@@ -517,8 +517,15 @@ def training_parts(cfg: Dict, device: torch.device):
     torch.manual_seed(int(cfg["seed"]))
     configure_cuda(cfg["performance"])
     parts = build_training_parts(cfg, DistInfo(0, 1, 0, False, None, device))
-    parts.model_without_ddp.train()
+    train_mode(parts, cfg)
     return parts
+
+
+def train_mode(parts, cfg: Dict) -> None:
+    """The trainer's ``model.train()``: the ``train_params.fix_modules`` parts' BatchNorm layers
+    stay in eval (running statistics used, not updated), so timed steps run what training runs."""
+    from opencood.engine.freeze import train_keeping_frozen
+    train_keeping_frozen(parts.model, parts.model_without_ddp, cfg["train_params"]["fix_modules"])
 
 
 # -- figures on the model and the fake batch ---------------------------------------------------
@@ -572,7 +579,7 @@ def bench_profile(suite: Suite) -> List[Dict]:
     try:
         flops = count_flops(model, bench.preparer.model_inputs(bench.batch))
     finally:
-        model.train()
+        train_mode(bench.parts, bench.cfg)
     return [bench.record("profile", parameters=total, trainable_parameters=trainable,
                          forward_flops=flops, forward_gflops=round(flops / 1e9, 3),
                          train_step_tflops_approx=round(3 * flops / 1e12, 4),
@@ -818,7 +825,7 @@ def bench_eval_inference(suite: Suite) -> List[Dict]:
     try:
         times = bench.time(inference)
     finally:
-        model.train()
+        train_mode(bench.parts, bench.cfg)
     return [bench.record("eval_inference_per_frame", **summarise(times, bench.batch_size),
                          includes=["pillarise", "forward", "decode", "rotated_nms"],
                          detections_per_frame=round(counts[-1] / bench.batch_size, 1),
