@@ -1,6 +1,6 @@
-"""A run folder of OpenCOOD, HEAL, CoAlign or V2V4Real -> one of ours that ``tools/eval.py --model_dir``
+"""A run folder of OpenCOOD, HEAL, CoAlign, V2V4Real or V2X-Real -> one of ours that ``tools/eval.py --model_dir``
 evaluates (issue 24). Each codebase is a :class:`Codebase`: its config translation
-(``opencood_config``, ``heal``, ``coalign``, ``v2v4real``), its checkpoint choice (as its own
+(``opencood_config``, ``heal``, ``coalign``, ``v2v4real``, ``v2xreal``), its checkpoint choice (as its own
 ``load_saved_model`` picks) and its key rules (``opencood_ckpt``, ``heal``).
 
 OpenCOOD's ``train.py`` leaves ``config.yaml`` (``yaml.dump`` of its parsed hypes) and
@@ -39,6 +39,7 @@ from opencood.interop.opencood_ckpt import (InteropError, peer_state_to_ours, ru
                                             state_shapes)
 from opencood.interop.opencood_config import read_opencood_yaml, translate_config
 from opencood.interop.v2v4real import translate_v2v4real_config
+from opencood.interop.v2xreal import translate_v2xreal_config, v2xreal_notes, v2xreal_rules
 from opencood.utils.checkpoint import load_checkpoint, save_checkpoint
 
 EPOCH_FILE = re.compile(r"net_epoch(\d+)\.pth")
@@ -114,6 +115,10 @@ CODEBASES: Dict[str, Codebase] = {
                          _opencood_rules, lambda data: str(data["model"]["core_method"])),
     "heal": Codebase("heal", "HEAL", translate_heal_config, pick_heal_checkpoint, heal_rules,
                      _heal_model_name, heal_notes, heal_unused_keys),
+    # V2X-Real's load_saved_model is OpenCOOD's (latest.pth, else the highest net_epoch<N>)
+    "v2xreal": Codebase("v2xreal", "V2X-Real", translate_v2xreal_config,
+                        pick_opencood_checkpoint, v2xreal_rules,
+                        lambda data: str(data["model"]["core_method"]), v2xreal_notes),
     # CoAlign's train.py saves and its load_saved_model picks as HEAL's
     "coalign": Codebase("coalign", "CoAlign", translate_coalign_config, pick_heal_checkpoint,
                         coalign_rules, lambda data: str(data["model"]["core_method"]),
@@ -124,7 +129,7 @@ CODEBASES: Dict[str, Codebase] = {
 def translate_run(peer_dir, checkpoint: Optional[str] = None,
                   codebase: str = "opencood") -> Tuple[dict, dict, dict]:
     """(our resolved config, our state dict, provenance) for a run folder of ``codebase``
-    (opencood, heal, coalign, v2v4real); writes nothing. Raises an OpencoodError (one line) on anything
+    (opencood, heal, coalign, v2v4real, v2xreal); writes nothing. Raises an OpencoodError (one line) on anything
     it cannot translate. ``provenance["notes"]``: differences the import cannot remove.
 
     (The translation only writes registered model, fusion, loss and post-processor names, so

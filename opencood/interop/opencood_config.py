@@ -149,10 +149,10 @@ class _Peer:
                                      f"({why})")
 
 
-def _gt_range(lidar_range) -> list:
-    """OpenCOOD's test GT range cut to the LiDAR range."""
-    low = [max(a, b) for a, b in zip(OPENCOOD_GT_RANGE[:3], lidar_range[:3])]
-    high = [min(a, b) for a, b in zip(OPENCOOD_GT_RANGE[3:], lidar_range[3:])]
+def _gt_range(lidar_range, gt_range=OPENCOOD_GT_RANGE) -> list:
+    """A codebase's test GT range (OpenCOOD's by default) cut to the LiDAR range."""
+    low = [max(a, b) for a, b in zip(gt_range[:3], lidar_range[:3])]
+    high = [min(a, b) for a, b in zip(gt_range[3:], lidar_range[3:])]
     return [float(v) for v in low + high]
 
 
