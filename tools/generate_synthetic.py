@@ -1,12 +1,14 @@
 #!/usr/bin/env python
 """Generate the synthetic cooperative data set in OPV2V, V2V4Real or DAIR-V2X-C format.
 
-    python tools/generate_synthetic.py --out DIR [--preset tiny|small|opv2v|v2x_small|v2x]
+    python tools/generate_synthetic.py --out DIR [--preset tiny|small|opv2v|v2x_small|v2x|
+                                                 tiny_multiclass|small_multiclass]
                                        [--format opv2v|v2v4real|dairv2x]
                                        [--seed N] [--workers N] [--overwrite]
                                        [--frames N] [--scenarios TRAIN VALIDATE TEST]
                                        [--splits train validate test]
                                        [--cameras [--camera-size W H] [--depth]] [--heter]
+                                       [--multiclass]
 
 Writes DIR/{train,validate,test}/<scenario>/<cav_id>/<ts>.pcd|.yaml (opv2v; v2v4real: two CAVs,
 folders 0 and 1, numpy-tagged yaml; dairv2x: DIR/cooperative-vehicle-infrastructure/ with
@@ -22,12 +24,16 @@ LiDAR (docs/DESIGN.md §3). ``--heter`` writes HEAL's OPV2V-H extras: every agen
 16-beam LiDARs (``<ts>_32.pcd``, ``<ts>_16.pcd``) beside the preset's, and HEAL's modality
 assignments ``DIR/heter_modality_assign/opv2v_4modality.json`` (and ``_in_order``) for a
 ``heter`` config's ``assignment_path``; with ``--cameras --depth`` that is all of OPV2V-H.
+``--multiclass`` adds pedestrians and cyclists to any preset's world (the ``*_multiclass``
+presets have them): ``dairv2x`` labels them with their own ``type``; the vehicle-only formats
+(opv2v, v2v4real) leave them unlabelled in the clouds.
 """
 import argparse
 import dataclasses
 import sys
 
 from opencood.data.synthetic import PRESETS, format_summary, generate_dataset, get_preset
+from opencood.data.synthetic.presets import with_road_users
 from opencood.data.synthetic.camera import CameraConfig
 from opencood.data.synthetic.writer import FORMATS, SPLITS, OutputDirError
 
@@ -59,6 +65,9 @@ def parse_args(argv=None):
     parser.add_argument("--heter", action="store_true",
                         help="OPV2V-H's 32- and 16-beam LiDARs per agent and HEAL's modality "
                              "assignment json (opv2v format)")
+    parser.add_argument("--multiclass", action="store_true",
+                        help="add pedestrians and cyclists to the preset's world (labelled by "
+                             "the formats with classes: dairv2x)")
     return parser.parse_args(argv)
 
 
@@ -66,10 +75,14 @@ def parse_args(argv=None):
 HETERO_LIDARS = (32, 16)
 
 
-def sized_preset(name: str, frames=None, scenarios=None, cameras=None, heter: bool = False):
+def sized_preset(name: str, frames=None, scenarios=None, cameras=None, heter: bool = False,
+                 multiclass: bool = False):
     """The preset ``name`` with its frames per scenario and scenarios per split replaced and,
-    with ``cameras`` (a CameraConfig), cameras added; ``heter``: OPV2V-H's extra LiDARs."""
+    with ``cameras`` (a CameraConfig), cameras added; ``heter``: OPV2V-H's extra LiDARs;
+    ``multiclass``: pedestrians and cyclists (a preset that has them keeps its own)."""
     preset = get_preset(name)
+    if multiclass and preset.road_users is None:
+        preset = with_road_users(preset)
     if heter:
         preset = dataclasses.replace(preset, hetero_lidars=HETERO_LIDARS)
     if cameras is not None:
@@ -105,7 +118,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         preset = sized_preset(args.preset, args.frames, args.scenarios, camera_config(args),
-                              heter=args.heter)
+                              heter=args.heter, multiclass=args.multiclass)
         summary = generate_dataset(args.out, preset=preset, seed=args.seed,
                                    workers=args.workers, progress=not args.quiet,
                                    overwrite=args.overwrite, data_format=args.data_format,

@@ -18,6 +18,11 @@ At most 4 vehicle CAVs, so that the RSU, listed last, always fits in ``max_cav``
 not two: every V2XSet reader derived from OpenCOOD moves only the first negative-id folder behind
 the vehicles, so a second RSU would become their ego. ``v2x_small`` (seed 0): ~66 s of CPU,
 ~564 MB, 10.4% of the GT seen by the RSU alone (no vehicle CAV sees it).
+
+``tiny_multiclass`` and ``small_multiclass`` (``with_road_users``; any preset with
+``generate_synthetic.py --multiclass``) add pedestrians and cyclists to the same world: the
+formats with classes (DAIR-V2X-C, V2X-Real) label them, the vehicle-only ones (OPV2V, V2XSet,
+V2V4Real) leave them unlabelled, as objects in the clouds.
 """
 from __future__ import annotations
 
@@ -27,7 +32,7 @@ from dataclasses import dataclass
 from opencood.config_schema import DEFAULT_COMM_RANGE
 from opencood.data.synthetic.camera import CameraConfig
 from opencood.data.synthetic.lidar import LidarConfig
-from opencood.data.synthetic.world import RsuConfig, TownConfig
+from opencood.data.synthetic.world import RoadUserConfig, RsuConfig, TownConfig
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,8 @@ class Preset:
     # OPV2V-H's extra LiDARs, their beams (e.g. (32, 16): <ts>_32.pcd, <ts>_16.pcd), the
     # preset's LiDAR otherwise; with them the modality assignment json (None: OPV2V only)
     hetero_lidars: tuple | None = None
+    # pedestrians and cyclists (None: vehicles only, the default presets' world)
+    road_users: RoadUserConfig | None = None
 
 
 PRESETS = {
@@ -94,6 +101,25 @@ def with_rsu(base: Preset, name: str) -> Preset:
 
 PRESETS["v2x_small"] = with_rsu(PRESETS["small"], "v2x_small")
 PRESETS["v2x"] = with_rsu(PRESETS["opv2v"], "v2x")
+
+# Road users per moving vehicle of a multi-class world (``with_road_users``).
+PEDESTRIANS_PER_VEHICLE = 0.6
+CYCLISTS_PER_VEHICLE = 0.25
+
+
+def with_road_users(base: Preset, name: str | None = None) -> Preset:
+    """``base`` plus pedestrians and cyclists (``RoadUserConfig``), as many as
+    ``PEDESTRIANS_PER_VEHICLE`` / ``CYCLISTS_PER_VEHICLE`` times its moving vehicles; the
+    rest of its world is drawn as ``base`` draws it. ``name`` defaults to ``base``'s plus
+    ``_multiclass``."""
+    moving = base.town.moving_vehicles
+    users = RoadUserConfig(pedestrians=round(PEDESTRIANS_PER_VEHICLE * moving),
+                           cyclists=round(CYCLISTS_PER_VEHICLE * moving))
+    return dataclasses.replace(base, name=name or f"{base.name}_multiclass", road_users=users)
+
+
+PRESETS["tiny_multiclass"] = with_road_users(PRESETS["tiny"])
+PRESETS["small_multiclass"] = with_road_users(PRESETS["small"])
 
 
 def get_preset(name: str) -> Preset:

@@ -8,6 +8,12 @@ changes in two 45-degree steps instead of one 90-degree jump. Vehicles never ove
 one is checked against all earlier ones at every frame (separating-axis test on footprints).
 Roadside units (RSUs), when a scenario has them, are static LiDARs on poles at the corners of
 intersections, as in V2XSet; their ids are -1, -2, ... (negative ids mark infrastructure).
+
+Road users (opt-in, ``RoadUserConfig``): pedestrians walk along the sidewalks (a few cross the
+street at a crosswalk beside an intersection) and cyclists ride near the curb-side edge of the
+lane. They are Tracks like the vehicles (``kind`` "pedestrian" / "cyclist"), drawn after
+everything else, so the rest of a world is the same with or without them; ``OBJECT_CLASSES``
+names every kind in the labelled formats.
 """
 from __future__ import annotations
 
@@ -26,6 +32,31 @@ VEHICLE_KINDS = {
     "van": ((5.2, 5.8), (2.0, 2.2), (2.0, 2.3), 0.25),
     "truck": ((8.0, 10.0), (2.4, 2.6), (2.5, 2.75), 0.15),
 }
+# Road users: kind -> (length range, width range, height range), metres.
+ROAD_USER_KINDS = {
+    "pedestrian": ((0.5, 0.8), (0.5, 0.8), (1.6, 1.9)),
+    "cyclist": ((1.6, 1.9), (0.5, 0.8), (1.6, 1.9)),
+}
+
+
+@dataclass(frozen=True)
+class ObjectClass:
+    """What one world kind is called in the data set formats that label classes."""
+
+    vehicle: bool          # written by the vehicle-only formats (OPV2V, V2XSet, V2V4Real)
+    v2xreal: str           # V2X-Real's label name (its meta-classes group these names)
+    dairv2x: str           # DAIR-V2X-C's label ``type``
+
+
+# The one mapping from world kinds to class names: every writer reads its names here.
+OBJECT_CLASSES = {
+    "car": ObjectClass(vehicle=True, v2xreal="Car", dairv2x="Car"),
+    "van": ObjectClass(vehicle=True, v2xreal="Van", dairv2x="Van"),
+    "truck": ObjectClass(vehicle=True, v2xreal="Truck", dairv2x="Truck"),
+    "pedestrian": ObjectClass(vehicle=False, v2xreal="Pedestrian", dairv2x="Pedestrian"),
+    "cyclist": ObjectClass(vehicle=False, v2xreal="BicycleRider", dairv2x="Cyclist"),
+}
+VEHICLE_KIND_NAMES = tuple(kind for kind, names in OBJECT_CLASSES.items() if names.vehicle)
 CAV_SIZE = (4.6, 1.9, 1.5)            # l, w, h of every CAV (fits OPV2V's own-body box)
 LIDAR_MOUNT_X = -0.5                  # lidar sits 0.5 m behind the car centre, as in OPV2V
 LIDAR_HEIGHT = (1.85, 1.95)           # above the ground, drawn per CAV
@@ -89,6 +120,32 @@ class RsuConfig:
 
 
 @dataclass(frozen=True)
+class RoadUserConfig:
+    """Pedestrians and cyclists of a scenario (counts; lengths in metres, speeds km/h).
+
+    Pedestrians walk along a sidewalk, their centre ``sidewalk_clearance`` inside its edges;
+    ``crossing_share`` of them cross the street instead, on a crosswalk ``crosswalk_offset``
+    before the next intersection's corner (between it and the first parked vehicle). Cyclists
+    ride the street routes the traffic rides, ``cyclist_curb_gap`` inside the curb-side edge of
+    the lane. All start within ``radius`` of the focus intersection (None: the town's
+    ``traffic_radius``); ``margin`` grows their footprints in the overlap test (the vehicles'
+    0.4 m would not fit a walker between parked trucks and buildings).
+    """
+
+    pedestrians: int = 20
+    cyclists: int = 8
+    pedestrian_speed_kmh: tuple = (3.0, 6.0)
+    cyclist_speed_kmh: tuple = (12.0, 20.0)
+    crossing_share: float = 0.15
+    crosswalk_offset: float = 1.0
+    sidewalk_clearance: tuple = (0.9, 0.5)     # from the parking-lane side, from the building line
+    cyclist_curb_gap: float = 0.9
+    radius: float | None = None
+    margin: float = 0.2
+    attempts_per_user: int = 10
+
+
+@dataclass(frozen=True)
 class Building:
     """A box standing on the ground, turned by yaw_deg; ids are negative (below lidar.GROUND_ID)."""
 
@@ -113,7 +170,7 @@ class Vehicle:
     extent: tuple                          # half length, half width, half height
     speed_kmh: float = 0.0
     reflectivity: float = 0.5
-    kind: str = "car"
+    kind: str = "car"                      # a key of OBJECT_CLASSES
 
 
 @dataclass
@@ -316,7 +373,8 @@ def sample_kind(rng, kinds=VEHICLE_KINDS) -> str:
 
 
 def sample_extent(kind, rng) -> tuple:
-    length, width, height = (rng.uniform(*r) for r in VEHICLE_KINDS[kind][:3])
+    sizes = VEHICLE_KINDS[kind] if kind in VEHICLE_KINDS else ROAD_USER_KINDS[kind]
+    length, width, height = (rng.uniform(*r) for r in sizes[:3])
     return (float(length / 2), float(width / 2), float(height / 2))
 
 
@@ -363,8 +421,8 @@ class TrackSet:
         self._poses = np.zeros((frames, 0, 3))
         self._extents = np.zeros((0, 3))
 
-    def try_add(self, track: Track) -> bool:
-        if footprints_overlap(track.poses, track.extent, self._poses, self._extents):
+    def try_add(self, track: Track, margin: float = 0.4) -> bool:
+        if footprints_overlap(track.poses, track.extent, self._poses, self._extents, margin):
             return False
         self.add(track)
         return True
@@ -416,22 +474,32 @@ def place_parked(grid, town: TownConfig, frames, rng, next_id) -> list:
     return tracks
 
 
-def sample_moving_track(grid, town, frames, dt, center, radius, rng, kind=None,
-                        extent=None) -> Track:
-    """A vehicle driving a random route from a street segment whose middle lies within
-    ``radius`` of ``center`` (actor id 0: set by the caller)."""
+def _segment_near(grid, center, radius, rng) -> tuple:
+    """(start node, direction, length) of a random street segment whose middle lies within
+    ``radius`` of ``center`` (any segment when none does)."""
     segments = street_segments(grid)
     middles = np.array([(grid.node(*n) + grid.node(n[0] + d[0], n[1] + d[1])) / 2
                         for n, d in segments])
     near = np.flatnonzero(np.linalg.norm(middles - center, axis=1) <= radius)
     pool = near if len(near) else np.arange(len(segments))
     node, direction = segments[pool[rng.integers(len(pool))]]
-    lane = rng.integers(town.lanes_per_direction)
-    lane_offset = (lane + 0.5) * town.lane_width
     seg_len = float(np.linalg.norm(grid.node(node[0] + direction[0], node[1] + direction[1])
                                    - grid.node(*node)))
+    return node, direction, seg_len
+
+
+def sample_moving_track(grid, town, frames, dt, center, radius, rng, kind=None,
+                        extent=None, lane_offset=None, speed_kmh_range=None) -> Track:
+    """A vehicle driving a random route from a street segment whose middle lies within
+    ``radius`` of ``center`` (actor id 0: set by the caller). ``lane_offset`` (m right of the
+    centre line; default: the centre of a random lane) and ``speed_kmh_range`` (default the
+    town's) let a cyclist ride the same routes."""
+    node, direction, seg_len = _segment_near(grid, center, radius, rng)
+    if lane_offset is None:
+        lane = rng.integers(town.lanes_per_direction)
+        lane_offset = (lane + 0.5) * town.lane_width
     start_arc = rng.uniform(town.half_street, seg_len - town.half_street)
-    speed_kmh = float(rng.uniform(*town.speed_kmh))
+    speed_kmh = float(rng.uniform(*(speed_kmh_range or town.speed_kmh)))
     duration = (frames - 1) * dt + 3.0     # margin for plan_trajectory's look-ahead
     route = random_route(grid, node, direction, lane_offset,
                          start_arc + speed_kmh * _ONE_KMH * duration + 1.0, rng)
@@ -440,6 +508,64 @@ def sample_moving_track(grid, town, frames, dt, center, radius, rng, kind=None,
     arcs = start_arc + speed_kmh * _ONE_KMH * dt * np.arange(frames)
     return Track(0, kind, extent, float(rng.uniform(0.35, 0.85)), speed_kmh,
                  route.pose_at(arcs), route, float(start_arc))
+
+
+def sample_pedestrian_track(grid, town, users: RoadUserConfig, frames, dt, center, radius,
+                            rng) -> Track:
+    """A pedestrian walking in a straight line at constant speed (actor id 0: set by the
+    caller): along the sidewalk right of a street segment near ``center``, between the two
+    intersections' building lines, or (``users.crossing_share`` of them) across the street on
+    the crosswalk just before the segment's far intersection, from the right sidewalk to the
+    left one; a crossing pedestrian may start anywhere on it."""
+    node, direction, seg_len = _segment_near(grid, center, radius, rng)
+    start_node = grid.node(*node)
+    along, right = np.asarray(direction, dtype=np.float64), _right_of(direction)
+    speed_kmh = float(rng.uniform(*users.pedestrian_speed_kmh))
+    walked = speed_kmh * _ONE_KMH * dt * max(frames - 1, 0)
+    sidewalk_inner = town.lanes_per_direction * town.lane_width + town.parking_width
+    if rng.random() < users.crossing_share:
+        crossing_at = seg_len - town.half_street - users.crosswalk_offset
+        middle_of_sidewalk = sidewalk_inner + town.sidewalk_width / 2
+        start = start_node + along * crossing_at + right * middle_of_sidewalk
+        end = start_node + along * crossing_at - right * middle_of_sidewalk
+    else:
+        inner, outer = users.sidewalk_clearance
+        offset = rng.uniform(sidewalk_inner + inner, town.half_street - outer)
+        start = start_node + along * town.half_street + right * offset
+        end = start_node + along * (seg_len - town.half_street) + right * offset
+    route = Route(np.stack([start, end]))
+    start_arc = float(rng.uniform(0.0, max(route.cumulative[-1] - walked, 0.0)))
+    extent = sample_extent("pedestrian", rng)
+    arcs = start_arc + speed_kmh * _ONE_KMH * dt * np.arange(frames)
+    return Track(0, "pedestrian", extent, float(rng.uniform(0.2, 0.5)), speed_kmh,
+                 route.pose_at(arcs), route, start_arc)
+
+
+def place_road_users(grid, town, users: RoadUserConfig, frames, dt, focus, track_set,
+                     rng) -> list:
+    """Pedestrians, then cyclists, each added to ``track_set`` when it overlaps no earlier
+    track at any frame (footprints grown by ``users.margin``); at most
+    ``users.attempts_per_user`` draws per wanted one. Returns the added tracks (actor id 0)."""
+    radius = town.traffic_radius if users.radius is None else users.radius
+    curb_side = town.lanes_per_direction * town.lane_width - users.cyclist_curb_gap
+    samplers = (
+        (users.pedestrians, lambda: sample_pedestrian_track(grid, town, users, frames, dt,
+                                                            focus, radius, rng)),
+        (users.cyclists, lambda: sample_moving_track(
+            grid, town, frames, dt, focus, radius, rng, kind="cyclist", lane_offset=curb_side,
+            speed_kmh_range=users.cyclist_speed_kmh)),
+    )
+    added = []
+    for wanted, sample in samplers:
+        placed = 0
+        for _ in range(wanted * users.attempts_per_user):
+            if placed == wanted:
+                break
+            track = sample()
+            if track_set.try_add(track, margin=users.margin):
+                added.append(track)
+                placed += 1
+    return added
 
 
 @dataclass
@@ -548,9 +674,10 @@ def place_rsus(grid, town: TownConfig, rsu: RsuConfig, focus, frames, rng) -> di
 
 
 def build_world(town: TownConfig, frames: int, dt: float, rng: np.random.Generator,
-                rsu: RsuConfig | None = None) -> World:
+                rsu: RsuConfig | None = None, road_users: RoadUserConfig | None = None) -> World:
     """A whole scenario from ``rng``: grid, buildings, parked cars, CAVs, moving traffic and,
-    with ``rsu``, roadside units (drawn last, so the rest is the same with or without them)."""
+    with ``rsu``, roadside units, then with ``road_users`` pedestrians and cyclists (each drawn
+    after the rest, so the rest is the same with or without them)."""
     grid = make_grid(town, rng)
     buildings = place_buildings(grid, town, rng)
     id_pool = iter(rng.permutation(np.arange(1000, 10000)).tolist())   # 4-digit actor ids
@@ -573,5 +700,8 @@ def build_world(town: TownConfig, frames: int, dt: float, rng: np.random.Generat
             added += 1
     lidar_poses = {t.actor_id: _lidar_poses(t, rng) for t in cavs}
     rsu_poses = place_rsus(grid, town, rsu, focus, frames, rng) if rsu is not None else {}
+    if road_users is not None:
+        for track in place_road_users(grid, town, road_users, frames, dt, focus, track_set, rng):
+            track.actor_id = next(id_pool)
     return World(grid, buildings, track_set.tracks, [t.actor_id for t in cavs],
                  {**lidar_poses, **rsu_poses}, frames, dt, rsu_ids=list(rsu_poses))

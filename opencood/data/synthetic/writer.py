@@ -33,10 +33,12 @@ from opencood.data.synthetic.camera import (CameraConfig, camera_entry, depth_pn
                                             rsu_camera_cords, vehicle_camera_cords)
 from opencood.data.synthetic.lidar import cast_lidar
 from opencood.data.synthetic.presets import Preset, get_preset
-from opencood.data.synthetic.world import LIDAR_MOUNT_X, World, build_world
+from opencood.data.synthetic.world import (LIDAR_MOUNT_X, OBJECT_CLASSES, VEHICLE_KIND_NAMES,
+                                           World, build_world)
 from opencood.errors import OpencoodError
 
 SPLITS = ("train", "validate", "test")
+ALL_KINDS = tuple(OBJECT_CLASSES)         # what the formats with classes label
 FIRST_TIMESTAMP = (30, 120)               # first frame number drawn in this range (x 2)
 PLAN_HORIZONS_S = (0.5, 1.0, 1.5, 2.0, 2.5)
 POSE_NOISE_STD = (0.05, 0.05, 0.0, 0.0, 0.2, 0.0)   # predicted_ego_pos: localisation error
@@ -104,17 +106,19 @@ def vehicle_entry(vehicle) -> dict:
             "speed": round(float(vehicle.speed_kmh), 4)}
 
 
-def visible_vehicles(hit_ids, vehicles, cav_ids) -> dict:
-    """``vehicles`` entry of one CAV's frame: every non-CAV vehicle hit by at least one point.
+def visible_vehicles(hit_ids, vehicles, cav_ids, kinds=VEHICLE_KIND_NAMES) -> dict:
+    """``vehicles`` entry of one CAV's frame: every non-CAV object of one of ``kinds`` hit by
+    at least one point.
 
     hit_ids (N,): object id per point of the CAV's cloud; vehicles: world Vehicles of the frame;
-    cav_ids: ids of all CAVs of the scenario (never listed, docs/DESIGN.md §2).
-    Returns {actor_id (int): entry}, sorted by id.
+    cav_ids: ids of all CAVs of the scenario (never listed, docs/DESIGN.md §2); kinds: the
+    world kinds listed (default the vehicles: OPV2V's ``vehicles``; a format with classes
+    passes ``ALL_KINDS``). Returns {actor_id (int): entry}, sorted by id.
     """
     hit = set(np.unique(np.asarray(hit_ids)).tolist())
     excluded = {int(c) for c in cav_ids}
     return {int(v.actor_id): vehicle_entry(v) for v in sorted(vehicles, key=lambda v: v.actor_id)
-            if v.actor_id in hit and v.actor_id not in excluded}
+            if v.actor_id in hit and v.actor_id not in excluded and v.kind in kinds}
 
 
 def frame_params(world: World, cav_id: int, frame: int, vehicles: dict, rng) -> dict:
@@ -146,8 +150,10 @@ def rsu_frame_params(world: World, rsu_id: int, frame: int, vehicles: dict) -> d
             "vehicles": vehicles}
 
 
-def scan_agent(world: World, agent_id: int, frame: int, scene, preset: Preset, rng):
-    """One agent's sweep at one frame: (points_lidar (N, 4), yaml mapping).
+def scan_agent(world: World, agent_id: int, frame: int, scene, preset: Preset, rng,
+               kinds=VEHICLE_KIND_NAMES):
+    """One agent's sweep at one frame: (points_lidar (N, 4), yaml mapping), whose ``vehicles``
+    lists the objects of ``kinds`` it hits.
 
     A vehicle CAV's rays pass through its own body; an RSU has none. In a data set with RSUs
     the vehicles are marked ``RSU: false``, as the V2XSet dumper marks them.
@@ -156,7 +162,7 @@ def scan_agent(world: World, agent_id: int, frame: int, scene, preset: Preset, r
     lidar_cfg = preset.rsu.lidar if is_rsu else preset.lidar
     points_lidar, hit_ids = cast_lidar(scene, world.lidar_poses[agent_id][frame], lidar_cfg, rng,
                                        exclude_ids=() if is_rsu else [agent_id])
-    vehicles = visible_vehicles(hit_ids, scene.vehicles, world.cav_ids)
+    vehicles = visible_vehicles(hit_ids, scene.vehicles, world.cav_ids, kinds)
     if is_rsu:
         return points_lidar, rsu_frame_params(world, agent_id, frame, vehicles)
     params = frame_params(world, agent_id, frame, vehicles, rng)
@@ -205,6 +211,7 @@ def camera_visibility_map(scene, images, lidar_pose) -> np.ndarray:
     cameras (the z-buffer's nearest surface: unoccluded), in its frame of ``lidar_pose`` (as
     written)."""
     seen = set()
+    vehicle_ids = {v.actor_id for v in scene.vehicles if v.kind in VEHICLE_KIND_NAMES}
     for image in images:
         if not len(image.face_ids):
             continue
@@ -214,7 +221,7 @@ def camera_visibility_map(scene, images, lidar_pose) -> np.ndarray:
         for object_id, pixels in zip(image.face_ids.tolist(), pixels_per_face.tolist()):
             per_object[object_id] = per_object.get(object_id, 0) + pixels
         seen.update(i for i, pixels in per_object.items()
-                    if i >= 0 and pixels >= MIN_VISIBLE_PIXELS)      # vehicles: ids >= 0
+                    if i in vehicle_ids and pixels >= MIN_VISIBLE_PIXELS)
     entries = {v.actor_id: vehicle_entry(v) for v in scene.vehicles if v.actor_id in seen}
     _, boxes = vehicles_to_boxes(entries, lidar_pose, UNBOUNDED)
     return visibility_map(boxes)
@@ -256,9 +263,10 @@ def _write_png(path: Path, pixels: np.ndarray):
 # Statistics of one sample, with the reader's own GT rules
 
 def sample_visibility(world: World, frame: int, visible: dict, lidar_poses: dict,
-                      preset: Preset) -> dict:
+                      preset: Preset, kinds=VEHICLE_KIND_NAMES) -> dict:
     """Counts for one (scenario, frame) sample, ego = world.cav_ids[0]; ``lidar_poses``:
-    {agent_id: pose as written to the yaml}, so the counts are what a reader of the files gets.
+    {agent_id: pose as written to the yaml}, so the counts are what a reader of the files gets;
+    ``kinds``: the world kinds the format labels (``visible`` lists only those).
 
     gt: vehicles in the ego's eval range seen by some agent within com_range (the sample's GT);
     invisible: those of them the ego has no return from; rsu_only: those no vehicle CAV sees
@@ -274,7 +282,7 @@ def sample_visibility(world: World, frame: int, visible: dict, lidar_poses: dict
     gt = set().union(*seen.values())
     seen_by_vehicles = set().union(*(ids for a, ids in seen.items() if a not in world.rsu_ids))
     everyone = {int(t.actor_id): vehicle_entry(t.vehicle_at(frame)) for t in world.tracks
-                if t.actor_id not in world.cav_ids}
+                if t.actor_id not in world.cav_ids and t.kind in kinds}
     in_range = set(vehicles_to_boxes(everyone, ego_pose, preset.eval_range)[0].tolist())
     return {"gt": len(gt), "invisible": len(gt - set(visible[ego_id])),
             "rsu_only": len(gt - seen_by_vehicles), "in_range": len(in_range),
@@ -289,13 +297,15 @@ def rebuild_world(preset: Preset, seed: int, split: str, index: int) -> World:
     (tests use it to check the files against the full scene)."""
     world_seq = scenario_seed(seed, split, index).spawn(3)[0]
     return build_world(preset.town, preset.frames, preset.frame_dt,
-                       np.random.default_rng(world_seq), rsu=preset.rsu)
+                       np.random.default_rng(world_seq), rsu=preset.rsu,
+                       road_users=preset.road_users)
 
 
-def scan_frames(preset: Preset, seed: int, split: str, index: int):
+def scan_frames(preset: Preset, seed: int, split: str, index: int, kinds=VEHICLE_KIND_NAMES):
     """Yield ``(world, frame, scans)`` for each frame of a scenario, ``scans`` = {agent_id:
-    (points (N, 4) in its lidar frame, {actor_id: OPV2V world-frame entry} it hits)}: the same
-    draws whatever format the scenario is then written in (tests rebuild them with this)."""
+    (points (N, 4) in its lidar frame, {actor_id: OPV2V world-frame entry} of the objects of
+    ``kinds`` it hits; ``world.track(actor_id).kind`` is each one's kind)}: the same draws
+    whatever format the scenario is then written in (tests rebuild them with this)."""
     _, lidar_seq, _ = scenario_seed(seed, split, index).spawn(3)
     world = rebuild_world(preset, seed, split, index)
     lidar_rng = np.random.default_rng(lidar_seq)
@@ -303,7 +313,7 @@ def scan_frames(preset: Preset, seed: int, split: str, index: int):
         scene = world.scene_at(frame)
         scans = {}
         for agent_id in world.agent_ids:
-            points, params = scan_agent(world, agent_id, frame, scene, preset, lidar_rng)
+            points, params = scan_agent(world, agent_id, frame, scene, preset, lidar_rng, kinds)
             scans[agent_id] = (points, params["vehicles"])
         yield world, frame, scans
 

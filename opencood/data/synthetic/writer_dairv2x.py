@@ -12,8 +12,10 @@ RSU: a LiDAR 4-5 m up on a pole, looking down), written under
   ground and cars fall in the z range of the vehicle's configs; its ``virtuallidar_to_world``
   is written with the translation minus the pair's ``system_error_offset`` (non-zero, drawn per
   scenario), which a reader adds back;
-* ``cooperative/label_world``: world 8-corner boxes (DAIR's corner order) of every vehicle either
-  agent's LiDAR hits (CoAlign's complemented labels); ``label_world_backup``: the original kind,
+* ``cooperative/label_world``: world 8-corner boxes (DAIR's corner order) of every object either
+  agent's LiDAR hits (CoAlign's complemented labels), each with its own ``type`` (the world
+  kind's ``OBJECT_CLASSES`` name: Car, Van, Truck and, in multi-class worlds, Pedestrian and
+  Cyclist; readers keep the vehicle types); ``label_world_backup``: the original kind,
   only those in front of the vehicle (x > 0 in its lidar frame, where DAIR's camera looks);
 * single-side labels, as DAIR ships them (HEAL's reader opens them for every pair; HEAL's
   DAIR GT is made of them): ``vehicle-side/label/lidar`` (what the vehicle's LiDAR hits, in its
@@ -51,9 +53,9 @@ from opencood.data.synthetic.camera import (UE4_FROM_OPENCV, CameraConfig, intri
                                             render_camera, rsu_camera_cords,
                                             vehicle_camera_cords)
 from opencood.data.synthetic.presets import RSU_FOV_DEG, Preset
-from opencood.data.synthetic.world import LIDAR_MOUNT_X, RsuConfig
-from opencood.data.synthetic.writer import (OutputDirError, sample_visibility, scan_frames,
-                                            scenario_seed)
+from opencood.data.synthetic.world import LIDAR_MOUNT_X, OBJECT_CLASSES, RsuConfig
+from opencood.data.synthetic.writer import (ALL_KINDS, OutputDirError, sample_visibility,
+                                            scan_frames, scenario_seed)
 from opencood.ops.transforms import pose_to_matrix
 
 ROOT_NAME = "cooperative-vehicle-infrastructure"
@@ -63,7 +65,6 @@ WORLD_ORIGIN = np.array([456_000.0, 4_403_000.0, 20.0])     # metres added to th
 LIDAR_TO_NOVATEL = pose_to_matrix([0.92, -0.04, 1.35, 0.3, 1.2, -0.4])
 MAX_FRAMES = 1000                                            # frame ids step by scenario * 1000
 OFFSET_RANGE = (-1.5, 1.5)                                   # metres, system_error_offset
-KIND_TO_TYPE = {"car": "Car", "van": "Van", "truck": "Truck", "bus": "Bus"}
 VIRTUAL_LIDAR_HEIGHT = 1.9                                   # metres above the ground
 # A single-side label's own error, standard deviations: centre x, y, z (m), sizes (relative),
 # yaw (rad); and the chance that a side left a box it saw unlabelled.
@@ -131,7 +132,7 @@ def dair_corners(entry: dict) -> np.ndarray:
 def label(entry: dict, kind: str) -> dict:
     corners = dair_corners(entry)
     half_l, half_w, half_h = entry["extent"]
-    return {"type": KIND_TO_TYPE.get(kind, "Car"), "occluded_state": 0, "truncated_state": 0,
+    return {"type": OBJECT_CLASSES[kind].dairv2x, "occluded_state": 0, "truncated_state": 0,
             "3d_dimensions": {"h": 2 * half_h, "w": 2 * half_w, "l": 2 * half_l},
             "3d_location": dict(zip("xyz", corners.mean(axis=0).tolist())),
             "rotation": float(np.radians(entry["angle"][1])),
@@ -147,7 +148,7 @@ def side_label(entry: dict, kind: str, world_to_lidar: np.ndarray, error=None) -
     half_l, half_w, half_h = entry["extent"]
     forward = corners[0] - corners[3]                   # +l/2 minus -l/2 along the box's x
     h, w, length = 2 * np.array([half_h, half_w, half_l]) * (1.0 + error[3:6])
-    return {"type": KIND_TO_TYPE.get(kind, "Car"), "occluded_state": 0, "truncated_state": 0,
+    return {"type": OBJECT_CLASSES[kind].dairv2x, "occluded_state": 0, "truncated_state": 0,
             "alpha": 0.0, "3d_dimensions": {"h": float(h), "w": float(w), "l": float(length)},
             "3d_location": dict(zip("xyz", (corners.mean(axis=0) + error[:3]).tolist())),
             "rotation": float(np.arctan2(forward[1], forward[0]) + error[6])}
@@ -293,7 +294,7 @@ def generate_scenario(out_dir, preset: Preset, seed: int, split: str, index: int
     stats = {"split": split, "name": batch, "cavs": 1, "rsus": 1, "frames": preset.frames,
              "points": 0, "gt": 0, "invisible": 0, "rsu_only": 0, "in_range": 0, "unseen": 0,
              "pairs": [], "vehicle_infos": [], "infrastructure_infos": [], "vehicle_ids": []}
-    for world, frame, scans in scan_frames(preset, seed, split, index):
+    for world, frame, scans in scan_frames(preset, seed, split, index, kinds=ALL_KINDS):
         ids = frame_ids(global_index, frame)
         stats["pairs"].append(write_pair(root, world, frame, scans, ids, offset, label_rng))
         timestamp = 1_626_000_000_000_000 + 100_000 * (1000 * global_index + frame)   # us
@@ -312,7 +313,8 @@ def generate_scenario(out_dir, preset: Preset, seed: int, split: str, index: int
         stats["points"] += sum(len(points) for points, _ in scans.values())
         visible = {agent: found for agent, (_, found) in scans.items()}
         poses = {agent: list(world.lidar_poses[agent][frame]) for agent in world.agent_ids}
-        for key, count in sample_visibility(world, frame, visible, poses, preset).items():
+        for key, count in sample_visibility(world, frame, visible, poses, preset,
+                                            kinds=ALL_KINDS).items():
             stats[key] += count
     return stats
 
