@@ -9,6 +9,9 @@ strictly as tools/eval.py loads it, must give HEAL's outputs on the fixture's in
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -107,6 +110,51 @@ def import_and_load(tmp_path, case: dict, core: str):
     return cfg, model.eval(), checkpoint
 
 
+# HEAL's README order for heal_tools.py merge_final: the aligned types, then the base
+MERGE_ORDER = ("m2_alignto_m1", "m3_alignto_m1", "m1_base")
+MERGE_FIXTURE = Path(__file__).parent / "fixtures" / "peer_runs" / "heal_merge_final.json"
+
+
+def type_of(key: str) -> str:
+    """The agent type a HEAL key belongs to (``m2`` of ``aligner_m2.``...), '' when shared."""
+    head = key.split(".")[0]
+    return head.rsplit("_", 1)[1] if head.rsplit("_", 1)[-1][1:].isdigit() else ""
+
+
+def write_merge_runs(root, collab_case: dict) -> dict:
+    """HEAL's folders before ``merge_final`` (its README's step 3), split from the collab
+    fixture's weights: ``m1_base`` (stage one) holds m1 and the shared fusion and heads as
+    ``net_epoch_bestval_at5.pth``; each ``m<k>_alignto_m1`` holds that file linked as
+    ``net_epoch1.pth`` (HEAL's stage-two start) and, as ``net_epoch_bestval_at3.pth``, its type's
+    parts with the shared ones moved (+k: only the base's may survive the merge) and, in m2's,
+    a late model's own head (``cls_head_m2``, which HEAL's merge drops). ``final_infer`` holds
+    the collab config. Returns {name: folder}: merging them gives the fixture's state dict."""
+    root = Path(root)
+    state = materialize(collab_case["state_dict"])
+    folders = {name: root / name for name in MERGE_ORDER + ("final_infer",)}
+    for folder in folders.values():
+        folder.mkdir(parents=True)
+    base = {k: v for k, v in state.items() if type_of(k) in ("", "m1")}
+    torch.save(base, folders["m1_base"] / "net_epoch_bestval_at5.pth")
+    for shift, name in enumerate(("m2", "m3"), start=2):
+        aligned = {k: (v + shift if type_of(k) == "" else v) for k, v in state.items()
+                   if type_of(k) in ("", name)}
+        if name == "m2":
+            aligned["cls_head_m2.weight"] = torch.ones(2, 8, 1, 1)
+        folder = folders[f"{name}_alignto_m1"]
+        torch.save(aligned, folder / "net_epoch_bestval_at3.pth")
+        (folder / "net_epoch1.pth").symlink_to(folders["m1_base"] / "net_epoch_bestval_at5.pth")
+    (folders["final_infer"] / "config.yaml").write_text(
+        yaml.safe_dump(heal_hypes(collab_case["heal_args"], "heter_pyramid_collab")))
+    return folders
+
+
+def tensor_digest(tensor: torch.Tensor) -> str:
+    """What the merge fixture keeps of a tensor: dtype, shape and a hash of its bytes."""
+    data = tensor.detach().contiguous().cpu().numpy().tobytes()
+    return f"{tensor.dtype} {list(tensor.shape)} {hashlib.sha256(data).hexdigest()[:16]}"
+
+
 def single_agent_batch(case: dict) -> dict:
     modalities = [batch["modality"] for batch in case["batches"]]
     return {"record_len": torch.ones(len(modalities), dtype=torch.long),
@@ -172,6 +220,72 @@ def test_a_tampered_key_is_refused_in_one_line(fixture, tmp_path):
     out = tmp_path / "ours"
     with pytest.raises(SystemExit):
         load_tool("import_checkpoint").main(["--from", "heal", str(peer), "--out", str(out)])
+    assert not out.exists()
+
+
+def collab_outputs_differences(model, case: dict) -> dict:
+    """Our model's outputs vs HEAL's collab outputs on the fixture's mixed batch."""
+    batch = {"record_len": case["record_len"],
+             "transforms_to_ego": case["transforms_to_ego"].float(),
+             "points_in_agent_frame": True, "agent_modality": case["agent_modality_list"],
+             **modality_groups(case["inputs"])}
+    with torch.no_grad():
+        return differences(model(batch), case["outputs"]["eval"])
+
+
+def test_merge_final_gives_heal_s_merged_state_and_its_outputs(fixture, tmp_path):
+    """``--from heal FINAL --merge m2_alignto_m1 m3_alignto_m1 m1_base`` (HEAL's README order):
+    the merged state is the one HEAL's own merge_final wrote for these folders (every key,
+    dtype, shape and bytes: the base's shared parts win, m2's late head is dropped, each run's
+    bestval file is taken over the linked net_epoch1.pth), and the imported run gives HEAL's
+    collab outputs."""
+    from opencood.interop.heal_merge import merged_heal_state
+    case = fixture["collab"]
+    folders = write_merge_runs(tmp_path / "heal", case)
+    runs = [str(folders[name]) for name in MERGE_ORDER]
+    state, origin = merged_heal_state(runs)
+    heal_merged = json.loads(MERGE_FIXTURE.read_text())
+    assert heal_merged["merge_order"] == list(MERGE_ORDER)
+    ours = {key: tensor_digest(value) for key, value in state.items()}
+    assert sorted(ours) == sorted(heal_merged["keys"])
+    assert [key for key in ours if ours[key] != heal_merged["keys"][key]] == []
+    assert origin["pyramid_backbone.single_head_0.weight"].endswith(
+        "m1_base/net_epoch_bestval_at5.pth")
+    out = tmp_path / "ours"
+    load_tool("import_checkpoint").main(["--from", "heal", str(folders["final_infer"]),
+                                         "--merge", *runs, "--out", str(out)])
+    model = build_model(load_config(out / "config.yaml")["model"])
+    checkpoint = torch.load(out / "last.pth", weights_only=True)
+    model.load_state_dict(checkpoint["model"], strict=True)
+    assert checkpoint["epoch"] == 1          # HEAL's merged file is net_epoch1.pth
+    assert checkpoint["imported_from"]["checkpoint"].startswith("merge_final of ")
+    diffs = collab_outputs_differences(model.eval(), case)
+    assert len(diffs) >= 4 and max(diffs.values()) <= TOLERANCE, diffs
+
+
+def test_a_tampered_or_missing_merged_key_is_refused_in_one_line(fixture, tmp_path):
+    """A renamed tensor in an aligned run stops the merge naming the key and that run's
+    checkpoint; leaving the base out names the keys no run holds; each on one line, and no
+    run folder is written."""
+    folders = write_merge_runs(tmp_path / "heal", fixture["collab"])
+    runs = [str(folders[name]) for name in MERGE_ORDER]
+    final = folders["final_infer"]
+    with pytest.raises(InteropError, match=r"are in none of the merged checkpoints.*encoder_m1"):
+        translate_run(final, None, "heal", merge=runs[:2])
+    aligned = folders["m3_alignto_m1"] / "net_epoch_bestval_at3.pth"
+    state = torch.load(aligned, weights_only=True)
+    state["aligner_m3.channel_align.model.0.gammma"] = state.pop(
+        "aligner_m3.channel_align.model.0.gamma")
+    torch.save(state, aligned)
+    with pytest.raises(InteropError) as error:
+        translate_run(final, None, "heal", merge=runs)
+    message = str(error.value)
+    assert message.startswith(str(aligned)) and "\n" not in message
+    assert "aligner_m3.channel_align.model.0.gammma has no place" in message
+    out = tmp_path / "ours"
+    with pytest.raises(SystemExit):
+        load_tool("import_checkpoint").main(["--from", "heal", str(final), "--merge", *runs,
+                                             "--out", str(out)])
     assert not out.exists()
 
 

@@ -16,7 +16,10 @@ highest ``net_epoch<N>.pth`` is taken; its V2VNet is refused). ``--from heal``: 
 v2vnet (``net_epoch_bestval_at<N>.pth`` preferred, as HEAL's loader does); see
 ``opencood/interop/heal.py`` and ``v2v4real.py`` for what is refused and why; HEAL's
 heterogeneous runs (``heter_pyramid_collab``, ``heter_pyramid_single``, ``heter_model_late``)
-import with their ``heter`` section (``opencood/interop/heal_heter_run.py``). ``--from
+import with their ``heter`` section (``opencood/interop/heal_heter_run.py``); ``--merge
+RUN ...`` assembles the final collaboration checkpoint from HEAL's stage-one and aligned runs as
+its ``heal_tools.py merge_final`` does (``opencood/interop/heal_merge.py``), PEER_RUN_DIR giving
+the final ``config.yaml``. ``--from
 coalign``: CoAlign's fusion network (``point_pillar_baseline_multiscale``, ``fusion_method:
 att``; checkpoints picked as HEAL's), imported own-frame with the ResNet backbone
 (``opencood/interop/coalign.py``).
@@ -47,12 +50,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out", required=True, help="our run folder to create (must not exist)")
     parser.add_argument("--checkpoint", help="checkpoint file (default: as the codebase's own "
                                              "loader picks it)")
+    parser.add_argument("--merge", nargs="+", metavar="RUN",
+                        help="HEAL: the run folders its heal_tools.py merge_final assembles "
+                             "(aligned types first, the base last); their merged weights "
+                             "replace PEER_RUN_DIR's checkpoint, PEER_RUN_DIR gives the config")
     return parser.parse_args(argv)
 
 
 def run(args: argparse.Namespace):
     start = time.perf_counter()
-    out, notes = import_run(args.peer_run_dir, args.out, args.checkpoint, args.codebase)
+    out, notes = import_run(args.peer_run_dir, args.out, args.checkpoint, args.codebase,
+                            args.merge)
     for note in notes:
         print(f"note: {note}")
     print(f"imported {args.peer_run_dir} ({args.codebase}) -> {out} in "

@@ -28,6 +28,7 @@ used, only the loss input is not required), noted on import.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import List, Mapping, Tuple
 
 import torch
@@ -46,6 +47,14 @@ DEPTH_NOTE = ("imported with the lss encoder's depth_supervision: false (HEAL tr
               "runs with a depth loss on depth images; the depth head is kept, only the loss is "
               "off): to fine-tune with it set it true, input_source: [camera, depth] and "
               "loss.args.depth: {weight: 1.0} (docs/cameras.md)")
+# EfficientNet-b0's classifier after its last stage (efficientnet_pytorch's names), in HEAL's
+# state dict but never run: key -> (shape, fill as freshly initialised)
+EFFICIENTNET_CLASSIFIER = OrderedDict([
+    ("_conv_head.weight", ((1280, 320, 1, 1), 0.0)),
+    ("_bn1.weight", ((1280,), 1.0)), ("_bn1.bias", ((1280,), 0.0)),
+    ("_bn1.running_mean", ((1280,), 0.0)), ("_bn1.running_var", ((1280,), 1.0)),
+    ("_bn1.num_batches_tracked", ((), 0)),
+    ("_fc.weight", ((1000, 1280), 0.0)), ("_fc.bias", ((1000,), 0.0))])
 # The OpenCOOD translation needs pillar arguments; a camera run's are replaced by the encoder
 # right after it (``camera_model_args``), so these never reach a model.
 PLACEHOLDER_PILLARS = {"use_norm": True, "use_absolute_xyz": True, "num_filters": [64]}

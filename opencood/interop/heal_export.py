@@ -32,7 +32,7 @@ import yaml
 from opencood.config import load_config
 from opencood.config_schema import to_plain
 from opencood.interop.heal import FUSIONS, heal_rules
-from opencood.interop.heal_camera import CAMERA_ENCODER
+from opencood.interop.heal_camera import CAMERA_ENCODER, EFFICIENTNET_CLASSIFIER
 from opencood.interop.importer import our_state_shapes, staged_folder
 from opencood.interop.opencood_ckpt import InteropError, ours_to_peer_state, peer_shapes_by_rules
 from opencood.utils.checkpoint import load_checkpoint, run_checkpoint
@@ -40,14 +40,6 @@ from opencood.utils.checkpoint import load_checkpoint, run_checkpoint
 MODALITY = "m2"                    # as HEAL's CameraOnly yamls name their camera agent
 HEAL_MODALITIES = ("m1", "m2", "m3", "m4")        # what HEAL's assignment files name
 HEAL_FUSION = {ours: theirs for theirs, (_, ours) in FUSIONS.items()}
-# EfficientNet-b0's classifier after its last stage (efficientnet_pytorch's names), in HEAL's
-# state dict but never run: key -> (shape, fill)
-EFFICIENTNET_CLASSIFIER = OrderedDict([
-    ("_conv_head.weight", ((1280, 320, 1, 1), 0.0)),
-    ("_bn1.weight", ((1280,), 1.0)), ("_bn1.bias", ((1280,), 0.0)),
-    ("_bn1.running_mean", ((1280,), 0.0)), ("_bn1.running_var", ((1280,), 1.0)),
-    ("_bn1.num_batches_tracked", ((), 0)),
-    ("_fc.weight", ((1000, 1280), 0.0)), ("_fc.bias", ((1000,), 0.0))])
 # heter_model_baseline's modules in the order its state dict lists them (our heads come before
 # our shrink): the export keeps that order, each group in ours
 HEAL_MODULE_ORDER = (f"encoder_{MODALITY}.", f"backbone_{MODALITY}.", f"shrinker_{MODALITY}.",

@@ -32,6 +32,7 @@ from typing import Dict, Mapping, Tuple
 
 import torch
 
+from opencood.interop.heal_camera import EFFICIENTNET_CLASSIFIER, camera_encoder_rules
 from opencood.interop.opencood_ckpt import (SHRINK_RULES, InteropError, Rule,
                                             ours_to_peer_state, peer_shapes_by_rules,
                                             peer_state_to_ours, strip_ddp_prefix)
@@ -119,8 +120,10 @@ def heal_state_to_ours(state: Mapping[str, torch.Tensor], camera_encoders: Mappi
 
     camera_encoders: camera modality -> HEAL's ``camera_encoder`` (EfficientNet / Resnet101);
     modalities: every agent type's name; rules / encoder_prefix: another model's (the late
-    model's, :func:`heal_late_state_to_ours`)."""
-    state = strip_ddp_prefix(state)
+    model's, :func:`heal_late_state_to_ours`). An EfficientNet type's never-run classifier
+    (``_conv_head``, ``_bn1``, ``_fc``: our trunk does not build it) is dropped by name."""
+    unused = tuple(efficientnet_classifier_shapes(camera_encoders))
+    state = {key: value for key, value in strip_ddp_prefix(state).items() if key not in unused}
     camera_part: Dict[str, torch.Tensor] = {}
     rest = {}
     for key, tensor in state.items():
@@ -250,20 +253,73 @@ def camera_rules(name: str, camera_encoder: str, branch: str = "") -> Tuple[Rule
     """HEAL's ``encoder_<name>.camencode.*`` <-> our ``<branch>.encoder.camera_encoder.*``: the
     camera import's rules (:func:`heal_camera.camera_encoder_rules`) under the type's branch,
     the same places :func:`lss_heal_to_ours` gives, as rules that also run backwards."""
-    from opencood.interop.heal_camera import camera_encoder_rules
     branch = branch or f"branches.{name}"
     return tuple(dataclasses.replace(rule, ours=f"{branch}.{rule.ours}")
                  for rule in camera_encoder_rules(name, camera_encoder))
 
 
 def ours_to_heal_state(state: Mapping[str, torch.Tensor], camera_encoders: Mapping[str, str],
-                       modalities, source: str = "checkpoint") -> Dict[str, torch.Tensor]:
-    """Our ``heter_pyramid_collab`` / ``heter_pyramid_single`` state dict -> HEAL's keys, the
-    inverse of :func:`heal_state_to_ours` by the same rules run backwards, strictly (every one
-    of ours placed, HEAL's shapes those of ours). An EfficientNet camera type's never-run
-    classifier (which HEAL's strict load wants) is not added here."""
-    rules = sum((camera_rules(name, camera_encoders[name]) for name in camera_encoders), ()) \
-        + sum((modality_rules(name) for name in modalities), ()) + SHARED_RULES
+                       modalities, source: str = "checkpoint",
+                       core: str = "heter_pyramid_collab") -> Dict[str, torch.Tensor]:
+    """Our state dict of ``core`` (``heter_pyramid_collab`` / ``_single``,
+    ``heter_model_late``) -> HEAL's keys, the inverse of :func:`heal_state_to_ours` by the same
+    rules run backwards, strictly (every one of ours placed, HEAL's shapes those of ours). The
+    never-run parts HEAL's strict load also wants (:func:`heal_key_shapes`) are not added
+    here."""
+    rules = heal_rules_of(core, camera_encoders, modalities)
     shapes = peer_shapes_by_rules({key: tuple(value.shape) for key, value in state.items()},
                                   rules)
-    return ours_to_peer_state(state, rules, shapes, source, "HEAL's heter pyramid model")
+    return ours_to_peer_state(state, rules, shapes, source, f"HEAL's {core}")
+
+
+def late_first_stage_shapes(model_args: Mapping) -> Dict[str, Tuple[int, ...]]:
+    """HEAL's ``layers_<m>.resnet.layer0.*`` key -> shape for our ``heter_model_late``
+    ``model.args``: the first ``layers`` stage HEAL builds (from the branch's width, its
+    ``layers_args.inplanes``) and never runs, which ours does not build (``LATE_UNUSED``)."""
+    from opencood.models.backbone import make_residual_stage
+    shapes = {}
+    for name, modality in model_args["modalities"].items():
+        layers = modality["layers"]
+        width = int(layers["num_filters"][0])
+        with torch.device("meta"):
+            stage = make_residual_stage(width, width, int(layers["layer_strides"][0]),
+                                        int(layers["layer_nums"][0]))
+        rules = tuple(Rule(f"layers_{name}.resnet.layer0.{{k}}.{child}.{{p}}",
+                           f"{{k}}.{mine}.{{p}}") for child, mine in _BLOCK_CHILDREN)
+        shapes.update(peer_shapes_by_rules({key: tuple(value.shape) for key, value in
+                                            stage.state_dict().items()}, rules))
+    return shapes
+
+
+def efficientnet_classifier_shapes(camera_encoders: Mapping[str, str]
+                                   ) -> Dict[str, Tuple[int, ...]]:
+    """HEAL's never-run EfficientNet classifier keys (``_conv_head``, ``_bn1``, ``_fc`` of
+    each EfficientNet camera type's trunk) -> shape."""
+    return {f"encoder_{name}.camencode.trunk.{key}": tuple(shape)
+            for name, kind in camera_encoders.items() if kind == "EfficientNet"
+            for key, (shape, _) in EFFICIENTNET_CLASSIFIER.items()}
+
+
+def heal_rules_of(core: str, camera_encoders: Mapping[str, str], modalities
+                  ) -> Tuple[Rule, ...]:
+    """Every key rule between HEAL's ``core`` model and ours (camera trunks included)."""
+    if core == "heter_model_late":
+        return sum((camera_rules(name, camera_encoders[name], f"detectors.{name}.branch")
+                    for name in camera_encoders), ()) \
+            + sum((late_rules(name) for name in modalities), ())
+    return sum((camera_rules(name, camera_encoders[name]) for name in camera_encoders), ()) \
+        + sum((modality_rules(name) for name in modalities), ()) + SHARED_RULES
+
+
+def heal_key_shapes(core: str, model_args: Mapping, our_shapes: Mapping[str, Tuple[int, ...]],
+                    camera_encoders: Mapping[str, str]) -> Dict[str, Tuple[int, ...]]:
+    """Every key (-> shape) of HEAL's ``core`` model that our ``model.args`` / state-dict
+    shapes ``our_shapes`` correspond to: what HEAL's strict ``load_state_dict`` wants, the
+    never-run parts ours does not build (EfficientNet classifier, the late model's first
+    ``layers`` stage) included."""
+    modalities = list(model_args["modalities"])
+    shapes = peer_shapes_by_rules(our_shapes, heal_rules_of(core, camera_encoders, modalities))
+    shapes.update(efficientnet_classifier_shapes(camera_encoders))
+    if core == "heter_model_late":
+        shapes.update(late_first_stage_shapes(model_args))
+    return shapes

@@ -13,17 +13,18 @@ one place of ours with its shape and every one of ours is filled, else one line 
 and the file). HEAL's ``layers_<m>.resnet.layer0`` of the late model, which its forward never
 runs, is the only thing dropped (``heal_heter.LATE_UNUSED``).
 
-Not imported: HEAL's ``merge`` of stage-one checkpoints into one collaboration checkpoint (give
-the merged file, as HEAL's final inference does); ``label_type: camera`` (evaluated with the
+With ``merge`` (``--merge RUN ...``), the weights are HEAL's ``merge_final`` of those run
+folders (:mod:`opencood.interop.heal_merge`), placed as strictly. Not imported:
+``label_type: camera`` (evaluated with the
 LiDAR labels, said in the notes).
 """
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, List, Mapping, Optional, Tuple
+from typing import Callable, List, Mapping, Optional, Sequence, Tuple
 
 from opencood.config import ConfigError, resolve
-from opencood.interop import heal_heter
+from opencood.interop import heal_heter, heal_merge
 from opencood.interop.heal import (PROJ_FIRST_NOTE, _get, pick_heal_checkpoint,
                                    set_direction_head, set_own_frame_dataset)
 from opencood.interop.heal_camera import PLACEHOLDER_PILLARS
@@ -151,22 +152,42 @@ def heal_heter_state(data: dict, state: Mapping, our_shapes: Mapping, cfg: dict,
     return heal_heter.heal_state_to_ours(state, camera_encoders, our_shapes, modalities, source)
 
 
+def merged_state(data: dict, run_dirs: Sequence, our_shapes: Mapping, cfg: dict,
+                 source: str) -> dict:
+    """Our state dict from HEAL's merge of ``run_dirs`` (:mod:`heal_merge`) for the model of
+    ``data``, strictly: each merged tensor checked against HEAL's model, naming its file."""
+    state, origin = heal_merge.merged_heal_state(run_dirs)
+    core = data["model"]["core_method"]
+    expected = heal_heter.heal_key_shapes(core, cfg["model"]["args"], our_shapes,
+                                          heal_heter.camera_encoders_of(data["model"]["args"]))
+    heal_merge.check_merged_keys(state, origin, expected, f"HEAL's {core} of {source}")
+    return heal_heter_state(data, state, our_shapes, cfg, f"the merge for {source}")
+
+
 def translate_heal_heter_run(peer_dir: Path, data: dict, source: str,
-                             checkpoint: Optional[str], our_state_shapes: Callable[[dict], dict]
-                             ) -> Tuple[dict, dict, dict]:
+                             checkpoint: Optional[str], our_state_shapes: Callable[[dict], dict],
+                             merge: Optional[Sequence] = None) -> Tuple[dict, dict, dict]:
     """(our resolved config, our state dict, provenance) of HEAL's heterogeneous run folder;
     ``our_state_shapes(model_section)`` gives our model's state-dict shapes (the importer's,
-    passed in so this module does not import the importer that imports it)."""
+    passed in so this module does not import the importer that imports it). ``merge``: the
+    run folders HEAL's ``merge_final`` assembles (the base last) give the weights instead of
+    ``peer_dir``'s checkpoint (HEAL's merged file is ``net_epoch1.pth``: epoch 1)."""
     unresolved, notes = translate_heal_heter_config(data, source)
     try:
         cfg = resolve(unresolved, f"{source} (translated)")
         choose_strategy(cfg)            # what tools/eval.py checks of the fusion section
     except ConfigError as error:
         raise InteropError(str(error)) from None
-    path, epoch = pick_heal_checkpoint(peer_dir, checkpoint)
-    ours = heal_heter_state(data, load_checkpoint(path), our_state_shapes(cfg["model"]),
-                            unresolved, str(path))
+    our_shapes = our_state_shapes(cfg["model"])
+    if merge:
+        ours = merged_state(data, merge, our_shapes, unresolved, source)
+        paths = [str(pick_heal_checkpoint(Path(run), None)[0].resolve()) for run in merge]
+        checkpoint_text, epoch = f"merge_final of {', '.join(paths)}", 1
+    else:
+        path, epoch = pick_heal_checkpoint(peer_dir, checkpoint)
+        ours = heal_heter_state(data, load_checkpoint(path), our_shapes, unresolved, str(path))
+        checkpoint_text = str(Path(path).resolve())
     provenance = {"codebase": "heal", "run_dir": str(peer_dir.resolve()),
-                  "checkpoint": str(Path(path).resolve()), "epoch": epoch,
+                  "checkpoint": checkpoint_text, "epoch": epoch,
                   "model": data["model"]["core_method"], "notes": notes}
     return cfg, ours, provenance

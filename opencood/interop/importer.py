@@ -126,11 +126,14 @@ CODEBASES: Dict[str, Codebase] = {
 }
 
 
-def translate_run(peer_dir, checkpoint: Optional[str] = None,
-                  codebase: str = "opencood") -> Tuple[dict, dict, dict]:
+def translate_run(peer_dir, checkpoint: Optional[str] = None, codebase: str = "opencood",
+                  merge: Optional[List] = None) -> Tuple[dict, dict, dict]:
     """(our resolved config, our state dict, provenance) for a run folder of ``codebase``
     (opencood, heal, coalign, v2v4real, v2xreal); writes nothing. Raises an OpencoodError (one line) on anything
     it cannot translate. ``provenance["notes"]``: differences the import cannot remove.
+    ``merge``: HEAL's heterogeneous runs only, the run folders its ``merge_final`` assembles
+    (the base last), whose merged weights replace ``peer_dir``'s checkpoint
+    (``opencood.interop.heal_merge``).
 
     (The translation only writes registered model, fusion, loss and post-processor names, so
     ``engine.recipe.check_registered_names`` is not needed.)
@@ -145,11 +148,18 @@ def translate_run(peer_dir, checkpoint: Optional[str] = None,
     config_path = peer_dir / "config.yaml"
     peer = read_opencood_yaml(config_path)
     source = str(config_path)
+    if merge and checkpoint:
+        raise InteropError("give --checkpoint or --merge, not both (--merge picks each run's "
+                           "checkpoint as HEAL's merge does)")
     if codebase == "heal" and is_heal_heter(peer):
         cfg, ours, provenance = translate_heal_heter_run(peer_dir, peer, source, checkpoint,
-                                                       our_state_shapes)
+                                                       our_state_shapes, merge)
         provenance["notes"] += validation_as_test_notes(peer, cfg, source)
         return cfg, ours, provenance
+    if merge:
+        raise InteropError(f"{source}: --merge assembles HEAL's heterogeneous runs "
+                           "(heter_pyramid_collab, heter_pyramid_single, heter_model_late); "
+                           f"this is {peer_format.display}'s {peer_format.model_name(peer)}")
     try:
         cfg = resolve(peer_format.translate_config(peer, source), f"{source} (translated)")
     except ConfigError as error:
@@ -203,10 +213,11 @@ def staged_folder(out_dir: Path, purpose: str) -> Iterator[Path]:
 
 
 def import_run(peer_dir, out_dir, checkpoint: Optional[str] = None,
-               codebase: str = "opencood") -> Tuple[Path, List[str]]:
-    """Translate ``peer_dir`` (a run folder of ``codebase``) and write our run folder
-    ``out_dir`` (must not exist yet). Returns (out_dir, notes)."""
-    cfg, state, provenance = translate_run(peer_dir, checkpoint, codebase)
+               codebase: str = "opencood", merge: Optional[List] = None
+               ) -> Tuple[Path, List[str]]:
+    """Translate ``peer_dir`` (a run folder of ``codebase``; ``merge``: :func:`translate_run`)
+    and write our run folder ``out_dir`` (must not exist yet). Returns (out_dir, notes)."""
+    cfg, state, provenance = translate_run(peer_dir, checkpoint, codebase, merge)
     with staged_folder(Path(out_dir), "import") as staging:
         save_config(cfg, staging / "config.yaml")
         save_checkpoint(staging / "last.pth", {"model": state, "epoch": provenance["epoch"],
