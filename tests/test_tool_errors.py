@@ -1,31 +1,65 @@
 """Bad input to each command-line tool is one ``error: ...`` line naming the file, key or value,
 with a non-zero exit and no traceback (tools/bench.py and tools/profile_model.py: test_tools.py).
 
-Each case runs the real script in a subprocess, as a user would.
+Each case runs the real script as ``__main__`` (runpy), with its arguments in ``sys.argv``, its
+own working folder and cache, and the exit a Python interpreter would make of it: one process for
+all the cases instead of one interpreter (and torch import) per case. An exception other than
+SystemExit escapes the tool and fails the test, as its traceback would in a subprocess.
 """
 from __future__ import annotations
 
 import os
+import runpy
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
 from opencood.config import load_config, save_config
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+TOOLS = REPO_ROOT / "tools"
 SMOKE_YAML = REPO_ROOT / "hypes_yaml" / "synthetic" / "smoke.yaml"
 BAD_MODEL = "model.core_method=no_such_model"
 
 
-def run_tool(argv: list, tmp_path: Path, env_extra: dict | None = None):
-    env = dict(os.environ, OPENCOOD_CACHE=str(tmp_path / "cache"), CUDA_VISIBLE_DEVICES="")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
-    env.update(env_extra or {})
-    command = argv if argv[0] == "bash" else [sys.executable] + argv
-    return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=300)
+class ToolResult(NamedTuple):
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def exit_status(code) -> int:
+    """The status Python's interpreter exits with for ``SystemExit(code)``; a message (any code
+    but None or an int) goes to stderr first, as the interpreter prints it."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+@pytest.fixture
+def run_tool(tmp_path, monkeypatch, capsys):
+    """``run_tool(argv)``: ``python tools/<script> args...`` (argv[0] the script) run in this
+    process from ``tmp_path`` -> ToolResult."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("OPENCOOD_CACHE", str(tmp_path / "cache"))
+
+    def run(argv: list) -> ToolResult:
+        capsys.readouterr()
+        monkeypatch.setattr(sys, "argv", [str(argv[0]), *map(str, argv[1:])])
+        try:
+            runpy.run_path(str(argv[0]), run_name="__main__")
+            status = 0
+        except SystemExit as exit_:
+            status = exit_status(exit_.code)
+        captured = capsys.readouterr()
+        return ToolResult(status, captured.out, captured.err)
+    return run
 
 
 def assert_one_line_error(result, *needles: str) -> str:
@@ -55,71 +89,69 @@ def empty_data(tmp_path_factory) -> Path:
     return root
 
 
-def test_train_missing_yaml(tmp_path):
-    result = run_tool([str(REPO_ROOT / "tools/train.py"), "--hypes_yaml", "absent.yaml"],
-                      tmp_path)
+def test_train_missing_yaml(run_tool):
+    result = run_tool([TOOLS / "train.py", "--hypes_yaml", "absent.yaml"])
     assert_one_line_error(result, "absent.yaml", "not found")
 
 
-def test_train_unknown_model_writes_no_run_folder(tmp_path):
-    result = run_tool([str(REPO_ROOT / "tools/train.py"), "--hypes_yaml", str(SMOKE_YAML),
-                       "--set", BAD_MODEL, "--runs_root", "runs"], tmp_path)
+def test_train_unknown_model_writes_no_run_folder(run_tool, tmp_path):
+    result = run_tool([TOOLS / "train.py", "--hypes_yaml", SMOKE_YAML, "--set", BAD_MODEL,
+                       "--runs_root", "runs"])
     assert_one_line_error(result, "smoke.yaml", "model.core_method", "no_such_model",
                           "point_pillar")
     assert not (tmp_path / "runs").exists()
 
 
-def test_eval_missing_run_folder(tmp_path):
-    result = run_tool([str(REPO_ROOT / "tools/eval.py"), "--model_dir", "absent_run"], tmp_path)
+def test_eval_missing_run_folder(run_tool):
+    result = run_tool([TOOLS / "eval.py", "--model_dir", "absent_run"])
     assert_one_line_error(result, "absent_run/config.yaml", "not found")
 
 
-def test_eval_unknown_model(tmp_path, run_folder):
-    result = run_tool([str(REPO_ROOT / "tools/eval.py"), "--model_dir", str(run_folder),
-                       "--set", BAD_MODEL], tmp_path)
+def test_eval_unknown_model(run_tool, run_folder):
+    result = run_tool([TOOLS / "eval.py", "--model_dir", run_folder, "--set", BAD_MODEL])
     assert_one_line_error(result, "config.yaml", "model.core_method", "no_such_model")
 
 
-def test_generate_synthetic_unknown_preset(tmp_path):
-    result = run_tool([str(REPO_ROOT / "tools/generate_synthetic.py"), "--out", "data",
-                       "--preset", "no_such_preset"], tmp_path)
+def test_generate_synthetic_unknown_preset(run_tool):
+    result = run_tool([TOOLS / "generate_synthetic.py", "--out", "data",
+                       "--preset", "no_such_preset"])
     assert_one_line_error(result, "no_such_preset", "tiny")
 
 
-def test_generate_synthetic_output_is_a_file(tmp_path):
+def test_generate_synthetic_output_is_a_file(run_tool, tmp_path):
     (tmp_path / "taken").write_text("not a folder")
-    result = run_tool([str(REPO_ROOT / "tools/generate_synthetic.py"), "--out", "taken",
-                       "--preset", "tiny", "--quiet"], tmp_path)
+    result = run_tool([TOOLS / "generate_synthetic.py", "--out", "taken", "--preset", "tiny",
+                       "--quiet"])
     assert_one_line_error(result, "taken")
     assert (tmp_path / "taken").read_text() == "not a folder"
 
 
-def test_visualize_missing_data_folder(tmp_path):
-    result = run_tool([str(REPO_ROOT / "tools/visualize.py"), "--data", "absent/train",
-                       "--out", "a.png"], tmp_path)
+def test_visualize_missing_data_folder(run_tool):
+    result = run_tool([TOOLS / "visualize.py", "--data", "absent/train", "--out", "a.png"])
     assert_one_line_error(result, "absent/train", "not found")
 
 
-def test_visualize_index_past_the_split(tmp_path, empty_data):
-    result = run_tool([str(REPO_ROOT / "tools/visualize.py"), "--data",
-                       str(empty_data / "train"), "--index", "3", "--out", "a.png"], tmp_path)
+def test_visualize_index_past_the_split(run_tool, empty_data):
+    result = run_tool([TOOLS / "visualize.py", "--data", empty_data / "train", "--index", "3",
+                       "--out", "a.png"])
     assert_one_line_error(result, str(empty_data / "train"))
 
 
-def test_results_table_missing_config(tmp_path):
-    result = run_tool([str(REPO_ROOT / "tools/results_table.py"), "--configs", "absent.yaml",
-                       "--dry_run"], tmp_path)
+def test_results_table_missing_config(run_tool):
+    result = run_tool([TOOLS / "results_table.py", "--configs", "absent.yaml", "--dry_run"])
     assert_one_line_error(result, "absent.yaml", "not found")
 
 
-def test_results_table_unknown_model(tmp_path, empty_data):
-    result = run_tool([str(REPO_ROOT / "tools/results_table.py"), "--configs", str(SMOKE_YAML),
-                       "--data", str(empty_data), "--set", BAD_MODEL, "--dry_run"], tmp_path)
+def test_results_table_unknown_model(run_tool, empty_data):
+    result = run_tool([TOOLS / "results_table.py", "--configs", SMOKE_YAML, "--data", empty_data,
+                       "--set", BAD_MODEL, "--dry_run"])
     assert_one_line_error(result, "smoke.yaml", "model.core_method", "no_such_model")
 
 
 def test_quickstart_missing_config_stops_before_any_work(tmp_path):
-    result = run_tool(["bash", str(REPO_ROOT / "tools/quickstart.sh")], tmp_path,
-                      {"CONFIG": "absent.yaml", "RUN": str(tmp_path / "run")})
+    """A shell script: a real subprocess (it stops before starting Python)."""
+    env = dict(os.environ, CONFIG="absent.yaml", RUN=str(tmp_path / "run"))
+    result = subprocess.run(["bash", str(TOOLS / "quickstart.sh")], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=60)
     assert_one_line_error(result, "CONFIG", "absent.yaml", "not found")
     assert result.stdout == "" and not (tmp_path / "run").exists()
