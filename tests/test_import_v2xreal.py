@@ -93,6 +93,14 @@ def test_imported_config_and_anchors(tmp_path):
                                   classes=post["classes"])
     expected = torch.load(FIXTURES / "attfuse.parity.pt", weights_only=True)["anchors"]
     torch.testing.assert_close(anchors, expected, rtol=0, atol=1e-6)
+    # Its early fusion runs its late fusion network (point_pillar) on the merged points.
+    network = materialize(torch.load(FIXTURES / "late_fusion.parity.pt",
+                                     weights_only=True)["state_dict"])
+    early, _, _ = translate_run(write_peer_run(tmp_path / "early", "early_fusion", network),
+                                None, "v2xreal")
+    late, _, _ = translate_run(write_peer_run(tmp_path / "late", "late_fusion"), None, "v2xreal")
+    assert (early["fusion"]["core_method"], late["fusion"]["core_method"]) == ("early", "late")
+    assert early["model"] == late["model"] and early["model"]["args"]["shrink_header"] is None
 
 
 def tampered(name: str, change: str) -> dict:
