@@ -26,7 +26,7 @@ from parity_weights import materialize
 from tool_modules import load_tool
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "v2xreal_runs"
-PARITY = ("late_fusion", "attfuse", "fcooper", "v2vnet")
+PARITY = ("late_fusion", "attfuse", "fcooper", "v2vnet", "v2xvit")
 TOLERANCE = 1e-5          # relative to the map's largest magnitude
 CLASSES = [{"name": "vehicle", "l": 3.9, "w": 1.6, "h": 1.56, "z": -1.78,
             "pos_threshold": 0.6, "neg_threshold": 0.45},
@@ -52,11 +52,26 @@ def import_run(peer: Path, out: Path) -> None:
     tool.run(tool.parse_args(["--from", "v2xreal", str(peer), "--out", str(out)]))
 
 
+def our_batch(inputs: dict) -> dict:
+    """Its collated inputs as our batch names them; V2X-ViT's per-slot prior_encoding
+    [velocity, delay, infrastructure] as per-agent types and delays, its correction matrices
+    as they are."""
+    batch = {key: inputs[key].long() if key != "voxel_features" else inputs[key]
+             for key in ("voxel_features", "voxel_num_points", "voxel_coords", "record_len")}
+    if "prior_encoding" in inputs:
+        slots = torch.arange(inputs["prior_encoding"].shape[1])
+        prior = inputs["prior_encoding"][slots[None] < inputs["record_len"][:, None]]
+        batch.update(agent_types=prior[:, 2].long(), agent_latency=prior[:, 1].long(),
+                     spatial_correction_matrix=inputs["spatial_correction_matrix"])
+    return batch
+
+
 def test_imported_heads_equal_v2xreal_forward(tmp_path):
     """Each model: its run folder translated (the tool's path without the writing, which
     test_imported_config_and_anchors covers), our model built from that config and loaded
     strictly, its pillars run: the class and box maps equal V2X-Real's within 1e-5 relative
-    (samples of 1, 2 and 3 agents for the fusion models)."""
+    (samples of 1, 2 and 3 agents for the fusion models; V2X-ViT's with delays, infrastructure
+    agents and corrections that are not the identity)."""
     worst = {}
     for name in PARITY:
         cfg, state, _ = translate_run(write_peer_run(tmp_path / name, name), None, "v2xreal")
@@ -64,10 +79,8 @@ def test_imported_heads_equal_v2xreal_forward(tmp_path):
         model = build_model(cfg["model"])
         model.load_state_dict(state, strict=True)
         fixture = torch.load(FIXTURES / f"{name}.parity.pt", weights_only=True)
-        inputs = fixture["inputs"]
         with torch.no_grad():
-            outputs = model.eval()({key: inputs[key].long() if key != "voxel_features"
-                                    else inputs[key] for key in inputs})
+            outputs = model.eval()(our_batch(fixture["inputs"]))
         for ours, theirs in (("cls_preds", "psm"), ("reg_preds", "rm")):
             expected = fixture["outputs"][theirs]
             assert outputs[ours].shape == expected.shape, (name, ours)
@@ -125,8 +138,9 @@ def tampered(name: str, change: str) -> dict:
                      r"postprocess.anchor_args.anchor_generator_config makes it 3"),
     ("align_center: true", r"config.yaml: postprocess.anchor_args.anchor_generator_config\[0\]"
                            r".align_center: only true"),
-    ("core_method: point_pillar_transformer", "V2X-Real's V2X-ViT has no established key "
-                                              "mapping"),
+    ("core_method: second_intermediate", "config.yaml: model.core_method "
+                                         "'second_intermediate': V2X-Real's model has no "
+                                         "counterpart here"),
 ])
 def test_refused_in_one_line_and_nothing_written(tmp_path, change, message):
     state = tampered("attfuse", change) if ":" not in change else None

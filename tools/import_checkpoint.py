@@ -23,7 +23,7 @@ the final ``config.yaml``. ``--from
 coalign``: CoAlign's fusion network (``point_pillar_baseline_multiscale``, ``fusion_method:
 att``; checkpoints picked as HEAL's), imported own-frame with the ResNet backbone
 (``opencood/interop/coalign.py``). ``--from v2xreal``: V2X-Real's multi-class runs
-(``point_pillar``, its AttFuse, F-Cooper, V2VNet) with their class list
+(``point_pillar``, its AttFuse, F-Cooper, V2VNet, V2X-ViT) with their class list
 (``opencood/interop/v2xreal.py``).
 
 The import is strict (every tensor placed, every one of ours filled, shapes equal) and writes

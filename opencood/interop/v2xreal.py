@@ -33,8 +33,11 @@ handled:
   (ours: per class over ``pre_nms_max: 1000`` candidates, at most its ``max_num`` kept; a
   printed note). Its test GT range is [-100, -40, -15, 100, 40, 15] (its
   ``datasets/__init__.py``), cut to the LiDAR range.
-* Refused: its ``point_pillar_transformer`` (V2X-ViT; its key mapping is not established for
-  V2X-Real's copy here), the naive compressor, and other models.
+* **V2X-ViT** (``point_pillar_transformer``): v2x-vit's model (the same keys and forward), so
+  OpenCOOD's translation of it serves (``warp: reference``, ``delay_table: learned``,
+  ``prior_feed: true``).
+* Refused (by the OpenCOOD translation, naming the key): the naive compressor and models
+  other than these five.
 """
 from __future__ import annotations
 
@@ -55,9 +58,8 @@ V2XREAL_RULES = {
     "point_pillar_intermediate": PILLAR_RULES + SHRINK_RULES,     # AttFuse after its shrink
     "point_pillar_fcooper": RULES["point_pillar_fcooper"],
     "point_pillar_v2vnet": RULES["point_pillar_v2vnet"],
+    "point_pillar_transformer": RULES["point_pillar_transformer"],   # V2X-ViT, as v2x-vit's
 }
-REFUSED = {"point_pillar_transformer": "V2X-Real's V2X-ViT has no established key mapping "
-                                       "here (its v2x-vit original has: --from opencood)"}
 NMS_NOTE = ("V2X-Real's NMS is class-agnostic over every box above the score threshold and "
             "keeps them all; the imported run's is per class over the 1000 best, at most "
             "postprocess.max_num kept")
@@ -136,11 +138,7 @@ def as_opencood_hypes(data: dict, source: str) -> dict:
 
 def translate_v2xreal_config(data: dict, source: str) -> dict:
     """V2X-Real hypes -> our multi-class config (unresolved); InteropError naming the key."""
-    core_method = data.get("model", {}).get("core_method") if isinstance(data.get("model"),
-                                                                          dict) else None
-    if core_method in REFUSED:
-        raise InteropError(f"{source}: model.core_method {core_method!r}: "
-                           f"{REFUSED[core_method]}")
+    v2xreal_rules(data, source)               # one of its models we map
     classes, yaws, stride = translate_classes(data, source)
     cfg = translate_config(as_opencood_hypes(data, source), source)
     post = cfg["postprocess"]
@@ -151,7 +149,7 @@ def translate_v2xreal_config(data: dict, source: str) -> dict:
                 gt_range=_gt_range(cfg["preprocess"]["cav_lidar_range"], V2XREAL_GT_RANGE))
     args = cfg["model"]["args"]
     del args["anchor_number"]                 # A = K x R: derived from the class list
-    if core_method == "point_pillar_intermediate":
+    if data["model"]["core_method"] == "point_pillar_intermediate":
         args["fusion"]["stage"] = "backbone"  # its AttFusion fuses the shrunk map
         _check_attention_scale(args, source)
     return cfg
@@ -171,10 +169,11 @@ def _check_attention_scale(args: dict, source: str) -> None:
 
 
 def v2xreal_rules(data: dict, source: str) -> Tuple[Rule, ...]:
-    core_method = str(data["model"]["core_method"])
+    model = data.get("model")
+    core_method = model.get("core_method") if isinstance(model, dict) else None
     if core_method not in V2XREAL_RULES:
-        raise InteropError(f"{source}: V2X-Real model {core_method!r} has no counterpart here "
-                           f"(supported: {', '.join(V2XREAL_RULES)})")
+        raise InteropError(f"{source}: model.core_method {core_method!r}: V2X-Real's model has "
+                           f"no counterpart here (supported: {', '.join(V2XREAL_RULES)})")
     return V2XREAL_RULES[core_method]
 
 

@@ -47,11 +47,21 @@ MODELS = {"early_fusion": "point_pillar_early_fusion.yaml",
           "late_fusion": "point_pillar_late_fusion.yaml",
           "attfuse": "point_pillar_intermediate_fusion.yaml",
           "fcooper": "point_pillar_fcooper.yaml",
-          "v2vnet": "point_pillar_v2vnet.yaml"}
+          "v2vnet": "point_pillar_v2vnet.yaml",
+          "v2xvit": "point_pillar_v2xvit.yaml"}
 CONFIG_ONLY = ("early_fusion",)               # the late fusion network: no second parity file
 RECORD_LEN = {"point_pillar": [1, 1]}           # early / late: one agent per sample
 FUSION_RECORD_LEN = [1, 2, 3]
 SEED = 38
+# V2X-ViT's per-agent priors for samples of 1, 2 and 3 agents: (time delay in frames,
+# infrastructure flag, velocity, its spatial correction (dx, dy metres, yaw degrees)); not the
+# identity, so its STTF warp, delay encoding and type-dependent attention all take part.
+V2XVIT_AGENTS = [
+    [(0, 0, 0.30, (0.0, 0.0, 0.0))],
+    [(0, 0, 0.10, (0.0, 0.0, 0.0)), (2, 1, 0.00, (1.6, -0.8, 5.0))],
+    [(0, 0, 0.25, (0.0, 0.0, 0.0)), (1, 0, 0.40, (-0.8, 0.8, -3.0)),
+     (3, 1, 0.00, (0.8, 1.6, 8.0))],
+]
 
 
 def load_by_path(name: str, path: Path):
@@ -75,7 +85,36 @@ def small(hypes: dict) -> dict:
     args["base_bev_backbone"] = dict(BACKBONE)
     if "v2vfusion" in args:
         args["v2vfusion"]["conv_gru"].update(H=8, W=8)
+    if "transformer" in args:
+        v2xvit = load_by_path("make_v2xvit_parity_fixture",
+                              REPO / "tools" / "reference" / "make_v2xvit_parity_fixture.py")
+        small_transformer = v2xvit.SMALL_TRANSFORMER     # that fixture's small attention
+        encoder = args["transformer"]["encoder"]
+        encoder.update(depth=small_transformer["depth"],
+                       num_blocks=small_transformer["num_blocks"])
+        encoder["cav_att_config"].update(heads=small_transformer["heads"],
+                                         dim_head=small_transformer["dim_head"])
+        encoder["pwindow_att_config"].update(heads=small_transformer["window_heads"],
+                                             dim_head=small_transformer["window_dim_heads"],
+                                             window_size=small_transformer["window_size"])
+        encoder["feed_forward"]["mlp_dim"] = small_transformer["mlp_dim"]
     return hypes
+
+
+def v2xvit_priors(max_cav: int):
+    """prior_encoding (B, max_cav, 3) [velocity, delay, infrastructure] and
+    spatial_correction_matrix (B, max_cav, 4, 4), padded as its dataset pads (zeros,
+    identities)."""
+    import torch
+    v2xvit = load_by_path("make_v2xvit_parity_fixture",
+                          REPO / "tools" / "reference" / "make_v2xvit_parity_fixture.py")
+    priors = np.zeros((len(V2XVIT_AGENTS), max_cav, 3), np.float32)
+    corrections = np.tile(np.eye(4), (len(V2XVIT_AGENTS), max_cav, 1, 1))
+    for b, agents in enumerate(V2XVIT_AGENTS):
+        for i, (delay, infra, velocity, (dx, dy, yaw)) in enumerate(agents):
+            priors[b, i] = [velocity, delay, infra]
+            corrections[b, i] = v2xvit.correction(dx, dy, yaw)
+    return torch.from_numpy(priors), torch.from_numpy(corrections)
 
 
 def build(hypes: dict, stubs):
@@ -165,13 +204,19 @@ def main(source_root: str, out_dir: str) -> None:
         model.eval()
         record_len = RECORD_LEN.get(hypes["model"]["core_method"], FUSION_RECORD_LEN)
         data = inputs(hypes, record_len, parity, stubs)
+        extra = {}
+        if "transformer" in hypes["model"]["args"]:
+            assert [len(a) for a in V2XVIT_AGENTS] == record_len
+            extra["prior_encoding"], extra["spatial_correction_matrix"] = \
+                v2xvit_priors(hypes["train_params"]["max_cav"])
+            data.update(extra)
         with torch.no_grad():
             outputs = model(data)
         fixture = {"about": f"V2X-Real {hypes['model']['core_method']} ({filename}, small), "
                             "tools/reference/make_v2xreal_run_fixtures.py",
                    "state_dict": recipes,
                    "inputs": {**{k: v.contiguous() for k, v in data["processed_lidar"].items()},
-                              "record_len": data["record_len"]},
+                              "record_len": data["record_len"], **extra},
                    "outputs": {k: outputs[k].contiguous() for k in ("psm", "rm")}}
         if name == "attfuse":
             fixture["anchors"] = their_anchors(hypes, stubs)
