@@ -16,6 +16,7 @@ from opencood.data.dairv2x import DairV2XSplit
 from opencood.data.pcd import read_pcd
 from opencood.data.synthetic import (OBJECT_CLASSES, LidarConfig, Scene, Vehicle, cast_lidar,
                                      generate_dataset, get_preset, visible_vehicles)
+from opencood.data.synthetic.camera import CameraConfig, render_camera
 from opencood.data.synthetic.world import (ROAD_USER_KINDS, VEHICLE_KIND_NAMES, VEHICLE_KINDS,
                                            footprints_overlap)
 from opencood.data.synthetic.writer import ALL_KINDS, rebuild_world
@@ -140,7 +141,7 @@ def test_pedestrians_walk_sidewalks_or_crosswalks_and_cyclists_ride_the_curb_sid
                                           poses[:, others], extents[others], margin=0.0)
 
 
-def test_lidar_returns_hit_a_pedestrian_ten_metres_away_and_only_class_formats_list_it():
+def test_lidar_and_camera_see_a_pedestrian_ten_metres_away_and_only_class_formats_list_it():
     lidar = LidarConfig(beams=16, fov_deg=(-25.0, 5.0), azimuth_steps=360, max_range=60.0,
                         range_noise_std=0.0, dropout=0.0)
     walker = Vehicle(3001, 10.0, 0.0, 90.0, (0.3, 0.3, 0.875), kind="pedestrian")
@@ -154,6 +155,14 @@ def test_lidar_returns_hit_a_pedestrian_ten_metres_away_and_only_class_formats_l
     np.testing.assert_allclose(on_walker[:, 0], 9.7, atol=1e-4)
     assert list(visible_vehicles(hit_ids, scene.vehicles, [], ALL_KINDS)) == [3001]
     assert visible_vehicles(hit_ids, scene.vehicles, []) == {}     # OPV2V lists vehicles only
+    # A camera 1.5 m up looking at it (80 x 60, f = 40 / tan 50 deg = 33.56 px): its near face
+    # spans u = 40 -+ 33.56 * 0.3 / 9.7 (columns 39-41) and v = 30 - 33.56 * 0.25 / 9.7 = 29.1
+    # to 30 + 33.56 * 1.5 / 9.7 = 35.2 (rows 30-35), at depth 9.7 m.
+    image = render_camera(scene, [0.0, 0.0, 1.5, 0.0, 0.0, 0.0], CameraConfig(width=80, height=60))
+    ids = np.where(image.face_buffer >= 0, image.face_ids[np.maximum(image.face_buffer, 0)], -9)
+    rows, columns = np.nonzero(ids == 3001)
+    assert set(rows) == set(range(30, 36)) and set(columns) == {39, 40, 41} and len(rows) == 18
+    np.testing.assert_allclose(image.depth[ids == 3001], 9.7, atol=1e-5)
     assert {c.dairv2x for c in OBJECT_CLASSES.values()} == {"Car", "Van", "Truck", "Pedestrian",
                                                             "Cyclist"}
     assert set(OBJECT_CLASSES) == set(VEHICLE_KINDS) | set(ROAD_USER_KINDS)
