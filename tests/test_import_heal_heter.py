@@ -314,12 +314,16 @@ def test_key_rules_run_back_to_heal_s_state_bit_exact(fixture, part):
     assert "branches.m3.aligner.0.gammma" in str(error.value) and "\n" not in str(error.value)
 
 
-@pytest.mark.parametrize("part", ["collab", "single"])
-def test_export_to_heal_inverts_the_import(fixture, tmp_path, part):
-    """``--to heal`` of an imported HEAL pyramid run: HEAL's state dict back bit for bit (every
-    key), and importing the export gives our model section and state dict back unchanged."""
-    core = f"heter_pyramid_{part}"
-    case = fixture[part]
+@pytest.mark.parametrize("core", ["heter_pyramid_collab", "heter_pyramid_single",
+                                  "heter_model_late"])
+def test_export_to_heal_inverts_the_import(fixture, tmp_path, core):
+    """``--to heal`` of an imported HEAL run: HEAL's state dict back bit for bit (every key),
+    except the late model's never-run first ``layers`` stage, which ours does not keep and the
+    export writes as a fresh layer holds it (zero convs, BatchNorm's identity); importing the
+    export gives our model section and state dict back unchanged."""
+    from opencood.interop.heal_heter import LATE_UNUSED
+    case = fixture[{"heter_pyramid_collab": "collab", "heter_pyramid_single": "single",
+                    "heter_model_late": "late"}[core]]
     cfg, _, checkpoint = import_and_load(tmp_path, case, core)
     exported = tmp_path / "heal_export"
     load_tool("export_checkpoint").main(["--to", "heal", "--model_dir", str(tmp_path / "ours"),
@@ -327,18 +331,49 @@ def test_export_to_heal_inverts_the_import(fixture, tmp_path, part):
     heal_state = materialize(case["state_dict"])
     state = torch.load(exported / "net_epoch3.pth", weights_only=True)
     assert set(state) == set(heal_state)
-    assert all(torch.equal(state[key], heal_state[key]) for key in heal_state)
+    kept = [key for key in heal_state if not LATE_UNUSED.match(key)]
+    assert all(torch.equal(state[key], heal_state[key]) for key in kept)
+    never_run = {key: state[key] for key in heal_state if LATE_UNUSED.match(key)}
+    # 3 types x (2 convs, a strided 1x1 shortcut conv, 3 BatchNorms of 5 tensors)
+    assert len(never_run) == (54 if core == "heter_model_late" else 0)
+    for key, value in never_run.items():
+        batch_norm_scale = key.endswith("running_var") or (key.endswith("weight")
+                                                           and value.dim() == 1)
+        fresh = 1 if batch_norm_scale else 0
+        assert torch.equal(value, torch.full_like(value, fresh)), key
+    hypes = yaml.safe_load((exported / "config.yaml").read_text())
+    assert hypes["model"]["core_method"] == core
     again, ours, _ = translate_run(exported, None, "heal")
     assert again["model"] == cfg["model"] and again["heter"] == cfg["heter"]
     assert all(torch.equal(ours[key], value) for key, value in checkpoint["model"].items())
 
 
-def test_export_of_the_late_model_is_refused_in_one_line(fixture, tmp_path):
-    """HEAL's HeterModelLate keeps a first ``layers`` stage it never runs, which ours does not
-    build: its export is refused, naming the model, and nothing is written."""
-    import_and_load(tmp_path, fixture["late"], "heter_model_late")
+def test_an_efficientnet_camera_type_exports_with_heal_s_classifier(fixture, tmp_path):
+    """A collab run whose camera type has the EfficientNet trunk: the export adds HEAL's
+    never-run classifier (``_conv_head``, ``_bn1``, ``_fc``: zero weights, BatchNorm's identity)
+    beside the trunk, and importing it drops them again, giving our weights back bit for
+    bit."""
+    from opencood.config import replaced, save_config
+    from opencood.utils.checkpoint import save_checkpoint
+    peer = write_heal_run(tmp_path / "peer", fixture["collab"], "heter_pyramid_collab")
+    cfg = replaced(translate_run(peer, None, "heal")[0],
+                   {"model.args.modalities.m2.encoder.args.camera_encoder": "EfficientNet"})
+    torch.manual_seed(0)
+    model = build_model(cfg["model"])
+    run = tmp_path / "efficientnet"
+    run.mkdir()
+    save_config(cfg, run / "config.yaml")
+    save_checkpoint(run / "last.pth", {"model": model.state_dict(), "epoch": 2})
     exported = tmp_path / "heal_export"
-    with pytest.raises(SystemExit, match="model.core_method 'heter_model_late'"):
-        load_tool("export_checkpoint").main(["--to", "heal", "--model_dir",
-                                             str(tmp_path / "ours"), "--out", str(exported)])
-    assert not exported.exists()
+    load_tool("export_checkpoint").main(["--to", "heal", "--model_dir", str(run),
+                                         "--out", str(exported)])
+    state = torch.load(exported / "net_epoch2.pth", weights_only=True)
+    trunk = "encoder_m2.camencode.trunk."
+    assert torch.equal(state[trunk + "_bn1.running_var"], torch.ones(1280))
+    assert state[trunk + "_fc.weight"].shape == (1000, 1280) and not state[trunk + "_fc.weight"].any()
+    assert trunk + "_blocks.15._project_conv.weight" in state
+    hypes = yaml.safe_load((exported / "config.yaml").read_text())
+    assert hypes["model"]["args"]["m2"]["encoder_args"]["camera_encoder"] == "EfficientNet"
+    _, ours, _ = translate_run(exported, None, "heal")
+    assert set(ours) == set(model.state_dict())
+    assert all(torch.equal(ours[key], value) for key, value in model.state_dict().items())

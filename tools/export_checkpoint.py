@@ -11,9 +11,9 @@ models whose architecture exists there, run with the reference options
 (``hypes_yaml/opv2v/reference/``, or any run made by ``tools/import_checkpoint.py``;
 ``opencood/interop/exporter.py``). ``--to heal``: camera runs (the lss encoder), as HEAL's
 ``heter_model_baseline`` with one ``lift_splat_shoot`` modality, the inverse of ``--from heal``
-(``opencood/interop/heal_export.py``); and HEAL's heter pyramid runs (``heter_pyramid_collab``,
-``heter_pyramid_single``: ``opencood/interop/heal_heter_export.py``). Others are refused in one line. Nothing is written
-unless the whole export succeeds.
+(``opencood/interop/heal_export.py``); and HEAL's heterogeneous runs (``heter_pyramid_collab``,
+``heter_pyramid_single``, ``heter_model_late``: ``opencood/interop/heal_heter_export.py``).
+Others are refused in one line. Nothing is written unless the whole export succeeds.
 """
 from __future__ import annotations
 

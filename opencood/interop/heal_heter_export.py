@@ -1,19 +1,24 @@
-"""Our ``heter_pyramid_collab`` / ``heter_pyramid_single`` runs -> HEAL run folders (issue 37
-point 5): the inverse of :mod:`opencood.interop.heal_heter_run`.
+"""Our ``heter_pyramid_collab`` / ``heter_pyramid_single`` / ``heter_model_late`` runs -> HEAL
+run folders (issue 37 point 5): the inverse of :mod:`opencood.interop.heal_heter_run`.
 
 Written: ``config.yaml``, HEAL's hypes (its ``MoreModality/HEAL`` yamls' layout: each type's
 ``model.args.<m>`` with ``encoder_args``, ``backbone_args``, ``aligner_args``, the pyramid's
-``fusion_backbone``, the ``heter`` section as ours holds it) and ``net_epoch<N>.pth``, HEAL's
-keys made by the import's rules run backwards (:func:`heal_heter.ours_to_heal_state`).
+``fusion_backbone``; the late model's as its ``Single/*_pretrain`` yamls, each type with
+``layers_args``, ``shrink_header``, ``head_args``; the ``heter`` section as ours holds it) and
+``net_epoch<N>.pth``, HEAL's keys made by the import's rules run backwards
+(:func:`heal_heter.ours_to_heal_state`), completed with the parts HEAL builds and never runs
+(an EfficientNet type's classifier, the late model's first ``layers`` stage: fresh-layer values,
+:func:`with_never_run_parts`), so that HEAL's strict ``load_state_dict`` takes it.
 ``import(export(run))`` gives the run's model section and state dict back bit for bit
-(tests/test_import_heal_heter.py). Refused in one line naming the key: what HEAL's classes do
-not build (a pillar encoder without HEAL's PFN slots, a BevEncode after the splat, an EfficientNet
-camera type: its never-run classifier is not written here), ``heter_model_late``.
+(tests/test_import_heal_heter.py); HEAL's own classes load every export strictly and give the
+same heads (tools/reference/check_heal_heter_export.py). Refused in one line naming the key:
+what HEAL's classes do not build (a pillar encoder without HEAL's PFN slots, a BevEncode after
+the splat, a late type with an aligner).
 """
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import yaml
@@ -21,12 +26,13 @@ import yaml
 from opencood.config import load_config
 from opencood.config_schema import to_plain
 from opencood.interop.heal_export import heal_dir_args, heal_loss_args, heal_run_sections
-from opencood.interop.heal_heter import ours_to_heal_state
+from opencood.interop.heal_heter import heal_key_shapes, ours_to_heal_state
 from opencood.interop.importer import staged_folder
 from opencood.interop.opencood_ckpt import InteropError
 from opencood.utils.checkpoint import load_checkpoint, run_checkpoint
 
-EXPORTED = {"heter_pyramid_collab": "intermediateheter", "heter_pyramid_single": "lateheter"}
+EXPORTED = {"heter_pyramid_collab": "intermediateheter", "heter_pyramid_single": "lateheter",
+            "heter_model_late": "lateheter"}
 _BACKBONE_KEYS = ("layer_nums", "layer_strides", "num_filters", "upsample_strides",
                   "num_upsample_filter")
 
@@ -54,9 +60,9 @@ def _encoder(name: str, modality: dict, cfg: dict, source: str) -> Tuple[dict, i
                            "num_filters": [int(v) for v in vfe["num_filters"]]},
             "point_pillar_scatter": {"num_features": features}}}, features
     if encoder["core_method"] != "lss" or args.get("bev_encoder_channels") \
-            or args["camera_encoder"] != "Resnet101":
-        raise InteropError(f"{key}: only pillar and lss (ResNet-101 trunk, no BevEncode) "
-                           "types are exported")
+            or args["camera_encoder"] not in ("Resnet101", "EfficientNet"):
+        raise InteropError(f"{key}: only pillar and lss (ResNet-101 or EfficientNet trunk, no "
+                           "BevEncode) types are exported")
     grid = {"xbound": list(args["xbound"]), "ybound": list(args["ybound"]),
             "zbound": list(args["zbound"]),
             "ddiscr": [float(args["ddiscr"][0]), float(args["ddiscr"][1]), int(args["ddiscr"][2])],
@@ -84,6 +90,36 @@ def _aligner(modality: dict) -> dict:
                      "kernel_size": int(aligner["kernel_size"])}}
 
 
+def _shrink(shrink: dict, input_dim: int) -> dict:
+    kernel = int(shrink["kernel_size"])
+    return {"kernal_size": [kernel], "stride": [int(shrink["stride"])], "padding": [kernel // 2],
+            "dim": [int(shrink["dim"])], "input_dim": input_dim}
+
+
+def heal_late_model_args(cfg: dict, source: str) -> dict:
+    """HEAL's ``model.args`` of our resolved ``heter_model_late`` ``cfg`` (the layout of its
+    ``Single/*_pretrain.yaml``): per type the encoder, backbone, ``layers_args`` (the first
+    stage's input the backbone's width), shrink header and ``head_args``."""
+    args = cfg["model"]["args"]
+    ours = {"lidar_range": [float(v) for v in args["lidar_range"]],
+            "anchor_number": int(args["anchor_number"]), "dir_args": heal_dir_args(cfg)}
+    for name, modality in args["modalities"].items():
+        if modality["aligner"]["core_method"] != "identity":
+            raise InteropError(f"{source}: model.args.modalities.{name}.aligner is "
+                               f"{modality['aligner']['core_method']!r}; HEAL's HeterModelLate "
+                               "has no aligner (identity)")
+        encoder, channels = _encoder(name, modality, cfg, source)
+        layers = modality["layers"]
+        shrink = _shrink(modality["shrink_header"],
+                         sum(int(v) for v in layers["num_upsample_filter"]))
+        ours[name] = {"sensor_type": modality["sensor_type"], **encoder,
+                      "backbone_args": _backbone(modality["backbone"], channels),
+                      "aligner_args": {"core_method": "identity"},
+                      "layers_args": _backbone(layers, int(layers["num_filters"][0])),
+                      "shrink_header": shrink, "head_args": {"in_head": shrink["dim"][0]}}
+    return ours
+
+
 def heal_model_args(cfg: dict, source: str) -> dict:
     """HEAL's ``model.args`` of our resolved heter pyramid ``cfg``."""
     args = cfg["model"]["args"]
@@ -100,12 +136,8 @@ def heal_model_args(cfg: dict, source: str) -> dict:
                                "anchor_number": int(args["anchor_number"])}
     in_head = sum(int(v) for v in fusion["num_upsample_filter"])
     if args.get("shrink_header"):
-        shrink = args["shrink_header"]
-        kernel = int(shrink["kernel_size"])
-        ours["shrink_header"] = {"kernal_size": [kernel], "stride": [int(shrink["stride"])],
-                                 "padding": [kernel // 2], "dim": [int(shrink["dim"])],
-                                 "input_dim": in_head}
-        in_head = int(shrink["dim"])
+        ours["shrink_header"] = _shrink(args["shrink_header"], in_head)
+        in_head = int(args["shrink_header"]["dim"])
     ours["in_head"] = in_head
     return ours
 
@@ -115,9 +147,17 @@ def heal_heter_hypes(cfg: dict, source: str) -> dict:
     dir_args = heal_dir_args(cfg)
     loss = cfg["loss"]["args"]
     loss_args = heal_loss_args(loss, dir_args, bool(loss.get("depth")))
-    loss_args["pyramid"] = {key: list(loss["pyramid"][key])
-                            for key in ("relative_downsample", "weight")}
     heter = {key: value for key, value in cfg["heter"].items() if value is not None}
+    core = cfg["model"]["core_method"]
+    if core == "heter_model_late":
+        model_args = heal_late_model_args(cfg, source)
+        loss_section = {"core_method": "point_pillar_depth_loss" if loss.get("depth")
+                        else "point_pillar_loss", "args": loss_args}
+    else:
+        model_args = heal_model_args(cfg, source)
+        loss_args["pyramid"] = {key: list(loss["pyramid"][key])
+                                for key in ("relative_downsample", "weight")}
+        loss_section = {"core_method": "point_pillar_pyramid_loss", "args": loss_args}
     return {**heal_run_sections(cfg, dir_args),
             "input_source": list(cfg["input_source"]), "heter": heter,
             "fusion": {"core_method": EXPORTED[cfg["model"]["core_method"]],
@@ -125,9 +165,7 @@ def heal_heter_hypes(cfg: dict, source: str) -> dict:
                        "args": {"proj_first": False, "grid_conf": "None",
                                 "data_aug_conf": "None"}},
             "preprocess": dict(cfg["preprocess"]),
-            "model": {"core_method": cfg["model"]["core_method"],
-                      "args": heal_model_args(cfg, source)},
-            "loss": {"core_method": "point_pillar_pyramid_loss", "args": loss_args}}
+            "model": {"core_method": core, "args": model_args}, "loss": loss_section}
 
 
 def export_heal_heter_run(run_dir, out_dir, checkpoint: Optional[str] = None
@@ -148,13 +186,39 @@ def export_heal_heter_run(run_dir, out_dir, checkpoint: Optional[str] = None
     cameras = {name: args[name]["encoder_args"]["camera_encoder"]
                for name in cfg["model"]["args"]["modalities"]
                if args[name]["sensor_type"] == "camera"}
+    core = cfg["model"]["core_method"]
     state = ours_to_heal_state(saved["model"], cameras, list(cfg["model"]["args"]["modalities"]),
-                               str(path))
+                               str(path), core)
+    our_shapes = {key: tuple(value.shape) for key, value in saved["model"].items()}
+    state = with_never_run_parts(state, heal_key_shapes(core, cfg["model"]["args"], our_shapes,
+                                                        cameras))
     epoch = max(int(saved.get("epoch", 0)), 0)
     with staged_folder(Path(out_dir), "export") as staging:
         (staging / "config.yaml").write_text(yaml.safe_dump(hypes, sort_keys=False))
         torch.save(state, staging / f"net_epoch{epoch}.pth")
     return Path(out_dir), []
+
+
+def never_run_fill(key: str, shape: Tuple[int, ...]) -> torch.Tensor:
+    """A tensor of a part HEAL builds and never runs, as a fresh layer holds it: zero weights
+    and biases, BatchNorm's identity (weight and running_var 1), no batches tracked."""
+    if key.endswith("num_batches_tracked"):
+        return torch.zeros(shape, dtype=torch.int64)
+    one = key.endswith("running_var") or (key.endswith(".weight") and len(shape) == 1)
+    return torch.full(shape, 1.0 if one else 0.0)
+
+
+def with_never_run_parts(state: Dict[str, torch.Tensor], expected: Dict[str, Tuple[int, ...]]
+                         ) -> Dict[str, torch.Tensor]:
+    """``state`` (HEAL's keys) completed to every key of HEAL's model ``expected`` (key ->
+    shape, :func:`heal_key_shapes`): the never-run parts ours does not build (an EfficientNet
+    type's classifier, the late model's first ``layers`` stage) filled by
+    :func:`never_run_fill`, so HEAL's strict ``load_state_dict`` takes the file."""
+    extra = [key for key in state if key not in expected]
+    if extra:
+        raise InteropError(f"{extra[0]} has no place in HEAL's model ({len(extra)} such keys)")
+    return {key: state[key] if key in state else never_run_fill(key, shape)
+            for key, shape in expected.items()}
 
 
 def is_heter_run(run_dir) -> bool:
