@@ -33,6 +33,18 @@ def fixture_root() -> Path:
     return OPV2V_FIXTURE_ROOT
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module's tests whatever OMP_NUM_THREADS says, as the parity
+    fixtures were made: thread counts change convolution kernels' last bits, which the
+    lift-splat cumsum pooling turns into errors of float32 eps x a running total (about 1e-5 of
+    the map's maximum). Used as ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def private_point_cache(tmp_path, monkeypatch):
     """The point cache of one test (``$OPENCOOD_CACHE``) in its own tmp folder."""

@@ -23,7 +23,9 @@ from opencood.interop.opencood_ckpt import InteropError
 from opencood.models.build import build_model
 from opencood.strategies import choose_strategy
 from parity_weights import materialize
-from test_parity_heal_pyramid import TOLERANCE, differences, modality_groups, relative
+from test_parity_heal_pyramid import (FIXTURE, TOLERANCE, differences, modality_groups,
+                                      relative)
+from tests.reference_fixtures import load_parity_fixture
 from tool_modules import load_tool
 
 RANGE = [-12.8, -12.8, -3.0, 12.8, 12.8, 1.0]
@@ -32,19 +34,12 @@ FUSION_DATASET = {"heter_pyramid_collab": "intermediateheter",
                   "heter_pyramid_single": "lateheter", "heter_model_late": "lateheter"}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """As the fixture was made (the lift-splat cumsum makes last bits visible)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")     # as the fixture was made (conftest)
 
 
 @pytest.fixture(scope="module")
 def fixture() -> dict:
-    from test_parity_heal_pyramid import FIXTURE
-    return torch.load(FIXTURE, weights_only=True)
+    return load_parity_fixture(FIXTURE, "make_heal_pyramid_fixture.py")
 
 
 def heal_hypes(heal_args: dict, core: str) -> dict:

@@ -33,6 +33,7 @@ from opencood.losses import build_loss
 from opencood.models import heter_pyramid, pyramid_fusion
 from opencood.registry import MODELS
 from parity_weights import generated_tensor, materialize
+from tests.reference_fixtures import load_parity_fixture
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "parity" / "heal_pyramid.pt"
 TOLERANCE = 1e-5
@@ -41,21 +42,12 @@ CAMERA_KEYS = {"imgs": "images", "intrins": "intrinsics", "extrinsics": "extrins
                "post_rots": "post_rots", "post_trans": "post_trans"}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """As the fixture was made (the lift-splat cumsum makes last bits visible)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")     # as the fixture was made (conftest)
 
 
 @pytest.fixture(scope="module")
 def fixture() -> dict:
-    if not FIXTURE.is_file():
-        pytest.fail(f"parity fixture {FIXTURE} is missing (part of the repository; see "
-                    "tools/reference/make_heal_pyramid_fixture.py)", pytrace=False)
-    return torch.load(FIXTURE, weights_only=True)
+    return load_parity_fixture(FIXTURE, "make_heal_pyramid_fixture.py")
 
 
 def our_inputs(heal_inputs: dict) -> dict:

@@ -39,6 +39,7 @@ from opencood.models.lift_splat import (BevGridSpec, CumsumPool, LiftSplat, Lift
                                         make_frustum, splat)
 from opencood.registry import ENCODERS
 from parity_weights import generated_tensor, materialize
+from tests.reference_fixtures import load_parity_fixture
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "parity" / "lift_splat.pt"
 TOLERANCE = 1e-5
@@ -46,24 +47,12 @@ BROKEN = 1e-3          # a broken piece must move the outputs by at least this (
 HEAD_KEYS = {"cls_head": "cls_conv", "reg_head": "reg_conv", "dir_head": "dir_conv"}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The fixture was made on one thread. The cumsum trick subtracts running totals, so a
-    last-bit difference anywhere upstream (convolution kernels differ with the thread count)
-    becomes an error of float32 eps x the running total in every cell: about 1e-5 of the map's
-    maximum here. On one thread the ResNet case matches to the bit."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")     # as the fixture was made (conftest)
 
 
 @pytest.fixture(scope="module")
 def fixture() -> dict:
-    if not FIXTURE.is_file():
-        pytest.fail(f"parity fixture {FIXTURE} is missing (part of the repository; see "
-                    "tools/reference/make_lss_parity_fixture.py)", pytrace=False)
-    return torch.load(FIXTURE, weights_only=True)
+    return load_parity_fixture(FIXTURE, "make_lss_parity_fixture.py")
 
 
 def our_batch(fixture: dict) -> dict:

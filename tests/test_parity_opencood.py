@@ -63,6 +63,7 @@ from opv2v_factory import write_simple_split
 from process_state import preserved_opencood_logger
 from parity_weights import generated_tensor, materialize
 from tool_modules import load_tool
+from tests.reference_fixtures import load_parity_fixture
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "parity"
 MODELS = ("point_pillar", "point_pillar_intermediate", "point_pillar_fcooper",
@@ -79,11 +80,7 @@ HEADS = (("cls_preds", "psm"), ("reg_preds", "rm"))
 # ----------------------------------------------------------------------------------------------
 
 def load_fixture(name: str) -> dict:
-    path = FIXTURES / f"{name}.pt"
-    if not path.is_file():
-        pytest.fail(f"parity fixture {path} is missing (part of the repository; see "
-                    "tools/reference/make_model_parity_fixtures.py)", pytrace=False)
-    return torch.load(path, weights_only=True)
+    return load_parity_fixture(FIXTURES / f"{name}.pt", "make_model_parity_fixtures.py")
 
 
 def peer_state(fixture: dict) -> "OrderedDict[str, torch.Tensor]":
