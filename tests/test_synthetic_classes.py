@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from opencood.data.dairv2x import DairV2XSplit
+from opencood.data.numpy_yaml import NumpyYamlLoader
 from opencood.data.pcd import read_pcd
 from opencood.data.synthetic import (OBJECT_CLASSES, LidarConfig, Scene, Vehicle, cast_lidar,
                                      generate_dataset, get_preset, visible_vehicles)
@@ -21,6 +22,7 @@ from opencood.data.synthetic.world import (ROAD_USER_KINDS, VEHICLE_KIND_NAMES, 
                                            footprints_overlap)
 from opencood.data.synthetic.writer import ALL_KINDS, rebuild_world
 from opencood.data.synthetic.writer_dairv2x import ROOT_NAME, WORLD_ORIGIN, adapt_preset
+from opencood.data.synthetic.writer_v2v4real import adapt_preset as v2v4real_adapt
 from opencood.ops.transforms import apply_transform, pose_to_matrix
 from tool_modules import load_tool
 
@@ -168,16 +170,18 @@ def test_lidar_and_camera_see_a_pedestrian_ten_metres_away_and_only_class_format
     assert set(OBJECT_CLASSES) == set(VEHICLE_KINDS) | set(ROAD_USER_KINDS)
 
 
-def test_dair_labels_each_object_s_type_the_reader_keeps_vehicles_and_opv2v_lists_none(
+def test_dair_labels_each_object_s_type_the_reader_keeps_vehicles_vehicle_formats_list_none(
         tmp_path):
     generate = load_tool("generate_synthetic")
     preset = generate.sized_preset("tiny", frames=1, multiclass=True)
     assert preset.name == "tiny_multiclass" and preset.road_users.pedestrians == 7
     assert generate.sized_preset("tiny").road_users is None
-    dair, opv2v = tmp_path / "dair", tmp_path / "opv2v"
+    dair, opv2v, v2v4real = tmp_path / "dair", tmp_path / "opv2v", tmp_path / "v2v4real"
     generate_dataset(dair, preset=preset, progress=False, splits=("test",),
                      data_format="dairv2x")
     generate_dataset(opv2v, preset=preset, progress=False, splits=("test",))
+    generate_dataset(v2v4real, preset=preset, progress=False, splits=("test",),
+                     data_format="v2v4real")
     record = yaml.safe_load((opv2v / "generation.yaml").read_text())
     assert record["preset_config"]["road_users"]["cyclists"] == 3
     world = rebuild_world(adapt_preset(preset), 0, "test", 0)       # DAIR's: 1 vehicle, 1 RSU
@@ -208,3 +212,14 @@ def test_dair_labels_each_object_s_type_the_reader_keeps_vehicles_and_opv2v_list
                 [*track.poses[0, :2], track.extent[2], 0.0, track.poses[0, 2], 0.0])))
             hit += int((np.abs(local[:, :3]) <= np.asarray(track.extent) + 0.05).all(1).any())
     assert hit >= 2
+    # V2V4Real (cars only): every object's centre, back in the world, is a vehicle's.
+    world = rebuild_world(v2v4real_adapt(preset), 0, "test", 0)
+    kinds = {tuple(np.round(t.poses[0, :2], 3)): t.kind for t in world.tracks}
+    listed = 0
+    for params_file in sorted(v2v4real.glob("test/*/*/*.yaml")):
+        params = yaml.load(params_file.read_text(), Loader=NumpyYamlLoader)
+        for entry in params["vehicles"].values():
+            centre = apply_transform(np.array([entry["location"]]), params["lidar_pose"])[0]
+            assert kinds[tuple(np.round(centre[:2], 3))] in VEHICLE_KIND_NAMES
+            listed += 1
+    assert listed >= 10

@@ -263,10 +263,11 @@ def _write_png(path: Path, pixels: np.ndarray):
 # Statistics of one sample, with the reader's own GT rules
 
 def sample_visibility(world: World, frame: int, visible: dict, lidar_poses: dict,
-                      preset: Preset, kinds=VEHICLE_KIND_NAMES) -> dict:
+                      preset: Preset, kinds=ALL_KINDS) -> dict:
     """Counts for one (scenario, frame) sample, ego = world.cav_ids[0]; ``lidar_poses``:
     {agent_id: pose as written to the yaml}, so the counts are what a reader of the files gets;
-    ``kinds``: the world kinds the format labels (``visible`` lists only those).
+    ``kinds``: the world kinds the format labels (``visible`` lists only those; the
+    vehicle-only formats pass ``VEHICLE_KIND_NAMES``).
 
     gt: vehicles in the ego's eval range seen by some agent within com_range (the sample's GT);
     invisible: those of them the ego has no return from; rsu_only: those no vehicle CAV sees
@@ -301,11 +302,12 @@ def rebuild_world(preset: Preset, seed: int, split: str, index: int) -> World:
                        road_users=preset.road_users)
 
 
-def scan_frames(preset: Preset, seed: int, split: str, index: int, kinds=VEHICLE_KIND_NAMES):
+def scan_frames(preset: Preset, seed: int, split: str, index: int, kinds=ALL_KINDS):
     """Yield ``(world, frame, scans)`` for each frame of a scenario, ``scans`` = {agent_id:
     (points (N, 4) in its lidar frame, {actor_id: OPV2V world-frame entry} of the objects of
-    ``kinds`` it hits; ``world.track(actor_id).kind`` is each one's kind)}: the same draws
-    whatever format the scenario is then written in (tests rebuild them with this)."""
+    ``kinds`` it hits (default every kind; the vehicle-only formats pass
+    ``VEHICLE_KIND_NAMES``); ``world.track(actor_id).kind`` is each one's kind)}: the same
+    draws whatever format the scenario is then written in (tests rebuild them with this)."""
     _, lidar_seq, _ = scenario_seed(seed, split, index).spawn(3)
     world = rebuild_world(preset, seed, split, index)
     lidar_rng = np.random.default_rng(lidar_seq)
@@ -353,7 +355,8 @@ def generate_scenario(out_dir, preset: Preset, seed: int, split: str, index: int
                         visibility=camera_visibility_map(scene, images, params["lidar_pose"])
                         if images else None)
             stats["points"] += len(points_lidar)
-        for key, count in sample_visibility(world, frame, visible, written_poses, preset).items():
+        for key, count in sample_visibility(world, frame, visible, written_poses, preset,
+                                            kinds=VEHICLE_KIND_NAMES).items():
             stats[key] += count
     return stats
 

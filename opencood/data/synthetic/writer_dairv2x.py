@@ -54,8 +54,8 @@ from opencood.data.synthetic.camera import (UE4_FROM_OPENCV, CameraConfig, intri
                                             vehicle_camera_cords)
 from opencood.data.synthetic.presets import RSU_FOV_DEG, Preset
 from opencood.data.synthetic.world import LIDAR_MOUNT_X, OBJECT_CLASSES, RsuConfig
-from opencood.data.synthetic.writer import (ALL_KINDS, OutputDirError, sample_visibility,
-                                            scan_frames, scenario_seed)
+from opencood.data.synthetic.writer import (OutputDirError, sample_visibility, scan_frames,
+                                            scenario_seed)
 from opencood.ops.transforms import pose_to_matrix
 
 ROOT_NAME = "cooperative-vehicle-infrastructure"
@@ -294,7 +294,7 @@ def generate_scenario(out_dir, preset: Preset, seed: int, split: str, index: int
     stats = {"split": split, "name": batch, "cavs": 1, "rsus": 1, "frames": preset.frames,
              "points": 0, "gt": 0, "invisible": 0, "rsu_only": 0, "in_range": 0, "unseen": 0,
              "pairs": [], "vehicle_infos": [], "infrastructure_infos": [], "vehicle_ids": []}
-    for world, frame, scans in scan_frames(preset, seed, split, index, kinds=ALL_KINDS):
+    for world, frame, scans in scan_frames(preset, seed, split, index):    # every kind
         ids = frame_ids(global_index, frame)
         stats["pairs"].append(write_pair(root, world, frame, scans, ids, offset, label_rng))
         timestamp = 1_626_000_000_000_000 + 100_000 * (1000 * global_index + frame)   # us
@@ -313,8 +313,7 @@ def generate_scenario(out_dir, preset: Preset, seed: int, split: str, index: int
         stats["points"] += sum(len(points) for points, _ in scans.values())
         visible = {agent: found for agent, (_, found) in scans.items()}
         poses = {agent: list(world.lidar_poses[agent][frame]) for agent in world.agent_ids}
-        for key, count in sample_visibility(world, frame, visible, poses, preset,
-                                            kinds=ALL_KINDS).items():
+        for key, count in sample_visibility(world, frame, visible, poses, preset).items():
             stats[key] += count
     return stats
 

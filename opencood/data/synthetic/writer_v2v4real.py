@@ -5,7 +5,7 @@ ego is folder ``0``), timestamps ``000000, 000001, ...``. Each yaml is what V2V4
 dumper wrote (opencood.data.numpy_yaml): ``lidar_pose`` a 4x4 float64 numpy array (lidar -> map),
 ``gps`` numpy float64 scalars, ``ego_speed``, and ``vehicles``: every vehicle the CAV's LiDAR hits,
 in the CAV's **own lidar frame** (``location`` = box centre, ``center`` 0, ``angle`` [roll, yaw,
-pitch] degrees, half sizes ``extent``), keyed by a per-CAV label number, with ``ass_id`` = the
+pitch] degrees, half sizes ``extent``; vehicles only: V2V4Real labels cars), keyed by a per-CAV label number, with ``ass_id`` = the
 world actor id when the other CAV labels the same vehicle, else -1, and ``obj_type: Car``.
 Point clouds: the OPV2V ascii PCD layout (intensity packed in rgb, as open3d reads it).
 """
@@ -20,6 +20,7 @@ import yaml
 from opencood.data.numpy_yaml import NumpyYamlDumper
 from opencood.data.pcd import write_pcd
 from opencood.data.synthetic.presets import Preset
+from opencood.data.synthetic.world import VEHICLE_KIND_NAMES
 from opencood.data.synthetic.writer import (sample_visibility, scan_frames, scenario_name,
                                             scenario_seed)
 from opencood.ops.transforms import matrix_to_pose, pose_to_matrix
@@ -78,7 +79,7 @@ def generate_scenario(out_dir, preset: Preset, seed: int, split: str, index: int
     scenario_dir = Path(out_dir) / split / name
     stats = {"split": split, "name": name, "cavs": 2, "rsus": 0, "frames": preset.frames,
              "points": 0, "gt": 0, "invisible": 0, "rsu_only": 0, "in_range": 0, "unseen": 0}
-    for world, frame, scans in scan_frames(preset, seed, split, index):
+    for world, frame, scans in scan_frames(preset, seed, split, index, kinds=VEHICLE_KIND_NAMES):
         folders = dict(zip(world.cav_ids, CAV_FOLDERS))
         timestamp = f"{preset.timestamp_step * frame:06d}"
         for cav_id, folder in folders.items():
@@ -92,6 +93,7 @@ def generate_scenario(out_dir, preset: Preset, seed: int, split: str, index: int
             stats["points"] += len(points)
         visible = {cav_id: scans[cav_id][1] for cav_id in world.cav_ids}
         poses = {cav_id: list(world.lidar_poses[cav_id][frame]) for cav_id in world.cav_ids}
-        for key, count in sample_visibility(world, frame, visible, poses, preset).items():
+        for key, count in sample_visibility(world, frame, visible, poses, preset,
+                                            kinds=VEHICLE_KIND_NAMES).items():
             stats[key] += count
     return stats
