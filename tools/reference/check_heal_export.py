@@ -18,22 +18,16 @@ the fixture); exit status 1 above 1e-6.
 """
 from __future__ import annotations
 
-import importlib.util
 import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from side_env import load_by_path  # noqa: E402  (tools/reference/side_env.py)
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RUNS = ("heal_camera_fcooper", "heal_camera_attfuse", "heal_camera_attfuse_resnet")
 HEADS = ("cls_preds", "reg_preds", "dir_preds")
-
-
-def load_by_path(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def export(out: Path) -> None:

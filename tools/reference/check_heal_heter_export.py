@@ -25,24 +25,18 @@ status 1 above 1e-5 (the parity tests' tolerance).
 """
 from __future__ import annotations
 
-import importlib.util
 import sys
 import tempfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from side_env import load_by_path  # noqa: E402  (tools/reference/side_env.py)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 HEADS = ("cls_preds", "reg_preds", "dir_preds")
 FIXTURE_CASES = {"heter_pyramid_collab": "collab", "heter_pyramid_single": "single",
                  "heter_model_late": "late"}
 TOLERANCE = 1e-5
-
-
-def load_by_path(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def export(out: Path) -> None:

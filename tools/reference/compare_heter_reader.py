@@ -46,10 +46,12 @@ from __future__ import annotations
 import json
 import sys
 import tempfile
-import types
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from side_env import reference_root, stub_module  # noqa: E402  (tools/reference/side_env.py)
 
 GENERATION = {"preset": "tiny", "seed": 0, "frames": 1, "camera_size": [64, 48],
               "hetero_lidars": [32, 16], "depth": True}
@@ -112,18 +114,6 @@ def heter_section(base: dict, variant: dict, root: Path) -> dict:
 
 
 # ------------------------------------------------------------------------------ HEAL's side
-
-def _stub(name: str, **attributes) -> None:
-    module = types.ModuleType(name)
-    module.__dict__.update(attributes)
-    sys.modules[name] = module
-
-
-def _reference_root() -> Path:
-    for entry in sys.path:
-        if entry and (Path(entry) / "opencood" / "__init__.py").is_file():
-            return Path(entry)
-    raise SystemExit("no HEAL checkout (a folder with opencood/) on PYTHONPATH")
 
 
 def heal_hypes(load_yaml, reference: Path, root: Path, split: str, variant: dict) -> dict:
@@ -204,14 +194,14 @@ def record_sample(record: _Record, dataset, index: int, tools, variant: str, spl
 
 
 def run(root: Path, out: Path) -> None:
-    _stub("opencood.visualization.vis_utils")
-    _stub("lzf")
+    stub_module("opencood.visualization.vis_utils")
+    stub_module("lzf")
     np.Inf = np.inf
     from opencood.data_utils.datasets import build_dataset
     from opencood.hypes_yaml.yaml_utils import load_yaml
     from opencood.utils.pcd_utils import mask_ego_points
     from opencood.utils.transformation_utils import x1_to_x2
-    reference = _reference_root()
+    reference = reference_root()
     record, heters = _Record(), {}
     for name, variant in VARIANTS.items():
         for split in SPLITS:

@@ -72,6 +72,9 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from side_env import reference_root, stub_module  # noqa: E402  (tools/reference/side_env.py)
+
 SPLITS = {"v2v4real": ("train", "validate", "test"), "dairv2x": ("train.json", "val.json",
                                                                 "test.json")}
 # How the folders were generated (the test regenerates them in-process from these).
@@ -80,21 +83,6 @@ V2V4REAL_YAML = "opencood/hypes_yaml/point_pillar_intermediate_fusion.yaml"
 HEAL_YAML = "opencood/hypes_yaml/dairv2x/LiDAROnly/lidar_pyramid.yaml"
 HEAL_INFERENCE_RANGE = (102.4, 102.4)          # HEAL's tools/inference.py --range default
 CORNER_MATCH_TOL = 1e-4                        # m: an evaluation box is a dataset box
-
-
-def _stub(name: str, **attributes) -> None:
-    """An empty module for an import the data sets make but never use on this path."""
-    module = types.ModuleType(name)
-    module.__dict__.update(attributes)
-    sys.modules[name] = module
-
-
-def _reference_root() -> Path:
-    """The reference checkout: the first PYTHONPATH entry holding an ``opencood`` package."""
-    for entry in sys.path:
-        if entry and (Path(entry) / "opencood" / "__init__.py").is_file():
-            return Path(entry)
-    raise SystemExit("no reference checkout (a folder with opencood/) on PYTHONPATH")
 
 
 class _Record:
@@ -175,7 +163,7 @@ def v2v4real_hypes(reference: Path, split_dir: Path) -> dict:
 def v2v4real_imports():
     """V2V4Real's build_dataset, GT_RANGE and boxes_to_corners_3d, with the stubs."""
     # drawing only; it calls matplotlib's cm.get_cmap at import, which matplotlib 3.9 removed
-    _stub("opencood.visualization.vis_utils")
+    stub_module("opencood.visualization.vis_utils")
     from opencood.data_utils.datasets import GT_RANGE, build_dataset
     from opencood.utils.box_utils import boxes_to_corners_3d
     return build_dataset, GT_RANGE, boxes_to_corners_3d
@@ -210,7 +198,7 @@ def _scenario_of(dataset, index: int) -> int:
 
 def v2v4real_reader(root: Path):
     """([(split, sample count, sample(index))], meta) of the reference."""
-    reference = _reference_root()
+    reference = reference_root()
     build_dataset, gt_range, boxes_to_corners = v2v4real_imports()
     out, hypes = [], None
     for split in SPLITS["v2v4real"]:
@@ -231,11 +219,11 @@ def v2v4real_reader(root: Path):
 def heal_imports():
     """HEAL's build_dataset, load_yaml, update_dict, x1_to_x2 and boxes_to_corners_3d, with
     the stubs and the pypcd fix."""
-    _stub("opencood.visualization.vis_utils")                   # as in v2v4real_imports
-    _stub("lzf")                    # pypcd's compressed-PCD codec: our clouds are binary
+    stub_module("opencood.visualization.vis_utils")                   # as in v2v4real_imports
+    stub_module("lzf")                    # pypcd's compressed-PCD codec: our clouds are binary
     # camera_utils builds image transforms at import; the lidar path never runs them
     _placeholder = lambda *args, **kwargs: None                      # noqa: E731
-    _stub("torchvision", transforms=types.SimpleNamespace(
+    stub_module("torchvision", transforms=types.SimpleNamespace(
         Normalize=type("Normalize", (), {"__init__": _placeholder}), Compose=_placeholder,
         ToPILImage=_placeholder, ToTensor=_placeholder))
     # numpy 2 removed the alias np.Inf, which HEAL's downsample_lidar_minimum (the test
@@ -289,7 +277,7 @@ def dairv2x_sample(dataset, x1_to_x2, boxes_to_corners, index: int):
 
 def dairv2x_reader(root: Path):
     """As v2v4real_reader, for HEAL's DAIR-V2X-C data set."""
-    reference = _reference_root()
+    reference = reference_root()
     build_dataset, yaml_utils, update_dict, x1_to_x2, boxes_to_corners = heal_imports()
     data_dir = root / "cooperative-vehicle-infrastructure"
     out, hypes = [], None

@@ -22,7 +22,6 @@ on the corners: all 8 in the range, z included), the GT filter of ``generate_gt_
 (global score sort). Saved as v2v4real_eval.py saves, with ``ap_30`` too.
 """
 import sys
-import types
 from pathlib import Path
 
 import numpy as np
@@ -34,12 +33,6 @@ SEED = 42
 ORDER = "hwl"
 HEAL_RANGE = [-102.4, -102.4, -3.5, 102.4, 102.4, 1.5]
 THRESHOLDS = (0.3, 0.5, 0.7)
-
-
-def _stub(name: str, **attributes) -> None:
-    module = types.ModuleType(name)
-    module.__dict__.update(attributes)
-    sys.modules[name] = module
 
 
 def evaluate(frames):

@@ -57,6 +57,9 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from side_env import reference_root, stub_module  # noqa: E402  (tools/reference/side_env.py)
+
 GENERATION = {"preset": "tiny", "seed": 0, "frames": 2, "camera_size": [64, 48],
               "rsu": "v2xset"}
 # HEAL's data_aug_conf keys (its camera yamls), for 64 x 48 images: final 32 x 48, the
@@ -90,19 +93,6 @@ def generate_folders(root: Path) -> dict:
     return folders
 
 
-def _stub(name: str, **attributes) -> None:
-    module = types.ModuleType(name)
-    module.__dict__.update(attributes)
-    sys.modules[name] = module
-
-
-def _reference_root() -> Path:
-    for entry in sys.path:
-        if entry and (Path(entry) / "opencood" / "__init__.py").is_file():
-            return Path(entry)
-    raise SystemExit("no HEAL checkout (a folder with opencood/) on PYTHONPATH")
-
-
 class _SeededNumpy(types.ModuleType):
     """numpy with ``random`` replaced by one Generator (what camera_utils' draws see)."""
 
@@ -134,15 +124,15 @@ def heal_hypes(reference: Path, fmt: str, data_root: Path, split: str) -> dict:
 
 
 def run(data: Path, out: Path) -> None:
-    _stub("opencood.visualization.vis_utils")
-    _stub("lzf")
+    stub_module("opencood.visualization.vis_utils")
+    stub_module("lzf")
     from opencood.data_utils.datasets import build_dataset
     from opencood.utils import camera_utils
     for fmt, splits in SPLITS.items():
         record = {"sample_split": [], "sample_mode": [], "sample_index": [], "agent_ids": [],
                   "agent_start": [0], **{key: [] for key in KEYS}}
         for split in splits:
-            dataset = build_dataset(heal_hypes(_reference_root(), fmt, data / fmt, split),
+            dataset = build_dataset(heal_hypes(reference_root(), fmt, data / fmt, split),
                                     visualize=False, train=False)
             for mode in ("eval", "train"):
                 dataset.train = mode == "train"

@@ -23,13 +23,15 @@ Run from OUTSIDE the checkout (side environment of make_lss_parity_fixture.py)::
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 import tempfile
 from pathlib import Path
 
 import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from side_env import load_by_path  # noqa: E402  (tools/reference/side_env.py)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RANGE = [-16.0, -16.0, -3.0, 16.0, 16.0, 1.0]
@@ -44,13 +46,6 @@ SHRINK = {"kernal_size": [3], "stride": [1], "padding": [1], "dim": [32], "input
 MODELS = {"fcooper": ("camera_fcooper.yaml", "EfficientNet", "max"),
           "attfuse": ("camera_attfuse.yaml", "EfficientNet", "att"),
           "attfuse_resnet": ("camera_attfuse.yaml", "Resnet101", "att")}
-
-
-def load_by_path(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def small_hypes(hypes: dict, lss, camera_encoder: str, fusion_method: str) -> dict:

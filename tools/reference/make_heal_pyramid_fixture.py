@@ -48,6 +48,9 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from side_env import load_by_path  # noqa: E402  (tools/reference/side_env.py)
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LIDAR_RANGE = [-12.8, -12.8, -3.0, 12.8, 12.8, 1.0]
 VOXEL_SIZE = [0.4, 0.4, 4.0]
@@ -356,10 +359,10 @@ def main(argv=None) -> None:
     options = parser.parse_args(argv)
     import torch
     torch.set_num_threads(1)
-    lss = load(REPO_ROOT / "tools" / "reference" / "make_lss_parity_fixture.py", "lss_fixture")
-    weights = load(REPO_ROOT / "tests" / "parity_weights.py", "parity_weights")
-    helpers = load(REPO_ROOT / "tools" / "reference" / "make_model_parity_fixtures.py",
-                   "model_parity")
+    here = REPO_ROOT / "tools" / "reference"
+    lss = load_by_path("lss_fixture", here / "make_lss_parity_fixture.py")
+    weights = load_by_path("parity_weights", REPO_ROOT / "tests" / "parity_weights.py")
+    helpers = load_by_path("model_parity", here / "make_model_parity_fixtures.py")
     modules, pyramid = import_heal_models(options.heal, lss)
     camera_utils = __import__("opencood.utils.camera_utils", fromlist=["img_transform"])
     geometry = lss.make_geometry(camera_utils)
@@ -375,15 +378,6 @@ def main(argv=None) -> None:
     torch.save(fixture, path)
     print(f"stubbed: {', '.join(sorted(set(lss.STUBBED)))}")
     print(f"wrote {path} ({path.stat().st_size / 1024:.0f} KiB)")
-
-
-def load(path: Path, name: str):
-    import importlib.util
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 if __name__ == "__main__":

@@ -49,6 +49,9 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from side_env import load_by_path  # noqa: E402  (tools/reference/side_env.py)
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 IMAGE_SIZE = (64, 128)
 ORIGINAL_SIZE = (600, 800)          # OPV2V's camera images (H, W)
@@ -84,13 +87,6 @@ ABOUT = ("Made by tools/reference/make_lss_parity_fixture.py from HEAL (github.c
          "heterogeneous encoder of the same name, EfficientNet-b0 and ResNet-101 camera "
          "encoders, UD and LID bins, generated weights and images, its img_transform for "
          "post_rots / post_trans, eval mode, fp32, CPU.")
-
-
-def load_by_path(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 STUBBED = []        # the modules stub_missing_modules stood in for, printed at the end

@@ -35,6 +35,9 @@ from pathlib import Path
 
 import yaml
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from side_env import load_by_path  # noqa: E402  (tools/reference/side_env.py)
+
 RANGE = [-12.8, -6.4, -3.0, 12.8, 6.4, 1.0]
 BACKBONE = {"layer_nums": [1, 1, 1], "layer_strides": [2, 2, 2], "num_filters": [8, 16, 32],
             "upsample_strides": [1, 2, 4], "num_upsample_filter": [16, 16, 16]}
@@ -139,13 +142,6 @@ def build(codebase: str, hypes: dict):
     module = import_with_stubs(f"opencood.models.{name}")
     cls = next(v for k, v in vars(module).items() if k.lower() == name.replace("_", ""))
     return cls(hypes["model"]["args"])
-
-
-def load_by_path(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def heal_inputs(hypes: dict, record_len: list, seed: int, parity) -> dict:

@@ -34,6 +34,9 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from side_env import load_by_path  # noqa: E402  (tools/reference/side_env.py)
+
 REPO = Path(__file__).resolve().parents[2]
 # 16 x 16 pillars of 0.4 m, 8 x 8 head cells (its voxel height 30 m stays: its z range goes
 # with it).
@@ -62,13 +65,6 @@ V2XVIT_AGENTS = [
     [(0, 0, 0.25, (0.0, 0.0, 0.0)), (1, 0, 0.40, (-0.8, 0.8, -3.0)),
      (3, 1, 0.00, (0.8, 1.6, 8.0))],
 ]
-
-
-def load_by_path(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def small(hypes: dict) -> dict:

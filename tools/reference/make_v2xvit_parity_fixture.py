@@ -48,12 +48,15 @@ Deterministic: rerunning it rewrites identical tensors.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import math
 import tempfile
+import sys
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from side_env import load_by_path  # noqa: E402  (tools/reference/side_env.py)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CORE_METHOD = "point_pillar_transformer"
@@ -75,13 +78,6 @@ ABOUT = ("Made by tools/reference/make_v2xvit_parity_fixture.py from the authors
          "SpVoxelPreprocessor, prior_encoding and spatial_correction_matrix as its "
          "intermediate dataset collates them (non-identity corrections, delays, infrastructure), "
          "forward in eval mode, fp32. outputs psm/rm are its cls_head/reg_head maps.")
-
-
-def load_by_path(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def shrink(raw: dict, small_range, points_per_pillar: int, backbone: dict) -> dict:

@@ -29,10 +29,12 @@ frame at 0.5 and 0.7 and ``eval_utils.calculate_ap``. Saved: the frames (``frame
 the None frame), the masks each filter kept, and ``ap_50``, ``ap_70``.
 """
 import sys
-import types
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from side_env import stub_module  # noqa: E402  (tools/reference/side_env.py)
 
 SEED = 41
 FRAMES = 24
@@ -71,23 +73,16 @@ def make_frames(seed: int = SEED, half_x: float = 115.0, half_y: float = 46.0,
     return frames
 
 
-def _stub(name: str, **attributes) -> None:
-    """An empty module for an import made on this path but never used by it."""
-    module = types.ModuleType(name)
-    module.__dict__.update(attributes)
-    sys.modules[name] = module
-
-
 def evaluate(frames):
     """V2V4Real's evaluation of ``frames`` -> (pred masks, GT masks, ap_50, ap_70)."""
     import torch
-    _stub("opencood.utils.box_overlaps", bbox_overlaps=None)     # cython, anchor targets only
+    stub_module("opencood.utils.box_overlaps", bbox_overlaps=None)     # cython, anchor targets only
     # spconv's voxeliser, imported by the data sets' package (GT_RANGE lives there); unused
-    _stub("cumm", tensorview=None)
-    _stub("spconv")
-    _stub("spconv.utils", Point2VoxelCPU3d=None)
+    stub_module("cumm", tensorview=None)
+    stub_module("spconv")
+    stub_module("spconv.utils", Point2VoxelCPU3d=None)
     # drawing only; it calls matplotlib's cm.get_cmap at import, which matplotlib 3.9 removed
-    _stub("opencood.visualization.vis_utils")
+    stub_module("opencood.visualization.vis_utils")
     from opencood.utils import box_utils, eval_utils
     result_stat = {0.5: {"tp": [], "fp": [], "gt": 0}, 0.7: {"tp": [], "fp": [], "gt": 0}}
     pred_masks, gt_masks = [], []
