@@ -72,6 +72,9 @@ SKIPPED_BLOCKS: Dict[BlockKey, str] = {
     ("docs/heterogeneous.md", "HEAL's heterogeneous runs", 0):
         "needs a HEAL heterogeneous run folder; tests/test_import_heal_heter.py imports runs "
         "built from HEAL's own pyramid models through the tool",
+    ("docs/heterogeneous.md", "HEAL's heterogeneous runs", 1):
+        "needs HEAL's stage-one and aligned run folders; tests/test_import_heal_heter.py merges "
+        "folders split from HEAL's pyramid fixture through the tool (--merge)",
     ("docs/cameras.md", "HEAL's camera runs", 0):
         "needs a HEAL camera run folder; tests/test_import_heal_camera.py imports HEAL's own "
         "model through the tool",
