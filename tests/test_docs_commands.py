@@ -75,6 +75,9 @@ SKIPPED_BLOCKS: Dict[BlockKey, str] = {
     ("docs/heterogeneous.md", "HEAL's heterogeneous runs", 1):
         "needs HEAL's stage-one and aligned run folders; tests/test_import_heal_heter.py merges "
         "folders split from HEAL's pyramid fixture through the tool (--merge)",
+    ("docs/heterogeneous.md", "Evaluating as HEAL does", 0):
+        "needs a trained heterogeneous run (RUN); tests/test_heter_eval.py and test_heter.py "
+        "check the steps, the agents each keeps and the rows' record",
     ("docs/cameras.md", "HEAL's camera runs", 0):
         "needs a HEAL camera run folder; tests/test_import_heal_camera.py imports HEAL's own "
         "model through the tool",

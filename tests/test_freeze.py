@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from opencood.config import ConfigError
 from opencood.engine import trainer
@@ -62,15 +63,33 @@ class PartsSpy:
             "all": set(names.values())})
 
 
+class TickingClock:
+    """A stand-in for the trainer's ``time`` module: ``perf_counter`` advances 1 s per call."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
 def test_frozen_parts_stay_bit_identical_through_training_validation_and_resume(
         data_root, tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    # the trainer's clock ticks 1 s per reading: an epoch of 2 steps reads it 6 times (its
+    # start, 2 per step, its end), so it lasts 5 s whatever the machine's load
+    monkeypatch.setattr(trainer, "time", TickingClock())
     run_dir, spy = tmp_path / "run", PartsSpy()
     # 2 epochs x 2 steps with validation between them (validation's eval/train toggling must
     # not leave the frozen BatchNorms in train mode), then a resume for a third epoch.
     trainer.main(["--hypes_yaml", str(SMOKE_YAML), "--model_dir", str(run_dir), *FIX,
                   "--set", "train_params.epoches=2", *_data(data_root)],
                  hooks=TrainHooks(on_parts=spy))
+    # what the run cost (HEAL's table: an aligned type's cost against the base's)
+    cost = yaml.safe_load((run_dir / "train_cost.yaml").read_text())
+    assert (cost["steps"], cost["epochs"], cost["fix_modules"]) == (4, 2, list(FROZEN))
+    assert cost["init_checkpoint"] is None and cost["train_seconds"] == 10.0
     # A resume keeps the folder's frozen set: changing it is refused (another run's recipe).
     with pytest.raises(SystemExit) as raised:
         trainer.main(["--model_dir", str(run_dir), "--set", "train_params.epoches=3",
@@ -81,6 +100,14 @@ def test_frozen_parts_stay_bit_identical_through_training_validation_and_resume(
                           hooks=TrainHooks(on_parts=spy))
     assert result["step"] == 6
     first, resumed = spy.seen
+    resumed_cost = yaml.safe_load((run_dir / "train_cost.yaml").read_text())
+    assert (resumed_cost["steps"], resumed_cost["epochs"]) == (6, 3)
+    assert resumed_cost["train_seconds"] == 15.0        # summed over the resume
+    sizes = {name: first["state"][name].numel() for name in first["all"]}
+    assert resumed_cost["frozen_parameters"] == sum(
+        size for name, size in sizes.items() if _frozen(name)) > 0
+    assert resumed_cost["trainable_parameters"] == sum(
+        size for name, size in sizes.items() if not _frozen(name)) > 0
     trainable = {name for name in first["all"] if not _frozen(name)}
     assert trainable and len(trainable) < len(first["all"])
     for seen in (first, resumed):                      # the resumed run freezes the same set

@@ -556,3 +556,36 @@ def test_the_ego_is_a_vehicle_the_model_has_a_modality_for(tmp_path):
     assert plan.modalities("u", ["20", "10", "-1"], None) == ["m1", "m2", "m2"]
     assert ModalityPlan(heter, train=True).agent_order("s", ["10", "20", "-1"]) == [
         "10", "20", "-1"]                                      # training keeps the folder's ego
+
+
+def test_in_order_steps_keep_the_first_agents_and_every_agents_gt(heter_data, tmp_path,
+                                                                  private_point_cache):
+    """HEAL's inference_heter_in_order on the tiny scenario: the in-order assignment is the
+    generator's (HEAL's) json, and step k fuses the first k agents (use_cav) while the GT stays
+    the union of every agent's labels."""
+    import json
+
+    from opencood.data.heter import in_order_assignment
+    from opencood.data.synthetic.writer import ASSIGNMENT_FOLDER
+    in_order = in_order_assignment(heter_data / "test", ("m1", "m2", "m3", "m4"))
+    written = heter_data / ASSIGNMENT_FOLDER / "opv2v_4modality_in_order.json"
+    assert in_order == json.loads(written.read_text())
+    scenario = _scenario(heter_data).name
+    assert in_order[scenario] == dict(zip(TEST_AGENTS, ("m1", "m2", "m3")))
+    cfg = _heter_config(tmp_path, heter_data, in_order,
+                        mapping_dict={"m1": "m1", "m2": "m2", "m3": "m3"})
+    from opencood.data.datasets import build_dataset
+    from opencood.strategies import choose_strategy
+    dataset = build_dataset(cfg, "test", False, choose_strategy(cfg), use_cav=3)
+    everyone = dataset[0]
+    assert everyone["agent_ids"] == list(TEST_AGENTS)
+    for use_cav in (1, 2):
+        dataset.use_cav = use_cav           # (one data set: the index is built once)
+        sample = dataset[0]
+        assert sample["agent_ids"] == list(TEST_AGENTS[:use_cav])
+        assert sample["agent_modality"] == ["m1", "m2", "m3"][:use_cav]
+        assert len(sample["agent_points"]) == use_cav
+        assert np.array_equal(sample["gt_boxes"], everyone["gt_boxes"])
+        assert np.array_equal(sample["gt_ids"], everyone["gt_ids"])
+    with pytest.raises(ValueError, match="use_cav 0"):
+        build_dataset(cfg, "test", False, choose_strategy(cfg), use_cav=0)

@@ -150,6 +150,10 @@ class BaseFusionDataset(torch.utils.data.Dataset):
             beams ``lidar_channels_dict`` says; camera agents their images, and depth images
             with "depth" in ``input_source``), samples carry ``agent_modality`` and
             ``modality_cameras``.
+        use_cav: evaluation only: the first ``use_cav`` agents of a sample (ego first, in the
+            split's order) take part, while the GT stays the union over all its agents, as
+            HEAL's ``IntermediateheterinferFusionDataset`` (``tools/eval.py --heter_in_order``);
+            None: every agent.
     """
 
     fusion_method = "base"
@@ -163,8 +167,12 @@ class BaseFusionDataset(torch.utils.data.Dataset):
                  order: str = "hwl", cache_dir=None, count_ego_points: bool | None = None,
                  dataset: str = "opv2v", reader_options: dict | None = None,
                  input_source=("lidar",), data_aug_conf: dict | None = None,
-                 heter: dict | None = None, visibility: str = "auto"):
+                 heter: dict | None = None, visibility: str = "auto",
+                 use_cav: int | None = None):
         check_augment_config(augment_cfg)
+        if use_cav is not None and (train or use_cav < 1):
+            raise ValueError(f"use_cav {use_cav}: evaluation keeps the first use_cav >= 1 agents")
+        self.use_cav = use_cav
         if heter is not None and not getattr(split_class(dataset), "reads_heter", False):
             raise ConfigError(f"heter: the {dataset} reader has no modality assignment (HEAL's "
                               f"heter section reads the OPV2V layout: opv2v, v2xset)")
@@ -296,6 +304,8 @@ class BaseFusionDataset(torch.utils.data.Dataset):
         info, agents = self._agents(index)
         for agent, modality in zip(agents, self._modalities(index, info, agents)):
             agent["modality"] = modality
+        if self.use_cav is not None:        # the GT below still comes from every agent
+            agents = agents[:self.use_cav]
         for agent in agents if self.uses_other_agents_points else agents[:1]:
             agent["points"] = self._load_points(agent["frame"], agent["modality"])
         gt_ids, gt_boxes = self.split.sample_gt(index, gt_range=self.gt_range, order=self.order)

@@ -84,6 +84,26 @@ def read_assignment(path) -> Dict[str, Dict[str, str]]:
     return data
 
 
+def in_order_modalities(cav_ids: Sequence[str], names: Sequence[str]) -> Dict[str, str]:
+    """HEAL's in-order assignment of one scenario (``heter_utils.assign_modality_4_in_order``,
+    its names ``m1``..``m4``): the agents in folder (string) order, a first folder ``-1`` (a
+    roadside unit) moved last, take ``names`` in turn, cycling. -> {cav id: name}."""
+    order = sorted(cav_ids)
+    if order and order[0] == "-1":
+        order = order[1:] + order[:1]
+    return {cav_id: names[k % len(names)] for k, cav_id in enumerate(order)}
+
+
+def in_order_assignment(split_dir, names: Sequence[str]) -> Dict[str, Dict[str, str]]:
+    """:func:`in_order_modalities` of every scenario folder of ``split_dir`` (its agent
+    folders), {scenario: {cav id: name}}: the assignment HEAL's ``inference_heter_in_order``
+    reads (its ``_in_order.json``), for any split and modality names."""
+    split_dir = Path(split_dir)
+    return {scenario.name: in_order_modalities(
+                [p.name for p in scenario.iterdir() if p.is_dir()], names)
+            for scenario in sorted(p for p in split_dir.iterdir() if p.is_dir())}
+
+
 class ModalityPlan:
     """Each agent's modality, from the resolved ``heter`` section (module doc).
 

@@ -4,6 +4,7 @@
                          [--split validate|test] [--save_vis] [--save_detections] [--no-ema]
                          [--pose_noise STD ...] [--latency FRAMES ...]
     python tools/eval.py --list RUN
+    python tools/eval.py --model_dir RUN --heter_in_order m1 m2 m3 m4 [--modality_ap m1 m2]
 
 and the same under torchrun: each rank evaluates an unpadded shard, detections are gathered to
 rank 0, and AP is computed once. Each evaluated setting writes a self-describing record to
@@ -30,6 +31,9 @@ from opencood.data.datasets import (SPLIT_KEYS, VISIBILITY_CHOICES, VISIBILITY_R
 from opencood.data.pipeline import BatchPreparer
 from opencood.engine.recipe import check_registered_names, configure_cuda
 from opencood.errors import alike_on_every_rank, run_cli
+from opencood.eval.heter_order import (agents_per_frame, check_modalities, format_summary,
+                                      in_order_settings, modality_settings, summary_rows,
+                                      write_in_order_assignment, write_summary)
 from opencood.eval.detections import DetectionCollector, detections_name, write_detections
 from opencood.eval.inference import detection_class_names, evaluate_loader
 from opencood.eval.pose_correction import load_pose_corrector
@@ -84,6 +88,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--num_workers", type=int, default=2)
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="KEY=VALUE", help="override a key of the run's config")
+    parser.add_argument("--heter_in_order", nargs="+", metavar="MODALITY",
+                        help="HEAL's inference_heter_in_order: the agents take these modalities "
+                             "in folder order (cycling), the first the ego's; one AP row per "
+                             "step k, the first k agents fused, every agent's labels the GT")
+    parser.add_argument("--modality_ap", nargs="+", metavar="MODALITY",
+                        help="per-modality AP: every agent mapped to one modality, the ego "
+                             "alone against the sample's GT; one row per modality")
     args = parser.parse_args(argv)
     # Refused here, before the clean evaluation runs: the sweep would fail (or mean nothing)
     # only after it.
@@ -95,6 +106,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--seeds {args.seeds} repeats each --pose_noise level with another noise "
                      f"seed; give --pose_noise STD ... (the clean and --latency settings draw "
                      f"no noise, so their spread would be of one run)")
+    if (args.heter_in_order or args.modality_ap) and (args.pose_noise or args.latency):
+        parser.error("--heter_in_order / --modality_ap evaluate clean settings; give "
+                     "--pose_noise / --latency in another call")
     for flag, values in (("--pose_noise", args.pose_noise), ("--latency", args.latency)):
         negative = [value for value in values if value < 0]
         if negative:
@@ -196,7 +210,7 @@ def evaluate_setting(cfg, args, run_dir, model, info, setting, checkpoint: Dict,
     # The engine's one choice for this setting, handed to the data and the evaluation.
     strategy = choose_strategy(cfg_run, fusion)
     dataset = build_dataset(cfg_run, args.split, train=False, strategy=strategy,
-                            visibility=args.visibility)
+                            visibility=args.visibility, use_cav=setting.get("use_cav"))
     loader = build_loader(dataset, info.device, args.num_workers, batch_size=args.batch_size,
                           sampler=InferenceSampler(len(dataset)))
     preparer = BatchPreparer.from_config(cfg_run, info.device, training=False)
@@ -215,9 +229,14 @@ def evaluate_setting(cfg, args, run_dir, model, info, setting, checkpoint: Dict,
         return None
     if "visibility" in metrics:
         metrics["visibility_rule"] = VISIBILITY_RULES[dataset.visibility_rule]
+    if setting.get("use_cav") is not None:
+        metrics["agents_per_frame"] = agents_per_frame(
+            [len(dataset.split.info(i).cav_ids) for i in range(len(dataset.split))],
+            setting["use_cav"])
     metrics["protocol"] = {"name": protocol.name, "description": protocol.description,
                            **scored_gt_range(protocol, cfg_run["postprocess"]["gt_range"])}
-    return setting_record(cfg_run, args, tag, fusion, checkpoint, info, metrics, correction)
+    return setting_record(cfg_run, args, tag, fusion, checkpoint, info, metrics, correction,
+                          setting.get("agents"))
 
 
 def scored_gt_range(protocol, gt_range) -> Dict:
@@ -245,14 +264,19 @@ def save_detections(collector: DetectionCollector, run_dir: Path, args, fusion: 
 
 
 def setting_record(cfg_run: Dict, args, tag: str, fusion: str, checkpoint: Dict, info,
-                   metrics: Dict, correction: Dict | None = None) -> Dict:
+                   metrics: Dict, correction: Dict | None = None,
+                   agents: Dict | None = None) -> Dict:
     """The record of one evaluated setting; names it (``metrics["name"]`` too).
-    ``correction``: how the poses were corrected (``settings.pose_correction``), None: not."""
+    ``correction``: how the poses were corrected (``settings.pose_correction``), None: not.
+    ``agents``: which agents took part (``settings.agents``: a ``--heter_in_order`` step or a
+    ``--modality_ap`` modality, opencood.eval.heter_order), None: all."""
     folder = str(Path(cfg_run[SPLIT_KEYS[args.split]]).resolve())
     settings = {"fusion": fusion, "protocol": args.protocol,
                 "wild_setting": dict(cfg_run["wild_setting"]), "overrides": list(args.overrides)}
     if correction is not None:
         settings["pose_correction"] = correction
+    if agents is not None:
+        settings["agents"] = agents
     if args.visibility != "auto":          # records of the default keep their names
         settings["visibility"] = args.visibility
     name = record_name(args.split, fusion, tag, args.protocol, DEFAULT_PROTOCOL,
@@ -340,6 +364,9 @@ def evaluate(args) -> List[Dict]:
                                                          info.device)[0])
         settings = settings_to_run(args.pose_noise, args.latency, args.seeds,
                                    cfg["wild_setting"]["seed"])
+        heter_runs = heter_settings(cfg, args, run_dir)
+        if heter_runs:
+            settings = [setting for _, kind_settings in heter_runs for setting in kind_settings]
         evaluated = []
         for setting in settings:
             for mode in modes:
@@ -355,12 +382,59 @@ def evaluate(args) -> List[Dict]:
         if writer is not None:
             writer.close()
         dist_utils.run_together(
+            lambda: write_heter_summaries(run_dir, args, fusion, heter_runs, results)
+            if results and heter_runs else None, "writing the heterogeneous rows")
+        dist_utils.run_together(
             lambda: write_spread(run_dir, args, fusion, evaluated, results)
             if results and args.seeds > 1 else None, "writing the spread")
         # Rank 0 computes AP after the gather while the others are done: let every rank leave
         # together so no rank tears the group down under another's feet.
         dist_utils.barrier()
         return results
+
+
+def heter_settings(cfg: Dict, args, run_dir: Path) -> List[Tuple[str, List[Dict]]]:
+    """[(kind, its settings)] of ``--heter_in_order`` ("in_order") and ``--modality_ap``
+    ("modality"), in that order; [] without either (opencood.eval.heter_order)."""
+    runs = []
+    if args.heter_in_order:
+        names = check_modalities(args.heter_in_order, cfg["heter"], "--heter_in_order")
+        max_cav = cfg["train_params"]["max_cav"]
+        if max_cav < len(names):        # a stage-two run trains its type alone (max_cav 1)
+            raise ConfigError(f"--heter_in_order {' '.join(names)}: train_params.max_cav is "
+                              f"{max_cav}, so at most {max_cav} agent(s) per sample; give "
+                              f"--set train_params.max_cav={max(5, len(names))} (HEAL's "
+                              f"final_infer setting)")
+        # every rank writes the same file (atomically): each builds its data set from it
+        path = write_in_order_assignment(cfg[SPLIT_KEYS[args.split]], names, run_dir,
+                                         args.split)
+        runs.append(("in_order", in_order_settings(names, path)))
+    if args.modality_ap:
+        names = check_modalities(args.modality_ap, cfg["heter"], "--modality_ap")
+        runs.append(("modality", modality_settings(names, cfg["heter"])))
+    return runs
+
+
+HETER_TITLES = {
+    "in_order": "HEAL's in-order evaluation: the first k agents fused (agents in folder order, "
+                "ego first), every agent's labels the GT",
+    "modality": "per-modality AP: every agent of one modality, the ego alone, every agent's "
+                "labels the GT"}
+
+
+def write_heter_summaries(run_dir: Path, args, fusion: str,
+                          heter_runs: List[Tuple[str, List[Dict]]], results: List[Dict]) -> None:
+    """Rank 0: each kind's rows (one per setting, ``results`` in the settings' order) printed
+    as a table and written to RUN/evals/heter/."""
+    start = 0
+    for kind, kind_settings in heter_runs:
+        rows = summary_rows(kind_settings, results[start:start + len(kind_settings)])
+        start += len(kind_settings)
+        title = f"{HETER_TITLES[kind]} ({args.split}, {fusion})"
+        names = args.heter_in_order if kind == "in_order" else args.modality_ap
+        path = write_summary(run_dir, kind, args.split, fusion, names, rows, title)
+        print(format_summary(title, rows), flush=True)
+        print(f"rows: {path}", flush=True)
 
 
 def write_spread(run_dir: Path, args, fusion: str, settings: List[Dict],

@@ -39,6 +39,9 @@ class TrainState:
     step: int = 0
     best_val_loss: float = math.inf
     skipped_steps: int = 0
+    # Wall seconds of the training steps of every epoch so far, across resumes (validation and
+    # checkpoints excluded): what a run cost to train (RUN/train_cost.yaml).
+    train_seconds: float = 0.0
 
     @classmethod
     def from_checkpoint(cls, checkpoint: Dict | None) -> "TrainState":
@@ -48,7 +51,8 @@ class TrainState:
                    epoch_steps_done=int(checkpoint.get("epoch_steps_done", 0)),
                    step=int(checkpoint["step"]),
                    best_val_loss=float(checkpoint.get("best_val_loss", math.inf)),
-                   skipped_steps=int(checkpoint.get("skipped_steps", 0)))
+                   skipped_steps=int(checkpoint.get("skipped_steps", 0)),
+                   train_seconds=float(checkpoint.get("train_seconds", 0.0)))
 
 
 @dataclass
@@ -83,6 +87,7 @@ def training_state(parts: TrainingParts, progress: TrainState, cfg: Dict, seed: 
         "epoch": progress.epoch, "step": progress.step,
         "best_val_loss": progress.best_val_loss,
         "skipped_steps": progress.skipped_steps,       # the skip budget spans resumes
+        "train_seconds": progress.train_seconds,
         **({"epoch_steps_done": progress.epoch_steps_done} if progress.epoch_steps_done else {}),
         "sampler": {"seed": seed, "epoch": progress.epoch},
         "rng": own_rng,
@@ -104,6 +109,25 @@ def save_run_checkpoints(run_dir: Path, state: Dict, epoch: int, save_freq: int,
     if is_best:
         save_checkpoint(run_dir / "best.pth", state)
     record_schedule(run_dir, state["config"])
+
+
+TRAIN_COST_FILE = "train_cost.yaml"
+
+
+def train_cost(progress: TrainState, model: torch.nn.Module, cfg: Dict, world_size: int,
+               device) -> Dict:
+    """What the run has cost so far: optimizer steps, whole epochs, wall seconds of training
+    (summed over resumes), trainable and frozen parameters, the frozen parts and the base it
+    started from (``train_params.fix_modules``, ``init.checkpoint``: HEAL's stage two), the
+    processes and device. Written by rank 0 at every epoch end to ``RUN/train_cost.yaml``."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    return {"steps": progress.step, "epochs": progress.epoch,
+            "train_seconds": round(progress.train_seconds, 1),
+            "trainable_parameters": trainable, "frozen_parameters": frozen,
+            "fix_modules": list(cfg["train_params"]["fix_modules"] or []),
+            "init_checkpoint": cfg["init"]["checkpoint"],
+            "world_size": world_size, "device": str(device)}
 
 
 def save_mid_epoch_checkpoint(run_dir: Path, state: Dict, keep: int) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Dict
 
 import torch
+import yaml
 
 from opencood.config import ConfigError, save_config
 from opencood.data.collate import DevicePrefetcher, build_loader
@@ -33,13 +34,14 @@ from opencood.engine.recipe import (ScalarLogger, build_teacher, build_training_
                                     resolve_config, seed_everything, seed_model_randomness,
                                     split_batch_or_refuse, step_budget, validate)
 from opencood.engine.run_folder import say_if_finished
-from opencood.engine.state import (MidEpochCheckpoints, TrainingParts, TrainState,
-                                   find_resume_checkpoint, restore_training,
-                                   save_mid_epoch_checkpoint, save_run_checkpoints,
+from opencood.engine.state import (TRAIN_COST_FILE, MidEpochCheckpoints, TrainingParts,
+                                   TrainState, find_resume_checkpoint, restore_training,
+                                   save_mid_epoch_checkpoint, save_run_checkpoints, train_cost,
                                    training_state)
 from opencood.errors import run_cli
 from opencood.strategies import choose_strategy
 from opencood.utils import dist as dist_utils
+from opencood.utils.atomic import atomic_write
 from opencood.utils.batching import describe_batch
 from opencood.utils.samplers import build_train_sampler
 
@@ -227,6 +229,7 @@ class EpochRunner:
         # next collective until the process-group timeout with no name.
         dist_utils.monitored_barrier(f"the end of epoch {epoch}", self.barrier_timeout_s)
         elapsed = time.perf_counter() - epoch_start
+        progress.train_seconds += elapsed
         if self.last_stats:
             logger.info("epoch %d: loss %.4f, lr %.2e, %.1f samples/s (step %d of %d)", epoch,
                         self.last_stats["loss"], self.last_stats["lr"],
@@ -302,7 +305,18 @@ class EpochRunner:
             lambda: save_run_checkpoints(self.run_dir, state, epoch, self.save_freq if whole
                                          else 0, is_best and whole, self.keep_checkpoints),
             "saving checkpoints")
+        dist_utils.run_together(lambda: self.write_train_cost() if whole else None,
+                                "writing the training cost")
         self.mid_epoch.saved()
+
+    def write_train_cost(self) -> None:
+        """Rank 0: RUN/train_cost.yaml (opencood.engine.state.train_cost)."""
+        if not dist_utils.is_main_process():
+            return
+        cost = train_cost(self.progress, self.parts.model_without_ddp, self.cfg,
+                          self.info.world_size, self.info.device)
+        with atomic_write(self.run_dir / TRAIN_COST_FILE) as stream:
+            yaml.safe_dump(cost, stream, sort_keys=False)
 
     def save_mid_epoch(self) -> None:
         state = training_state(self.parts, self.progress, self.cfg, self.plan.seed)

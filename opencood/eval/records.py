@@ -9,7 +9,9 @@
     data: {split, folder (absolute), frames,
            test_is_validation: the test split's folder is the config's validate_dir}
     settings: {fusion, protocol, wild_setting {loc_err, xyz_std, yaw_std, seed,
-               latency_frames, ...}, overrides [--set k=v ...]}
+               latency_frames, ...}, overrides [--set k=v ...],
+               agents {in_order | modality, use_cav}: only a heterogeneous step
+               (opencood.eval.heter_order)}
     config_sha256: hash of the resolved config evaluated
     code: {version, git_commit}
     machine: {device, world_size, torch}
@@ -214,14 +216,16 @@ def describe_weights(checkpoint: Dict) -> str:
 
 def matching_records(records: Iterable[Tuple[Path, Dict]], **wanted) -> List[Tuple[Path, Dict]]:
     """The records whose data/settings fields equal ``wanted`` (keys: split, folder, fusion,
-    protocol, clean: no pose noise and no latency)."""
+    protocol, clean: no pose noise, no latency and every agent taking part, not a
+    ``--heter_in_order`` step or a ``--modality_ap`` row)."""
     found = []
     for path, record in records:
         wild = record["settings"]["wild_setting"] or {}
         fields = {"split": record["data"]["split"], "folder": record["data"]["folder"],
                   "fusion": record["settings"]["fusion"],
                   "protocol": record["settings"]["protocol"],
-                  "clean": not wild.get("loc_err") and not wild.get("latency_frames")}
+                  "clean": not wild.get("loc_err") and not wild.get("latency_frames")
+                  and not record["settings"].get("agents")}
         if all(fields[key] == value for key, value in wanted.items()):
             found.append((path, record))
     return found

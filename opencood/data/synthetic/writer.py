@@ -26,7 +26,7 @@ from tqdm import tqdm
 from opencood.data.camera_visibility import (MIN_VISIBLE_PIXELS, map_path, visibility_map,
                                              write_visibility_map)
 from opencood.data.formats import get_format, writer_formats
-from opencood.data.heter import depth_files, hetero_path, lidar_file
+from opencood.data.heter import depth_files, hetero_path, in_order_modalities, lidar_file
 from opencood.data.opv2v import vehicles_to_boxes
 from opencood.data.pcd import write_pcd
 from opencood.data.synthetic.camera import (CameraConfig, camera_entry, depth_png, render_camera,
@@ -523,6 +523,7 @@ def generate_dataset(out_dir, preset="small", seed: int = 0, workers: int = 1,
 ASSIGNMENT_FOLDER = "heter_modality_assign"
 ASSIGNMENT_FILES = ("opv2v_4modality.json", "opv2v_4modality_in_order.json")
 ASSIGNMENT_SEED = 303
+HEAL_MODALITIES = ("m1", "m2", "m3", "m4")
 
 
 def write_assignments(out_dir, splits=SPLITS) -> list:
@@ -545,9 +546,7 @@ def write_assignments(out_dir, splits=SPLITS) -> list:
             random_assignment[scenario] = {cav_id: f"m{permutation[k % 4]}"
                                            for k, cav_id in enumerate(cav_ids)}
             if split == "test":
-                if cav_ids[0] == "-1":
-                    cav_ids = cav_ids[1:] + cav_ids[:1]
-                in_order[scenario] = {cav_id: f"m{k % 4 + 1}" for k, cav_id in enumerate(cav_ids)}
+                in_order[scenario] = in_order_modalities(cav_ids, HEAL_MODALITIES)
     folder = out_dir / ASSIGNMENT_FOLDER
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
