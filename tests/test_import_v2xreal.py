@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from opencood.config import load_config
+from opencood.config import load_config, replaced, save_config
 from opencood.interop.importer import translate_run
 from opencood.interop.opencood_ckpt import InteropError
 from opencood.models.build import build_model
@@ -156,3 +156,35 @@ def test_refused_in_one_line_and_nothing_written(tmp_path, change, message):
         import_run(peer, tmp_path / "ours")
     assert "\n" not in str(error.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["peer"]       # nothing, not even staging
+
+
+def test_export_back_to_v2xreal(tmp_path):
+    """--to v2xreal inverts the import: V2X-Real's tensors come back bit for bit under its keys,
+    and the exported folder imports to the same config (V2X-ViT's 1.6 m warp cell on a
+    stride-2 map comes back as its downsample_rate 4). V2X-Real's own load_yaml, model and
+    load_state_dict(strict=True) loaded these exports and gave the fixtures' heads exactly
+    (make_v2xreal_run_fixtures.py --export-check). A run without a class list is refused."""
+    export = load_tool("export_checkpoint")
+    for name in ("attfuse", "v2xvit"):
+        peer = write_peer_run(tmp_path / name, name)
+        import_run(peer, tmp_path / f"ours_{name}")
+        out = tmp_path / f"export_{name}"
+        export.run(export.parse_args(["--to", "v2xreal", "--model_dir",
+                                      str(tmp_path / f"ours_{name}"), "--out", str(out)]))
+        original = torch.load(peer / "net_epoch3.pth", weights_only=True)
+        exported = torch.load(out / "net_epoch3.pth", weights_only=True)
+        assert sorted(exported) == sorted(original)
+        assert all(torch.equal(exported[key], original[key]) for key in original)
+        again, _, _ = translate_run(out, None, "v2xreal")
+        first = load_config(tmp_path / f"ours_{name}" / "config.yaml")
+        for section in ("model", "postprocess", "preprocess", "fusion"):
+            assert again[section] == first[section], (name, section)
+    single = tmp_path / "single"
+    single.mkdir()
+    save_config(replaced(first, {"postprocess.classes": None}), single / "config.yaml")
+    shutil.copy(tmp_path / "ours_v2xvit" / "last.pth", single / "last.pth")
+    with pytest.raises(InteropError, match=r"single/config.yaml: postprocess.classes is not "
+                                           r"set; V2X-Real's heads score a class list"):
+        export.run(export.parse_args(["--to", "v2xreal", "--model_dir", str(single), "--out",
+                                      str(tmp_path / "never")]))
+    assert not (tmp_path / "never").exists()

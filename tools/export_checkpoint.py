@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Export one of our runs as another codebase's run folder (issue 24)::
 
-    python tools/export_checkpoint.py --to opencood|heal --model_dir RUN --out DIR
+    python tools/export_checkpoint.py --to opencood|heal|v2xreal --model_dir RUN --out DIR
                                       [--checkpoint FILE]
 
 Writes ``DIR/config.yaml`` (the peer's hypes, read by its ``load_yaml``) and
@@ -13,7 +13,9 @@ models whose architecture exists there, run with the reference options
 ``heter_model_baseline`` with one ``lift_splat_shoot`` modality, the inverse of ``--from heal``
 (``opencood/interop/heal_export.py``); and HEAL's heterogeneous runs (``heter_pyramid_collab``,
 ``heter_pyramid_single``, ``heter_model_late``: ``opencood/interop/heal_heter_export.py``).
-Others are refused in one line. Nothing is written unless the whole export succeeds.
+``--to v2xreal``: multi-class runs of V2X-Real's five networks, the inverse of ``--from
+v2xreal`` (``opencood/interop/v2xreal_export.py``). Others are refused in one line. Nothing is
+written unless the whole export succeeds.
 """
 from __future__ import annotations
 
@@ -23,8 +25,9 @@ from opencood.errors import run_cli
 from opencood.interop.exporter import export_opencood_run
 from opencood.interop.heal_export import export_heal_run
 from opencood.interop.heal_heter_export import export_heal_heter_run, is_heter_run
+from opencood.interop.v2xreal_export import export_v2xreal_run
 
-CODEBASES = ("opencood", "heal")
+CODEBASES = ("opencood", "heal", "v2xreal")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -42,6 +45,8 @@ def run(args: argparse.Namespace):
     if args.codebase == "heal":
         export = export_heal_heter_run if is_heter_run(args.model_dir) else export_heal_run
         out, notes = export(args.model_dir, args.out, args.checkpoint)
+    elif args.codebase == "v2xreal":
+        out, notes = export_v2xreal_run(args.model_dir, args.out, args.checkpoint), []
     else:
         out, notes = export_opencood_run(args.model_dir, args.out, args.checkpoint), []
     print(f"exported {args.model_dir} -> {out} ({args.codebase}: config.yaml, "

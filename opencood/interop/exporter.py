@@ -39,7 +39,7 @@ import yaml
 
 from opencood.config import load_config
 from opencood.config_schema import to_plain
-from opencood.interop.opencood_ckpt import LINEAR_AS_CONV, RULES, InteropError, ours_to_opencood
+from opencood.interop.opencood_ckpt import LINEAR_AS_CONV, RULES, InteropError, ours_to_peer_state
 from opencood.interop.importer import our_state_shapes, staged_folder
 from opencood.interop.opencood_config import DATASETS, OPENCOOD_ANCHOR_Z
 from opencood.utils.checkpoint import load_checkpoint, run_checkpoint
@@ -336,14 +336,15 @@ def peer_lr_scheduler(schedule: dict) -> dict:
     return {"core_method": "multistep", "gamma": 0.1, "step_size": []}
 
 
-def peer_shapes(our_shapes: dict, core_method: str) -> dict:
+def peer_shapes(our_shapes: dict, core_method: str, rules=None) -> dict:
     """OpenCOOD's state-dict shapes, from those of our model built from the config (not from
     the checkpoint, so a tensor missing there is reported): every tensor our rules place, in
     our shape except where a rule changes the layout (the shrink kernel keeps its size: the
-    exported yaml states it). A tensor no rule places is reported by the strict translation."""
+    exported yaml states it). A tensor no rule places is reported by the strict translation.
+    ``rules``: another codebase's rules for ``core_method`` (V2X-Real's)."""
     shapes = {}
     for key, our_shape in our_shapes.items():
-        for rule in RULES[core_method]:
+        for rule in rules or RULES[core_method]:
             peer_key = rule.ours_to_peer(key)
             if peer_key is None:
                 continue
@@ -355,26 +356,33 @@ def peer_shapes(our_shapes: dict, core_method: str) -> dict:
     return shapes
 
 
-def translate_our_run(run_dir, checkpoint: Optional[str] = None) -> Tuple[dict, dict, int]:
-    """(OpenCOOD hypes, OpenCOOD state dict, epoch) for our run folder; writes nothing."""
+def translate_our_run(run_dir, checkpoint: Optional[str] = None, hypes_of=None, rules=None,
+                      codebase: str = "OpenCOOD") -> Tuple[dict, dict, int]:
+    """(the peer's hypes, its state dict, epoch) for our run folder; writes nothing. By default
+    OpenCOOD's (``peer_config``, ``RULES``); ``hypes_of(cfg, source) -> (core_method, hypes)``
+    and ``rules`` (core_method -> key rules) for another codebase of OpenCOOD's layout."""
     run_dir = Path(run_dir)
     config_path = run_dir / "config.yaml"
     if not config_path.is_file():
         raise InteropError(f"{run_dir}: no config.yaml (give one of our run folders)")
     cfg = load_config(config_path)
-    core_method, hypes = peer_config(cfg, str(config_path))
+    core_method, hypes = (hypes_of or peer_config)(cfg, str(config_path))
     path = run_checkpoint(run_dir, checkpoint)
     saved = load_checkpoint(path)
     if "model" not in saved:
         raise InteropError(f"{path}: not a training checkpoint (no 'model' entry)")
-    shapes = peer_shapes(our_state_shapes(cfg["model"]), core_method)
-    state = ours_to_opencood(saved["model"], core_method, shapes, source=str(path))
+    model_rules = (rules or RULES)[core_method]
+    shapes = peer_shapes(our_state_shapes(cfg["model"]), core_method, model_rules)
+    state = ours_to_peer_state(saved["model"], model_rules, shapes, str(path),
+                               f"{codebase}'s {core_method}")
     return hypes, state, max(int(saved.get("epoch", 0)), 0)
 
 
-def export_opencood_run(run_dir, out_dir, checkpoint: Optional[str] = None) -> Path:
-    """Translate our ``run_dir`` and write OpenCOOD's run folder ``out_dir`` (must not exist)."""
-    hypes, state, epoch = translate_our_run(run_dir, checkpoint)
+def export_opencood_run(run_dir, out_dir, checkpoint: Optional[str] = None, hypes_of=None,
+                        rules=None, codebase: str = "OpenCOOD") -> Path:
+    """Translate our ``run_dir`` and write OpenCOOD's run folder ``out_dir`` (must not exist);
+    another codebase of its layout with the arguments of :func:`translate_our_run`."""
+    hypes, state, epoch = translate_our_run(run_dir, checkpoint, hypes_of, rules, codebase)
     with staged_folder(Path(out_dir), "export") as staging:
         (staging / "config.yaml").write_text(yaml.safe_dump(hypes, sort_keys=False))
         torch.save(state, staging / f"net_epoch{epoch}.pth")      # bare, as its train.py saves

@@ -23,6 +23,11 @@ PYTHONPATH::
         /work/side/venv-v2xreal/bin/python REPO/tools/reference/make_v2xreal_run_fixtures.py \
         /work/side/V2X-Real REPO/tests/fixtures/v2xreal_runs
 
+With ``--export-check FIXTURES FOLDER ...`` it instead loads folders our
+``tools/export_checkpoint.py --to v2xreal`` wrote from imports of the fixtures (each folder's
+name ends with the fixture's model name) with its own ``load_yaml``, model class and
+``load_state_dict(strict=True)``, and runs the fixture's inputs (max |diff| of the heads).
+
 (the side environment: torch 2.14.1, numpy, PyYAML, einops, spconv 2.3.8 + cumm 0.7.11 for
 its pre-processor; matplotlib, imported and unused by its F-Cooper, is stubbed).
 """
@@ -221,5 +226,45 @@ def main(source_root: str, out_dir: str) -> None:
               f"{(out / f'{name}.parity.pt').stat().st_size / 1024:.0f} KiB")
 
 
+def export_check(fixtures: str, folders) -> None:
+    """Each folder written by our ``tools/export_checkpoint.py --to v2xreal`` from an import of
+    the fixture ``<model>`` (the folder's name ends with it): its config.yaml read by its own
+    ``load_yaml``, its model built and the newest ``net_epoch<N>.pth`` loaded with
+    ``strict=True``, the fixture's inputs run: the heads must be the fixture's."""
+    import torch
+    sys.meta_path.insert(0, _UnusedModules())
+    stubs = load_by_path("make_peer_run_fixtures", REPO / "tools" / "reference" /
+                         "make_peer_run_fixtures.py")
+    for name in ("matplotlib", "matplotlib.pyplot"):
+        sys.modules[name] = stubs._Stub(name)
+    yaml_utils = stubs.import_with_stubs("opencood.hypes_yaml.yaml_utils")
+    for folder in map(Path, folders):
+        name = next(model for model in MODELS if folder.name.endswith(model))
+        fixture = torch.load(Path(fixtures) / f"{name}.parity.pt", weights_only=True)
+        hypes = yaml_utils.load_yaml(str(folder / "config.yaml"))
+        model = build(hypes, stubs)
+        newest = max(folder.glob("net_epoch*.pth"),
+                     key=lambda path: int(path.stem[len("net_epoch"):]))
+        model.load_state_dict(torch.load(newest, map_location="cpu"), strict=True)
+        inputs = fixture["inputs"]
+        data = {"processed_lidar": {key: inputs[key] for key in
+                                    ("voxel_features", "voxel_coords", "voxel_num_points")},
+                "record_len": inputs["record_len"],
+                "pairwise_t_matrix": torch.eye(4).repeat(
+                    len(inputs["record_len"]), hypes["train_params"].get("max_cav", 5),
+                    hypes["train_params"].get("max_cav", 5), 1, 1)}
+        data.update({key: inputs[key] for key in ("prior_encoding", "spatial_correction_matrix")
+                     if key in inputs})
+        with torch.no_grad():
+            outputs = model.eval()(data)
+        diffs = {key: float((outputs[key] - fixture["outputs"][key]).abs().max())
+                 for key in ("psm", "rm")}
+        print(f"export-check {folder}: {hypes['model']['core_method']} loaded strict, "
+              f"max |diff| {diffs}")
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    if sys.argv[1] == "--export-check":
+        export_check(sys.argv[2], sys.argv[3:])
+    else:
+        main(*sys.argv[1:3])
