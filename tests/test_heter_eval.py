@@ -3,6 +3,8 @@ which agents take which modality and which are kept at each in-order step, the p
 settings, the rows' record, and the training cost a run folder keeps."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import yaml
 
@@ -90,3 +92,33 @@ def test_the_rows_record_and_the_table_leave_them_out(tmp_path):
     plain = {**record, "settings": {**record["settings"], "agents": None}}
     found = matching_records([("a", record), ("b", plain)], clean=True)
     assert [path for path, _ in found] == ["b"]
+
+
+def test_heal_table_reads_each_rows_ap_and_cost_against_the_base(tmp_path):
+    from tool_modules import load_tool
+    heal_table = load_tool("heal_table")
+    steps = heter_order.in_order_settings(["m1", "m2"], "order.json")
+    chains = []
+    for seed, (ap_base, ap_both) in enumerate(((0.40, 0.50), (0.44, 0.60))):
+        base, aligned = tmp_path / f"base{seed}", tmp_path / f"align{seed}"
+        for run, steps_done, seconds, trainable in ((base, 80, 600.0, 1000),
+                                                    (aligned, 20, 90.0, 300)):
+            run.mkdir()
+            (run / "train_cost.yaml").write_text(yaml.safe_dump({
+                "steps": steps_done, "train_seconds": seconds,
+                "trainable_parameters": trainable}))
+        results = [{"ap_30": 0.0, "ap_50": ap, "ap_70": ap / 2, "num_gt": 9, "name": f"r{k}"}
+                   for k, ap in enumerate((ap_base, ap_both))]
+        heter_order.write_summary(aligned, "in_order", "test", "intermediate", ["m1", "m2"],
+                                  heter_order.summary_rows(steps, results), "t")
+        chains.append([str(base), str(aligned)])
+    rows = heal_table.chain_rows([Path(r) for r in chains[0]], "test")
+    # the aligned type: 20 of the base's 80 steps, 90 of its 600 seconds
+    assert [(r["agents"], r["ap_50"], r["steps"], r["step_fraction"], r["time_fraction"])
+            for r in rows] == [("m1", 0.40, 80, 1.0, 1.0), ("m1+m2", 0.50, 20, 0.25, 0.15)]
+    table = heal_table.format_table([heal_table.chain_rows([Path(r) for r in chain], "test")
+                                     for chain in chains]).splitlines()
+    # two seeds: 0.50 and 0.60 -> 0.550 ± 0.071 (sample std)
+    assert table[3].startswith("| m1+m2 | 0.550 ± 0.071 | 0.275 ± 0.035 |")
+    assert table[3].endswith("| 20 | 1.5 | 300 | 0.25 | 0.15 |")
+    assert heal_table.main(["--chain", chains[0][0]]) == 2       # no rows: one line, status 2
