@@ -123,7 +123,7 @@ def write_merge_runs(root, collab_case: dict) -> dict:
     ``net_epoch1.pth`` (HEAL's stage-two start) and, as ``net_epoch_bestval_at3.pth``, its type's
     parts with the shared ones moved (+k: only the base's may survive the merge) and, in m2's,
     a late model's own head (``cls_head_m2``, which HEAL's merge drops). ``final_infer`` holds
-    the collab config. Returns {name: folder}: merging them gives the fixture's state dict."""
+    the collab config with the loss of HEAL's final_infer yamls (no pyramid weights). Returns {name: folder}: merging them gives the fixture's state dict."""
     root = Path(root)
     state = materialize(collab_case["state_dict"])
     folders = {name: root / name for name in MERGE_ORDER + ("final_infer",)}
@@ -139,8 +139,12 @@ def write_merge_runs(root, collab_case: dict) -> dict:
         folder = folders[f"{name}_alignto_m1"]
         torch.save(aligned, folder / "net_epoch_bestval_at3.pth")
         (folder / "net_epoch1.pth").symlink_to(folders["m1_base"] / "net_epoch_bestval_at5.pth")
-    (folders["final_infer"] / "config.yaml").write_text(
-        yaml.safe_dump(heal_hypes(collab_case["heal_args"], "heter_pyramid_collab")))
+    final = heal_hypes(collab_case["heal_args"], "heter_pyramid_collab")
+    # as HEAL's final_infer/m1m2m3m4.yaml (inference only): the depth loss, no pyramid weights
+    final["loss"] = {"core_method": "point_pillar_depth_loss",
+                     "args": {key: value for key, value in final["loss"]["args"].items()
+                              if key != "pyramid"}}
+    (folders["final_infer"] / "config.yaml").write_text(yaml.safe_dump(final))
     return folders
 
 
@@ -249,10 +253,15 @@ def test_merge_final_gives_heal_s_merged_state_and_its_outputs(fixture, tmp_path
     out = tmp_path / "ours"
     load_tool("import_checkpoint").main(["--from", "heal", str(folders["final_infer"]),
                                          "--merge", *runs, "--out", str(out)])
-    model = build_model(load_config(out / "config.yaml")["model"])
+    cfg = load_config(out / "config.yaml")
+    model = build_model(cfg["model"])
     checkpoint = torch.load(out / "last.pth", weights_only=True)
     model.load_state_dict(checkpoint["model"], strict=True)
     assert checkpoint["epoch"] == 1          # HEAL's merged file is net_epoch1.pth
+    # final_infer names no pyramid loss: HEAL's stage-one weights, said in a note
+    assert cfg["loss"]["args"]["pyramid"]["weight"] == [0.4, 0.2, 0.1]
+    assert any("names no loss.args.pyramid" in note
+               for note in checkpoint["imported_from"]["notes"])
     assert checkpoint["imported_from"]["checkpoint"].startswith("merge_final of ")
     diffs = collab_outputs_differences(model.eval(), case)
     assert len(diffs) >= 4 and max(diffs.values()) <= TOLERANCE, diffs

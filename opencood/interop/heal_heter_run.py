@@ -42,6 +42,11 @@ HETER_KEYS = ("assignment_path", "ego_modality", "mapping_dict", "lidar_channels
 SETTING_KEYS = ("sensor_type", "core_method", "preprocess", "data_aug_conf", "grid_conf")
 LABEL_NOTE = ("HEAL's label_type: camera (each agent's labels its camera sees) is not built "
               "here: the imported run is evaluated with the LiDAR labels")
+# HEAL's final_infer yamls (inference only) name no pyramid loss: its stage-one yamls' weights
+STAGE_ONE_PYRAMID = {"relative_downsample": [1, 2, 4], "weight": [0.4, 0.2, 0.1]}
+PYRAMID_NOTE = ("the config names no loss.args.pyramid (HEAL's final_infer yamls evaluate "
+                "only): training this run uses the occupancy weights of HEAL's stage-one "
+                "yamls, relative_downsample [1, 2, 4], weight [0.4, 0.2, 0.1]")
 # what HEAL's data sections need of a model for the shared translation; replaced afterwards
 _PLACEHOLDER_MODEL = {"args": {
     "pillar_vfe": PLACEHOLDER_PILLARS, "point_pillar_scatter": {"num_features": 64},
@@ -93,7 +98,7 @@ def _heter_section(data: dict, modalities, source: str) -> dict:
 def _loss(cfg_loss: dict, data: dict, core: str, source: str) -> dict:
     if core == "heter_model_late":
         return cfg_loss
-    pyramid = _get(data, "loss.args.pyramid", source)
+    pyramid = _get(data, "loss.args.pyramid", source, STAGE_ONE_PYRAMID)
     args = {**cfg_loss["args"], "dir_weight": float(_get(data, "loss.args.dir.weight", source,
                                                          0.2)),
             "pyramid": {"relative_downsample": list(pyramid["relative_downsample"]),
@@ -135,6 +140,8 @@ def translate_heal_heter_config(data: dict, source: str) -> Tuple[dict, List[str
     cfg["input_source"] = [sensor for sensor in _get(data, "input_source", source, ["lidar"])
                            if sensor in ("lidar", "camera", "depth")]
     notes = [PROJ_FIRST_NOTE] if strategy == "intermediate" else []
+    if core != "heter_model_late" and _get(data, "loss.args.pyramid", source, None) is None:
+        notes.append(PYRAMID_NOTE)
     if _get(data, "label_type", source, "lidar") == "camera":
         notes.append(LABEL_NOTE)
     return cfg, notes
