@@ -151,20 +151,41 @@ def test_lidar_and_camera_see_a_pedestrian_ten_metres_away_and_only_class_format
     points, hit_ids = cast_lidar(scene, [0.0, 0.0, 1.9, 0.0, 0.0, 0.0], lidar,
                                  np.random.default_rng(0))
     on_walker = points[hit_ids == 3001]
-    # 1 deg azimuth steps see 0.6 m at 10 m as 3-4 columns; the 2 deg beams between -10.6 deg
-    # (its foot) and -1.5 deg (its head) are 5: about 17 returns, all on its near face x = 9.7.
-    assert 12 <= len(on_walker) <= 24
-    np.testing.assert_allclose(on_walker[:, 0], 9.7, atol=1e-4)
+    # It is 1.75 m tall, facing +y: legs (0 - 0.875 m up, 0.18 m deep), torso (to 1.505 m,
+    # 0.3 m) and head (to 1.75 m, 0.135 m), near faces at x = 9.82, 9.7 and 9.865. 1 deg
+    # azimuth steps see the 0.6 m torso at 10 m as 3-4 columns, the 2 deg beams between -10.6
+    # deg (its foot) and -1.5 deg (its head) are 5, fewer columns on legs and head.
+    assert 10 <= len(on_walker) <= 20
+    height = on_walker[:, 2] + 1.9
+    near_face = np.where(height < 0.875, 9.82, np.where(height < 1.505, 9.7, 9.865))
+    np.testing.assert_allclose(on_walker[:, 0], near_face, atol=1e-4)
+    assert {9.82, 9.7, 9.865} == set(near_face.tolist())
+    # A cyclist side-on (1.8 m long along y, 0.6 m wide, 1.75 m tall): below 0.77 m only its
+    # bicycle (0.15 m wide: near face x = 9.925), above 0.98 m only its rider (x = 9.7, over
+    # y in [-0.405, 0.225]: its 0.63 m sits 0.09 m behind the middle).
+    rider = Vehicle(3002, 10.0, 0.0, 90.0, (0.9, 0.3, 0.875), kind="cyclist")
+    rider_points, rider_ids = cast_lidar(Scene([], [rider]), [0.0, 0.0, 1.9, 0.0, 0.0, 0.0],
+                                         lidar, np.random.default_rng(0))
+    on_rider = rider_points[rider_ids == 3002]
+    height = on_rider[:, 2] + 1.9
+    np.testing.assert_allclose(on_rider[height < 0.77, 0], 9.925, atol=1e-4)
+    np.testing.assert_allclose(on_rider[height > 0.98, 0], 9.7, atol=1e-4)
+    assert (height < 0.77).sum() >= 3 and (height > 0.98).sum() >= 3
+    assert (-0.405 - 1e-4 <= on_rider[height > 0.98, 1]).all()
+    assert (on_rider[height > 0.98, 1] <= 0.225 + 1e-4).all()
     assert list(visible_vehicles(hit_ids, scene.vehicles, [], ALL_KINDS)) == [3001]
     assert visible_vehicles(hit_ids, scene.vehicles, []) == {}     # OPV2V lists vehicles only
-    # A camera 1.5 m up looking at it (80 x 60, f = 40 / tan 50 deg = 33.56 px): its near face
-    # spans u = 40 -+ 33.56 * 0.3 / 9.7 (columns 39-41) and v = 30 - 33.56 * 0.25 / 9.7 = 29.1
-    # to 30 + 33.56 * 1.5 / 9.7 = 35.2 (rows 30-35), at depth 9.7 m.
+    # A camera 1.5 m up looking at it (80 x 60, f = 40 / tan 50 deg = 33.56 px, pixel centres
+    # at integers): the torso spans u = 40 -+ 33.56 * 0.3 / 9.7 (columns 39-41) and v = 30 -
+    # 33.56 * 0.005 / 9.7 to 30 + 33.56 * 0.625 / 9.7 = 32.2 (rows 30-32); the legs u = 40 -+
+    # 33.56 * 0.18 / 9.82 (column 40) and v to 30 + 33.56 * 1.5 / 9.82 = 35.1 (rows 33-35);
+    # the head, v 29.15 - 29.98, holds no pixel centre.
     image = render_camera(scene, [0.0, 0.0, 1.5, 0.0, 0.0, 0.0], CameraConfig(width=80, height=60))
     ids = np.where(image.face_buffer >= 0, image.face_ids[np.maximum(image.face_buffer, 0)], -9)
-    rows, columns = np.nonzero(ids == 3001)
-    assert set(rows) == set(range(30, 36)) and set(columns) == {39, 40, 41} and len(rows) == 18
-    np.testing.assert_allclose(image.depth[ids == 3001], 9.7, atol=1e-5)
+    expected = np.full(ids.shape, np.nan)
+    expected[30:33, 39:42], expected[33:36, 40] = 9.7, 9.82
+    np.testing.assert_array_equal(ids == 3001, np.isfinite(expected))
+    np.testing.assert_allclose(image.depth[ids == 3001], expected[ids == 3001], atol=1e-5)
     assert {c.dairv2x for c in OBJECT_CLASSES.values()} == {"Car", "Van", "Truck", "Pedestrian",
                                                             "Cyclist"}
     assert set(OBJECT_CLASSES) == set(VEHICLE_KINDS) | set(ROAD_USER_KINDS)

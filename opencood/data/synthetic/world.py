@@ -38,6 +38,18 @@ ROAD_USER_KINDS = {
     "cyclist": ((1.6, 1.9), (0.5, 0.8), (1.6, 1.9)),
 }
 
+# What the LiDAR and the cameras see of a road user: boxes (centre, half size) given as fractions
+# of its label box's half length, half width and height (z from the ground), all inside that box,
+# so the label stays tight around its returns. A pedestrian: legs, torso with arms, head; a
+# cyclist: a thin bicycle the whole length, the rider above its middle.
+ROAD_USER_SHAPES = {
+    "pedestrian": (((0.0, 0.0, 0.25), (0.55, 0.6, 0.25)),       # legs: 0 - 0.5 h
+                   ((0.0, 0.0, 0.68), (1.0, 1.0, 0.18)),        # torso: 0.5 - 0.86 h
+                   ((0.0, 0.0, 0.93), (0.45, 0.45, 0.07))),     # head: 0.86 - 1.0 h
+    "cyclist": (((0.0, 0.0, 0.28), (1.0, 0.25, 0.28)),          # bicycle: 0 - 0.56 h
+                ((-0.1, 0.0, 0.72), (0.35, 1.0, 0.28))),        # rider: 0.44 - 1.0 h
+}
+
 
 @dataclass(frozen=True)
 class ObjectClass:
@@ -184,15 +196,34 @@ class Scene:
     def _arrays(self):
         rows = [(b.x, b.y, b.height / 2, b.half_length, b.half_width, b.height / 2,
                  np.radians(b.yaw_deg), b.building_id, b.reflectivity) for b in self.buildings]
-        rows += [(v.x, v.y, v.extent[2], *v.extent, np.radians(v.yaw_deg), v.actor_id,
-                  v.reflectivity) for v in self.vehicles]
+        for v in self.vehicles:
+            rows += _shape_rows(v)
         table = np.asarray(rows, dtype=np.float64).reshape(-1, 9)
         return (table[:, 0:3], table[:, 3:6], table[:, 6], table[:, 7].astype(np.int64),
                 table[:, 8])
 
     def box_arrays(self):
-        """centers (K, 3), half_sizes (K, 3), yaws_rad (K,), ids (K,) int64, reflectivity (K,)."""
+        """centers (K, 3), half_sizes (K, 3), yaws_rad (K,), ids (K,) int64, reflectivity (K,);
+        a road user is several boxes of one id (``ROAD_USER_SHAPES``)."""
         return self._arrays
+
+
+def _shape_rows(vehicle: Vehicle) -> list:
+    """Box rows (x, y, z, half l, half w, half h, yaw rad, id, reflectivity) of what the
+    sensors see of ``vehicle``: its label box, or a road user's parts."""
+    yaw = np.radians(vehicle.yaw_deg)
+    half_l, half_w, half_h = vehicle.extent
+    if vehicle.kind not in ROAD_USER_SHAPES:
+        return [(vehicle.x, vehicle.y, half_h, half_l, half_w, half_h, yaw, vehicle.actor_id,
+                 vehicle.reflectivity)]
+    rows = []
+    for (along, across, up), (size_l, size_w, size_h) in ROAD_USER_SHAPES[vehicle.kind]:
+        dx, dy = along * half_l, across * half_w
+        rows.append((vehicle.x + dx * np.cos(yaw) - dy * np.sin(yaw),
+                     vehicle.y + dx * np.sin(yaw) + dy * np.cos(yaw), up * 2 * half_h,
+                     size_l * half_l, size_w * half_w, size_h * 2 * half_h, yaw,
+                     vehicle.actor_id, vehicle.reflectivity))
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------
