@@ -12,9 +12,9 @@ intersections, as in V2XSet; their ids are -1, -2, ... (negative ids mark infras
 Road users (opt-in, ``RoadUserConfig``): pedestrians walk along the sidewalks (a few cross the
 street at a crosswalk beside an intersection) and cyclists ride near the curb-side edge of the
 lane. They are Tracks like the vehicles (``kind`` "pedestrian" / "cyclist"; the sensors see
-them shaped, ``ROAD_USER_SHAPES``, inside their label boxes), drawn after
-everything else, so the rest of a world is the same with or without them; ``OBJECT_CLASSES``
-names every kind in the labelled formats.
+them shaped, ``ROAD_USER_SHAPES``, inside their label boxes), drawn after everything else, so
+the rest of a world is the same with or without them; ``OBJECT_CLASSES`` names every kind in
+the labelled formats.
 """
 from __future__ import annotations
 
