@@ -16,6 +16,8 @@ from opencood.engine.cuda_graph import (CudaGraphStep, GraphLimits, batch_signat
                                         run_refusal, tensor_lrs)
 from opencood.engine.loop import optimizer_step
 from opencood.engine.recipe import build_training_parts
+from opencood.engine.state import TrainState, restore_training, training_state
+from opencood.utils.checkpoint import load_checkpoint, save_checkpoint
 from opencood.utils.dist import DistInfo
 from opencood.utils.ema import ModelEMA
 from opencood.utils.fake_batch import fake_collated_batch
@@ -179,6 +181,41 @@ def test_lr_schedules_and_the_ema_reach_a_captured_step_through_device_tensors()
     twin.updates += 1
     twin.lerp_towards(model, torch.tensor(1.0 - twin.current_decay()))
     torch.testing.assert_close(twin.module.weight, ema.module.weight, rtol=1e-6, atol=0)
+
+
+def test_a_graph_runs_checkpoint_resumes_into_an_eager_foreach_optimizer(tmp_path):
+    """A CUDA-graph run's checkpoint (tensor lrs, capturable groups) resumed by an eager run
+    (foreach, not capturable; here the CPU): the groups keep this run's step settings, the lr
+    its value as a float, and the next step is a resume's of the same state saved eagerly."""
+    cpu = torch.device("cpu")
+    cfg, parts = lite_parts(cpu)
+    fresh = copy.deepcopy(parts)          # the parts a resume builds (one model build, not three)
+    for param in parts.model.parameters():
+        param.grad = torch.full_like(param, 0.5)
+    parts.optimizer.step()
+    parts.scheduler.step()
+    save_checkpoint(tmp_path / "eager.pth", training_state(parts, TrainState(step=1), cfg, 0))
+    tensor_lrs(parts.optimizer, cpu)                      # as a graph run saves its groups
+    save_checkpoint(tmp_path / "graph.pth", training_state(parts, TrainState(step=1), cfg, 0))
+    weights = []
+    for name in ("eager.pth", "graph.pth"):
+        checkpoint = load_checkpoint(tmp_path / name)
+        saved_group = checkpoint["optimizer"]["param_groups"][0]
+        graph_run = name == "graph.pth"
+        assert torch.is_tensor(saved_group["lr"]) == saved_group["capturable"] == graph_run
+        resumed = copy.deepcopy(fresh)
+        for group in resumed.optimizer.param_groups:
+            group["foreach"] = True
+        assert restore_training(checkpoint, resumed, DistInfo(0, 1, 0, False, None, cpu)).step == 1
+        group = resumed.optimizer.param_groups[0]
+        assert (group["capturable"], group["foreach"]) == (False, True)
+        assert type(group["lr"]) is float and group["lr"] == float(saved_group["lr"])
+        for param in resumed.model.parameters():
+            param.grad = torch.full_like(param, -0.25)
+        resumed.optimizer.step()
+        weights.append([param.detach().clone() for param in resumed.model.parameters()])
+    for eager, graph in zip(*weights):     # the lrs differ by the graph's float32 rounding
+        torch.testing.assert_close(graph, eager, rtol=1e-6, atol=0)
 
 
 @pytest.mark.cuda

@@ -196,11 +196,30 @@ def restore_rank_rng_state(checkpoint: Dict, info: dist_utils.DistInfo) -> None:
     restore_rng_state(rng_state_for_rank(checkpoint, info.rank, info.world_size))
 
 
+# How an optimizer's step runs, not where training stands: this run's own, whatever a checkpoint
+# saved (a CUDA-graph run saves capturable groups, which step only on a GPU).
+STEP_IMPLEMENTATION_KEYS = ("capturable", "foreach", "fused", "differentiable")
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: Dict) -> None:
+    """``optimizer.load_state_dict(saved)`` keeping the groups' :data:`STEP_IMPLEMENTATION_KEYS`
+    as this run built them, and the lr a float: a CUDA-graph run saves 0-d tensor lrs and
+    capturable groups (``cuda_graph.tensor_lrs``), which a CPU run cannot step and foreach
+    refuses uncapturable; a graph run turns them back into tensors after the resume."""
+    own = [{key: group[key] for key in STEP_IMPLEMENTATION_KEYS if key in group}
+           for group in optimizer.param_groups]
+    optimizer.load_state_dict(saved)
+    for group, implementation in zip(optimizer.param_groups, own):
+        group.update(implementation)
+        if torch.is_tensor(group["lr"]):
+            group["lr"] = float(group["lr"])
+
+
 def restore_training(checkpoint: Dict, parts: TrainingParts,
                      info: dist_utils.DistInfo) -> TrainState:
     """Optimizer, lr schedule, loss scaler and this rank's generators from ``checkpoint``;
     returns where the run stands. (The model and EMA are loaded before DDP wraps the model.)"""
-    parts.optimizer.load_state_dict(checkpoint["optimizer"])
+    load_optimizer_state(parts.optimizer, checkpoint["optimizer"])
     parts.scheduler.load_state_dict(checkpoint["scheduler"])
     restore_grad_scaler(parts.scaler, checkpoint.get("scaler"))
     restore_rank_rng_state(checkpoint, info)
