@@ -26,7 +26,8 @@ from parity_weights import materialize
 from tool_modules import load_tool
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "v2xreal_runs"
-PARITY = ("late_fusion", "attfuse", "fcooper", "v2vnet", "v2xvit")
+PARITY = ("late_fusion", "attfuse", "fcooper", "v2vnet", "v2xvit", "quantv2x_attfuse",
+          "quantv2x_fcooper")
 TOLERANCE = 1e-5          # relative to the map's largest magnitude
 CLASSES = [{"name": "vehicle", "l": 3.9, "w": 1.6, "h": 1.56, "z": -1.78,
             "pos_threshold": 0.6, "neg_threshold": 0.45},
@@ -71,10 +72,13 @@ def test_imported_heads_equal_v2xreal_forward(tmp_path):
     test_imported_config_and_anchors covers), our model built from that config and loaded
     strictly, its pillars run: the class and box maps equal V2X-Real's within 1e-5 relative
     (samples of 1, 2 and 3 agents for the fusion models; V2X-ViT's with delays, infrastructure
-    agents and corrections that are not the identity)."""
+    agents and corrections that are not the identity). QuantV2X's heter_model_baseline_mc
+    (HEAL's layout, multi-class) likewise, its direction head left out (its inference never
+    reads it)."""
     worst = {}
     for name in PARITY:
-        cfg, state, _ = translate_run(write_peer_run(tmp_path / name, name), None, "v2xreal")
+        codebase = "quantv2x" if name.startswith("quantv2x") else "v2xreal"
+        cfg, state, _ = translate_run(write_peer_run(tmp_path / name, name), None, codebase)
         assert [dict(c) for c in cfg["postprocess"]["classes"]] == CLASSES
         model = build_model(cfg["model"])
         model.load_state_dict(state, strict=True)
@@ -82,7 +86,7 @@ def test_imported_heads_equal_v2xreal_forward(tmp_path):
         with torch.no_grad():
             outputs = model.eval()(our_batch(fixture["inputs"]))
         for ours, theirs in (("cls_preds", "psm"), ("reg_preds", "rm")):
-            expected = fixture["outputs"][theirs]
+            expected = fixture["outputs"].get(theirs, fixture["outputs"].get(ours))
             assert outputs[ours].shape == expected.shape, (name, ours)
             worst[name, ours] = float((outputs[ours] - expected).abs().max() /
                                       expected.abs().max())
@@ -114,6 +118,32 @@ def test_imported_config_and_anchors(tmp_path):
     late, _, _ = translate_run(write_peer_run(tmp_path / "late", "late_fusion"), None, "v2xreal")
     assert (early["fusion"]["core_method"], late["fusion"]["core_method"]) == ("early", "late")
     assert early["model"] == late["model"] and early["model"]["args"]["shrink_header"] is None
+
+
+def test_quantv2x_import_drops_only_its_unread_direction_head(tmp_path):
+    """--from quantv2x: its dir_head is left out (its multi-class post-processing never reads
+    it), nothing else: an extra tensor is still refused in one line; a HEAL run is not a
+    QuantV2X one."""
+    state = materialize(torch.load(FIXTURES / "quantv2x_fcooper.parity.pt",
+                                   weights_only=True)["state_dict"])
+    cfg, ours, provenance = translate_run(write_peer_run(tmp_path / "p", "quantv2x_fcooper",
+                                                         state), None, "quantv2x")
+    assert cfg["model"]["args"]["use_dir"] is False and "head.dir_conv.weight" not in ours
+    assert len(ours) == len(state) - 2 and any("dir_head" in n for n in provenance["notes"])
+    assert cfg["fusion"]["args"]["proj_first"] is False
+    assert cfg["model"]["args"]["fusion"]["core_method"] == "fcooper"
+    state["shrinker_m1.extra.weight"] = torch.zeros(1)
+    with pytest.raises(InteropError, match=r"net_epoch3.pth: .*no place in our model \(for "
+                                           r"QuantV2X's heter_model_baseline_mc\): "
+                                           r"shrinker_m1.extra.weight$"):
+        translate_run(write_peer_run(tmp_path / "q", "quantv2x_fcooper", state), None,
+                      "quantv2x")
+    heal = tmp_path / "heal"
+    heal.mkdir()
+    shutil.copy(FIXTURES.parent / "peer_runs" / "heal_fcooper.config.yaml", heal / "config.yaml")
+    with pytest.raises(InteropError, match="model.core_method 'heter_model_baseline': only "
+                                           "QuantV2X's heter_model_baseline_mc"):
+        translate_run(heal, None, "quantv2x")
 
 
 def tampered(name: str, change: str) -> dict:

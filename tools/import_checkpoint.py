@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Import another codebase's trained run as one of ours (issue 24)::
 
-    python tools/import_checkpoint.py --from {opencood,heal,coalign,v2v4real,v2xreal} PEER_RUN_DIR --out RUN_DIR
+    python tools/import_checkpoint.py --from {opencood,heal,coalign,v2v4real,v2xreal,quantv2x} PEER_RUN_DIR --out RUN_DIR
         [--checkpoint FILE]
     python tools/eval.py --model_dir RUN_DIR [--set test_dir=PATH] [--protocol opencood]
 
@@ -24,7 +24,8 @@ coalign``: CoAlign's fusion network (``point_pillar_baseline_multiscale``, ``fus
 att``; checkpoints picked as HEAL's), imported own-frame with the ResNet backbone
 (``opencood/interop/coalign.py``). ``--from v2xreal``: V2X-Real's multi-class runs
 (``point_pillar``, its AttFuse, F-Cooper, V2VNet, V2X-ViT) with their class list
-(``opencood/interop/v2xreal.py``).
+(``opencood/interop/v2xreal.py``); ``--from quantv2x``: QuantV2X's multi-class
+``heter_model_baseline_mc`` runs on V2X-Real (``opencood/interop/quantv2x.py``).
 
 The import is strict (every tensor placed, every one of ours filled, shapes equal) and writes
 nothing unless it succeeds; the imported config switches on the reference options of our modules

@@ -1,6 +1,6 @@
-"""A run folder of OpenCOOD, HEAL, CoAlign, V2V4Real or V2X-Real -> one of ours that ``tools/eval.py --model_dir``
+"""A run folder of OpenCOOD, HEAL, CoAlign, V2V4Real, V2X-Real or QuantV2X -> one of ours that ``tools/eval.py --model_dir``
 evaluates (issue 24). Each codebase is a :class:`Codebase`: its config translation
-(``opencood_config``, ``heal``, ``coalign``, ``v2v4real``, ``v2xreal``), its checkpoint choice (as its own
+(``opencood_config``, ``heal``, ``coalign``, ``v2v4real``, ``v2xreal``, ``quantv2x``), its checkpoint choice (as its own
 ``load_saved_model`` picks) and its key rules (``opencood_ckpt``, ``heal``).
 
 OpenCOOD's ``train.py`` leaves ``config.yaml`` (``yaml.dump`` of its parsed hypes) and
@@ -39,6 +39,8 @@ from opencood.interop.opencood_ckpt import (InteropError, peer_state_to_ours, ru
                                             state_shapes)
 from opencood.interop.opencood_config import read_opencood_yaml, translate_config
 from opencood.interop.v2v4real import translate_v2v4real_config
+from opencood.interop.quantv2x import (quantv2x_notes, quantv2x_rules, quantv2x_unused_keys,
+                                       translate_quantv2x_config)
 from opencood.interop.v2xreal import translate_v2xreal_config, v2xreal_notes, v2xreal_rules
 from opencood.utils.checkpoint import load_checkpoint, save_checkpoint
 
@@ -119,6 +121,11 @@ CODEBASES: Dict[str, Codebase] = {
     "v2xreal": Codebase("v2xreal", "V2X-Real", translate_v2xreal_config,
                         pick_opencood_checkpoint, v2xreal_rules,
                         lambda data: str(data["model"]["core_method"]), v2xreal_notes),
+    # QuantV2X is HEAL's code base (its checkpoint choice); its V2X-Real runs multi-class
+    "quantv2x": Codebase("quantv2x", "QuantV2X", translate_quantv2x_config,
+                         pick_heal_checkpoint, quantv2x_rules,
+                         lambda data: str(data["model"]["core_method"]), quantv2x_notes,
+                         quantv2x_unused_keys),
     # CoAlign's train.py saves and its load_saved_model picks as HEAL's
     "coalign": Codebase("coalign", "CoAlign", translate_coalign_config, pick_heal_checkpoint,
                         coalign_rules, lambda data: str(data["model"]["core_method"]),
@@ -129,7 +136,7 @@ CODEBASES: Dict[str, Codebase] = {
 def translate_run(peer_dir, checkpoint: Optional[str] = None, codebase: str = "opencood",
                   merge: Optional[List] = None) -> Tuple[dict, dict, dict]:
     """(our resolved config, our state dict, provenance) for a run folder of ``codebase``
-    (opencood, heal, coalign, v2v4real, v2xreal); writes nothing. Raises an OpencoodError (one line) on anything
+    (opencood, heal, coalign, v2v4real, v2xreal, quantv2x); writes nothing. Raises an OpencoodError (one line) on anything
     it cannot translate. ``provenance["notes"]``: differences the import cannot remove.
     ``merge``: HEAL's heterogeneous runs only, the run folders its ``merge_final`` assembles
     (the base last), whose merged weights replace ``peer_dir``'s checkpoint

@@ -115,17 +115,24 @@ def translate_classes(data: dict, source: str) -> Tuple[List[dict], List[float],
     return classes, yaws[0], strides[0]
 
 
+def check_head_counts(data: dict, source: str, classes: list, yaws: list,
+                      keys=("anchor_number", "anchor_num", "num_class")) -> None:
+    """Its model's per-class head counts (``keys`` of ``model.args``: yaws per class, or the
+    number of classes) against its anchor list: they size its heads."""
+    args = data.get("model", {}).get("args", {})
+    for key in keys:
+        expected = len(classes) if key == "num_class" else len(yaws)
+        if args.get(key) != expected:
+            raise InteropError(f"{source}: model.args.{key} is {args.get(key)!r}; its "
+                               f"{ANCHORS} makes it {expected} (its head width)")
+
+
 def as_opencood_hypes(data: dict, source: str) -> dict:
     """V2X-Real's hypes with the single-class anchor keys OpenCOOD's translation reads (the
     first class's; replaced by the class list afterwards) and its model's per-class head
     counts checked."""
     classes, yaws, stride = translate_classes(data, source)
-    args = data.get("model", {}).get("args", {})
-    for key in ("anchor_number", "anchor_num", "num_class"):
-        expected = len(classes) if key == "num_class" else len(yaws)
-        if args.get(key) != expected:
-            raise InteropError(f"{source}: model.args.{key} is {args.get(key)!r}; its "
-                               f"{ANCHORS} makes it {expected} (its head width)")
+    check_head_counts(data, source, classes, yaws)
     hypes = copy.deepcopy(data)
     anchor_args = hypes["postprocess"]["anchor_args"]
     anchor_args.update(l=classes[0]["l"], w=classes[0]["w"], h=classes[0]["h"],
@@ -136,20 +143,27 @@ def as_opencood_hypes(data: dict, source: str) -> dict:
     return hypes
 
 
-def translate_v2xreal_config(data: dict, source: str) -> dict:
-    """V2X-Real hypes -> our multi-class config (unresolved); InteropError naming the key."""
-    v2xreal_rules(data, source)               # one of its models we map
+def set_classes(cfg: dict, data: dict, source: str) -> None:
+    """Our translated ``cfg`` made the multi-class detector of the peer's anchor list, with
+    its post-processing's filters (module docstring); ``anchor_number`` left to ``derive``."""
     classes, yaws, stride = translate_classes(data, source)
-    cfg = translate_config(as_opencood_hypes(data, source), source)
     post = cfg["postprocess"]
     post["classes"] = classes
     post["anchor_args"] = {"r": yaws, "feature_stride": stride, "placement": "cell_centre"}
     post["target_args"] = {"score_threshold": post["target_args"]["score_threshold"]}
-    post.update(filters="ours", pre_nms_max=REFERENCE_PRE_NMS,
-                gt_range=_gt_range(cfg["preprocess"]["cav_lidar_range"], V2XREAL_GT_RANGE))
-    args = cfg["model"]["args"]
-    del args["anchor_number"]                 # A = K x R: derived from the class list
+    post.update(filters="ours", pre_nms_max=REFERENCE_PRE_NMS)
+    del cfg["model"]["args"]["anchor_number"]     # A = K x R: derived from the class list
+
+
+def translate_v2xreal_config(data: dict, source: str) -> dict:
+    """V2X-Real hypes -> our multi-class config (unresolved); InteropError naming the key."""
+    v2xreal_rules(data, source)               # one of its models we map
+    cfg = translate_config(as_opencood_hypes(data, source), source)
+    set_classes(cfg, data, source)
+    cfg["postprocess"]["gt_range"] = _gt_range(cfg["preprocess"]["cav_lidar_range"],
+                                               V2XREAL_GT_RANGE)
     if data["model"]["core_method"] == "point_pillar_intermediate":
+        args = cfg["model"]["args"]
         args["fusion"]["stage"] = "backbone"  # its AttFusion fuses the shrunk map
         _check_attention_scale(args, source)
     return cfg
