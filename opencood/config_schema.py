@@ -224,11 +224,18 @@ class FusionSection:
     # "single_side" (the two single-side label sets merged in the ego frame; HEAL's LiDAR
     # tables). opencood.data.dairv2x; other formats have one GT.
     gt_source: Literal["cooperative", "single_side"] = "cooperative"
+    # V2X-Real's collaboration mode (its ``dataset_mode``; opencood.data.v2xreal): vc (a vehicle
+    # is the ego, every agent helps), ic (a roadside unit is the ego), v2v (vehicles only), i2i
+    # (roadside units only).
+    dataset_mode: Literal["vc", "ic", "v2v", "i2i"] = "vc"
 
     def problems(self) -> Problems:
         if self.gt_source != "cooperative" and self.dataset != "dairv2x":
             yield "gt_source", (f"{self.gt_source!r} is a DAIR-V2X-C GT (fusion.dataset: "
                                 f"dairv2x); {self.dataset!r} has one GT, 'cooperative'")
+        if self.dataset_mode != "vc" and self.dataset != "v2xreal":
+            yield "dataset_mode", (f"{self.dataset_mode!r} is a V2X-Real collaboration mode "
+                                   f"(fusion.dataset: v2xreal), not one of {self.dataset!r}")
 
 
 @section

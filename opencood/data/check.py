@@ -65,6 +65,12 @@ def check_v2v4real_tree(root, progress: bool = True) -> CheckReport:
     return check_frame_tree(root, progress, load_v2v4real_yaml)
 
 
+def check_v2xreal_tree(root, progress: bool = True) -> CheckReport:
+    """:func:`check_folder` of V2X-Real: its tree of ``.bin`` clouds (v2xreal.check_tree)."""
+    from opencood.data.v2xreal import check_tree
+    return check_tree(root, CheckReport(), progress)
+
+
 def check_dairv2x_root(root, progress: bool = True) -> CheckReport:
     """:func:`check_folder` of DAIR-V2X-C: its own layout (dairv2x.check_root)."""
     from opencood.data.dairv2x import check_root

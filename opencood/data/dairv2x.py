@@ -560,6 +560,10 @@ class DairV2XSplit:
         """None: DAIR-V2X-C has no bev_visibility maps (HEAL filters its camera GT by range)."""
         return None
 
+    def object_classes(self, scenario: str, timestamp: str, ids):
+        """None: the GT keeps DAIR's vehicle types as one class."""
+        return None
+
     def vehicles(self, scenario: str, cav_id: str, timestamp: str) -> list:
         """The pair's cooperative labels (world corners), shared with the index: read only."""
         return self._frames[timestamp]["labels"]

@@ -32,6 +32,10 @@ A sample is a dict::
                                                      metrics; equal to the above without noise)
     gt_boxes          (M, 7) float32 [x, y, z, h, w, l, yaw]
     gt_ids            (M,) int64
+    gt_classes        (M,) int64                     multi-class configs only: each GT box's
+                                                     class id (its position in
+                                                     ``postprocess.classes``; the reader's
+                                                     ``object_classes``)
     agent_gt_boxes    [(G_i, 7) float32, ...]        intermediate with the pyramid loss only:
                                                      each agent's own GT in its own frame
     gt_ego_points     (M,) int64                     the ego's evidence of each GT box, 0 =
@@ -168,7 +172,7 @@ class BaseFusionDataset(torch.utils.data.Dataset):
                  dataset: str = "opv2v", reader_options: dict | None = None,
                  input_source=("lidar",), data_aug_conf: dict | None = None,
                  heter: dict | None = None, visibility: str = "auto",
-                 use_cav: int | None = None):
+                 use_cav: int | None = None, with_classes: bool = False):
         check_augment_config(augment_cfg)
         if use_cav is not None and (train or use_cav < 1):
             raise ValueError(f"use_cav {use_cav}: evaluation keeps the first use_cav >= 1 agents")
@@ -193,6 +197,8 @@ class BaseFusionDataset(torch.utils.data.Dataset):
         if "camera" in input_source and data_aug_conf is None:
             raise ConfigError("input_source has 'camera': the camera section (its "
                               "data_aug_conf) is missing")
+        if getattr(split_class(dataset), "reads_train_flag", False):
+            reader_options = {**(reader_options or {}), "train": bool(train)}
         self.split = open_split(dataset, split_dir, com_range=com_range, max_cav=max_cav,
                                 cache_dir=cache_dir, **(reader_options or {}))
         self.split_dir = Path(split_dir)
@@ -205,6 +211,8 @@ class BaseFusionDataset(torch.utils.data.Dataset):
         self.wild = wild or WildSetting()
         self.seed = int(seed)
         self.order = order
+        self.dataset = dataset
+        self.with_classes = bool(with_classes)
         self.epoch = 0
 
     def _visibility_rule(self, visibility: str) -> str:
@@ -237,7 +245,8 @@ class BaseFusionDataset(torch.utils.data.Dataset):
                    reader_options=split_class(cfg["fusion"]["dataset"]).reader_options(cfg),
                    input_source=tuple(cfg["input_source"]),
                    data_aug_conf=(cfg["camera"] or {}).get("data_aug_conf"),
-                   heter=cfg["heter"], cache_dir=cache_dir, **extra)
+                   heter=cfg["heter"], with_classes=bool(postprocess.get("classes")),
+                   cache_dir=cache_dir, **extra)
 
     # -- reproducible randomness -------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
@@ -313,7 +322,18 @@ class BaseFusionDataset(torch.utils.data.Dataset):
             gt_ids, gt_boxes = self._camera_agent_labels(info, agents, gt_ids, gt_boxes)
         ego_points = agents[0]["points"] if self._has_lidar(agents[0]["modality"]) else None
         return {"info": info, "agents": agents, "gt_boxes": gt_boxes, "gt_ids": gt_ids,
+                "gt_classes": self._gt_classes(info.scenario, info.timestamp, gt_ids),
                 "gt_ego_points": self._ego_visibility(agents[0]["frame"], ego_points, gt_boxes)}
+
+    def _gt_classes(self, scenario: str, timestamp: str, gt_ids):
+        """(M,) int64 class ids of ``gt_ids`` for a multi-class config, else None."""
+        if not self.with_classes:
+            return None
+        classes = self.split.object_classes(scenario, timestamp, gt_ids)
+        if classes is None:
+            raise ConfigError(f"postprocess.classes: the {self.dataset} reader's labels carry "
+                              f"no object classes (fusion.dataset v2xreal does)")
+        return classes
 
     def _camera_agent_labels(self, info, agents, gt_ids, gt_boxes):
         """HEAL's training labels of a heterogeneous sample (its heter datasets outside
@@ -433,7 +453,7 @@ class BaseFusionDataset(torch.utils.data.Dataset):
     def _finish(self, index: int, key, agent_ids, clouds, to_output, transforms, gt_boxes,
                 gt_ids, shared_points: int, gt_ego_points: np.ndarray, agent_latency=None,
                 merge: bool = False, clean_transforms=None, frames=None,
-                modalities=None) -> Dict:
+                modalities=None, gt_classes=None) -> Dict:
         """Move, augment and crop every cloud in one pass, augment and crop the boxes, cast.
 
         clouds: per agent (N_i, 4) float32 in its own frame (only read); to_output: per cloud
@@ -444,7 +464,8 @@ class BaseFusionDataset(torch.utils.data.Dataset):
         ``agent_latency``: frames of delay per agent, default 0 (one merged or own cloud).
         ``frames``: per output agent its (scenario, cav_id, timestamp), whose cameras the
         sample carries when the inputs have cameras (not with ``merge``). ``modalities``: per
-        output agent its modality (heter).
+        output agent its modality (heter). ``gt_classes``: (M,) class ids of the GT boxes
+        (multi-class configs; None: the sample carries none).
         """
         if clean_transforms is None:
             clean_transforms = transforms
@@ -482,6 +503,8 @@ class BaseFusionDataset(torch.utils.data.Dataset):
             "gt_boxes": gt_boxes[keep].astype(np.float32).reshape(-1, 7),
             "gt_ids": np.asarray(gt_ids, dtype=np.int64)[keep],
             "gt_ego_points": np.asarray(gt_ego_points, dtype=np.int64)[keep],
+            **({} if gt_classes is None
+               else {"gt_classes": np.asarray(gt_classes, dtype=np.int64)[keep]}),
             "shared_points": int(shared_points),
             "points_in_agent_frame": self.points_in_agent_frame,
             **cameras,
@@ -527,7 +550,7 @@ class NoFusionDataset(BaseFusionDataset):
         return self._finish(index, key, [ego["cav_id"]], [ego["points"]], [np.eye(4)],
                             [np.eye(4)], loaded["gt_boxes"], loaded["gt_ids"], shared_points=0,
                             gt_ego_points=loaded["gt_ego_points"], frames=[ego["frame"]],
-                            modalities=[ego["modality"]])
+                            modalities=[ego["modality"]], gt_classes=loaded["gt_classes"])
 
 
 @DATASETS.register("early")
@@ -554,7 +577,8 @@ class EarlyFusionDataset(BaseFusionDataset):
         return self._finish(index, key, [agents[0]["cav_id"]], clouds,
                             [agent["T_to_ego"] for agent in agents], [np.eye(4)],
                             loaded["gt_boxes"], loaded["gt_ids"], shared_points=shared,
-                            gt_ego_points=loaded["gt_ego_points"], merge=True)
+                            gt_ego_points=loaded["gt_ego_points"], merge=True,
+                            gt_classes=loaded["gt_classes"])
 
 
 @DATASETS.register("intermediate")
@@ -604,7 +628,8 @@ class IntermediateFusionDataset(BaseFusionDataset):
                               gt_ego_points=loaded["gt_ego_points"],
                               agent_latency=[a["latency"] for a in agents],
                               clean_transforms=clean, frames=[a["frame"] for a in agents],
-                              modalities=[a["modality"] for a in agents])
+                              modalities=[a["modality"] for a in agents],
+                              gt_classes=loaded["gt_classes"])
         if self.with_early_fusion:
             sample["early_fusion_points"] = self._early_fusion_points(index, agents)
         if self.with_agent_gt:
@@ -675,7 +700,9 @@ class LateFusionDataset(BaseFusionDataset):
                             gt_ego_points=self._ego_visibility(
                                 agent["frame"], points if self._has_lidar(modality) else None,
                                 gt_boxes),
-                            frames=[agent["frame"]], modalities=[modality])
+                            frames=[agent["frame"]], modalities=[modality],
+                            gt_classes=self._gt_classes(agent["frame"][0], agent["frame"][2],
+                                                        gt_ids))
 
     def _build(self, index, key, loaded):
         agents = loaded["agents"]
@@ -687,7 +714,8 @@ class LateFusionDataset(BaseFusionDataset):
                             agent_latency=[a["latency"] for a in agents],
                             clean_transforms=[a["T_to_ego_clean"] for a in agents],
                             frames=[a["frame"] for a in agents],
-                            modalities=[a["modality"] for a in agents])
+                            modalities=[a["modality"] for a in agents],
+                            gt_classes=loaded["gt_classes"])
 
 
 # The config key naming each split's folder.

@@ -11,6 +11,8 @@ this registry; adding a format is one reader file, one ``register_format`` call 
   6-number poses (V2XSet: roadside units in negative-id folders).
 * ``v2v4real``: the same tree, numpy-tagged yaml, 4x4 poses, boxes in each CAV's own frame
   (opencood.data.v2v4real).
+* ``v2xreal``: the same tree with ``.bin`` clouds, vehicles and roadside units, classed objects
+  (opencood.data.v2xreal).
 * ``dairv2x``: DAIR-V2X-C's ``cooperative-vehicle-infrastructure`` folder; a split is a json list
   of vehicle frame ids in it (opencood.data.dairv2x).
 
@@ -68,6 +70,11 @@ class SplitReader(Protocol):
     def camera_visibility(self, scenario: str, cav_id: str, timestamp: str) -> Any:
         """The frame's HEAL ``bev_visibility`` map ((256, 256) uint8, what the agent's cameras
         see: opencood.data.camera_visibility), or None where the copy has none."""
+
+    def object_classes(self, scenario: str, timestamp: str, ids: Sequence[int]) -> Any:
+        """(M,) int64 class id of each object id of a (scenario, timestamp): its position in
+        the config's ``postprocess.classes`` (the reader's ``classes`` option); None for a
+        format whose labels carry no classes (the datasets then emit no ``gt_classes``)."""
 
     def frame_boxes(self, scenario: str, cav_id: str, timestamp: str,
                     gt_range: Sequence[float],
@@ -145,6 +152,10 @@ register_format(DataFormat(
     "dairv2x", "opencood.data.dairv2x:DairV2XSplit", "opencood.data.check:check_dairv2x_root",
     ("train.json", "val.json", "test.json"), "cooperative-vehicle-infrastructure",
     (-102.4, -51.2, -4.5, 102.4, 51.2, 2.5), "opencood.data.synthetic.writer_dairv2x"))
+register_format(DataFormat(
+    "v2xreal", "opencood.data.v2xreal:V2XRealSplit", "opencood.data.check:check_v2xreal_tree",
+    OPV2V_SPLITS, "", (-100.0, -40.0, -15.0, 100.0, 40.0, 15.0),
+    "opencood.data.synthetic.writer_v2xreal"))
 
 
 def get_format(name: str) -> DataFormat:

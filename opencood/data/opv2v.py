@@ -633,6 +633,10 @@ class OPV2VSplit:
                 return read_visibility_map(path)
         return None
 
+    def object_classes(self, scenario: str, timestamp: str, ids):
+        """None: OPV2V's labels carry no object classes (one class, vehicles)."""
+        return None
+
     def vehicles(self, scenario: str, cav_id: str, timestamp: str) -> dict:
         """The frame's ``vehicles`` mapping itself, shared with the index: read, never modify."""
         return self._frame_params(scenario, cav_id, timestamp)["vehicles"]
