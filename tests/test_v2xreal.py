@@ -23,7 +23,7 @@ from opencood.data.datasets import IntermediateFusionDataset, LateFusionDataset
 from opencood.data.formats import open_split
 from opencood.data.opv2v import OPV2VFormatError, OPV2VSplit
 from opencood.data.synthetic import generate_dataset
-from opencood.data.synthetic.writer_v2xreal import V2XREAL_TYPES
+from opencood.data.synthetic.world import OBJECT_CLASSES
 from opencood.data.v2xreal import META_CLASSES, check_classes, meta_class, mode_agents
 from opencood.errors import ConfigError
 from opencood.ops.transforms import relative_transform
@@ -110,8 +110,8 @@ def test_our_reader_reads_what_v2xreal_reads_in_every_mode(root, fixture):
     assert position == len(ref["sample_key"]) == 36
     assert compared == {"boxes": len(ref["box_ids"]), "agents": len(ref["agent_ids"])} \
         and compared["boxes"] > 1000
-    # both the vehicle and the truck meta-class are compared, and the modes differ in agents
-    assert set(ref["box_classes"].tolist()) >= {1, 3}
+    # every meta-class is compared (pedestrians and cyclists are class 2)
+    assert set(ref["box_classes"].tolist()) == {1, 2, 3}
 
 
 def test_meta_classes_follow_the_reference_map_and_its_lower_case_rule():
@@ -120,7 +120,7 @@ def test_meta_classes_follow_the_reference_map_and_its_lower_case_rule():
                                           "Vehicle", "Bicycle", "car", "TrafficCone")] == \
         ["vehicle", "truck", "truck", "pedestrian", "pedestrian", "vehicle", None, None, None]
     # every kind the synthetic world writes has a meta-class
-    assert all(meta_class(name) for name in V2XREAL_TYPES.values())
+    assert all(meta_class(names.v2xreal) for names in OBJECT_CLASSES.values())
 
 
 def test_modes_choose_the_ego_and_the_agents():
@@ -146,7 +146,7 @@ def test_labels_and_bins_are_what_the_world_scanned(root):
         kinds |= {v["obj_type"] for v in params["vehicles"].values()}
         raw = np.fromfile(agent / "000000.bin", dtype=np.float32)
         assert raw.size % 4 == 0 and raw.size > 0
-    assert kinds <= set(V2XREAL_TYPES.values()) and {"Car", "Van", "Truck"} <= kinds
+    assert kinds == {names.v2xreal for names in OBJECT_CLASSES.values()}
 
 
 def test_evaluation_day_rule_and_file_errors(root, tmp_path, fixture):
@@ -192,7 +192,13 @@ def test_datasets_emit_gt_classes_of_the_config_class_list(root):
     assert sample["gt_classes"].dtype == np.int64
     expected = dataset.split.object_classes(info.scenario, info.timestamp, sample["gt_ids"])
     assert sample["gt_classes"].tolist() == expected.tolist()
-    assert set(sample["gt_classes"].tolist()) == {0, 2}       # vehicle, truck
+    # the classes fit the boxes: pedestrians and cyclists under 2 m long, vans and trucks over
+    # 5 m, cars between (hwl: length is column 5)
+    lengths = sample["gt_boxes"][:, 5]
+    classes = sample["gt_classes"]
+    assert set(classes.tolist()) == {0, 1, 2}
+    assert lengths[classes == 1].max() < 2.0 < lengths[classes == 0].min()
+    assert lengths[classes == 0].max() < 5.0 < lengths[classes == 2].min()
     # late fusion's per-agent training examples carry their own boxes' classes
     late = LateFusionDataset.from_config(cfg, root / "validate", train=False, per_cav=True)
     example = late[1]

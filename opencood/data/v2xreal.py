@@ -27,7 +27,7 @@ What the reference defines and we keep:
   GT range, then >= 2 corners in the crop (``cav_lidar_range``), the union by object id, the
   first agent listing an id winning (ego first).
 * **Evaluation days**: outside training, every mode but ``v2v`` skips scenarios recorded on
-  :data:`V2V_ONLY_DAYS` (the reference's test set drops them: vehicles only on that day).
+  :data:`V2V_ONLY_DAYS` (the reference's test set drops them, without saying why).
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ package is named ``opencood`` too), from outside our checkout. Exact commands of
 fixture (ucla-mobility/V2X-Real at the mirror's HEAD)::
 
     # 1. the synthetic folders, from OUR venv (deterministic: preset + seed, see GENERATION)
-    PYTHONPATH=. python tools/generate_synthetic.py --out /work/side/rr/v2xreal --preset tiny \
+    PYTHONPATH=. python tools/generate_synthetic.py --out /work/side/rr/v2xreal --preset tiny_multiclass \
         --format v2xreal --seed 0 --quiet
     # 2. the side environment (torch 2.14.1, numpy, pyyaml, spconv, cumm, cython) and the
     #    reference's cython anchor IoU, built as its README says
@@ -43,7 +43,7 @@ import numpy as np
 
 SPLITS = ("train", "validate", "test")
 MODES = ("vc", "ic", "v2v", "i2i")
-GENERATION = {"preset": "tiny", "seed": 0}
+GENERATION = {"preset": "tiny_multiclass", "seed": 0}
 REFERENCE_YAML = "opencood/hypes_yaml/point_pillar_intermediate_fusion.yaml"
 
 

@@ -11,8 +11,9 @@ sweep as float32 rows [x, y, z, intensity] in the agent's LiDAR frame. ``<ts>.ya
 ``lidar_pose`` [x, y, z, roll, yaw, pitch] (m, degrees, world frame), ``ego_speed`` (km/h, 0 for
 a roadside unit) and ``vehicles``: every object the agent's LiDAR hits, keyed by its world actor
 id (the same id in every agent's labels), as OPV2V writes them (world-frame ``location``,
-``center``, ``extent``, ``angle``) plus ``obj_type``, V2X-Real's raw class name
-(:data:`V2XREAL_TYPES`), which its readers group into meta-classes.
+``center``, ``extent``, ``angle``) plus ``obj_type``, V2X-Real's raw class name of the object's
+kind (``OBJECT_CLASSES``: Car, Van, Truck and, in multi-class worlds, Pedestrian and
+BicycleRider), which its readers group into meta-classes (vehicle, truck, pedestrian).
 """
 from __future__ import annotations
 
@@ -23,21 +24,12 @@ import numpy as np
 import yaml
 
 from opencood.data.synthetic.presets import Preset
-from opencood.data.synthetic.writer import (_DUMPER, sample_visibility, scan_frames,
+from opencood.data.synthetic.world import OBJECT_CLASSES
+from opencood.data.synthetic.writer import (_DUMPER, ALL_KINDS, sample_visibility, scan_frames,
                                             scenario_name, scenario_seed)
-from opencood.errors import OpencoodError
 
 VEHICLE_FOLDERS = ("1", "2")
 RSU_FOLDERS = ("-1", "-2")
-# World object kind -> V2X-Real's raw ``obj_type`` (its SUPER_CLASS_MAP's names): cars are
-# meta-class vehicle, vans and trucks meta-class truck, pedestrians and cyclists pedestrian.
-V2XREAL_TYPES = {"car": "Car", "van": "Van", "truck": "Truck", "pedestrian": "Pedestrian",
-                 "cyclist": "BicycleRider"}
-
-
-class UnknownObjectKind(OpencoodError, ValueError):
-    """A world object of a kind the V2X-Real layout has no class name for."""
-
 
 def adapt_preset(preset: Preset) -> Preset:
     """``preset`` with exactly two vehicle CAVs and two roadside units, frames 0, 1, 2, ...;
@@ -54,16 +46,9 @@ def v2xreal_scenario_name(opv2v_name: str) -> str:
     return opv2v_name.replace("_", "-") + "_1_0"
 
 
-def object_type(kind: str, actor_id: int) -> str:
-    if kind not in V2XREAL_TYPES:
-        raise UnknownObjectKind(f"object {actor_id}: kind {kind!r} has no V2X-Real class name "
-                                f"(known: {', '.join(V2XREAL_TYPES)})")
-    return V2XREAL_TYPES[kind]
-
-
 def labelled(world, visible: dict) -> dict:
     """An agent's OPV2V ``vehicles`` entries with V2X-Real's ``obj_type`` added."""
-    return {actor: {**entry, "obj_type": object_type(world.track(actor).kind, actor)}
+    return {actor: {**entry, "obj_type": OBJECT_CLASSES[world.track(actor).kind].v2xreal}
             for actor, entry in visible.items()}
 
 
@@ -96,7 +81,7 @@ def generate_scenario(out_dir, preset: Preset, seed: int, split: str, index: int
     scenario_dir = Path(out_dir) / split / name
     stats = {"split": split, "name": name, "cavs": 2, "rsus": 2, "frames": preset.frames,
              "points": 0, "gt": 0, "invisible": 0, "rsu_only": 0, "in_range": 0, "unseen": 0}
-    for world, frame, scans in scan_frames(preset, seed, split, index):
+    for world, frame, scans in scan_frames(preset, seed, split, index, kinds=ALL_KINDS):
         timestamp = f"{frame:06d}"
         for agent_id, folder in agent_folders(world).items():
             points, visible = scans[agent_id]
@@ -109,6 +94,7 @@ def generate_scenario(out_dir, preset: Preset, seed: int, split: str, index: int
         visible = {agent_id: scans[agent_id][1] for agent_id in world.agent_ids}
         poses = {agent_id: list(world.lidar_poses[agent_id][frame])
                  for agent_id in world.agent_ids}
-        for key, count in sample_visibility(world, frame, visible, poses, preset).items():
+        for key, count in sample_visibility(world, frame, visible, poses, preset,
+                                            kinds=ALL_KINDS).items():
             stats[key] += count
     return stats
