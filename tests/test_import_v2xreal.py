@@ -7,7 +7,8 @@ yaws) at a small range and backbone, parsed and dumped as its ``train.py`` write
 are stored, ``tests/parity_weights.py``), their ``psm`` / ``rm`` maps on its own pillars, and its
 anchors. Here the run folder is rebuilt (config.yaml + ``net_epoch<N>.pth`` of those weights),
 imported through the tool, and our model, built from the imported config, must give its maps
-on the same pillars: the class / anchor order of its heads is ours.
+on the same pillars (``v2xreal_pillars.pt`` / ``quantv2x_pillars.pt``, stored once for the
+models that share them): the class / anchor order of its heads is ours.
 """
 from __future__ import annotations
 
@@ -54,11 +55,15 @@ def import_run(peer: Path, out: Path) -> None:
 
 
 def our_batch(inputs: dict) -> dict:
-    """Its collated inputs as our batch names them; V2X-ViT's per-slot prior_encoding
-    [velocity, delay, infrastructure] as per-agent types and delays, its correction matrices
-    as they are."""
-    batch = {key: inputs[key].long() if key != "voxel_features" else inputs[key]
-             for key in ("voxel_features", "voxel_num_points", "voxel_coords", "record_len")}
+    """Its collated inputs (the pillars from the shared file its ``pillars`` names) as our
+    batch names them; V2X-ViT's per-slot prior_encoding [velocity, delay, infrastructure] as
+    per-agent types and delays, its correction matrices as they are."""
+    codebase = "quantv2x" if inputs["pillars"] == "quantv2x" else "v2xreal"
+    pillars = torch.load(FIXTURES / f"{codebase}_pillars.pt",
+                         weights_only=True)[inputs["pillars"]]
+    batch = {key: pillars[key].long() if key != "voxel_features" else pillars[key]
+             for key in ("voxel_features", "voxel_num_points", "voxel_coords")}
+    batch["record_len"] = inputs["record_len"]
     if "prior_encoding" in inputs:
         slots = torch.arange(inputs["prior_encoding"].shape[1])
         prior = inputs["prior_encoding"][slots[None] < inputs["record_len"][:, None]]

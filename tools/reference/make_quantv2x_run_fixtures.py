@@ -8,7 +8,8 @@ widths (``small_heal``) on a 6.4 x 6.4 m range, parsed by its own ``yaml_utils.l
 dumped as its ``train.py`` writes ``config.yaml``; its ``HeterModelBaselineMC`` built by its own
 class, generated weights (recipes only), its ``forward`` in eval mode on samples of 1, 2 and 3
 agents (its pillars; identity pairwise transforms) and its ``cls_preds`` / ``reg_preds`` /
-``dir_preds`` maps. Output: ``quantv2x_<fusion>.config.yaml`` and ``.parity.pt``.
+``dir_preds`` maps. Output: ``quantv2x_<fusion>.config.yaml`` and ``.parity.pt``, and
+``quantv2x_pillars.pt`` (the two models' pillars, stored once).
 
 Run from OUTSIDE the repository, QuantV2X's sources first on PYTHONPATH::
 
@@ -46,6 +47,7 @@ def main(source_root: str, out_dir: str) -> None:
                           REPO / "tools" / "reference" / "make_model_parity_fixtures.py")
     yaml_utils = peer.import_with_stubs("opencood.hypes_yaml.yaml_utils")
     folder = Path(source_root) / "opencood" / "hypes_yaml" / "v2x_real" / "LiDAROnly"
+    shared = {}
     for name, filename in MODELS.items():
         raw = peer.small_heal(yaml.load((folder / filename).read_text(), Loader=yaml.Loader))
         with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as handle:
@@ -64,16 +66,20 @@ def main(source_root: str, out_dir: str) -> None:
         with torch.no_grad():
             outputs = model(data)
         path = out / f"quantv2x_{name}.parity.pt"
+        pillars = {k: v.contiguous() for k, v in data["inputs_m1"].items()}
+        if shared:                      # the same pillars for both models: stored once
+            assert all(torch.equal(shared["quantv2x"][k], pillars[k]) for k in pillars)
+        shared["quantv2x"] = pillars
         torch.save({"about": f"QuantV2X heter_model_baseline_mc ({filename}, small), "
                              "tools/reference/make_quantv2x_run_fixtures.py",
                     "state_dict": recipes,
-                    "inputs": {**{k: v.contiguous() for k, v in data["inputs_m1"].items()},
-                               "record_len": data["record_len"]},
+                    "inputs": {"pillars": "quantv2x", "record_len": data["record_len"]},
                     "outputs": {k: outputs[k].contiguous()
                                 for k in ("cls_preds", "reg_preds", "dir_preds")}}, path)
         print(name, len(recipes), "tensors",
               {k: tuple(outputs[k].shape) for k in ("cls_preds", "reg_preds", "dir_preds")},
               f"{path.stat().st_size / 1024:.0f} KiB")
+    torch.save(shared, out / "quantv2x_pillars.pt")
 
 
 if __name__ == "__main__":

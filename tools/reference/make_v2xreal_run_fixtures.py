@@ -14,7 +14,8 @@ two single-agent samples for ``point_pillar``; identity transforms: the agents' 
 the ego frame) and its ``psm`` / ``rm`` maps. Also its anchors: ``VoxelPostprocessor.
 generate_anchor_box`` stacked and permuted as its ``post_process`` flattens them, so the anchor
 order (class-major per cell) is checked, not assumed. Output: ``<model>.config.yaml`` and
-``<model>.parity.pt`` per model.
+``<model>.parity.pt`` per model, and ``v2xreal_pillars.pt`` (the pillars, stored once for the
+single-agent model and once for the four fusion models, which share them).
 
 Run from OUTSIDE the repository with the side environment, V2X-Real's sources first on
 PYTHONPATH::
@@ -61,6 +62,7 @@ CONFIG_ONLY = ("early_fusion",)               # the late fusion network: no seco
 RECORD_LEN = {"point_pillar": [1, 1]}           # early / late: one agent per sample
 FUSION_RECORD_LEN = [1, 2, 3]
 SEED = 38
+PILLARS = "v2xreal_pillars.pt"      # each fixture's "inputs"["pillars"] names its entry here
 # V2X-ViT's per-agent priors for samples of 1, 2 and 3 agents: (time delay in frames,
 # infrastructure flag, velocity, its spatial correction (dx, dy metres, yaw degrees)); not the
 # identity, so its STTF warp, delay encoding and type-dependent attention all take part.
@@ -190,6 +192,7 @@ def main(source_root: str, out_dir: str) -> None:
                           REPO / "tools" / "reference" / "make_model_parity_fixtures.py")
     yaml_utils = stubs.import_with_stubs("opencood.hypes_yaml.yaml_utils")
     folder = Path(source_root) / "opencood" / "hypes_yaml"
+    shared = {}                 # pillars by group, in PILLARS
     for name, filename in MODELS.items():
         raw = small(yaml.load((folder / filename).read_text(), Loader=yaml.Loader))
         with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as handle:
@@ -213,17 +216,22 @@ def main(source_root: str, out_dir: str) -> None:
             data.update(extra)
         with torch.no_grad():
             outputs = model(data)
+        group = "point_pillar" if name == "late_fusion" else "fusion"
+        pillars = {k: v.contiguous() for k, v in data["processed_lidar"].items()}
+        if group in shared:             # the same pillars (same seed and range): stored once
+            assert all(torch.equal(shared[group][k], pillars[k]) for k in pillars)
+        shared[group] = pillars
         fixture = {"about": f"V2X-Real {hypes['model']['core_method']} ({filename}, small), "
                             "tools/reference/make_v2xreal_run_fixtures.py",
                    "state_dict": recipes,
-                   "inputs": {**{k: v.contiguous() for k, v in data["processed_lidar"].items()},
-                              "record_len": data["record_len"], **extra},
+                   "inputs": {"pillars": group, "record_len": data["record_len"], **extra},
                    "outputs": {k: outputs[k].contiguous() for k in ("psm", "rm")}}
         if name == "attfuse":
             fixture["anchors"] = their_anchors(hypes, stubs)
         torch.save(fixture, out / f"{name}.parity.pt")
         print(name, len(recipes), "tensors", {k: tuple(v.shape) for k, v in outputs.items()},
               f"{(out / f'{name}.parity.pt').stat().st_size / 1024:.0f} KiB")
+    torch.save(shared, out / PILLARS)
 
 
 def export_check(fixtures: str, folders) -> None:
@@ -247,8 +255,8 @@ def export_check(fixtures: str, folders) -> None:
                      key=lambda path: int(path.stem[len("net_epoch"):]))
         model.load_state_dict(torch.load(newest, map_location="cpu"), strict=True)
         inputs = fixture["inputs"]
-        data = {"processed_lidar": {key: inputs[key] for key in
-                                    ("voxel_features", "voxel_coords", "voxel_num_points")},
+        pillars = torch.load(Path(fixtures) / PILLARS, weights_only=True)[inputs["pillars"]]
+        data = {"processed_lidar": pillars,
                 "record_len": inputs["record_len"],
                 "pairwise_t_matrix": torch.eye(4).repeat(
                     len(inputs["record_len"]), hypes["train_params"].get("max_cav", 5),
