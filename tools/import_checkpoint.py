@@ -2,7 +2,7 @@
 """Import another codebase's trained run as one of ours (issue 24)::
 
     python tools/import_checkpoint.py --from {opencood,heal,coalign,v2v4real,v2xreal,quantv2x} PEER_RUN_DIR --out RUN_DIR
-        [--checkpoint FILE]
+        [--checkpoint FILE | --merge RUN [RUN ...]]     # --merge: HEAL heterogeneous runs
     python tools/eval.py --model_dir RUN_DIR [--set test_dir=PATH] [--protocol opencood]
 
 ``PEER_RUN_DIR`` is a folder as OpenCOOD's ``train.py`` writes it: ``config.yaml`` and
