@@ -42,7 +42,8 @@ ROAD_USER_KINDS = {
 # What the LiDAR and the cameras see of a road user: boxes (centre, half size) given as fractions
 # of its label box's half length, half width and height (z from the ground), all inside that box,
 # so the label stays tight around its returns. A pedestrian: legs, torso with arms, head; a
-# cyclist: a thin bicycle the whole length, the rider above its middle.
+# cyclist: a thin bicycle the whole length, the rider above its middle. (The V2X-Real parity
+# fixture is read from tiny_multiclass's clouds: a change here means remaking it.)
 ROAD_USER_SHAPES = {
     "pedestrian": (((0.0, 0.0, 0.25), (0.55, 0.6, 0.25)),       # legs: 0 - 0.5 h
                    ((0.0, 0.0, 0.68), (1.0, 1.0, 0.18)),        # torso: 0.5 - 0.86 h
