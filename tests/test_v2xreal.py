@@ -4,9 +4,11 @@ datasets' ``gt_classes``, the synthetic writer and the one-line errors.
 
 The fixture (tests/fixtures/v2xreal/v2xreal.npz) holds what V2X-Real's
 ``IntermediateFusionDataset``, built from its own point_pillar_intermediate_fusion.yaml as its
-inference builds it (``train=False``), reads on the ``tiny`` synthetic folders (seed 0) in modes
+inference builds it (``train=False``), reads on the synthetic folders (seed 0) in modes
 vc, ic, v2v and i2i; made by tools/reference/v2xreal_dataset.py in a side environment. We
-regenerate the same folders and read them with ours set as that yaml sets it.
+regenerate the same folders and read them with ours set as that yaml sets it. The folders are
+``tiny_multiclass``'s (pedestrians and cyclists too): a change to the synthetic world's road users
+changes them, and the fixture is then remade with the script (its docstring has the commands).
 """
 from __future__ import annotations
 
