@@ -111,6 +111,8 @@ def test_imported_config_and_anchors(tmp_path):
     assert post["gt_range"] == [-3.2, -3.2, -15.0, 3.2, 3.2, 15.0]
     assert (post["target_args"]["score_threshold"], post["nms_thresh"]) == (0.2, 0.15)
     assert (post["filters"], post["max_num"]) == ("ours", 300)
+    assert (cfg["fusion"]["dataset"], cfg["fusion"]["dataset_mode"], cfg["comm_range"]) == \
+        ("v2xreal", "vc", 50.0)
     anchors = anchors_from_config(post["anchor_args"], cfg["bev_grid"], post["order"],
                                   classes=post["classes"])
     expected = torch.load(FIXTURES / "attfuse.parity.pt", weights_only=True)["anchors"]
@@ -136,6 +138,8 @@ def test_quantv2x_import_drops_only_its_unread_direction_head(tmp_path):
     assert cfg["model"]["args"]["use_dir"] is False and "head.dir_conv.weight" not in ours
     assert len(ours) == len(state) - 2 and any("dir_head" in n for n in provenance["notes"])
     assert cfg["fusion"]["args"]["proj_first"] is False
+    assert (cfg["fusion"]["dataset"], cfg["fusion"]["dataset_mode"], cfg["comm_range"]) == \
+        ("v2xreal", "v2v", 70.0)
     assert cfg["model"]["args"]["fusion"]["core_method"] == "fcooper"
     state["shrinker_m1.extra.weight"] = torch.zeros(1)
     with pytest.raises(InteropError, match=r"net_epoch3.pth: .*no place in our model \(for "
@@ -173,6 +177,8 @@ def tampered(name: str, change: str) -> dict:
                      r"postprocess.anchor_args.anchor_generator_config makes it 3"),
     ("align_center: true", r"config.yaml: postprocess.anchor_args.anchor_generator_config\[0\]"
                            r".align_center: only true"),
+    ("dataset_mode: vc", r"config.yaml: dataset_mode: missing \(V2X-Real's collaboration "
+                         r"mode"),
     ("core_method: second_intermediate", "config.yaml: model.core_method "
                                          "'second_intermediate': V2X-Real's model has no "
                                          "counterpart here"),
@@ -182,10 +188,12 @@ def test_refused_in_one_line_and_nothing_written(tmp_path, change, message):
     peer = write_peer_run(tmp_path / "peer", "attfuse", state)
     if ":" in change:
         old = {"num_class": "num_class: 3", "align_center": "align_center: true",
-               "core_method": "core_method: point_pillar_intermediate"}[change.split(":")[0]]
+               "core_method": "core_method: point_pillar_intermediate",
+               "dataset_mode": "dataset_mode: vc"}[change.split(":")[0]]
         text = (peer / "config.yaml").read_text()
         assert old in text
-        new = change if change != "align_center: true" else "align_center: false"
+        new = {"align_center: true": "align_center: false",
+               "dataset_mode: vc": "dataset_mod: vc"}.get(change, change)
         (peer / "config.yaml").write_text(text.replace(old, new))
     with pytest.raises(InteropError, match=message) as error:
         import_run(peer, tmp_path / "ours")

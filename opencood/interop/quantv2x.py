@@ -17,8 +17,8 @@ and given V2X-Real's class list; what differs:
 * Its box filters are V2X-Real's (100 m): ``filters: ours``, as ``--from v2xreal``; its NMS is
   class-agnostic (the same note).
 * ``fusion.core_method: intermediateheter3class`` is HEAL's intermediate heterogeneous
-  strategy with three classes; its ``fusion.dataset: v2xreal`` is left for the V2X-Real reader
-  (``fusion.dataset`` keeps our default: a note says so).
+  strategy with three classes; its ``fusion.dataset: v2xreal`` is our V2X-Real reader in its
+  ``dataset_mode``, and its ``comm_range`` is carried.
 """
 from __future__ import annotations
 
@@ -27,20 +27,19 @@ from typing import List, Tuple
 
 from opencood.interop.heal import PROJ_FIRST_NOTE, heal_rules, translate_heal_config
 from opencood.interop.opencood_ckpt import InteropError, Rule
-from opencood.interop.v2xreal import NMS_NOTE, check_head_counts, set_classes, translate_classes
+from opencood.interop.v2xreal import (NMS_NOTE, check_head_counts, set_classes,
+                                      set_v2xreal_data, translate_classes)
 
 CORE_METHOD = "heter_model_baseline_mc"
 STRATEGIES = ("intermediateheter3class", "intermediateheter")
 DIRECTION_NOTE = ("QuantV2X's multi-class post-processing never reads its direction head: "
                   "imported with use_dir: false (yaws as regressed, as there) and its dir_head "
                   "left out")
-DATASET_NOTE = ("its fusion.dataset {dataset!r} is not set on the imported run (give "
-                "--set fusion.dataset=... to tools/eval.py)")
 
 
 def as_heal_hypes(data: dict, source: str) -> dict:
     """QuantV2X's hypes as those of HEAL's single-class ``heter_model_baseline`` (its
-    multi-class names and data set taken out; put back by :func:`translate_quantv2x_config`)."""
+    multi-class names taken out; the classes put back by :func:`translate_quantv2x_config`)."""
     model = data.get("model") if isinstance(data.get("model"), dict) else {}
     if model.get("core_method") != CORE_METHOD:
         raise InteropError(f"{source}: model.core_method {model.get('core_method')!r}: only "
@@ -54,7 +53,6 @@ def as_heal_hypes(data: dict, source: str) -> dict:
     hypes = copy.deepcopy(data)
     hypes["model"]["core_method"] = "heter_model_baseline"
     hypes["fusion"]["core_method"] = "intermediateheter"
-    hypes["fusion"].pop("dataset", None)
     hypes["postprocess"]["core_method"] = "VoxelPostprocessor"
     return hypes
 
@@ -65,6 +63,10 @@ def translate_quantv2x_config(data: dict, source: str) -> dict:
     set_classes(cfg, data, source)
     cfg["model"]["args"]["use_dir"] = False
     del cfg["loss"]["args"]["dir_offset"]
+    if cfg["fusion"]["dataset"] == "v2xreal":
+        set_v2xreal_data(cfg, data, source)
+    if "comm_range" in data:
+        cfg["comm_range"] = float(data["comm_range"])
     return cfg
 
 
@@ -74,11 +76,7 @@ def quantv2x_rules(data: dict, source: str) -> Tuple[Rule, ...]:
 
 
 def quantv2x_notes(data: dict) -> List[str]:
-    notes = [PROJ_FIRST_NOTE, DIRECTION_NOTE, NMS_NOTE]
-    dataset = data.get("fusion", {}).get("dataset")
-    if dataset is not None:
-        notes.append(DATASET_NOTE.format(dataset=dataset))
-    return notes
+    return [PROJ_FIRST_NOTE, DIRECTION_NOTE, NMS_NOTE]
 
 
 def quantv2x_unused_keys(data: dict) -> Tuple[str, ...]:

@@ -32,7 +32,9 @@ handled:
   every truck); its NMS is class-agnostic over every box above the score threshold with no cap
   (ours: per class over ``pre_nms_max: 1000`` candidates, at most its ``max_num`` kept; a
   printed note). Its test GT range is [-100, -40, -15, 100, 40, 15] (its
-  ``datasets/__init__.py``), cut to the LiDAR range.
+  ``datasets/__init__.py``), cut to the LiDAR range, and its communication range 50 m.
+* **Data**: ``fusion.dataset: v2xreal`` (our reader, ``opencood.data.v2xreal``) in its
+  ``dataset_mode`` (vc, ic, v2v, i2i: ``fusion.dataset_mode``).
 * **V2X-ViT** (``point_pillar_transformer``): v2x-vit's model (the same keys and forward), so
   OpenCOOD's translation of it serves (``warp: reference``, ``delay_table: learned``,
   ``prior_feed: true``).
@@ -51,6 +53,7 @@ from opencood.interop.opencood_config import _gt_range, translate_config
 from opencood.postprocess.voxel_postprocessor import REFERENCE_PRE_NMS
 
 V2XREAL_GT_RANGE = (-100.0, -40.0, -15.0, 100.0, 40.0, 15.0)
+V2XREAL_COM_RANGE = 50.0            # its datasets/__init__.py COM_RANGE (metres)
 ANCHORS = "postprocess.anchor_args.anchor_generator_config"
 # V2X-Real model.core_method -> its key rules
 V2XREAL_RULES = {
@@ -155,6 +158,16 @@ def set_classes(cfg: dict, data: dict, source: str) -> None:
     del cfg["model"]["args"]["anchor_number"]     # A = K x R: derived from the class list
 
 
+def set_v2xreal_data(cfg: dict, data: dict, source: str) -> None:
+    """Our V2X-Real reader (``fusion.dataset: v2xreal``) in the run's collaboration mode (its
+    top-level ``dataset_mode``, which its datasets require)."""
+    if "dataset_mode" not in data:
+        raise InteropError(f"{source}: dataset_mode: missing (V2X-Real's collaboration mode: "
+                           "vc, ic, v2v or i2i)")
+    cfg["fusion"]["dataset"] = "v2xreal"
+    cfg["fusion"]["dataset_mode"] = data["dataset_mode"]
+
+
 def translate_v2xreal_config(data: dict, source: str) -> dict:
     """V2X-Real hypes -> our multi-class config (unresolved); InteropError naming the key."""
     v2xreal_rules(data, source)               # one of its models we map
@@ -162,6 +175,8 @@ def translate_v2xreal_config(data: dict, source: str) -> dict:
     set_classes(cfg, data, source)
     cfg["postprocess"]["gt_range"] = _gt_range(cfg["preprocess"]["cav_lidar_range"],
                                                V2XREAL_GT_RANGE)
+    set_v2xreal_data(cfg, data, source)
+    cfg["comm_range"] = V2XREAL_COM_RANGE
     if data["model"]["core_method"] == "point_pillar_intermediate":
         args = cfg["model"]["args"]
         args["fusion"]["stage"] = "backbone"  # its AttFusion fuses the shrunk map

@@ -156,6 +156,7 @@ def v2xreal_hypes(cfg: dict, source: str) -> Tuple[str, dict]:
         "name": str(cfg.get("name") or "v2xreal_export"),
         "root_dir": cfg.get("root_dir") or "", "validate_dir": cfg.get("validate_dir") or "",
         "yaml_parser": "load_point_pillar_params",
+        "dataset_mode": cfg["fusion"]["dataset_mode"],     # its datasets require it
         "train_params": peer_train_params(cfg["train_params"]),
         "fusion": {"core_method": STRATEGY_DATASET[strategy],
                    "args": {"proj_first": True} if fused else []},
