@@ -172,7 +172,7 @@ FIGURES = {
     "pose_graph_solve_ms": "ms per sample of CoAlign's pose correction (opencood.ops.pose_graph."
                            "align_poses: clustering, graph, LM) for 5 agents x 60 boxes, on one "
                            "CPU thread",
-    "loader_by_format": "samples/s per data set format (opv2v, v2v4real, dairv2x) on the tiny "
+    "loader_by_format": "samples/s per data set format (each the world writes) on the tiny "
                         "synthetic folders written in it: our reader (files -> agents' clouds, "
                         "transforms and ego-frame GT, no point cache) and our intermediate "
                         "fusion dataset (warm point cache); tools/reference/"

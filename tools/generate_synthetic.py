@@ -1,9 +1,9 @@
 #!/usr/bin/env python
-"""Generate the synthetic cooperative data set in OPV2V, V2V4Real or DAIR-V2X-C format.
+"""Generate the synthetic cooperative data set in OPV2V, V2V4Real, V2X-Real or DAIR-V2X-C format.
 
     python tools/generate_synthetic.py --out DIR [--preset tiny|small|opv2v|v2x_small|v2x|
                                                  tiny_multiclass|small_multiclass]
-                                       [--format opv2v|v2v4real|dairv2x]
+                                       [--format opv2v|v2v4real|v2xreal|dairv2x]
                                        [--seed N] [--workers N] [--overwrite]
                                        [--frames N] [--scenarios TRAIN VALIDATE TEST]
                                        [--splits train validate test]
@@ -11,8 +11,11 @@
                                        [--multiclass]
 
 Writes DIR/{train,validate,test}/<scenario>/<cav_id>/<ts>.pcd|.yaml (opv2v; v2v4real: two CAVs,
-folders 0 and 1, numpy-tagged yaml; dairv2x: DIR/cooperative-vehicle-infrastructure/ with
-train.json, val.json, test.json) and DIR/generation.yaml, then prints a summary. Same seed -> identical files, whatever --workers. ``--frames`` and
+folders 0 and 1, numpy-tagged yaml; v2xreal: two vehicles 1, 2 and two roadside units -1, -2,
+<ts>.bin clouds, labels with V2X-Real's class names; dairv2x:
+DIR/cooperative-vehicle-infrastructure/ with train.json, val.json, test.json) and
+DIR/generation.yaml, then prints a summary. Same seed -> identical files, whatever --workers.
+``--frames`` and
 ``--scenarios`` resize a preset (e.g. a lighter ``opv2v`` for a short GPU session); the sizes
 used are recorded in generation.yaml. ``--splits test`` writes only the test split, byte-identical
 to the test split of the whole data set (tests/test_e2e_parity.py regenerates its frames so).
@@ -25,8 +28,8 @@ LiDAR (docs/DESIGN.md §3). ``--heter`` writes HEAL's OPV2V-H extras: every agen
 assignments ``DIR/heter_modality_assign/opv2v_4modality.json`` (and ``_in_order``) for a
 ``heter`` config's ``assignment_path``; with ``--cameras --depth`` that is all of OPV2V-H.
 ``--multiclass`` adds pedestrians and cyclists to any preset's world (the ``*_multiclass``
-presets have them): ``dairv2x`` labels them with their own ``type``; the vehicle-only formats
-(opv2v, v2v4real) leave them unlabelled in the clouds.
+presets have them): ``dairv2x`` and ``v2xreal`` label them with their own class; the
+vehicle-only formats (opv2v, v2v4real) leave them unlabelled in the clouds.
 """
 import argparse
 import dataclasses
@@ -45,7 +48,8 @@ def parse_args(argv=None):
                         help=f"size preset: {', '.join(PRESETS)} (default: small)")
     parser.add_argument("--format", default="opv2v", choices=FORMATS, dest="data_format",
                         help="file format (default: opv2v); v2v4real has two CAVs per "
-                             "scenario, dairv2x one vehicle and one roadside unit")
+                             "scenario, v2xreal two CAVs and two roadside units, dairv2x one "
+                             "vehicle and one roadside unit")
     parser.add_argument("--seed", type=int, default=0, help="random seed (>= 0)")
     parser.add_argument("--workers", type=int, default=1, help="parallel processes")
     parser.add_argument("--overwrite", action="store_true",

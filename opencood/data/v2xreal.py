@@ -37,11 +37,12 @@ from pathlib import Path
 import numpy as np
 
 from opencood.config_schema import DEFAULT_COMM_RANGE
-from opencood.data.opv2v import (SPLITS, OPV2VFormatError, SampleInfo, VehicleArrays, _CavFolder,
-                                 _ScenarioLayout, _cache_root, _copy_tree, _index_cache_path,
-                                 _layout_fingerprint, _parse_frames, _planar_distance,
-                                 _read_index_cache, _sorted_subfolders, _write_index_cache,
-                                 load_frame_yaml, raise_all, remove_own_body_points)
+from opencood.data.opv2v import (SPLITS, OPV2VFormatError, OPV2VSplit, SampleInfo,
+                                 VehicleArrays, _CavFolder, _ScenarioLayout, _cache_root,
+                                 _copy_tree, _index_cache_path, _layout_fingerprint,
+                                 _parse_frames, _planar_distance, _read_index_cache,
+                                 _sorted_subfolders, _write_index_cache, load_frame_yaml,
+                                 raise_all, remove_own_body_points)
 from opencood.data.pcd import PointCloudCache
 from opencood.ops.transforms import (boxes_to_corners_3d, corners_in_range_mask, corners_to_boxes,
                                      extent_corners, pose_to_matrix, poses_to_matrices)
@@ -366,6 +367,10 @@ class V2XRealSplit:
         """(ids (M,) int64 sorted, boxes (M, 7) float64) of sample ``index`` (module doc)."""
         ids, boxes, _ = self._sample_objects(index, gt_range, order)
         return ids, boxes
+
+    # OPV2V's: {"info", "cavs": {agent: load_cav_frame + "T_to_ego"}, "gt_ids", "gt_boxes"};
+    # it asks only _samples, load_cav_frame and sample_gt, which this class has (tools/bench.py)
+    load_sample = OPV2VSplit.load_sample
 
     def object_classes(self, scenario: str, timestamp: str, ids) -> np.ndarray:
         """(M,) int64 class id (position in ``classes``) of each object id of a (scenario,

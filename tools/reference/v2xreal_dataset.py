@@ -5,19 +5,22 @@ tests/test_v2xreal.py compares our reader (``fusion.dataset: v2xreal``) with.
 
 Runs in the side environment, never in CI, with the V2X-Real checkout FIRST on PYTHONPATH (its
 package is named ``opencood`` too), from outside our checkout. Exact commands of the committed
-fixture (ucla-mobility/V2X-Real at the mirror's HEAD)::
+fixture (ucla-mobility/V2X-Real at b6d5be142a92)::
 
     # 1. the synthetic folders, from OUR venv (deterministic: preset + seed, see GENERATION)
-    PYTHONPATH=. python tools/generate_synthetic.py --out /work/side/rr/v2xreal --preset tiny_multiclass \
-        --format v2xreal --seed 0 --quiet
+    PYTHONPATH=. python tools/generate_synthetic.py --out /work/side/rr/v2xreal \
+        --preset tiny_multiclass --format v2xreal --seed 0 --quiet
     # 2. the side environment (torch 2.14.1, numpy, pyyaml, spconv, cumm, cython) and the
     #    reference's cython anchor IoU, built as its README says
-    git --git-dir=/work/.mirror/ucla-mobility+V2X-Real/repo archive HEAD | tar -x -C /work/side/V2X-Real
+    git --git-dir=/work/.mirror/ucla-mobility+V2X-Real/repo archive HEAD \
+        | tar -x -C /work/side/V2X-Real
     /work/side/venv-v2xreal/bin/pip install cython spconv cumm
-    cd /work/side/V2X-Real && /work/side/venv-v2xreal/bin/python opencood/utils/setup.py build_ext --inplace
+    cd /work/side/V2X-Real && /work/side/venv-v2xreal/bin/python opencood/utils/setup.py \
+        build_ext --inplace
     # 3. run it
     cd /work/side && env PYTHONPATH=/work/side/V2X-Real /work/side/venv-v2xreal/bin/python \
-        <repo>/tools/reference/v2xreal_dataset.py /work/side/rr/v2xreal <repo>/tests/fixtures/v2xreal
+        <repo>/tools/reference/v2xreal_dataset.py /work/side/rr/v2xreal \
+        <repo>/tests/fixtures/v2xreal
 
 What runs: its ``opencood/hypes_yaml/point_pillar_intermediate_fusion.yaml`` read by its
 ``load_yaml``, ``root_dir`` / ``validate_dir`` our split, ``dataset_mode`` each of vc, ic, v2v,
