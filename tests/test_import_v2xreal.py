@@ -113,6 +113,7 @@ def test_imported_config_and_anchors(tmp_path):
     assert (post["filters"], post["max_num"]) == ("ours", 300)
     assert (cfg["fusion"]["dataset"], cfg["fusion"]["dataset_mode"], cfg["comm_range"]) == \
         ("v2xreal", "vc", 50.0)
+    assert cfg["train_params"]["max_cav"] == 4        # its datasets' default (its yaml has none)
     anchors = anchors_from_config(post["anchor_args"], cfg["bev_grid"], post["order"],
                                   classes=post["classes"])
     expected = torch.load(FIXTURES / "attfuse.parity.pt", weights_only=True)["anchors"]
@@ -153,6 +154,20 @@ def test_quantv2x_import_drops_only_its_unread_direction_head(tmp_path):
     with pytest.raises(InteropError, match="model.core_method 'heter_model_baseline': only "
                                            "QuantV2X's heter_model_baseline_mc"):
         translate_run(heal, None, "quantv2x")
+
+
+def test_anchors_over_another_range_refused():
+    """Its anchors span postprocess.anchor_args.cav_lidar_range, ours the crop: a run whose
+    two ranges differ is refused (its yamls alias one list)."""
+    from opencood.interop.opencood_config import read_opencood_yaml
+    from opencood.interop.v2xreal import translate_classes
+    data = read_opencood_yaml(FIXTURES / "attfuse.config.yaml")
+    assert translate_classes(data, "config.yaml")[2] == 2
+    data["postprocess"]["anchor_args"]["cav_lidar_range"] = [-6.4, -3.2, -15, 6.4, 3.2, 15]
+    with pytest.raises(InteropError, match=r"config.yaml: postprocess.anchor_args."
+                                           r"cav_lidar_range \[-6.4, .* is not "
+                                           r"preprocess.cav_lidar_range"):
+        translate_classes(data, "config.yaml")
 
 
 def tampered(name: str, change: str) -> dict:

@@ -54,6 +54,7 @@ from opencood.postprocess.voxel_postprocessor import REFERENCE_PRE_NMS
 
 V2XREAL_GT_RANGE = (-100.0, -40.0, -15.0, 100.0, 40.0, 15.0)
 V2XREAL_COM_RANGE = 50.0            # its datasets/__init__.py COM_RANGE (metres)
+V2XREAL_DEFAULT_MAX_CAV = 4         # its basedataset's max_cav when train_params has none
 ANCHORS = "postprocess.anchor_args.anchor_generator_config"
 # V2X-Real model.core_method -> its key rules
 V2XREAL_RULES = {
@@ -86,6 +87,12 @@ def _one(entry: dict, key: str, where: str):
 def translate_classes(data: dict, source: str) -> Tuple[List[dict], List[float], int]:
     """V2X-Real's ``anchor_generator_config`` -> (our ``postprocess.classes``, the shared
     yaws in degrees, the feature stride); InteropError naming the entry otherwise."""
+    anchor_range = data.get("postprocess", {}).get("anchor_args", {}).get("cav_lidar_range")
+    crop = data.get("preprocess", {}).get("cav_lidar_range")
+    if anchor_range is not None and anchor_range != crop:
+        raise InteropError(f"{source}: postprocess.anchor_args.cav_lidar_range {anchor_range} "
+                           f"is not preprocess.cav_lidar_range {crop}: its anchors span the "
+                           "first, ours the crop")
     entries = data.get("postprocess", {}).get("anchor_args", {}).get("anchor_generator_config")
     if not isinstance(entries, list) or not entries:
         raise InteropError(f"{source}: {ANCHORS}: missing or empty (V2X-Real's per-class "
@@ -137,6 +144,8 @@ def as_opencood_hypes(data: dict, source: str) -> dict:
     classes, yaws, stride = translate_classes(data, source)
     check_head_counts(data, source, classes, yaws)
     hypes = copy.deepcopy(data)
+    # its datasets' default (OpenCOOD's is 7)
+    hypes["train_params"].setdefault("max_cav", V2XREAL_DEFAULT_MAX_CAV)
     anchor_args = hypes["postprocess"]["anchor_args"]
     anchor_args.update(l=classes[0]["l"], w=classes[0]["w"], h=classes[0]["h"],
                        r=[math.radians(r) for r in yaws], num=len(yaws),
