@@ -18,16 +18,20 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import yaml
 
 from opencood.config import load_config
+from opencood.data.collate import collate_samples
 from opencood.data.datasets import IntermediateFusionDataset, LateFusionDataset
 from opencood.data.formats import open_split
 from opencood.data.opv2v import OPV2VFormatError, OPV2VSplit
 from opencood.data.synthetic import generate_dataset
 from opencood.data.synthetic.world import OBJECT_CLASSES
 from opencood.data.v2xreal import META_CLASSES, check_classes, meta_class, mode_agents
+from opencood.engine.task import DetectionTask
 from opencood.errors import ConfigError
+from opencood.models import build_model
 from opencood.ops.transforms import relative_transform
 from tests.reference_fixtures import load_npz_fixture
 
@@ -226,3 +230,22 @@ def test_datasets_emit_gt_classes_of_the_config_class_list(root):
         load_config(REPO / "hypes_yaml/synthetic/smoke.yaml", ["fusion.dataset_mode=ic"])
     with pytest.raises(ConfigError, match="dataset_mode"):
         _config(root, "fusion.dataset_mode=x2x")
+
+
+def test_the_smoke_config_trains_a_step_on_its_three_classes(root):
+    """hypes_yaml/v2xreal/smoke.yaml on the synthetic V2X-Real training split: the batch's
+    gt_classes reach the target assignment (every class with GT in the crop has positive
+    anchors of its own class) and one step's loss is finite."""
+    cfg = _config(root, f"root_dir={root / 'train'}")
+    dataset = IntermediateFusionDataset.from_config(cfg, root / "train", train=True)
+    batch = collate_samples([dataset[0], dataset[1]])
+    task = DetectionTask.from_config(cfg, torch.device("cpu"))
+    targets = task.preparer.targets(batch)
+    positive_classes = set(targets["class_targets"][targets["labels"] == 1].tolist())
+    gt_classes = set(batch["gt_classes"][batch["gt_mask"]].tolist())
+    assert positive_classes == gt_classes == {0, 1, 2}
+    torch.manual_seed(0)
+    model = build_model(cfg["model"])
+    loss, terms, samples = task.training_loss(model, batch)
+    loss.backward()
+    assert samples == 2 and math.isfinite(float(loss.detach())) and terms["cls_loss"] > 0
