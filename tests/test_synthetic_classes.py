@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 import yaml
 
+from opencood.config import load_config
 from opencood.data.dairv2x import DairV2XSplit
+from opencood.data.datasets import build_dataset
 from opencood.data.numpy_yaml import NumpyYamlLoader
 from opencood.data.pcd import read_pcd
 from opencood.data.synthetic import (OBJECT_CLASSES, LidarConfig, Scene, Vehicle, cast_lidar,
@@ -24,6 +26,7 @@ from opencood.data.synthetic.writer import ALL_KINDS, rebuild_world
 from opencood.data.synthetic.writer_dairv2x import ROOT_NAME, WORLD_ORIGIN, adapt_preset
 from opencood.data.synthetic.writer_v2v4real import adapt_preset as v2v4real_adapt
 from opencood.ops.transforms import apply_transform, pose_to_matrix
+from opencood.strategies import choose_strategy
 from tool_modules import load_tool
 
 # Digests of what the default presets drew and wrote before road users existed (seed 0):
@@ -31,6 +34,7 @@ from tool_modules import load_tool
 DEFAULT_WORLDS = {"tiny": "c85c1003b6497e35", "v2x_small": "cd69289275330350"}
 DEFAULT_FILES = {"opv2v": "57e90a3df55faa2f", "dairv2x": "5a7f6956c9785627",
                  "v2v4real": "bf7ffce454ab113e"}
+REPO = Path(__file__).resolve().parents[1]
 BIG_RANGE = [-1000.0, -1000.0, -100.0, 1000.0, 1000.0, 100.0]
 
 
@@ -191,7 +195,7 @@ def test_lidar_and_camera_see_a_pedestrian_ten_metres_away_and_only_class_format
     assert set(OBJECT_CLASSES) == set(VEHICLE_KINDS) | set(ROAD_USER_KINDS)
 
 
-def test_dair_labels_each_object_s_type_the_reader_keeps_vehicles_vehicle_formats_list_none(
+def test_dair_labels_each_type_its_reader_keeps_vehicles_or_classes_others_list_vehicles(
         tmp_path):
     generate = load_tool("generate_synthetic")
     preset = generate.sized_preset("tiny", frames=1, multiclass=True)
@@ -219,6 +223,26 @@ def test_dair_labels_each_object_s_type_the_reader_keeps_vehicles_vehicle_format
     assert {"Pedestrian", "Cyclist"} <= set(types)
     sample = DairV2XSplit(root / "test.json").load_sample(0, gt_range=BIG_RANGE)
     assert len(sample["gt_boxes"]) == sum(t in ("Car", "Van", "Truck") for t in types)
+    # Multi-class (postprocess.classes, cooperative labels): DAIR's merge (Van, Truck: Car),
+    # class id = position in the list; the sizes tell the classes apart.
+    cfg = load_config(REPO / "hypes_yaml/dairv2x/base.yaml", [
+        f"validate_dir={root / 'test.json'}", "fusion.gt_source=cooperative",
+        "postprocess.classes=[{name: Car, l: 3.9, w: 1.6, h: 1.56, z: -1.78}, "
+        "{name: Pedestrian, l: 0.8, w: 0.6, h: 1.73, z: -0.6}, "
+        "{name: Cyclist, l: 1.76, w: 0.6, h: 1.73, z: -0.6}]"])
+    dataset = build_dataset(cfg, "validate", train=False,
+                            strategy=choose_strategy(cfg, "intermediate"))
+    sample = dataset[0]
+    class_of_type = {"Car": 0, "Van": 0, "Truck": 0, "Pedestrian": 1, "Cyclist": 2}
+    assert sample["gt_classes"].tolist() == [class_of_type[types[i]] for i in sample["gt_ids"]]
+    lengths = sample["gt_boxes"][:, 5]                             # [x, y, z, h, w, l, yaw]
+    for class_id, (low, high) in enumerate([(4.2, 10.0), (0.5, 0.8), (1.6, 1.9)]):
+        in_class = lengths[sample["gt_classes"] == class_id]
+        assert len(in_class) and ((low - 1e-3 <= in_class) & (in_class <= high + 1e-3)).all()
+    with pytest.raises(ValueError, match="'Van' not a DAIR-V2X class"):
+        DairV2XSplit(root / "test.json", classes=("Car", "Van"))
+    with pytest.raises(ValueError, match="cooperative labels only"):
+        DairV2XSplit(root / "test.json", classes=("Car",), gt_source="single_side")
     # OPV2V: road users are in the clouds, never in ``vehicles``.
     world = rebuild_world(preset, 0, "test", 0)
     road_users = {t.actor_id: t for t in world.tracks if t.kind not in VEHICLE_KIND_NAMES}

@@ -38,7 +38,9 @@ and the roadside unit ``"-1"`` (a negative id: infrastructure, as V2XSet names i
     renumbered 0.. (vehicle boxes first, in file order). On real DAIR-V2X-C these are other
     annotations than the cooperative ones (their own boxes, offsets and misses);
 
-  either way classes Car, Truck, Van, Bus as one vehicle class, kept when all 8 corners lie in
+  either way classes Car, Truck, Van, Bus as one vehicle class (with ``postprocess.classes``
+  and the cooperative labels: the classes listed, :data:`MERGED_CLASSES`, each box's class id
+  from ``object_classes``), kept when all 8 corners lie in
   the range (HEAL's default; HEAL also widens z by 1 m each way, which the hypes_yaml/dairv2x
   configs' gt_range already holds);
 * sample order: the split file's, as HEAL's datasets index it (per-frame protocols and a
@@ -72,6 +74,12 @@ logger = logging.getLogger(__name__)
 
 VEHICLE_ID, INFRASTRUCTURE_ID = "0", "-1"
 VEHICLE_CLASSES = ("Car", "Truck", "Van", "Bus")
+# Multi-class GT (``postprocess.classes``, cooperative labels): DAIR-V2X's own class merge (its
+# KITTI converter writes Truck, Van and Bus as Car); every other type is a class of its name.
+MERGED_CLASSES = {"Car": VEHICLE_CLASSES, "Pedestrian": ("Pedestrian",),
+                  "Cyclist": ("Cyclist",), "Tricyclist": ("Tricyclist",),
+                  "Motorcyclist": ("Motorcyclist",), "Barrowlist": ("Barrowlist",),
+                  "TrafficCone": ("TrafficCone",)}
 INTENSITY_SCALE = 1.0 / 256.0            # HEAL: raw 0..255 intensity / 256
 INDEX_CACHE_VERSION = 1
 DATA_INFO = Path("cooperative") / "data_info.json"
@@ -168,9 +176,9 @@ def _offset(offset, info_path) -> np.ndarray:
     return _numbers([offset["delta_x"], offset["delta_y"]], 2, info_path, "system_error_offset")
 
 
-def read_labels(path: Path) -> list:
-    """Cooperative labels -> [{"type": str, "corners": 8x3 list}] of the vehicle classes, in
-    file order (their position is their id)."""
+def read_labels(path: Path, types=VEHICLE_CLASSES) -> list:
+    """Cooperative labels -> [{"type": str, "corners": 8x3 list, "position": int}] of the
+    ``types`` (default the vehicle classes), in file order (their position is their id)."""
     labels = read_json(path)
     if not isinstance(labels, list):
         raise _error(path, f"expected a json list of labels, got {type(labels).__name__}")
@@ -181,7 +189,19 @@ def read_labels(path: Path) -> list:
         corners = _numbers(label["world_8_points"], 24, path, f"{position}.world_8_points")
         kept.append({"type": str(label.get("type", "")), "corners": corners.reshape(8, 3).tolist(),
                      "position": position})
-    return [label for label in kept if label["type"] in VEHICLE_CLASSES]
+    return [label for label in kept if label["type"] in types]
+
+
+def class_types(classes) -> tuple:
+    """The DAIR label types of a class list (names of :data:`MERGED_CLASSES`), in list order;
+    None: the vehicle classes. Raises ValueError naming an unknown class."""
+    if classes is None:
+        return VEHICLE_CLASSES
+    unknown = [name for name in classes if name not in MERGED_CLASSES]
+    if unknown:
+        raise ValueError(f"postprocess.classes: {', '.join(map(repr, unknown))} not a DAIR-V2X "
+                         f"class (expected some of {', '.join(MERGED_CLASSES)})")
+    return tuple(t for name in classes for t in MERGED_CLASSES[name])
 
 
 def read_side_labels(path: Path) -> list:
@@ -296,9 +316,10 @@ def side_label_paths(root: Path, vehicle_id: str, infrastructure_id: str) -> dic
             "infrastructure": root / SIDE_LABELS["infrastructure"] / f"{infrastructure_id}.json"}
 
 
-def parse_frame(root: Path, vehicle_id: str, entry: dict, side_labels: bool = False) -> dict:
+def parse_frame(root: Path, vehicle_id: str, entry: dict, side_labels: bool = False,
+                types=VEHICLE_CLASSES) -> dict:
     """Everything of one pair but the clouds, JSON-able: poses (4x4 lists), cloud paths,
-    labels (with ``side_labels``, each side's own too: ``vehicle_labels``,
+    labels of the ``types`` (with ``side_labels``, each side's own too: ``vehicle_labels``,
     ``infrastructure_labels``). Raises DairFormatError naming the file at fault."""
     info_path = root / DATA_INFO
     for key in ("infrastructure_pointcloud_path", "cooperative_label_path"):
@@ -316,7 +337,7 @@ def parse_frame(root: Path, vehicle_id: str, entry: dict, side_labels: bool = Fa
         "vehicle_pose": vehicle_pose(root, vehicle_id).tolist(),
         "infrastructure_pose": infrastructure_pose(
             root, infrastructure_id, entry.get("system_error_offset"), info_path).tolist(),
-        "labels": read_labels(root / entry["cooperative_label_path"]),
+        "labels": read_labels(root / entry["cooperative_label_path"], types),
         "label_path": entry["cooperative_label_path"],
     }
 
@@ -427,6 +448,9 @@ class DairV2XSplit:
         cache_dir, use_point_cache, index_cache: as OPV2VSplit's.
         gt_source: "cooperative" or "single_side" (module doc; the config's
             ``fusion.gt_source``).
+        classes: the class names of a multi-class config (``postprocess.classes``; names of
+            :data:`MERGED_CLASSES`), with the cooperative labels only; None: the vehicle
+            classes as one class, no class ids.
         require_points: OPV2VSplit's option; nothing to do here (clouds are read on use only).
 
     A sample's scenario is the vehicle frame's ``batch_id`` (a recorded sequence), its timestamp
@@ -438,15 +462,23 @@ class DairV2XSplit:
 
     def __init__(self, split_path, com_range: float = 100.0, max_cav: int = 2, cache_dir=None,
                  use_point_cache: bool = True, index_cache: bool = True,
-                 gt_source: str = "cooperative", require_points: bool = True):
+                 gt_source: str = "cooperative", require_points: bool = True, classes=None):
         if max_cav < 1:
             raise ValueError(f"max_cav must be >= 1, got {max_cav}")
         if gt_source not in GT_SOURCES:
             raise ValueError(f"gt_source must be one of {', '.join(GT_SOURCES)}, "
                              f"got {gt_source!r}")
+        if classes is not None and gt_source != "cooperative":
+            raise ValueError(f"postprocess.classes: the dairv2x reader labels classes from the "
+                             f"cooperative labels only (fusion.gt_source: cooperative), not "
+                             f"{gt_source!r}")
         self.gt_source = gt_source
-        # its own index cache: the parsed pairs then hold each side's labels too
+        self.classes = None if classes is None else tuple(classes)
+        self._types = class_types(self.classes)
+        # its own index cache: the parsed pairs then hold each side's labels, or other classes
         self.index_name = "dairv2x" if gt_source == "cooperative" else "dairv2x_single_side"
+        if self.classes is not None:
+            self.index_name = "dairv2x_" + "_".join(self.classes)
         self.split_path = Path(split_path)
         self.split_dir = self.split_path               # what datasets and tools call the split
         self.root = self.split_path.parent
@@ -472,15 +504,18 @@ class DairV2XSplit:
 
     @staticmethod
     def reader_options(cfg: dict) -> dict:
-        """The constructor's options a resolved config sets: the GT source."""
-        return {"gt_source": cfg["fusion"]["gt_source"]}
+        """The constructor's options a resolved config sets: the GT source, the class list."""
+        classes = cfg["postprocess"].get("classes")
+        return {"gt_source": cfg["fusion"]["gt_source"],
+                "classes": tuple(c["name"] for c in classes) if classes else None}
 
     def _load_frames(self, vehicle_ids: list, cache_dir, index_cache: bool) -> dict:
         pairs = read_pairs(self.root)
         entries = {v: _pair_entry(pairs, v, self.root, self.split_path) for v in vehicle_ids}
         sides = self.gt_source == "single_side"
         if not index_cache:
-            return {v: parse_frame(self.root, v, entries[v], sides) for v in vehicle_ids}
+            return {v: parse_frame(self.root, v, entries[v], sides, self._types)
+                    for v in vehicle_ids}
         files = [self.split_path, self.root / DATA_INFO] + \
             [path for v in vehicle_ids for path in _files_of(self.root, v, entries[v], sides)]
         fingerprint = _fingerprint(files)
@@ -488,7 +523,8 @@ class DairV2XSplit:
         cached = _read_index_cache(cache_path, fingerprint)
         if cached is not None:
             return cached
-        frames = {v: parse_frame(self.root, v, entries[v], sides) for v in vehicle_ids}
+        frames = {v: parse_frame(self.root, v, entries[v], sides, self._types)
+                  for v in vehicle_ids}
         _write_index_cache(cache_path, fingerprint, frames)
         return frames
 
@@ -561,8 +597,16 @@ class DairV2XSplit:
         return None
 
     def object_classes(self, scenario: str, timestamp: str, ids):
-        """None: the GT keeps DAIR's vehicle types as one class."""
-        return None
+        """(M,) int64 class id (position in ``classes``) of each cooperative label id
+        (its position in the label file) of the pair of vehicle frame ``timestamp``; None
+        without a class list (the vehicle types are one class)."""
+        if self.classes is None:
+            return None
+        class_of_type = {t: k for k, name in enumerate(self.classes)
+                         for t in MERGED_CLASSES[name]}
+        class_of = {label["position"]: class_of_type[label["type"]]
+                    for label in self._frames[timestamp]["labels"]}
+        return np.asarray([class_of[int(i)] for i in ids], dtype=np.int64)
 
     def vehicles(self, scenario: str, cav_id: str, timestamp: str) -> list:
         """The pair's cooperative labels (world corners), shared with the index: read only."""

@@ -332,7 +332,7 @@ class BaseFusionDataset(torch.utils.data.Dataset):
         classes = self.split.object_classes(scenario, timestamp, gt_ids)
         if classes is None:
             raise ConfigError(f"postprocess.classes: the {self.dataset} reader's labels carry "
-                              f"no object classes (fusion.dataset v2xreal does)")
+                              f"no object classes (fusion.dataset v2xreal and dairv2x do)")
         return classes
 
     def _camera_agent_labels(self, info, agents, gt_ids, gt_boxes):
