@@ -239,6 +239,13 @@ def test_dair_labels_each_type_its_reader_keeps_vehicles_or_classes_others_list_
     for class_id, (low, high) in enumerate([(4.2, 10.0), (0.5, 0.8), (1.6, 1.9)]):
         in_class = lengths[sample["gt_classes"] == class_id]
         assert len(in_class) and ((low - 1e-3 <= in_class) & (in_class <= high + 1e-3)).all()
+    # class Car is exactly the single-class reader's vehicles (Car, Van, Truck)
+    multi = dataset.split
+    ids = multi.sample_gt(0, BIG_RANGE)[0]
+    info = multi.info(0)
+    cars = ids[multi.object_classes(info.scenario, info.timestamp, ids) == 0]
+    assert cars.tolist() == DairV2XSplit(root / "test.json").sample_gt(0, BIG_RANGE)[0].tolist()
+    assert {types[i] for i in cars} == {"Car", "Van", "Truck"}
     with pytest.raises(ValueError, match="'Van' not a DAIR-V2X class"):
         DairV2XSplit(root / "test.json", classes=("Car", "Van"))
     with pytest.raises(ValueError, match="cooperative labels only"):
