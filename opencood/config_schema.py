@@ -393,7 +393,9 @@ class PostprocessSection:
     # dropped first, the pre_nms_max best enter NMS (OpenCOOD's 1000: set by an import and
     # hypes_yaml/opv2v/reference), every box NMS keeps is kept (its max_num only pads the GT),
     # as weights trained there were evaluated (opencood.postprocess).
-    filters: Literal["ours", "reference"] = "ours"
+    # "v2xreal": V2X-Real's (and QuantV2X's) post_process: no box dropped before NMS (its 100 m
+    # filters), the pre_nms_max best (its 1000) enter one class-agnostic NMS, every survivor kept.
+    filters: Literal["ours", "reference", "v2xreal"] = "ours"
 
 
 @section

@@ -29,10 +29,11 @@ NOT_OUR_CONFIG = {
     ("tools/results_table.py", "seed"): "a table row, and a run folder's config.yaml read raw "
                                         "(folders of older versions)",
 }
-# Files that read other projects' configs (OpenCOOD's, HEAL's, V2V4Real's yaml), whose defaults
-# are theirs.
+# Files that read other projects' configs (OpenCOOD's, HEAL's, V2V4Real's, V2X-Real's,
+# QuantV2X's yaml), whose defaults are theirs.
 PEER_CONFIG_READERS = {"opencood/interop/opencood_config.py", "opencood/interop/heal.py",
-                       "opencood/interop/heal_heter.py", "opencood/interop/v2v4real.py"}
+                       "opencood/interop/heal_heter.py", "opencood/interop/v2v4real.py",
+                       "opencood/interop/v2xreal.py", "opencood/interop/quantv2x.py"}
 
 
 def schema_keys() -> set:

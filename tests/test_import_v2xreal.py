@@ -110,7 +110,7 @@ def test_imported_config_and_anchors(tmp_path):
     assert args["fusion"]["core_method"] == "attfuse" and args["fusion"]["stage"] == "backbone"
     assert post["gt_range"] == [-3.2, -3.2, -15.0, 3.2, 3.2, 15.0]
     assert (post["target_args"]["score_threshold"], post["nms_thresh"]) == (0.2, 0.15)
-    assert (post["filters"], post["max_num"]) == ("ours", 300)
+    assert (post["filters"], post["pre_nms_max"], post["max_num"]) == ("v2xreal", 1000, 300)
     assert (cfg["fusion"]["dataset"], cfg["fusion"]["dataset_mode"], cfg["comm_range"]) == \
         ("v2xreal", "vc", 50.0)
     assert cfg["train_params"]["max_cav"] == 4        # its datasets' default (its yaml has none)
@@ -246,3 +246,24 @@ def test_export_back_to_v2xreal(tmp_path):
         export.run(export.parse_args(["--to", "v2xreal", "--model_dir", str(single), "--out",
                                       str(tmp_path / "never")]))
     assert not (tmp_path / "never").exists()
+
+
+def test_v2xreal_filters_are_one_class_agnostic_nms_without_a_cap():
+    """postprocess.filters v2xreal (its post_process): a box suppresses boxes of every class
+    (ours: only its own) and every survivor is kept (ours: at most max_num)."""
+    from opencood.postprocess.box_coder import ResidualBoxCoder
+    from opencood.postprocess.voxel_postprocessor import VoxelPostprocessor
+    boxes = torch.tensor([[0.0, 0.0, -1.0, 1.5, 1.6, 3.9, 0.0],
+                          [0.2, 0.0, -1.0, 1.5, 1.6, 3.9, 0.0],      # IoU ~0.9 with box 0
+                          [20.0, 0.0, -1.0, 1.5, 1.6, 3.9, 0.0],
+                          [40.0, 0.0, -1.0, 3.0, 3.0, 9.0, 0.0]])    # 9 m: kept (its 100 m)
+    scores, classes = torch.tensor([0.9, 0.8, 0.7, 0.6]), torch.tensor([0, 1, 0, 2])
+    thresholds = [(0.6, 0.45), (0.5, 0.35), (0.6, 0.45)]
+
+    def kept(filters):
+        post = VoxelPostprocessor(torch.zeros(1, 1, 3, 7), ResidualBoxCoder(), 0.6, 0.45, 0.2,
+                                  0.15, 2, 1000, filters, class_thresholds=thresholds)
+        return post.nms(boxes, scores, classes).scores.tolist()
+    assert kept("v2xreal") == pytest.approx([0.9, 0.7, 0.6])
+    assert kept("ours") == pytest.approx([0.9, 0.8])                 # per class, max_num 2
+    assert kept("reference") == pytest.approx([0.9, 0.8, 0.7])       # 6 m filter, per class

@@ -41,7 +41,7 @@ from opencood.interop.opencood_config import read_opencood_yaml, translate_confi
 from opencood.interop.v2v4real import translate_v2v4real_config
 from opencood.interop.quantv2x import (quantv2x_notes, quantv2x_rules, quantv2x_unused_keys,
                                        translate_quantv2x_config)
-from opencood.interop.v2xreal import translate_v2xreal_config, v2xreal_notes, v2xreal_rules
+from opencood.interop.v2xreal import translate_v2xreal_config, v2xreal_rules
 from opencood.utils.checkpoint import load_checkpoint, save_checkpoint
 
 EPOCH_FILE = re.compile(r"net_epoch(\d+)\.pth")
@@ -120,7 +120,7 @@ CODEBASES: Dict[str, Codebase] = {
     # V2X-Real's load_saved_model is OpenCOOD's (latest.pth, else the highest net_epoch<N>)
     "v2xreal": Codebase("v2xreal", "V2X-Real", translate_v2xreal_config,
                         pick_opencood_checkpoint, v2xreal_rules,
-                        lambda data: str(data["model"]["core_method"]), v2xreal_notes),
+                        lambda data: str(data["model"]["core_method"])),
     # QuantV2X is HEAL's code base (its checkpoint choice); its V2X-Real runs multi-class
     "quantv2x": Codebase("quantv2x", "QuantV2X", translate_quantv2x_config,
                          pick_heal_checkpoint, quantv2x_rules,

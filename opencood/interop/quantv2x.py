@@ -14,8 +14,8 @@ and given V2X-Real's class list; what differs:
   yaws are decoded as regressed. The import does the same (``use_dir: false``) and leaves
   ``dir_head`` out (trained, never used at inference; a printed note), so the detections are
   its detections.
-* Its box filters are V2X-Real's (100 m): ``filters: ours``, as ``--from v2xreal``; its NMS is
-  class-agnostic (the same note).
+* Its post-processing is V2X-Real's (100 m box filters, one class-agnostic NMS):
+  ``filters: v2xreal``, as ``--from v2xreal``.
 * ``fusion.core_method: intermediateheter3class`` is HEAL's intermediate heterogeneous
   strategy with three classes; its ``fusion.dataset: v2xreal`` is our V2X-Real reader in its
   ``dataset_mode``, and its ``comm_range`` is carried.
@@ -27,8 +27,8 @@ from typing import List, Tuple
 
 from opencood.interop.heal import PROJ_FIRST_NOTE, heal_rules, translate_heal_config
 from opencood.interop.opencood_ckpt import InteropError, Rule
-from opencood.interop.v2xreal import (NMS_NOTE, check_head_counts, set_classes,
-                                      set_v2xreal_data, translate_classes)
+from opencood.interop.v2xreal import (check_head_counts, set_classes, set_v2xreal_data,
+                                      translate_classes)
 
 CORE_METHOD = "heter_model_baseline_mc"
 STRATEGIES = ("intermediateheter3class", "intermediateheter")
@@ -76,7 +76,7 @@ def quantv2x_rules(data: dict, source: str) -> Tuple[Rule, ...]:
 
 
 def quantv2x_notes(data: dict) -> List[str]:
-    return [PROJ_FIRST_NOTE, DIRECTION_NOTE, NMS_NOTE]
+    return [PROJ_FIRST_NOTE, DIRECTION_NOTE]
 
 
 def quantv2x_unused_keys(data: dict) -> Tuple[str, ...]:

@@ -28,10 +28,10 @@ handled:
   sqrt(``base_bev_backbone.num_filters[-1]``), ours by sqrt(the fused width): equal in its yamls
   (256), other runs refused.
 * **Post-processing**: its ``remove_large_pred_bbx`` / ``remove_bbx_abnormal_z`` allow 100 m
-  (and it asserts nothing is dropped), so ``filters: ours`` (OpenCOOD's 6 m filter would drop
-  every truck); its NMS is class-agnostic over every box above the score threshold with no cap
-  (ours: per class over ``pre_nms_max: 1000`` candidates, at most its ``max_num`` kept; a
-  printed note). Its test GT range is [-100, -40, -15, 100, 40, 15] (its
+  (and it asserts nothing is dropped; OpenCOOD's 6 m filter would drop every truck), its NMS
+  takes the 1000 best boxes above the score threshold, is class-agnostic and keeps every
+  survivor: ``filters: v2xreal`` with ``pre_nms_max: 1000`` (our default NMS is per class).
+  Its test GT range is [-100, -40, -15, 100, 40, 15] (its
   ``datasets/__init__.py``), cut to the LiDAR range, and its communication range 50 m.
 * **Data**: ``fusion.dataset: v2xreal`` (our reader, ``opencood.data.v2xreal``) in its
   ``dataset_mode`` (vc, ic, v2v, i2i: ``fusion.dataset_mode``).
@@ -64,9 +64,6 @@ V2XREAL_RULES = {
     "point_pillar_v2vnet": RULES["point_pillar_v2vnet"],
     "point_pillar_transformer": RULES["point_pillar_transformer"],   # V2X-ViT, as v2x-vit's
 }
-NMS_NOTE = ("V2X-Real's NMS is class-agnostic over every box above the score threshold and "
-            "keeps them all; the imported run's is per class over the 1000 best, at most "
-            "postprocess.max_num kept")
 
 
 def _entry_value(entry: dict, key: str, where: str):
@@ -163,7 +160,7 @@ def set_classes(cfg: dict, data: dict, source: str) -> None:
     post["classes"] = classes
     post["anchor_args"] = {"r": yaws, "feature_stride": stride, "placement": "cell_centre"}
     post["target_args"] = {"score_threshold": post["target_args"]["score_threshold"]}
-    post.update(filters="ours", pre_nms_max=REFERENCE_PRE_NMS)
+    post.update(filters="v2xreal", pre_nms_max=REFERENCE_PRE_NMS)   # its post_process
     del cfg["model"]["args"]["anchor_number"]     # A = K x R: derived from the class list
 
 
@@ -214,6 +211,3 @@ def v2xreal_rules(data: dict, source: str) -> Tuple[Rule, ...]:
                            f"no counterpart here (supported: {', '.join(V2XREAL_RULES)})")
     return V2XREAL_RULES[core_method]
 
-
-def v2xreal_notes(data: dict) -> List[str]:
-    return [NMS_NOTE]

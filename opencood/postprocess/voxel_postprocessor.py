@@ -59,6 +59,9 @@ def boxes_to_ego(boxes: torch.Tensor, transform: torch.Tensor) -> torch.Tensor:
 REFERENCE_MAX_EXTENT = 6.0          # metres along x and along y (corner spread, ego frame)
 REFERENCE_Z_RANGE = (-3.0, 1.0)     # every corner's z
 REFERENCE_PRE_NMS = 1000           # its NMS candidates: what an import sets pre_nms_max to
+# postprocess.filters: ours; OpenCOOD's post_process; V2X-Real's (its box filters allow 100 m
+# and drop nothing, its NMS of the 1000 best is class-agnostic and keeps every survivor)
+FILTERS = ("ours", "reference", "v2xreal")
 
 
 def reference_plausible(boxes: torch.Tensor, order: str) -> torch.Tensor:
@@ -113,8 +116,9 @@ class VoxelPostprocessor:
         max_num: detections kept per frame after NMS.
         pre_nms_max: best-scored candidates that enter NMS (rotated NMS is quadratic in them),
             under either filters (OpenCOOD's number is REFERENCE_PRE_NMS).
-        filters: "ours" or "reference" (OpenCOOD's: implausible boxes dropped before NMS, no
-            max_num cap; ``postprocess.filters`` in the config schema).
+        filters: "ours", "reference" (OpenCOOD's: implausible boxes dropped before NMS, no
+            max_num cap) or "v2xreal" (V2X-Real's: no box dropped, one class-agnostic NMS, no
+            max_num cap); ``postprocess.filters`` in the config schema.
         class_thresholds: multi-class: per class (pos_iou, neg_iou), K entries, the anchors
             class-major per cell (``anchors_from_config``); pos_iou / neg_iou are then unused.
             None: one class.
@@ -136,8 +140,8 @@ class VoxelPostprocessor:
         self.score_threshold = float(score_threshold)
         self.nms_thresh, self.max_num = float(nms_thresh), int(max_num)
         self.pre_nms_max = int(pre_nms_max)
-        if filters not in ("ours", "reference"):
-            raise ValueError(f"filters must be 'ours' or 'reference', got {filters!r}")
+        if filters not in FILTERS:
+            raise ValueError(f"filters must be one of {', '.join(FILTERS)}, got {filters!r}")
         self.filters = filters
 
     @classmethod
@@ -249,17 +253,18 @@ class VoxelPostprocessor:
     def nms_indices(self, boxes: torch.Tensor, scores: torch.Tensor,
                     classes: torch.Tensor) -> torch.Tensor:
         """Indices of the at most ``max_num`` boxes kept by per-class rotated NMS over the
-        ``pre_nms_max`` best, by descending score (``filters: reference``: OpenCOOD's, see the
-        class docstring)."""
+        ``pre_nms_max`` best, by descending score (``filters: reference``: OpenCOOD's,
+        ``v2xreal``: V2X-Real's, see the class docstring)."""
         candidates = torch.arange(scores.shape[0], device=scores.device)
         if self.filters == "reference":
             candidates = candidates[reference_plausible(boxes, self.order)]
         candidates = candidates[top_indices(scores[candidates], self.pre_nms_max)]
-        # One class: no class mask, the single-class NMS as it always was.
-        per_class = classes[candidates] if self.num_classes > 1 else None
+        # One class (or V2X-Real's class-agnostic NMS): no class mask.
+        per_class = classes[candidates] if self.num_classes > 1 and \
+            self.filters != "v2xreal" else None
         keep = nms_rotated(boxes[candidates], scores[candidates], self.nms_thresh,
                            order=self.order, classes=per_class)
-        if self.filters != "reference":
+        if self.filters == "ours":
             keep = keep[:self.max_num]
         return candidates[keep]
 
