@@ -1,5 +1,6 @@
 """V2X-Real (``fusion.dataset: v2xreal``, opencood.data.v2xreal): our reader against V2X-Real's
-own data set code sample by sample in its four collaboration modes, the meta-class rules, the
+own data set code sample by sample in its four collaboration modes (the data set's GT, and the evaluation's GT
+through ``--protocol v2xreal``), the meta-class rules, the
 datasets' ``gt_classes``, the synthetic writer and the one-line errors.
 
 The fixture (tests/fixtures/v2xreal/v2xreal.npz) holds what V2X-Real's
@@ -31,6 +32,8 @@ from opencood.data.synthetic.world import OBJECT_CLASSES
 from opencood.data.v2xreal import META_CLASSES, check_classes, meta_class, mode_agents
 from opencood.engine.task import DetectionTask
 from opencood.errors import ConfigError
+from opencood.eval.ap import boxes_inside_bev_range
+from opencood.eval.protocols import PROTOCOLS
 from opencood.models import build_model
 from opencood.ops.transforms import relative_transform
 from tests.reference_fixtures import load_npz_fixture
@@ -73,7 +76,7 @@ def _yaw_gap(a, b):
 def test_our_reader_reads_what_v2xreal_reads_in_every_mode(root, fixture):
     ref, meta = fixture
     position = 0
-    compared = {"boxes": 0, "agents": 0}
+    compared = {"boxes": 0, "agents": 0, "evaluated": 0}
     for mode in ("vc", "ic", "v2v", "i2i"):
         for split in ("train", "validate", "test"):
             reader = _reader(root / split, mode, meta)
@@ -113,9 +116,19 @@ def test_our_reader_reads_what_v2xreal_reads_in_every_mode(root, fixture):
                     # V2X-Real's ids count from 1 in SUPER_CLASS_MAP's order, ours from 0
                     assert class_id + 1 == ref_class, (where, box_id)
                     compared["boxes"] += 1
+                # the evaluation's GT: ours through --protocol v2xreal's GT filter
+                inside = boxes_inside_bev_range(boxes, PROTOCOLS["v2xreal"].box_range,
+                                                meta["order"])
+                lo, hi = ref["eval_start"][n], ref["eval_start"][n + 1]
+                assert sorted(zip(ids[inside].tolist(), (classes[inside] + 1).tolist())) == \
+                    sorted(zip(ref["eval_ids"][lo:hi].tolist(),
+                               ref["eval_classes"][lo:hi].tolist())), where
+                compared["evaluated"] += hi - lo
     assert position == len(ref["sample_key"]) == 36
-    assert compared == {"boxes": len(ref["box_ids"]), "agents": len(ref["agent_ids"])} \
-        and compared["boxes"] > 1000
+    assert compared == {"boxes": len(ref["box_ids"]), "agents": len(ref["agent_ids"]),
+                        "evaluated": len(ref["eval_ids"])} and compared["boxes"] > 1000
+    # the evaluation's filter (8 corners) drops some of the data set's GT (2 corners)
+    assert 0 < len(ref["eval_ids"]) < len(ref["box_ids"])
     # every meta-class is compared (pedestrians and cyclists are class 2)
     assert set(ref["box_classes"].tolist()) == {1, 2, 3}
 

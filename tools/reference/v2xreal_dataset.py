@@ -31,7 +31,10 @@ path never calls (drawing, open3d's PCD reader: V2X-Real's clouds are ``.bin``, 
 Saved (``<out>/v2xreal.npz``), for every mode, split and sample in the data set's order:
 ``sample_mode``, ``sample_split``, ``sample_key`` (scenario/timestamp); the data set's GT
 (``box_start`` offsets into ``boxes`` (K, 7, its ``order``), ``box_ids`` (K,), ``box_classes``
-(K,): its class ids, 1 vehicle, 2 pedestrian, 3 truck); per agent its ``__getitem__`` used (in
+(K,): its class ids, 1 vehicle, 2 pedestrian, 3 truck); the evaluation's GT (``eval_start``
+offsets into ``eval_ids`` and ``eval_classes``: its post-processor's ``generate_gt_bbx`` on the
+test collate of the sample, all 8 corners in GT_RANGE's x and y, each box named by the data set
+box with the same corners); per agent its ``__getitem__`` used (in
 range and with points in the crop; ``agent_start`` offsets) ``agent_ids``, ``agent_points`` (rows
 its ``load_lidar_bin`` read), ``agent_sums`` (their column sums) and ``agent_to_ego`` (A, 4, 4:
 the ``transformation_matrix`` of its ``retrieve_base_data``); ``meta``: generation, order,
@@ -48,6 +51,7 @@ SPLITS = ("train", "validate", "test")
 MODES = ("vc", "ic", "v2v", "i2i")
 GENERATION = {"preset": "tiny_multiclass", "seed": 0}
 REFERENCE_YAML = "opencood/hypes_yaml/point_pillar_intermediate_fusion.yaml"
+CORNER_MATCH_TOL = 1e-4                        # m: an evaluation box is a data set box
 
 
 def _stub(name: str) -> None:
@@ -67,11 +71,13 @@ class _Record:
     def __init__(self):
         self.mode, self.split, self.key = [], [], []
         self.box_start, self.boxes, self.box_ids, self.box_classes = [0], [], [], []
+        self.eval_start, self.eval_ids, self.eval_classes = [0], [], []
         self.agent_start, self.agent_ids, self.points, self.sums, self.to_ego = [0], [], [], \
             [], []
 
-    def add(self, mode, split, key, boxes, ids, agents):
-        """boxes (K, 8): 7 numbers and the class id; agents [(id, points, to_ego)]."""
+    def add(self, mode, split, key, boxes, ids, evaluated, agents):
+        """boxes (K, 8): 7 numbers and the class id; evaluated [(id, class id)]; agents
+        [(id, points, to_ego)]."""
         self.mode.append(mode)
         self.split.append(split)
         self.key.append(key)
@@ -80,6 +86,10 @@ class _Record:
             self.box_classes.append(int(box[7]))
             self.box_ids.append(int(box_id))
         self.box_start.append(len(self.box_ids))
+        for box_id, class_id in evaluated:
+            self.eval_ids.append(int(box_id))
+            self.eval_classes.append(int(class_id))
+        self.eval_start.append(len(self.eval_ids))
         for agent_id, points, to_ego in agents:
             self.agent_ids.append(int(agent_id))
             self.points.append(len(points))
@@ -96,6 +106,9 @@ class _Record:
             boxes=np.asarray(self.boxes, dtype=np.float64).reshape(-1, 7),
             box_ids=np.asarray(self.box_ids, dtype=np.int64),
             box_classes=np.asarray(self.box_classes, dtype=np.int64),
+            eval_start=np.asarray(self.eval_start, dtype=np.int64),
+            eval_ids=np.asarray(self.eval_ids, dtype=np.int64),
+            eval_classes=np.asarray(self.eval_classes, dtype=np.int64),
             agent_start=np.asarray(self.agent_start, dtype=np.int64),
             agent_ids=np.asarray(self.agent_ids, dtype=np.int64),
             agent_points=np.asarray(self.points, dtype=np.int64),
@@ -127,12 +140,32 @@ def _used_agents(dataset):
     return used
 
 
-def sample(dataset, used: list, index: int):
-    """(key, boxes (K, 8), ids, agents) of one sample."""
+def _evaluated(dataset, item, boxes, ids, boxes_to_corners):
+    """The evaluation's GT of one sample: [(id, class id)] of its post-processor's
+    ``generate_gt_bbx`` on the test collate of ``item``, each box named by the data set box
+    with the same corners (a box the evaluation invented would raise)."""
+    import torch
+    corners, labels = dataset.post_processor.generate_gt_bbx(dataset.collate_batch_test([item]))
+    corners = corners.cpu().numpy().astype(np.float64).reshape(-1, 8, 3)
+    ours = boxes_to_corners(torch.from_numpy(np.asarray(boxes[:, :7], dtype=np.float64)),
+                            dataset.params["postprocess"]["order"]).numpy().reshape(-1, 8, 3)
+    named = []
+    for box, label in zip(corners, labels.cpu().numpy().tolist()):
+        gap = np.abs(ours - box).reshape(len(ours), -1).max(axis=1)
+        if not len(gap) or gap.min() > CORNER_MATCH_TOL:
+            raise RuntimeError("an evaluation GT box matches no data set GT box")
+        named.append((int(ids[int(np.argmin(gap))]), int(label)))
+    return named
+
+
+def sample(dataset, used: list, index: int, boxes_to_corners):
+    """(key, boxes (K, 8), ids, evaluated, agents) of one sample."""
     used.clear()
-    ego = dataset[index]["ego"]
+    item = dataset[index]
+    ego = item["ego"]
     boxes = ego["object_bbx_center"][ego["object_bbx_mask"] == 1]
     ids = list(ego["object_ids"])
+    evaluated = _evaluated(dataset, item, boxes, ids, boxes_to_corners)
     base = dataset.retrieve_base_data(index, cur_ego_pose_flag=True)
     by_id = {int(cav_id): cav for cav_id, cav in base.items()}
     agents = [(agent, by_id[agent]["lidar_np"], by_id[agent]["params"]["transformation_matrix"])
@@ -140,7 +173,7 @@ def sample(dataset, used: list, index: int):
     first = next(iter(base.values()))
     scenario = dataset.scenario_database[_scenario_of(dataset, index)]
     key = f"{first['folder_name']}/{dataset.return_timestamp_key(scenario, first['index'])}"
-    return key, boxes, ids, agents
+    return key, boxes, ids, evaluated, agents
 
 
 def run(root: Path, out: Path) -> None:
@@ -150,6 +183,7 @@ def run(root: Path, out: Path) -> None:
     from opencood.data_utils import SUPER_CLASS_MAP
     from opencood.data_utils.datasets import COM_RANGE, GT_RANGE, build_dataset
     from opencood.hypes_yaml.yaml_utils import load_yaml
+    from opencood.utils.box_utils import boxes_to_corners_3d
     record, hypes = _Record(), None
     for mode in MODES:
         for split in SPLITS:
@@ -159,7 +193,7 @@ def run(root: Path, out: Path) -> None:
             dataset = build_dataset(hypes, visualize=False, train=False)
             used = _used_agents(dataset)
             for index in range(len(dataset)):
-                record.add(mode, split, *sample(dataset, used, index))
+                record.add(mode, split, *sample(dataset, used, index, boxes_to_corners_3d))
     record.save(out / "v2xreal.npz", reader=f"V2X-Real IntermediateFusionDataset "
                                             f"({REFERENCE_YAML})",
                 order=hypes["postprocess"]["order"], gt_range=list(GT_RANGE),
