@@ -700,7 +700,8 @@ class Config:
         ("lidar",), check=input_sources)
     # HEAL's key: which labels a sample's GT is made of. "lidar": the agents' ``vehicles``
     # (what their LiDARs see; heter camera agents: their bev_visibility map's in training);
-    # HEAL's "camera" for every agent is not built.
+    # "camera": what each agent's bev_visibility map shows, in training and evaluation (a heter
+    # config's intermediate fusion ignores it, as HEAL's; opencood.data.datasets).
     label_type: Literal["lidar", "camera"] = "lidar"
     camera: Optional[CameraSection] = None           # with input_source camera
     heter: Optional[HeterSection] = None             # a modality per agent (HEAL's)
@@ -723,10 +724,6 @@ class Config:
     box_align: Optional[BoxAlignSection] = None      # None: no pose correction at evaluation
 
     def problems(self) -> Problems:
-        if self.label_type != "lidar":
-            yield "label_type", ("is 'camera': HEAL's camera labels for every agent are not "
-                                 "built (a heter config's camera agents get them in training); "
-                                 "use 'lidar'")
         if self.heter is not None:
             yield from self._heter_problems()
             return

@@ -136,7 +136,7 @@ def test_heals_heter_section_resolves_complete_and_reloads_unchanged(tmp_path):
     ("input_source", ["lidar", "depth"], "has 'depth' (the cameras' depth images) without "
                                          "'camera'"),
     ("camera", {"data_aug_conf": {}}, "key 'camera' is set with heter"),
-    ("label_type", "camera", "key 'label_type' is 'camera': HEAL's camera labels for every agent"),
+    ("label_type", "radar", "key 'label_type' is 'radar'"),
 ])
 def test_a_bad_heter_setting_is_one_line_naming_the_key(tmp_path, key, value, expected):
     assert expected in _refusal(tmp_path, _with(key, value))
@@ -531,6 +531,68 @@ def test_training_labels_of_camera_agents_are_what_their_maps_show(heter_data, t
         assert len(boxes) == sum(shown) < len(all_own)
     # evaluation keeps every agent's LiDAR labels (HEAL's inference: visualize=True)
     assert _dataset(cfg)[0]["gt_ids"].tolist() == union_ids.tolist()
+
+
+CAMERA_LABELS = Path(__file__).parent / "fixtures" / "heter_reader" / "camera_labels.json"
+
+
+def test_camera_labels_keep_the_objects_heals_datasets_keep(heter_data, tmp_path,
+                                                            private_point_cache):
+    """HEAL's ``label_type: camera`` and its heter camera agents' labels, against HEAL's own
+    data sets on these folders (tools/reference/make_camera_label_fixture.py): the object ids
+    of each sample's GT, train and test split (2 and 3 agents)."""
+    import json
+
+    from opencood.data.datasets import LateFusionDataset
+    from opencood.data.heter import in_order_assignment
+    heal = json.loads(CAMERA_LABELS.read_text())
+    width, height = CAMERA_SIZE
+    assert heal["meta"]["generation"]["camera_size"] == [width, height]
+    label_range = heal["meta"]["range"]
+    for split in ("train", "test"):
+        assignment = in_order_assignment(heter_data / split, ["m1", "m2"])
+        heter = _heter_config(tmp_path, heter_data, assignment, split, cav_preference={"m2": 1})
+        plain = to_plain(heter)
+        plain.update(heter=None, input_source=["lidar"], label_type="camera")
+        plain["postprocess"]["gt_range"] = label_range
+        camera = load_config(_write(tmp_path / "camera.yaml", plain))
+        lidar_ids = _dataset({**camera, "label_type": "lidar"}, split)[0]["gt_ids"].tolist()
+        # every agent's map (HEAL's plain intermediate data set), in evaluation and training
+        (expected,) = heal["intermediate_camera"][split]
+        for train in (False, True):
+            sample = _dataset(camera, split, train=train)[0]
+            assert sample["gt_ids"].tolist() == expected["ids"], (split, train)
+        assert set(expected["ids"]) <= set(lidar_ids)
+        if split == "train":                # its maps drop objects its LiDARs list
+            assert len(expected["ids"]) < len(lidar_ids)
+        else:                               # a missing map: one line naming the file
+            import shutil
+
+            from opencood.data.cameras import CameraFileError
+            copy_root = tmp_path / "no_map"
+            shutil.copytree(heter_data / split, copy_root / split)
+            (missing,) = (copy_root / split).glob("*/8616/*_bev_visibility.png")
+            missing.unlink()
+            with pytest.raises(CameraFileError) as info:
+                _dataset({**camera, "test_dir": str(copy_root / split)}, split)[0]
+            assert str(info.value).startswith(f"{missing}: missing") and \
+                "\n" not in str(info.value)
+        # heter training: the m1 ego's vehicles, the m2 agents' map-visible ones
+        (expected,) = heal["heter_by_sensor"][split]
+        sample = _dataset(heter, split, train=True)[0]
+        assert sample["agent_modality"] == expected["modalities"]
+        assert sample["gt_ids"].tolist() == expected["ids"], split
+        # HEAL's intermediateheter ignores label_type: its inference labels are the LiDARs'
+        heter_camera = {**heter, "label_type": "camera"}
+        assert _dataset(heter_camera, split)[0]["gt_ids"].tolist() == lidar_ids
+        # late fusion: each agent's own labels (HEAL's lateheter; here without heter)
+        (expected,) = heal["late_camera"][split]
+        late = LateFusionDataset.from_config(camera, heter_data / split, train=True)
+        own = {late.pairs[k][1]: late[k]["gt_ids"].tolist() for k in range(len(late))}
+        agents = expected["agents"]
+        assert {agents[k]: ids for k, ids in own.items()} == {
+            (expected["ego"] if name == "ego" else name): ids
+            for name, ids in expected["own_ids"].items()}
 
 
 def test_the_ego_is_a_vehicle_the_model_has_a_modality_for(tmp_path):

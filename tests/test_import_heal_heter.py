@@ -52,7 +52,9 @@ def heal_hypes(heal_args: dict, core: str) -> dict:
         "yaml_parser": "load_general_params",
         "train_params": {"batch_size": 2, "epoches": 4, "eval_freq": 1, "save_freq": 1,
                          "max_cav": 5},
-        "input_source": ["lidar", "camera", "depth"], "label_type": "lidar",
+        "input_source": ["lidar", "camera", "depth"],
+        # as HEAL's stage2/m2_single_pyramid.yaml: a stage-two run learns camera labels
+        "label_type": "camera" if core == "heter_pyramid_single" else "lidar",
         "heter": {"assignment_path": "heter_modality_assign/opv2v_4modality.json",
                   "ego_modality": "m1&m3", "mapping_dict": {"m1": "m1", "m2": "m2", "m3": "m3",
                                                             "m4": "m3"},
@@ -191,8 +193,11 @@ def test_imported_single_and_late_runs_give_heal_s_heads(fixture, tmp_path, core
     """HEAL's single-agent pyramid (stage two) and its late baseline: each agent's heads equal
     HEAL's, one mixed batch of single-agent samples."""
     case = fixture["single" if core == "heter_pyramid_single" else "late"]
-    cfg, model, _ = import_and_load(tmp_path, case, core)
+    cfg, model, checkpoint = import_and_load(tmp_path, case, core)
     assert cfg["model"]["core_method"] == core and cfg["fusion"]["core_method"] == "late"
+    # HEAL's label_type kept (opencood.data.datasets labels every agent so, as its lateheter)
+    assert cfg["label_type"] == ("camera" if core == "heter_pyramid_single" else "lidar")
+    assert not any("label" in note for note in checkpoint["imported_from"]["notes"])
     assert cfg["fusion"]["args"]["proj_first"] is True        # late: boxes travel, not maps
     assert choose_strategy(cfg).name == "late"                 # as tools/eval.py takes it
     with torch.no_grad():
@@ -347,6 +352,7 @@ def test_export_to_heal_inverts_the_import(fixture, tmp_path, core):
         assert torch.equal(value, torch.full_like(value, fresh)), key
     hypes = yaml.safe_load((exported / "config.yaml").read_text())
     assert hypes["model"]["core_method"] == core
+    assert hypes["label_type"] == cfg["label_type"]
     again, ours, _ = translate_run(exported, None, "heal")
     assert again["model"] == cfg["model"] and again["heter"] == cfg["heter"]
     assert all(torch.equal(ours[key], value) for key, value in checkpoint["model"].items())

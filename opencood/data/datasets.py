@@ -72,7 +72,7 @@ import torch
 from opencood.config_schema import DEFAULT_COMM_RANGE, DEFAULT_LIDAR_RANGE
 from opencood.data.augment import (augment_boxes, augmentation_matrix, check_augment_config,
                                    draw_augmentation)
-from opencood.data.camera_visibility import boxes_visible
+from opencood.data.camera_visibility import boxes_visible, map_path
 from opencood.data.cameras import (CameraFileError, camera_inputs, read_depth_images,
                                    stack_agents)
 from opencood.data.heter import ModalityPlan, depth_files
@@ -96,6 +96,8 @@ _AUGMENT_STREAM, _NOISE_STREAM, _CAMERA_STREAM, _MODALITY_STREAM = 1, 2, 3, 4
 # the wheels would make a car hidden from the ego look seen.
 VISIBILITY_MARGIN, GROUND_CLEARANCE = 0.1, 0.25   # metres
 VISIBILITY_CHOICES = ("auto", "lidar", "camera")
+# HEAL's label_type: which boxes an agent contributes to the GT (BaseFusionDataset._camera_labelled)
+LABEL_TYPES = ("lidar", "camera")
 # What "ego-visible" means, by the dataset's visibility_rule: said in every evaluation record.
 VISIBILITY_RULES = {
     "lidar": "lidar: ego LiDAR returns inside the box",
@@ -158,12 +160,18 @@ class BaseFusionDataset(torch.utils.data.Dataset):
             split's order) take part, while the GT stays the union over all its agents, as
             HEAL's ``IntermediateheterinferFusionDataset`` (``tools/eval.py --heter_in_order``);
             None: every agent.
+        label_type: HEAL's key, which boxes an agent contributes to the GT: "lidar" (its
+            ``vehicles``; a heter camera agent in training: what its map shows) or "camera"
+            (what its ``<ts>_bev_visibility.png`` shows, :meth:`_camera_labelled`; the OPV2V
+            layout's maps).
     """
 
     fusion_method = "base"
     points_in_agent_frame = False
     # False: only the ego's cloud is read (the others' would be loaded for nothing).
     uses_other_agents_points = True
+    # True: a heter config labels per agent whatever label_type says (_camera_labelled)
+    heter_ignores_label_type = False
 
     def __init__(self, split_dir, lidar_range=DEFAULT_LIDAR_RANGE, gt_range=DEFAULT_GT_RANGE,
                  train: bool = False, augment_cfg=None, wild: WildSetting | None = None,
@@ -172,8 +180,17 @@ class BaseFusionDataset(torch.utils.data.Dataset):
                  dataset: str = "opv2v", reader_options: dict | None = None,
                  input_source=("lidar",), data_aug_conf: dict | None = None,
                  heter: dict | None = None, visibility: str = "auto",
-                 use_cav: int | None = None, with_classes: bool = False):
+                 use_cav: int | None = None, with_classes: bool = False,
+                 label_type: str = "lidar"):
         check_augment_config(augment_cfg)
+        if label_type not in LABEL_TYPES:
+            raise ConfigError(f"label_type {label_type!r}: expected one of "
+                              f"{', '.join(LABEL_TYPES)}")
+        if label_type == "camera" and not getattr(split_class(dataset), "reads_heter", False):
+            raise ConfigError(f"label_type camera: the {dataset} reader has no bev_visibility "
+                              f"maps (HEAL's camera labels read the OPV2V layout's: opv2v, "
+                              f"v2xset)")
+        self.label_type = label_type
         if use_cav is not None and (train or use_cav < 1):
             raise ValueError(f"use_cav {use_cav}: evaluation keeps the first use_cav >= 1 agents")
         self.use_cav = use_cav
@@ -246,6 +263,7 @@ class BaseFusionDataset(torch.utils.data.Dataset):
                    input_source=tuple(cfg["input_source"]),
                    data_aug_conf=(cfg["camera"] or {}).get("data_aug_conf"),
                    heter=cfg["heter"], with_classes=bool(postprocess.get("classes")),
+                   label_type=cfg["label_type"],
                    cache_dir=cache_dir, **extra)
 
     # -- reproducible randomness -------------------------------------------------------------
@@ -310,16 +328,17 @@ class BaseFusionDataset(torch.utils.data.Dataset):
         The own-body crop applies to roadside units too, as in OpenCOOD/V2X-ViT: an RSU has no
         body there, and our synthetic RSUs stand where the crop box holds no returns.
         """
-        info, agents = self._agents(index)
-        for agent, modality in zip(agents, self._modalities(index, info, agents)):
+        info, every_agent = self._agents(index)
+        for agent, modality in zip(every_agent, self._modalities(index, info, every_agent)):
             agent["modality"] = modality
+        agents = every_agent
         if self.use_cav is not None:        # the GT below still comes from every agent
             agents = agents[:self.use_cav]
         for agent in agents if self.uses_other_agents_points else agents[:1]:
             agent["points"] = self._load_points(agent["frame"], agent["modality"])
         gt_ids, gt_boxes = self.split.sample_gt(index, gt_range=self.gt_range, order=self.order)
-        if self.plan is not None and self.train:
-            gt_ids, gt_boxes = self._camera_agent_labels(info, agents, gt_ids, gt_boxes)
+        if any(self._camera_labelled(agent["modality"]) for agent in every_agent):
+            gt_ids, gt_boxes = self._camera_agent_labels(info, every_agent, gt_ids, gt_boxes)
         ego_points = agents[0]["points"] if self._has_lidar(agents[0]["modality"]) else None
         return {"info": info, "agents": agents, "gt_boxes": gt_boxes, "gt_ids": gt_ids,
                 "gt_classes": self._gt_classes(info.scenario, info.timestamp, gt_ids),
@@ -335,18 +354,31 @@ class BaseFusionDataset(torch.utils.data.Dataset):
                               f"no object classes (fusion.dataset v2xreal and dairv2x do)")
         return classes
 
+    def _camera_labelled(self, modality, training: bool | None = None) -> bool:
+        """Whether an agent of ``modality`` (None: not heter) contributes to the GT only the
+        boxes its ``bev_visibility`` map shows (HEAL's ``generate_object_center_camera``).
+
+        ``label_type: camera``: every agent, in training and evaluation (HEAL's datasets pick
+        the generator from the key once), except in a heter config's intermediate fusion: HEAL's
+        ``intermediateheter`` data set ignores the key and picks per agent, as without it.
+        Otherwise a heter config's camera agents in training (``training``, default
+        ``self.train``; HEAL's heter data sets outside ``visualize``), nobody in evaluation."""
+        if self.label_type == "camera" and not (self.plan is not None
+                                                and self.heter_ignores_label_type):
+            return True
+        training = self.train if training is None else training
+        return self.plan is not None and training and not self._has_lidar(modality)
+
     def _camera_agent_labels(self, info, agents, gt_ids, gt_boxes):
-        """HEAL's training labels of a heterogeneous sample (its heter datasets outside
-        ``visualize``): a LiDAR agent contributes its ``vehicles``, a camera agent those its
+        """HEAL's camera labels of a sample (:meth:`_camera_labelled`): an agent labelled by
+        its LiDAR contributes its ``vehicles``, one labelled by its cameras those its
         ``bev_visibility`` map shows (the pixel of the box centre in its own frame non-zero,
-        opencood.data.camera_visibility); GT rows no agent contributes leave. -> (ids (M',),
-        boxes (M', 7))."""
-        if all(self._has_lidar(agent["modality"]) for agent in agents):
-            return gt_ids, gt_boxes
+        opencood.data.camera_visibility); GT rows no agent contributes leave. ``agents``: all
+        the sample's (HEAL's union over ``cav_id_list``). -> (ids (M',), boxes (M', 7))."""
         contributed = set()
         for agent in agents:
             frame = (info.scenario, agent["cav_id"], info.timestamp)
-            if self._has_lidar(agent["modality"]):
+            if not self._camera_labelled(agent["modality"]):
                 contributed.update(int(actor) for actor in self.split.vehicles(*frame))
                 continue
             ids, boxes = self.split.frame_boxes(*frame, UNBOUNDED_RANGE, order=self.order)
@@ -360,9 +392,11 @@ class BaseFusionDataset(torch.utils.data.Dataset):
         map."""
         seen = self.split.camera_visibility(*frame)
         if seen is None:
-            raise CameraFileError(f"{'/'.join(frame)}: camera agent without a "
-                                  f"<ts>_bev_visibility.png (HEAL's training labels of a "
-                                  f"camera agent; tools/bev_visibility.py writes them)")
+            scenario, cav_id, timestamp = frame
+            raise CameraFileError(f"{map_path(self.split_dir / scenario / cav_id, timestamp)}: "
+                                  f"missing (camera labels of agent {cav_id}: label_type camera, "
+                                  f"or a heter camera agent in training; tools/bev_visibility.py "
+                                  f"writes the maps)")
         visible = boxes_visible(seen, boxes)
         return ids[visible], boxes[visible]
 
@@ -593,6 +627,7 @@ class IntermediateFusionDataset(BaseFusionDataset):
     """
 
     fusion_method = "intermediate"
+    heter_ignores_label_type = True         # as HEAL's intermediateheter data set
 
     def __init__(self, *args, with_early_fusion: bool = False, proj_first: bool = True,
                  with_agent_gt: bool = False, **kwargs):
@@ -641,7 +676,7 @@ class IntermediateFusionDataset(BaseFusionDataset):
         sample's augmentation (as its cloud on the own-frame path), kept as ``_finish`` keeps
         the sample's."""
         ids, boxes = self.split.frame_boxes(*agent["frame"], self.gt_range, order=self.order)
-        if self.plan is not None and self.train and not self._has_lidar(agent["modality"]):
+        if self._camera_labelled(agent["modality"]):
             _, boxes = self._camera_visible(agent["frame"], ids, boxes)     # HEAL's single label
         boxes = augment_boxes(boxes, self._augmentation_matrix(index)[1])
         if self.train:
@@ -692,7 +727,8 @@ class LateFusionDataset(BaseFusionDataset):
         points = self._load_points(agent["frame"], modality)
         gt_ids, gt_boxes = self.split.frame_boxes(*agent["frame"], self.gt_range,
                                                   order=self.order)
-        if self.plan is not None and not self._has_lidar(modality):
+        # per-CAV examples are the training view, validation loss included
+        if self._camera_labelled(modality, training=True):
             gt_ids, gt_boxes = self._camera_visible(agent["frame"], gt_ids, gt_boxes)
         key = (info.scenario, info.timestamp, agent["cav_id"])
         return self._finish(index, key, [agent["cav_id"]], [points], [np.eye(4)], [np.eye(4)],

@@ -197,7 +197,7 @@ def heal_run_sections(cfg: dict, dir_args: dict) -> dict:
         "root_dir": cfg.get("root_dir") or "", "validate_dir": cfg.get("validate_dir") or "",
         "test_dir": cfg.get("test_dir") or cfg.get("validate_dir") or "",
         "yaml_parser": "load_general_params",
-        "label_type": "lidar",
+        "label_type": str(cfg.get("label_type") or "lidar"),
         "comm_range": float(cfg["comm_range"]),
         "cav_lidar_range": lidar_range,
         "train_params": {key: int(cfg["train_params"][key]) for key in

@@ -14,9 +14,9 @@ and the file). HEAL's ``layers_<m>.resnet.layer0`` of the late model, which its 
 runs, is the only thing dropped (``heal_heter.LATE_UNUSED``).
 
 With ``merge`` (``--merge RUN ...``), the weights are HEAL's ``merge_final`` of those run
-folders (:mod:`opencood.interop.heal_merge`), placed as strictly. Not imported:
-``label_type: camera`` (evaluated with the
-LiDAR labels, said in the notes).
+folders (:mod:`opencood.interop.heal_merge`), placed as strictly. HEAL's ``label_type`` is
+kept: ``camera`` labels each agent with what its ``bev_visibility`` map shows where HEAL's data
+set does (opencood.data.datasets ``BaseFusionDataset._camera_labelled``).
 """
 from __future__ import annotations
 
@@ -40,8 +40,6 @@ HETER_MODELS = {"heter_pyramid_collab": ("intermediateheter", "intermediate"),
 HETER_KEYS = ("assignment_path", "ego_modality", "mapping_dict", "lidar_channels_dict",
               "cav_preference")
 SETTING_KEYS = ("sensor_type", "core_method", "preprocess", "data_aug_conf", "grid_conf")
-LABEL_NOTE = ("HEAL's label_type: camera (each agent's labels its camera sees) is not built "
-              "here: the imported run is evaluated with the LiDAR labels")
 # HEAL's final_infer yamls (inference only) name no pyramid loss: its stage-one yamls' weights
 STAGE_ONE_PYRAMID = {"relative_downsample": [1, 2, 4], "weight": [0.4, 0.2, 0.1]}
 PYRAMID_NOTE = ("the config names no loss.args.pyramid (HEAL's final_infer yamls evaluate "
@@ -106,6 +104,15 @@ def _loss(cfg_loss: dict, data: dict, core: str, source: str) -> dict:
     return {"core_method": "point_pillar_pyramid_loss", "args": args}
 
 
+def _label_type(data: dict, source: str) -> str:
+    """HEAL's ``label_type`` (its yamls: lidar or camera; default lidar)."""
+    label_type = _get(data, "label_type", source, "lidar")
+    if label_type not in ("lidar", "camera"):
+        raise InteropError(f"{source}: label_type is {label_type!r}; HEAL's are 'lidar' and "
+                           f"'camera'")
+    return label_type
+
+
 def translate_heal_heter_config(data: dict, source: str) -> Tuple[dict, List[str]]:
     """HEAL's hypes of a heterogeneous model -> (our config, unresolved; notes)."""
     core = _get(data, "model.core_method", source)
@@ -137,13 +144,12 @@ def translate_heal_heter_config(data: dict, source: str) -> Tuple[dict, List[str
     cfg["loss"] = _loss(cfg["loss"], data, core, source)
     set_direction_head(cfg["loss"], data, source)
     cfg["heter"] = _heter_section(data, model_args["modalities"], source)
+    cfg["label_type"] = _label_type(data, source)
     cfg["input_source"] = [sensor for sensor in _get(data, "input_source", source, ["lidar"])
                            if sensor in ("lidar", "camera", "depth")]
     notes = [PROJ_FIRST_NOTE] if strategy == "intermediate" else []
     if core != "heter_model_late" and _get(data, "loss.args.pyramid", source, None) is None:
         notes.append(PYRAMID_NOTE)
-    if _get(data, "label_type", source, "lidar") == "camera":
-        notes.append(LABEL_NOTE)
     return cfg, notes
 
 

@@ -78,17 +78,24 @@ VARIANTS = {
 
 def generate_folders(root: Path) -> None:
     """Our OPV2V-H folders of GENERATION and HAND_FILE (run with OUR opencood)."""
+    generate_opv2v_h(root, GENERATION)
+    write_hand_assignment(root)
+
+
+def generate_opv2v_h(root: Path, generation: dict) -> None:
+    """Our synthetic OPV2V-H folders as ``generation`` says (GENERATION's keys; "splits":
+    those only, default all)."""
     import dataclasses
 
     from opencood.data.synthetic import generate_dataset, get_preset
     from opencood.data.synthetic.camera import CameraConfig
-    width, height = GENERATION["camera_size"]
+    width, height = generation["camera_size"]
     preset = dataclasses.replace(
-        get_preset(GENERATION["preset"]), frames=GENERATION["frames"],
-        hetero_lidars=tuple(GENERATION["hetero_lidars"]),
-        cameras=CameraConfig(width=width, height=height, depth=GENERATION["depth"]))
-    generate_dataset(root, preset=preset, seed=GENERATION["seed"], progress=False)
-    write_hand_assignment(root)
+        get_preset(generation["preset"]), frames=generation["frames"],
+        hetero_lidars=tuple(generation["hetero_lidars"]),
+        cameras=CameraConfig(width=width, height=height, depth=generation["depth"]))
+    splits = {"splits": tuple(generation["splits"])} if "splits" in generation else {}
+    generate_dataset(root, preset=preset, seed=generation["seed"], progress=False, **splits)
 
 
 def write_hand_assignment(root: Path) -> Path:

@@ -40,3 +40,17 @@ def reference_root() -> Path:
             return Path(entry)
     raise SystemExit("no reference checkout (a folder with opencood/, e.g. HEAL's) on "
                      "PYTHONPATH")
+
+
+def two_step_main(argv, script: str, generate, run) -> int:
+    """The command line of a two-step fixture script: ``--generate DATA_DIR`` (our side:
+    ``generate(Path)``) or ``DATA_DIR OUT`` (the authors' side: ``run(Path, Path)``)."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) == 2 and args[0] == "--generate":
+        generate(Path(args[1]))
+        return 0
+    if len(args) != 2:
+        print(f"usage: {script} [--generate] DATA_DIR OUT", file=sys.stderr)
+        return 2
+    run(Path(args[0]), Path(args[1]))
+    return 0
