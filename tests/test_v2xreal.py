@@ -1,7 +1,8 @@
 """V2X-Real (``fusion.dataset: v2xreal``, opencood.data.v2xreal): our reader against V2X-Real's
-own data set code sample by sample in its four collaboration modes (the data set's GT, and the evaluation's GT
-through ``--protocol v2xreal``), the meta-class rules, the
-datasets' ``gt_classes``, the synthetic writer and the one-line errors.
+own data set code sample by sample in its four collaboration modes (the data set's GT, and the
+evaluation's GT through ``--protocol v2xreal``), the meta-class rules, the datasets'
+``gt_classes``, a training step of the smoke config, the synthetic writer and the one-line
+errors.
 
 The fixture (tests/fixtures/v2xreal/v2xreal.npz) holds what V2X-Real's
 ``IntermediateFusionDataset``, built from its own point_pillar_intermediate_fusion.yaml as its
@@ -148,9 +149,9 @@ def test_modes_choose_the_ego_and_the_agents():
     assert mode_agents(folders, "ic") == ["-1", "-2", "1", "2"]
     assert mode_agents(folders, "v2v") == ["1", "2"]
     assert mode_agents(folders, "i2i") == ["-1", "-2"]
-    with pytest.raises(ValueError, match="dataset_mode 'x2x': expected one of vc, ic, v2v, i2i"):
+    with pytest.raises(ConfigError, match="dataset_mode 'x2x': expected one of vc, ic, v2v, i2i"):
         mode_agents(folders, "x2x")
-    with pytest.raises(ValueError, match="'bus' not a V2X-Real meta-class"):
+    with pytest.raises(ConfigError, match="'bus' not a V2X-Real meta-class"):
         check_classes(("vehicle", "bus"))
 
 
@@ -235,7 +236,7 @@ def test_datasets_emit_gt_classes_of_the_config_class_list(root):
     with pytest.raises(ConfigError, match="the v2xreal reader's labels carry no object "
                                           "classes"):
         dataset[0]
-    with pytest.raises(ValueError, match="'van' not a V2X-Real meta-class"):
+    with pytest.raises(ConfigError, match="'van' not a V2X-Real meta-class"):
         IntermediateFusionDataset.from_config(
             _config(root, "postprocess.classes=[{name: van, l: 5, w: 2, h: 2, z: -1}]"),
             root / "validate", train=False)

@@ -44,6 +44,7 @@ from opencood.data.opv2v import (SPLITS, OPV2VFormatError, OPV2VSplit, SampleInf
                                  _sorted_subfolders, _write_index_cache, load_frame_yaml,
                                  raise_all, remove_own_body_points)
 from opencood.data.pcd import PointCloudCache
+from opencood.errors import ConfigError
 from opencood.ops.transforms import (boxes_to_corners_3d, corners_in_range_mask, corners_to_boxes,
                                      extent_corners, pose_to_matrix, poses_to_matrices)
 
@@ -79,7 +80,7 @@ def check_classes(classes) -> tuple:
     """The class names a config detects, each a meta-class (a one-line error otherwise)."""
     unknown = [name for name in classes if name not in SUPER_CLASS_MAP]
     if unknown:
-        raise ValueError(f"postprocess.classes: {', '.join(map(repr, unknown))} not a V2X-Real "
+        raise ConfigError(f"postprocess.classes: {', '.join(map(repr, unknown))} not a V2X-Real "
                          f"meta-class (expected some of {', '.join(META_CLASSES)})")
     return tuple(classes)
 
@@ -88,7 +89,7 @@ def mode_agents(folders, mode: str) -> list:
     """The agents taking part in ``mode``, ego first: ``folders`` (names of integer ids) in
     string order, split into vehicles (id >= 0) and roadside units (id < 0)."""
     if mode not in MODES:
-        raise ValueError(f"fusion.dataset_mode {mode!r}: expected one of {', '.join(MODES)}")
+        raise ConfigError(f"fusion.dataset_mode {mode!r}: expected one of {', '.join(MODES)}")
     ordered = sorted(folders)
     vehicles = [name for name in ordered if int(name) >= 0]
     roadside = [name for name in ordered if int(name) < 0]
