@@ -64,10 +64,10 @@ def root(tmp_path_factory, fixture):
 
 
 def _reader(split_dir, mode, meta, **options):
+    options = {"use_point_cache": False, "index_cache": False, **options}
     return open_split("v2xreal", split_dir, com_range=meta["comm_range"],
-                      max_cav=meta["max_cav"], use_point_cache=False, index_cache=False,
-                      mode=mode, crop_range=meta["crop_range"], classes=tuple(meta["classes"]),
-                      **options)
+                      max_cav=meta["max_cav"], mode=mode, crop_range=meta["crop_range"],
+                      classes=tuple(meta["classes"]), **options)
 
 
 def _yaw_gap(a, b):
@@ -180,6 +180,16 @@ def test_evaluation_day_rule_and_file_errors(root, tmp_path, fixture):
         _reader(split, "vc", meta)
     assert len(_reader(split, "vc", meta, train=True)) == 3
     assert len(_reader(split, "v2v", meta)) == 3
+    # the index cache keeps one index per mode (each holds its own agents' frames)
+    for mode, agents in (("vc", ["1", "2", "-1"]), ("i2i", ["-1"]), ("vc", ["1", "2", "-1"])):
+        cached = _reader(split, mode, meta, train=True, index_cache=True,
+                         cache_dir=tmp_path / "cache")
+        fresh = _reader(split, mode, meta, train=True)
+        assert cached.info(0).cav_ids == fresh.info(0).cav_ids == agents
+        np.testing.assert_array_equal(cached.sample_gt(0, meta["gt_range"])[1],
+                                      fresh.sample_gt(0, meta["gt_range"])[1])
+    assert sorted(p.name for p in (tmp_path / "cache").glob("v2xreal*")) == \
+        ["v2xreal_i2i_index", "v2xreal_vc_index"]
     scenario = split / "2023-04-07-10-00-00_1_0"
     (scenario / "-1" / "000001.bin").unlink()
     assert len(_reader(split, "v2v", meta)) == 3      # v2v never opens the roadside units

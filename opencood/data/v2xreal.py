@@ -275,7 +275,9 @@ class V2XRealSplit:
         if not index_cache:
             return _parse_frames(self.split_dir, layouts, load_v2xreal_yaml)
         fingerprint = _layout_fingerprint(layouts)
-        cache_path = _index_cache_path(cache_dir, self.split_dir, self.index_name)
+        # one index per mode (each holds its own agents' frames): modes used in turn do not
+        # rewrite each other's
+        cache_path = _index_cache_path(cache_dir, self.split_dir, f"{self.index_name}_{self.mode}")
         frames = _read_index_cache(cache_path, fingerprint)
         if frames is None:
             frames = _parse_frames(self.split_dir, layouts, load_v2xreal_yaml)
