@@ -310,6 +310,41 @@ def test_visibility_by_the_ego_cameras_is_a_setting_of_its_own(runs, tmp_path):
         "settings"]
 
 
+def test_camera_labels_score_only_what_some_agents_map_shows(runs, tmp_path, capsys):
+    """``--set label_type=camera``: the GT is the objects some agent's bev_visibility map
+    shows; here each agent's map paints the cars up to 10 m ahead of it (0 < x < 10 in its own
+    frame: the road's cars at 5, 29 and 41 m, not 17 m). The record and the table say so; the
+    default is unchanged."""
+    from opencood.data.camera_visibility import map_path, visibility_map, write_visibility_map
+    from opencood.data.opv2v import OPV2VSplit
+    data = tmp_path / "data" / "test"
+    shutil.copytree(runs.data, data)
+    split = OPV2VSplit(data)
+    run_dir = _copy_run(runs.inter, tmp_path / "run")
+    gt_range = load_config(run_dir / "config.yaml")["postprocess"]["gt_range"]
+    expected = 0
+    for index in range(len(split)):
+        info = split.info(index)
+        ahead = set()
+        for cav_id in info.cav_ids:
+            ids, boxes = split.frame_boxes(info.scenario, cav_id, info.timestamp,
+                                           [-1e5, -1e5, -1e5, 1e5, 1e5, 1e5])
+            near = (boxes[:, 0] > 0) & (boxes[:, 0] < 10)
+            write_visibility_map(map_path(data / info.scenario / cav_id, info.timestamp),
+                                 visibility_map(boxes[near]))
+            ahead |= set(ids[near].tolist())
+        gt_ids, _ = split.sample_gt(index, gt_range=gt_range)
+        expected += len(ahead & set(gt_ids.tolist()))
+    (lidar,) = evaluator.main(_argv(run_dir, "--set", f"test_dir={data}"))
+    capsys.readouterr()
+    (camera,) = evaluator.main(_argv(run_dir, "--set", f"test_dir={data}",
+                                     "--set", "label_type=camera"))
+    assert 0 < camera["num_gt"] == expected < lidar["num_gt"]
+    assert _record_of(camera)["results"]["labels"].startswith("camera: ")
+    assert "labels" not in _record_of(lidar)["results"]
+    assert "GT labels: camera: " in capsys.readouterr().out
+
+
 def test_fusion_method_that_does_not_fit_the_model(runs):
     message = _error_of(_argv(runs.inter, "--fusion_method", "late"))
     assert "'late'" in message and "point_pillar_intermediate" in message

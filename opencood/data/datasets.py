@@ -98,6 +98,8 @@ VISIBILITY_MARGIN, GROUND_CLEARANCE = 0.1, 0.25   # metres
 VISIBILITY_CHOICES = ("auto", "lidar", "camera")
 # HEAL's label_type: which boxes an agent contributes to the GT (BaseFusionDataset._camera_labelled)
 LABEL_TYPES = ("lidar", "camera")
+# What the GT is made of under label_type camera: said in the evaluation record
+CAMERA_LABELS = "camera: the objects some agent's bev_visibility map shows (label_type camera)"
 # What "ego-visible" means, by the dataset's visibility_rule: said in every evaluation record.
 VISIBILITY_RULES = {
     "lidar": "lidar: ego LiDAR returns inside the box",
@@ -354,6 +356,13 @@ class BaseFusionDataset(torch.utils.data.Dataset):
                               f"no object classes (fusion.dataset v2xreal and dairv2x do)")
         return classes
 
+    @property
+    def camera_labels(self) -> bool:
+        """``label_type: camera`` labels every agent of this data set by its map (not so in a
+        heter config's intermediate fusion, which ignores the key)."""
+        return self.label_type == "camera" and not (self.plan is not None
+                                                    and self.heter_ignores_label_type)
+
     def _camera_labelled(self, modality, training: bool | None = None) -> bool:
         """Whether an agent of ``modality`` (None: not heter) contributes to the GT only the
         boxes its ``bev_visibility`` map shows (HEAL's ``generate_object_center_camera``).
@@ -363,8 +372,7 @@ class BaseFusionDataset(torch.utils.data.Dataset):
         ``intermediateheter`` data set ignores the key and picks per agent, as without it.
         Otherwise a heter config's camera agents in training (``training``, default
         ``self.train``; HEAL's heter data sets outside ``visualize``), nobody in evaluation."""
-        if self.label_type == "camera" and not (self.plan is not None
-                                                and self.heter_ignores_label_type):
+        if self.camera_labels:
             return True
         training = self.train if training is None else training
         return self.plan is not None and training and not self._has_lidar(modality)

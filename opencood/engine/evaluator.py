@@ -26,8 +26,8 @@ import yaml
 from opencood.config import ConfigError, apply_overrides, load_config, resolve
 from opencood.config_schema import BoxAlignArgs, to_plain
 from opencood.data.collate import build_loader
-from opencood.data.datasets import (SPLIT_KEYS, VISIBILITY_CHOICES, VISIBILITY_RULES,
-                                    build_dataset)
+from opencood.data.datasets import (CAMERA_LABELS, SPLIT_KEYS, VISIBILITY_CHOICES,
+                                    VISIBILITY_RULES, build_dataset)
 from opencood.data.pipeline import BatchPreparer
 from opencood.engine.recipe import check_registered_names, configure_cuda
 from opencood.errors import alike_on_every_rank, run_cli
@@ -229,6 +229,8 @@ def evaluate_setting(cfg, args, run_dir, model, info, setting, checkpoint: Dict,
         return None
     if "visibility" in metrics:
         metrics["visibility_rule"] = VISIBILITY_RULES[dataset.visibility_rule]
+    if dataset.camera_labels:           # a GT other than the agents' LiDAR labels: said
+        metrics["labels"] = CAMERA_LABELS
     if setting.get("use_cav") is not None:
         metrics["agents_per_frame"] = agents_per_frame(
             [len(dataset.split.info(i).cav_ids) for i in range(len(dataset.split))],

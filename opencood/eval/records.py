@@ -17,7 +17,7 @@
     machine: {device, world_size, torch}
     date: ISO 8601
     results: {ap_30, ap_50, ap_70, num_gt, distance, visibility, visibility_rule,
-              bytes_per_agent,
+              labels (label_type camera only), bytes_per_agent,
               protocol {name, description, gt_range}, ...,
               several classes only: per_class {name: {ap_30, ap_50, ap_70, num_gt, num_det}},
               class_mean {ap_30, ap_50, ap_70, classes}; ap_* are then the class means}

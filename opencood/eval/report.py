@@ -121,6 +121,8 @@ def format_metrics(name: str, metrics: Dict) -> str:
     if protocol.get("gt_range") is not None:       # records before issue 39 have none
         lines.append(f"GT scored in {format_range(protocol['gt_range'])} "
                      f"({protocol['gt_range_of']})")
+    if metrics.get("labels"):                   # label_type camera only
+        lines.append(f"GT labels: {metrics['labels']}")
     per_class = metrics.get("per_class", {})
     width = max([12] + [len(name) for name in per_class])
     # several classes: the first row and the breakdowns are class means (opencood.eval.ap)
