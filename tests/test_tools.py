@@ -448,9 +448,9 @@ def test_gpu_checks_rehearsal_runs_every_step(tmp_path):
     # relies on must not rot unnoticed. A step that fails must fail the script too.
     script = str(REPO_ROOT / "tools" / "gpu_checks.sh")
 
-    def run(data_dir):
+    def run(data_dir, python_dir=Path(sys.executable).parent):
         # The script runs "python": this interpreter's, whether or not its venv is activated.
-        path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+        path = os.pathsep.join([str(python_dir), os.environ.get("PATH", "")])
         env = {**os.environ, "QUICK": "1", "OUT": str(tmp_path / "out"), "DATA": str(data_dir),
                "PYTHONPATH": str(REPO_ROOT), "PATH": path}
         return subprocess.run(["bash", script], env=env, capture_output=True, text=True,
@@ -471,7 +471,20 @@ def test_gpu_checks_rehearsal_runs_every_step(tmp_path):
     assert {"pillarise", "train_step_model_only", "dataloader", "ap", "pcd"} <= measured
     collected = (tmp_path / "out" / "pytest_cuda.txt").read_text()
     assert int(collected.split(" tests collected")[0].split()[-1].split("/")[0]) >= 1
+    # One real failure among passing steps: the generator, for real, on a path it cannot
+    # write; every other "python" call a stand-in that passes at once (the steps above showed
+    # they work; here only the script's verdict is under test).
     blocker = tmp_path / "not_a_folder"
     blocker.write_text("the generator cannot write here")
-    broken = run(blocker)
-    assert broken.returncode == 1 and "FAILED  synthetic opv2v data" in broken.stdout
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "python").write_text(
+        '#!/usr/bin/env bash\n'
+        f'case " $* " in *generate_synthetic.py*) exec "{sys.executable}" "$@" ;; esac\n')
+    (shim / "python").chmod(0o755)
+    broken = run(blocker, python_dir=shim)
+    assert broken.returncode == 1, broken.stdout + broken.stderr
+    verdicts = [line.split("  ")[0] for line in broken.stdout.splitlines()
+                if line.startswith(("ok ", "FAILED "))]
+    assert verdicts == ["ok", "FAILED", "ok", "ok", "ok"], broken.stdout
+    assert "FAILED  synthetic opv2v data" in broken.stdout
