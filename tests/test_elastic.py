@@ -57,7 +57,7 @@ def torchrun_command(run_dir: Path, data: Path) -> list:
 
 def launch(run_dir: Path, data: Path, tmp_path: Path) -> subprocess.Popen:
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
-               OPENCOOD_CACHE=str(tmp_path / "cache"))
+               OPENCOOD_CACHE=str(tmp_path / f"cache_{run_dir.name}"))   # jobs run side by side
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
     log = open(tmp_path / f"{run_dir.name}.log", "w")
     return subprocess.Popen(torchrun_command(run_dir, data), env=env, stdout=log,
@@ -87,18 +87,25 @@ def test_kill_9_of_a_worker_mid_epoch_restarts_and_ends_with_the_uninterrupted_w
     resume inside that epoch and end bit-identical to an uninterrupted run."""
     data = write_simple_split(tmp_path / "data" / "train", num_cavs=2,
                               timestamps=frame_stamps(TIMESTAMPS))
+    # The two jobs run side by side (own folders, caches and ports): each one's start-up and
+    # rendezvous waits overlap the other's steps.
     straight = launch(tmp_path / "straight", data, tmp_path)
-    assert straight.wait(timeout=300) == 0, (tmp_path / "straight.log").read_text()
-
     killed = launch(tmp_path / "killed", data, tmp_path)
-    deadline = time.monotonic() + 240
-    while saved_position(tmp_path / "killed") < (0, 3) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    victims = worker_pids(killed.pid)
-    assert saved_position(tmp_path / "killed")[0] == 0 and len(victims) == 2, \
-        "the first epoch ended before a worker could be killed"
-    os.kill(victims[1], signal.SIGKILL)
-    assert killed.wait(timeout=300) == 0, (tmp_path / "killed.log").read_text()
+    try:
+        deadline = time.monotonic() + 240
+        while saved_position(tmp_path / "killed") < (0, 3) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        victims = worker_pids(killed.pid)
+        assert saved_position(tmp_path / "killed")[0] == 0 and len(victims) == 2, \
+            "the first epoch ended before a worker could be killed"
+        os.kill(victims[1], signal.SIGKILL)
+        assert killed.wait(timeout=300) == 0, (tmp_path / "killed.log").read_text()
+        assert straight.wait(timeout=300) == 0, (tmp_path / "straight.log").read_text()
+    finally:
+        for job in (straight, killed):      # a failed check leaves no job running
+            if job.poll() is None:
+                os.killpg(job.pid, signal.SIGKILL)
+                job.wait()
 
     assert "exitcode: -9" in (tmp_path / "killed.log").read_text()   # torchrun saw the kill
     log = (tmp_path / "killed" / "train.log").read_text()
