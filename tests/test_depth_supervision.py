@@ -75,8 +75,8 @@ def test_camera_model_outputs_its_depth_logits_when_training_and_needs_no_depth_
              "record_len": torch.tensor([1, 2]),
              "transforms_to_ego": torch.eye(4).repeat(3, 1, 1)}
     outputs = model(batch)
-    assert outputs["depth_logits"].shape == (12, 24, 2, 4)
-    assert outputs["depth_target"].shape == outputs["depth_valid"].shape == (12, 2, 4)
+    assert outputs["depth_logits"].shape == (12, 24, 4, 8)          # stride 8
+    assert outputs["depth_target"].shape == outputs["depth_valid"].shape == (12, 4, 8)
     without = {key: value for key, value in batch.items() if key != "depth_maps"}
     with pytest.raises(KeyError, match="input_source needs 'depth'"):
         model(without)
@@ -98,3 +98,45 @@ def test_trunk_width_narrows_the_heads_input_and_is_refused_for_the_resnet():
     with pytest.raises(SchemaError, match="trunk_width"):
         ENCODERS.parse_args("lss", {**args, "img_downsample": 8, "camera_encoder": "Resnet101",
                                     "trunk_width": 24}, "model.args.encoder.args")
+
+
+def test_light_trunk_is_six_convs_to_stride_8_and_trains_in_the_encoder():
+    """``camera_encoder: Light`` (ours): at stride 8, three stages of two 3x3 conv-BN-ReLU
+    (16, 32, then trunk_width channels), the first of each strided. Hand numbers: its parameter
+    count; with every conv averaging its 3 x 3 x C_in window (weights 1 / (9 C_in)) and BN at
+    its initial running statistics, a constant image of 1 stays 1 / sqrt(1 + eps) per layer
+    away from the border, (1 + 1e-5) ** -3 after six. In the encoder it writes the BEV map with
+    a finite gradient for every parameter; an image size off the stride is refused."""
+    from opencood.config_schema import SchemaError
+    from opencood.models.camera_backbones import LightTrunk
+    from opencood.models.lift_splat import LiftSplat, LiftSplatArgs
+    from opencood.registry import ENCODERS
+    trunk = LightTrunk(8, 24)
+    convs = [m for m in trunk.modules() if isinstance(m, torch.nn.Conv2d)]
+    assert [(c.in_channels, c.out_channels, c.stride[0]) for c in convs] == [
+        (3, 16, 2), (16, 16, 1), (16, 32, 2), (32, 32, 1), (32, 24, 2), (24, 24, 1)]
+    conv_weights = 9 * (3 * 16 + 16 * 16 + 16 * 32 + 32 * 32 + 32 * 24 + 24 * 24)
+    assert sum(p.numel() for p in trunk.parameters()) == conv_weights + 2 * (16 + 16 + 32 + 32
+                                                                             + 24 + 24)
+    with torch.no_grad():
+        for conv in convs:
+            conv.weight.fill_(1.0 / (9 * conv.in_channels))
+    trunk.eval()
+    out = trunk(torch.ones(1, 3, 64, 64))
+    assert out.shape == (1, 24, 8, 8)
+    assert torch.allclose(out[0, :, 3, 3], torch.full((24,), (1 + 1e-5) ** -3), atol=1e-6)
+    assert out[0, :, 0, 0].max() < 0.5             # the zero padding reaches the corner
+
+    args = {"image_size": [32, 64], "img_downsample": 8, "img_features": 8,
+            "ddiscr": [2.0, 50.0, 6], "xbound": [-8.0, 8.0, 1.0], "ybound": [-8.0, 8.0, 1.0],
+            "camera_encoder": "Light", "trunk_width": 24}
+    encoder = LiftSplat(LiftSplatArgs(**args))
+    assert encoder.camera_encoder.depth_head.in_channels == 24
+    bev = encoder(fake_camera_batch(1, image_size=(32, 64)))
+    assert bev.shape == (1, 8, 16, 16)
+    bev.square().sum().backward()
+    grads = [p.grad for p in encoder.parameters()]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
+    assert all(g.abs().sum() > 0 for g in grads)
+    with pytest.raises(SchemaError, match="multiples of 8 for Light"):
+        ENCODERS.parse_args("lss", {**args, "image_size": [36, 64]}, "model.args.encoder.args")

@@ -228,3 +228,23 @@ def test_export_to_heal_refuses_what_heal_has_not(tmp_path):
     with pytest.raises(InteropError, match="model.args.encoder.core_method"):
         translate_our_camera_run(lidar)
     assert not (tmp_path / "heal").exists()
+
+
+def test_export_to_heal_refuses_our_light_trunk_and_a_narrowed_efficientnet():
+    """HEAL's CamEncode is EfficientNet-b0 or ResNet-101 with 512-wide heads: our Light trunk and
+    a ``trunk_width`` other than 512 are refused in one line naming the key; the same config
+    with HEAL's trunk passes the check."""
+    from opencood.config import load_config, replaced
+    from opencood.config_schema import to_plain
+    from opencood.interop.heal_export import check_exportable
+    cfg = replaced(load_config("hypes_yaml/synthetic/camera_fcooper.yaml"), {
+        "model.args.fusion.stage": "backbone", "model.args.use_dir": True,
+        "model.args.shrink_header": {"kernel_size": 3, "stride": 1, "dim": 64},
+        "postprocess.anchor_args.placement": "reference"})
+    check_exportable(to_plain(cfg), "run")
+    light = replaced(cfg, {"model.args.encoder.args.camera_encoder": "Light"})
+    with pytest.raises(InteropError, match="camera_encoder 'Light' has no HEAL counterpart"):
+        check_exportable(to_plain(light), "run")
+    narrow = to_plain(replaced(cfg, {"model.args.encoder.args.trunk_width": 128}))
+    with pytest.raises(InteropError, match="trunk_width is 128"):
+        check_exportable(narrow, "run")

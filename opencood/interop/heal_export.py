@@ -76,6 +76,14 @@ def check_exportable(cfg: dict, source: str) -> None:
         raise InteropError(f"{source}: model.args.shrink_header is missing; HEAL's "
                            "heter_model_baseline always shrinks before fusing")
     _require(cfg, "model.args.use_dir", True, "HEAL's dir_head", source)
+    trunk = _get(cfg, "model.args.encoder.args.camera_encoder")
+    if trunk not in ("EfficientNet", "Resnet101"):
+        raise InteropError(f"{source}: model.args.encoder.args.camera_encoder {trunk!r} has no "
+                           "HEAL counterpart (exported: EfficientNet, Resnet101)")
+    width = _get(cfg, "model.args.encoder.args.trunk_width")
+    if width not in (None, 512):                # None: a config written before the key
+        raise InteropError(f"{source}: model.args.encoder.args.trunk_width is {width!r}; "
+                           "HEAL's CamEncode heads read 512 channels")
     _require(cfg, "model.args.encoder.args.bev_encoder_channels", None,
              "HEAL's lift_splat_shoot agent has no BevEncode", source)
     _require(cfg, "model.args.base_bev_backbone.resnet", False,

@@ -42,8 +42,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from opencood.config_schema import Problems, positive, section, spec
-from opencood.models.camera_backbones import (EfficientNetB0, ResNet101Stem, ResNetBevEncode,
-                                              UpConcat,
+from opencood.models.camera_backbones import (EfficientNetB0, LightTrunk, ResNet101Stem,
+                                              ResNetBevEncode, UpConcat,
                                               efficientnet_pytorch_to_ours)
 from opencood.registry import ENCODERS
 
@@ -81,10 +81,11 @@ class LiftSplatArgs:
     image_size: Tuple[int, int] = spec(check=lambda v: None if min(v) > 0 else "must be > 0")
     img_downsample: Literal[8, 16] = 8
     img_features: int = spec(128, check=positive)    # camC
-    camera_encoder: Literal["EfficientNet", "Resnet101"] = "EfficientNet"   # HEAL's spelling
+    # HEAL's spelling; Light (ours, not HEAL's): a few strided convs (LightTrunk), for CPU budgets
+    camera_encoder: Literal["EfficientNet", "Resnet101", "Light"] = "EfficientNet"
     # ours: the channels of the EfficientNet's up convs, which the depth and image heads read
     # (HEAL's 512; at stride 16 their 3x3 convs cost twice the trunk itself, so a CPU config
-    # narrows them); the ResNet-101 stem's layer2 is 512 wide
+    # narrows them), or of the Light trunk's last stage; the ResNet-101 stem's layer2 is 512 wide
     trunk_width: int = spec(TRUNK_WIDTH, check=positive)
     # keep the depth logits and the depth targets of the last forward (``depth_outputs``)
     depth_supervision: bool = False
@@ -97,7 +98,8 @@ class LiftSplatArgs:
 
     def problems(self) -> Problems:
         height, width = self.image_size
-        multiple = 32 if self.camera_encoder == "EfficientNet" else 8
+        multiple = {"EfficientNet": 32, "Resnet101": 8}.get(self.camera_encoder,
+                                                             self.img_downsample)
         if height % multiple or width % multiple:
             yield "image_size", f"must be multiples of {multiple} for {self.camera_encoder}"
         if self.camera_encoder == "Resnet101" and self.img_downsample != 8:
@@ -318,8 +320,8 @@ def splat(points: torch.Tensor, features: torch.Tensor, grid: BevGridSpec) -> to
 
 class CameraEncoder(nn.Module):
     """Images (M, 3, H, W) -> (image features (M, C, fH, fW), depth logits (M, D, fH, fW))
-    (HEAL's ``CamEncode`` / ``CamEncode_Resnet101``); the heads read ``width`` trunk channels
-    (HEAL's 512)."""
+    (HEAL's ``CamEncode`` / ``CamEncode_Resnet101``; ``Light``: ours, :class:`LightTrunk`); the
+    heads read ``width`` trunk channels (HEAL's 512)."""
 
     def __init__(self, kind: str, downsample: int, num_bins: int, channels: int,
                  width: int = TRUNK_WIDTH):
@@ -331,6 +333,8 @@ class CameraEncoder(nn.Module):
             self.up1 = UpConcat(EFFICIENTNET_WIDTHS[32] + EFFICIENTNET_WIDTHS[16], width)
             if downsample == 8:
                 self.up2 = UpConcat(width + EFFICIENTNET_WIDTHS[8], width)
+        elif kind == "Light":
+            self.trunk = LightTrunk(downsample, width)
         else:
             self.trunk = ResNet101Stem()
         self.depth_head = nn.Conv2d(width, num_bins, 1)
