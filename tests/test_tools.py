@@ -226,7 +226,7 @@ def test_bench_quick_cpu_prints_only_json_lines(tmp_path):
     assert methods["loadtxt"]["speedup_vs_loadtxt"] == 1.0
     assert by_name["profile"]["parameters"] > 0
     formats = by_name["loader_by_format"]["formats"]
-    assert set(formats) == {"opv2v", "v2v4real", "dairv2x"}
+    assert set(formats) == {"opv2v", "v2v4real", "dairv2x", "v2xreal"}
     for figures in formats.values():      # tiny: 3 splits x 1 scenario x 3 frames
         for path in ("reader", "dataset"):
             assert figures[path]["samples"] == 9 and figures[path]["samples_per_s"] > 0
