@@ -1,23 +1,22 @@
 """Bad input to each command-line tool is one ``error: ...`` line naming the file, key or value,
 with a non-zero exit and no traceback (tools/bench.py and tools/profile_model.py: test_tools.py).
 
-Each case runs the real script as ``__main__`` (runpy), with its arguments in ``sys.argv``, its
-own working folder and cache, and the exit a Python interpreter would make of it: one process for
-all the cases instead of one interpreter (and torch import) per case. An exception other than
-SystemExit escapes the tool and fails the test, as its traceback would in a subprocess.
+Each case runs the real script as a fresh interpreter would, in this process
+(``tool_modules.run_script``: ``__main__``, ``sys.argv``, start-up logging, the interpreter's
+exit status), from its own working folder and cache: one process for all the cases instead of an
+interpreter and a torch import per case. An exception other than SystemExit escapes the tool and
+fails the test, as its traceback would in a subprocess.
 """
 from __future__ import annotations
 
 import os
-import runpy
 import subprocess
-import sys
 from pathlib import Path
-from typing import NamedTuple
 
 import pytest
 
 from opencood.config import load_config, save_config
+from tool_modules import run_script
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TOOLS = REPO_ROOT / "tools"
@@ -25,41 +24,13 @@ SMOKE_YAML = REPO_ROOT / "hypes_yaml" / "synthetic" / "smoke.yaml"
 BAD_MODEL = "model.core_method=no_such_model"
 
 
-class ToolResult(NamedTuple):
-    returncode: int
-    stdout: str
-    stderr: str
-
-
-def exit_status(code) -> int:
-    """The status Python's interpreter exits with for ``SystemExit(code)``; a message (any code
-    but None or an int) goes to stderr first, as the interpreter prints it."""
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code
-    print(code, file=sys.stderr)
-    return 1
-
-
 @pytest.fixture
 def run_tool(tmp_path, monkeypatch, capsys):
-    """``run_tool(argv)``: ``python tools/<script> args...`` (argv[0] the script) run in this
-    process from ``tmp_path`` -> ToolResult."""
+    """``run_tool([script, args...])``: tool_modules.run_script from ``tmp_path`` with its own
+    cache -> ScriptResult."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("OPENCOOD_CACHE", str(tmp_path / "cache"))
-
-    def run(argv: list) -> ToolResult:
-        capsys.readouterr()
-        monkeypatch.setattr(sys, "argv", [str(argv[0]), *map(str, argv[1:])])
-        try:
-            runpy.run_path(str(argv[0]), run_name="__main__")
-            status = 0
-        except SystemExit as exit_:
-            status = exit_status(exit_.code)
-        captured = capsys.readouterr()
-        return ToolResult(status, captured.out, captured.err)
-    return run
+    return lambda argv: run_script(argv[0], argv[1:], monkeypatch, capsys)
 
 
 def assert_one_line_error(result, *needles: str) -> str:

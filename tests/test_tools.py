@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from opv2v_factory import write_simple_split
-from tool_modules import load_tool
+from tool_modules import load_tool, run_script
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TOOLS = REPO_ROOT / "tools"
@@ -388,9 +388,14 @@ def test_bench_with_a_data_folder(tmp_path, monkeypatch, capsys):
     (["--figures", "pillarise,no_such_figure"], "no_such_figure"),
     (["--data", "{tmp}/no_such_folder"], "no_such_folder"),
 ])
-def test_bench_bad_input_is_one_error_line(tmp_path, argv, named):
+def test_bench_bad_input_is_one_error_line(tmp_path, monkeypatch, capsys, argv, named):
+    """As a user runs it (tool_modules.run_script: a fresh interpreter's logging, warnings and
+    exit status, in this process)."""
     argv = [arg.replace("{tmp}", str(tmp_path)) for arg in argv]
-    result = run_bench(tmp_path, "--quick", "--device", "cpu", *argv)
+    monkeypatch.chdir(REPO_ROOT)
+    monkeypatch.setenv("OPENCOOD_CACHE", str(tmp_path / "cache"))
+    result = run_script(TOOLS / "bench.py", ["--quick", "--device", "cpu", *argv], monkeypatch,
+                        capsys)
     assert result.returncode != 0
     assert result.stdout == ""
     lines = result.stderr.strip().splitlines()

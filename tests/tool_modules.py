@@ -8,9 +8,13 @@ through its parameters (``trainer.main(argv, hooks)``, opencood.engine.hooks).
 from __future__ import annotations
 
 import importlib.util
+import logging
+import runpy
 import sys
+import warnings
 from pathlib import Path
 from types import ModuleType
+from typing import NamedTuple, Sequence
 
 TOOLS_DIR = Path(__file__).resolve().parents[1] / "tools"
 
@@ -24,3 +28,61 @@ def load_tool(name: str) -> ModuleType:
         sys.modules[module_name] = module
         spec.loader.exec_module(module)
     return sys.modules[module_name]
+
+
+class ScriptResult(NamedTuple):
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def exit_status(code) -> int:
+    """The status Python's interpreter exits with for ``SystemExit(code)``; a message (any code
+    but None or an int) goes to stderr first, as the interpreter prints it."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+# Python's default warning filters (pytest replaces them while a test runs).
+STARTUP_WARNING_FILTERS = (("default", DeprecationWarning, "__main__"),
+                           ("ignore", DeprecationWarning, ""),
+                           ("ignore", PendingDeprecationWarning, ""),
+                           ("ignore", ImportWarning, ""), ("ignore", ResourceWarning, ""))
+
+
+def print_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """What an interpreter prints for a warning (pytest records them instead)."""
+    sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+
+def run_script(script: Path, argv: Sequence, monkeypatch, capsys) -> ScriptResult:
+    """``python script argv...`` run in this process as a fresh interpreter runs it, without
+    paying another interpreter and torch import: the file as ``__main__`` (runpy) with
+    ``sys.argv``; logging as at start-up (no handler on the root or the "opencood" logger, so a
+    record logged before the tool sets up its own reaches stderr through Python's last-resort
+    handler, or the tool's ``basicConfig`` installs its own); warnings printed to stderr under
+    Python's default filters; the exit status of SystemExit.
+    Any other exception propagates (where a subprocess would print its traceback).
+    ``monkeypatch`` puts the loggers back after the test; the working folder is the caller's."""
+    for log in (logging.getLogger(), logging.getLogger("opencood")):
+        for attribute, fresh in (("handlers", []), ("level", log.level), ("propagate", True)):
+            monkeypatch.setattr(log, attribute, fresh)
+    monkeypatch.setattr(logging.getLogger("opencood"), "level", logging.NOTSET)
+    monkeypatch.setattr(sys, "argv", [str(script), *map(str, argv)])
+    capsys.readouterr()
+    with warnings.catch_warnings():          # printed to stderr, filtered as at start-up
+        warnings.resetwarnings()
+        for action, category, module in STARTUP_WARNING_FILTERS:
+            warnings.filterwarnings(action, category=category, module=module)
+        warnings.showwarning = print_warning
+        try:
+            runpy.run_path(str(script), run_name="__main__")
+            status = 0
+        except SystemExit as exit_:
+            status = exit_status(exit_.code)
+    captured = capsys.readouterr()
+    return ScriptResult(status, captured.out, captured.err)
