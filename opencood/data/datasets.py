@@ -146,9 +146,10 @@ class BaseFusionDataset(torch.utils.data.Dataset):
         visibility: that rule: "auto" (as just said), "lidar" (needs LiDAR inputs) or "camera"
             (the ego's cameras' map whatever the inputs; ``tools/eval.py --visibility``).
         dataset: the format of ``split_dir`` (``fusion.dataset``: opv2v, v2xset, v2v4real,
-            dairv2x; opencood.data.formats).
+            v2xreal, dairv2x; opencood.data.formats).
         reader_options: the format's own reader options (its split class's
-            ``reader_options(cfg)``: V2V4Real's crop filter, DAIR-V2X-C's GT source).
+            ``reader_options(cfg)``: V2V4Real's crop filter, DAIR-V2X-C's GT source, V2X-Real's
+            mode, crop filter and classes).
         input_source: the inputs read, HEAL's key: ("lidar",), ("camera",) or both. Without
             "lidar" no point cloud is read: samples carry no ``agent_points``, ``gt_ego_points``
             is -1; with "camera" each sample carries the camera keys (:meth:`_camera_keys`).
@@ -166,6 +167,8 @@ class BaseFusionDataset(torch.utils.data.Dataset):
             ``vehicles``; a heter camera agent in training: what its map shows) or "camera"
             (what its ``<ts>_bev_visibility.png`` shows, :meth:`_camera_labelled`; the OPV2V
             layout's maps).
+        with_classes: samples carry ``gt_classes`` (a multi-class config: the reader's
+            ``object_classes`` of each GT id; a reader without classes is a ConfigError).
     """
 
     fusion_method = "base"
