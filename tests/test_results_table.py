@@ -198,10 +198,12 @@ def test_occluded_column_present_only_with_visibility():
 
 
 def test_per_class_columns_of_multi_class_results_by_hand():
-    """Multi-class records add an "AP@0.5 <class>" column per class, mean ± std over seeds
-    (0.6 and 0.8: 0.700 ± 0.141); single-class rows and classes a row lacks read "n/a"."""
+    """Multi-class records add "AP@0.3/0.5/0.7 <class>" columns per class, mean ± std over
+    seeds (AP@0.5 vehicle 0.6 and 0.8: 0.700 ± 0.141); single-class rows and classes a row lacks
+    read "n/a"."""
     def classes(vehicle, pedestrian):
-        return {"vehicle": {"ap_50": vehicle}, "pedestrian": {"ap_50": pedestrian}}
+        return {"vehicle": {"ap_30": 0.9, "ap_50": vehicle, "ap_70": vehicle / 2},
+                "pedestrian": {"ap_30": 0.3, "ap_50": pedestrian, "ap_70": None}}
     seed_a = _metrics(0.5, 0.4, 0.1, 0, per_class=classes(0.6, 0.2))
     seed_b = _metrics(0.5, 0.4, 0.1, 0, per_class=classes(0.8, None))
     rows = [{"model": "a", "fusion": "late", "epochs": 1, "steps": 4, "seeds": 2,
@@ -209,10 +211,14 @@ def test_per_class_columns_of_multi_class_results_by_hand():
             {"model": "b", "fusion": "no", "epochs": 1, "steps": 4, "seeds": 2,
              "train_minutes": 1.0, "metrics": [_metrics(0.3, 0.2, 0.1, 0)]}]
     lines = rt.format_table(rows).splitlines()
-    assert "| AP@0.7 | AP@0.5 vehicle | AP@0.5 pedestrian | bytes per agent |" in lines[0]
-    assert "| 0.100 ± 0.000 | 0.700 ± 0.141 | 0.200 | 0 |" in lines[2]
-    assert "| 0.100 | n/a | n/a | 0 |" in lines[3]
-    assert "AP@0.5 vehicle" not in rt.format_table(rows[1:])
+    assert ("| AP@0.7 | AP@0.3 vehicle | AP@0.5 vehicle | AP@0.7 vehicle | AP@0.3 pedestrian | "
+            "AP@0.5 pedestrian | AP@0.7 pedestrian | bytes per agent |") in lines[0]
+    # vehicle AP@0.7: 0.3 and 0.4 -> 0.350 ± 0.071
+    assert ("| 0.100 ± 0.000 | 0.900 ± 0.000 | 0.700 ± 0.141 | 0.350 ± 0.071 | 0.300 ± 0.000 | "
+            "0.200 | n/a | 0 |") in lines[2]
+    assert "| 0.100 | n/a | n/a | n/a | n/a | n/a | n/a | 0 |" in lines[3]
+    assert "vehicle" not in rt.format_table(rows[1:])
+
 
 def test_mean_and_std_cells_over_seeds_by_hand():
     group = {"ap_30": 0.5, "ap_50": 0.25, "ap_70": 0.05, "num_gt": 120}
@@ -485,3 +491,30 @@ def test_a_record_of_other_settings_is_refused_in_one_line_not_mixed_in(data_dir
                             f"of {(data_dir / 'test').resolve()}, intermediate, protocol ours")
     assert str(elsewhere.resolve()) in error and "protocol opencood" in error
     assert "| `smoke` | intermediate | 1 | 2 | failed |" in (root / "results.md").read_text()
+
+
+def test_protocol_skip_existing_evaluates_a_trained_run_again_without_training(
+        data_dir, tmp_path, monkeypatch, capsys):
+    """--protocol v2xreal --skip_existing on a run evaluated under ours: one eval call with
+    --protocol v2xreal (no training); the table reads the v2xreal record, not ours."""
+    root = tmp_path / "runs"
+    test_folder = data_dir / "test"
+    _prepare_seed_run(root, "smoke", _metrics(0.9, 0.9, 0.9, 64), 2.0, test_folder)
+    calls = []
+
+    def fake_eval(command, stdout, stderr):
+        calls.append(command)
+        _write_record(Path(command[command.index("--model_dir") + 1]),
+                      _metrics(0.5, 0.25, 0.125, 64), test_folder,
+                      protocol=command[command.index("--protocol") + 1])
+        return 0
+    monkeypatch.setattr(rt.subprocess, "call", fake_eval)
+    code = rt.main(["--configs", str(SMOKE_YAML), "--data", str(data_dir), "--runs_root",
+                    str(root), "--nproc", "2", "--protocol", "v2xreal", "--skip_existing"])
+    assert code == 0
+    (command,) = calls
+    assert "eval.py" in " ".join(command) and command[-2:] == ["--protocol", "v2xreal"]
+    assert "| `smoke` | intermediate | 7 | 14 | 0.500 | 0.250 | 0.125 | 64 | 2.0 |" in \
+        (root / "results.md").read_text()
+    assert "--protocol v2xreal" in (root / "results.md").read_text().split("## Commands")[1]
+    assert rt.eval_command(root, "test") == rt.eval_command(root, "test", "ours")

@@ -3,13 +3,15 @@
 
     python tools/results_table.py [--configs A.yaml B.yaml ... | --preset_dir hypes_yaml/opv2v]
         [--runs_root runs/table] [--steps N | --epochs N] [--nproc N] [--data DIR]
-        [--split test] [--set KEY=VALUE ...] [--seeds N] [--skip_existing] [--dry_run]
+        [--split test] [--protocol ours] [--set KEY=VALUE ...] [--seeds N] [--skip_existing]
+        [--dry_run]
 
 For each config (default: the six models of ``hypes_yaml/synthetic``) it runs
 ``torchrun tools/train.py`` into ``RUNS_ROOT/<yaml stem>`` and then ``tools/eval.py`` on it, each
 logged to ``RUNS_ROOT/<stem>.train.log`` / ``.eval.log``. It then reads every run's evaluation
 record (``RUN/evals/``, ``opencood/eval/records.py``) of exactly the table's setting (the split's
-data folder, the run's fusion, the default AP protocol, no pose noise or latency) and writes
+data folder, the run's fusion, the AP protocol of ``--protocol``, default ours, no pose noise or
+latency) and writes
 ``RUNS_ROOT/results.md`` (the table, each row with the checkpoint step and data folder its record
 names, and the commands). A run without such a record is refused in one line, not mixed in.
 
@@ -22,9 +24,12 @@ names, and the commands). A run without such a record is refused in one line, no
   results.md gets a per-seed table too.
 * ``--skip_existing`` does not retrain a run (one seed of a model) whose folder already holds a
   record of the table's setting.
+* ``--protocol NAME`` evaluates (and tabulates) under that AP protocol (tools/eval.py's); with
+  ``--skip_existing`` a run trained for another protocol's table is evaluated again, not
+  retrained, when its folder holds a record of the same split, data and fusion.
 * ``--dry_run`` prints the plan and the commands and trains nothing.
-* Multi-class runs (``postprocess.classes``): AP@0.3/0.5/0.7 are class means, and an
-  "AP@0.5 <class>" column per class follows.
+* Multi-class runs (``postprocess.classes``): AP@0.3/0.5/0.7 are class means, and
+  "AP@0.3/0.5/0.7 <class>" columns per class follow.
 * A run folder that holds ``last.pth`` but no such record is resumed by tools/train.py.
 * A failing run (a model, or one seed of it) is reported on one line (with its log file); the
   others go on; the exit status is then 1. A row says how many seeds it averages ("2 of 3").
@@ -49,9 +54,9 @@ sys.path.insert(0, str(REPO_ROOT))
 from opencood.config import get_key, load_config  # noqa: E402
 from opencood.data.datasets import SPLIT_KEYS  # noqa: E402
 from opencood.errors import ConfigError, OpencoodError, one_line  # noqa: E402
-from opencood.eval.protocols import DEFAULT_PROTOCOL  # noqa: E402
+from opencood.eval.protocols import DEFAULT_PROTOCOL, PROTOCOLS  # noqa: E402
 from opencood.eval.records import describe, list_records, matching_records  # noqa: E402
-from opencood.eval.report import (AP_KEYS, UNKNOWN, count_cell, markdown_table,  # noqa: E402
+from opencood.eval.report import (AP_KEYS, AP_NAMES, UNKNOWN, count_cell, markdown_table,  # noqa: E402
                                   mean_of_known, number_cell, seeds_spread_cell)
 from opencood.utils.batching import epochs_for_steps, steps_per_epoch  # noqa: E402
 
@@ -69,14 +74,14 @@ class TableError(OpencoodError):
 
 # -- plain computations (unit-tested; the cells and the arithmetic: opencood/eval/report.py) ---
 
-def table_record(run_dir: Path, split: str, fusion: str,
-                 folder: str) -> Tuple[Optional[Dict], Optional[str]]:
+def table_record(run_dir: Path, split: str, fusion: str, folder: str,
+                 protocol: str = DEFAULT_PROTOCOL) -> Tuple[Optional[Dict], Optional[str]]:
     """(the newest evaluation record of exactly the table's setting, None), or (None, why there
-    is none: one line). The setting: ``split`` of data ``folder`` (absolute), ``fusion``, the
-    default AP protocol, no pose noise and no latency."""
+    is none: one line). The setting: ``split`` of data ``folder`` (absolute), ``fusion``, AP
+    ``protocol``, no pose noise and no latency."""
     records = list_records(run_dir) if Path(run_dir).is_dir() else []
     same_kind = matching_records(records, split=split, fusion=fusion,
-                                 protocol=DEFAULT_PROTOCOL, clean=True)
+                                 protocol=protocol, clean=True)
     matching = [record for _, record in same_kind if record["data"]["folder"] == folder]
     if matching:
         return max(matching, key=lambda record: record["date"] or ""), None
@@ -86,7 +91,7 @@ def table_record(run_dir: Path, split: str, fusion: str,
                     f"{describe(r['settings']['fusion'])}, protocol "
                     f"{describe(r['settings']['protocol'])}" for _, r in records})
     return None, (f"no evaluation record of the table's setting ({split} of {folder}, {fusion}, "
-                  f"protocol {DEFAULT_PROTOCOL}, no noise or latency) in {run_dir}; it has: "
+                  f"protocol {protocol}, no noise or latency) in {run_dir}; it has: "
                   f"{'; '.join(found)}")
 
 
@@ -113,10 +118,11 @@ def occluded_ap50(metrics: Dict) -> Optional[float]:
     return float(group["ap_50"])
 
 
-def class_ap50(metrics: Dict, name: str) -> Optional[float]:
-    """``per_class[name]["ap_50"]`` of a multi-class eval result, None when absent."""
+def class_ap(metrics: Dict, name: str, key: str) -> Optional[float]:
+    """``per_class[name][key]`` (``key`` one of AP_KEYS) of a multi-class eval result, None
+    when absent."""
     row = (metrics.get("per_class") or {}).get(name) or {}
-    return None if row.get("ap_50") is None else float(row["ap_50"])
+    return None if row.get(key) is None else float(row[key])
 
 
 def seeds_cell(finished: int, planned: int) -> str:
@@ -134,7 +140,8 @@ def format_table(rows: Sequence[Dict]) -> str:
     counts the finished ones, and AP cells are mean ± std) and ``seed`` (the training seed of a
     single run: a "training seed" column, for the per-seed table).
     The column "AP@0.5 ego-occluded" appears when at least one row's metrics have that group;
-    multi-class results add "AP@0.5 <class>" per class (their AP@0.3/0.5/0.7 are class means).
+    multi-class results add "AP@0.3/0.5/0.7 <class>" per class (their AP@0.3/0.5/0.7 are class
+    means).
     """
     occluded = any(occluded_ap50(m) is not None for row in rows for m in row["metrics"])
     classes = list(dict.fromkeys(name for row in rows for m in row["metrics"]
@@ -146,7 +153,7 @@ def format_table(rows: Sequence[Dict]) -> str:
     header += ["training seed"] if per_seed else []
     header += ["AP@0.3", "AP@0.5", "AP@0.7"]
     header += ["AP@0.5 ego-occluded"] if occluded else []
-    header += [f"AP@0.5 {name}" for name in classes]
+    header += [f"{AP_NAMES[key]} {name}" for name in classes for key in AP_KEYS]
     header += ["bytes per agent", "train minutes per seed" if several_seeds else "train minutes"]
     header += ["checkpoint step", "data folder"]
     table = []
@@ -162,7 +169,8 @@ def format_table(rows: Sequence[Dict]) -> str:
         cells += [seeds_spread_cell([m.get(key) for m in metrics]) for key in AP_KEYS]
         if occluded:
             cells.append(seeds_spread_cell([occluded_ap50(m) for m in metrics]))
-        cells += [seeds_spread_cell([class_ap50(m, name) for m in metrics]) for name in classes]
+        cells += [seeds_spread_cell([class_ap(m, name, key) for m in metrics])
+                  for name in classes for key in AP_KEYS]
         minutes = number_cell(row.get("train_minutes"), 1)
         minutes += " (resumed)" if row.get("resumed") else ""
         cells += [count_cell(mean_of_known([m.get("bytes_per_agent") for m in metrics])), minutes,
@@ -203,6 +211,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="processes per model (default: CUDA devices, else 2)")
     parser.add_argument("--data", help="data folder holding train/, validate/ and test/")
     parser.add_argument("--split", default="test", choices=["validate", "test"])
+    parser.add_argument("--protocol", default=DEFAULT_PROTOCOL, choices=sorted(PROTOCOLS),
+                        help=f"AP protocol of the evaluation and the table (default "
+                        f"{DEFAULT_PROTOCOL}; tools/eval.py --protocol)")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="KEY=VALUE", help="config override for every model")
     parser.add_argument("--seeds", type=int, default=1,
@@ -361,17 +372,19 @@ def train_command(plan: Dict, run_dir: Path, nproc: int, overrides: List[str]) -
     return command
 
 
-def eval_command(run_dir: Path, split: str) -> List[str]:
-    """The command evaluating one run on ``split``."""
-    return ["python", _rel(REPO_ROOT / "tools" / "eval.py"), "--model_dir", str(run_dir),
-            "--split", split]
+def eval_command(run_dir: Path, split: str, protocol: str = DEFAULT_PROTOCOL) -> List[str]:
+    """The command evaluating one run on ``split`` under AP ``protocol`` (the default one adds
+    no flag)."""
+    command = ["python", _rel(REPO_ROOT / "tools" / "eval.py"), "--model_dir", str(run_dir),
+               "--split", split]
+    return command + (["--protocol", protocol] if protocol != DEFAULT_PROTOCOL else [])
 
 
 def run_commands(run: Dict, args, nproc: int, overrides: List[str]) -> List[List[str]]:
     """[train, eval] commands of one run (one seed of one model)."""
     run_dir = Path(args.runs_root) / run["run"]
     return [train_command(run, run_dir, nproc, overrides + run["seed_overrides"]),
-            eval_command(run_dir, args.split)]
+            eval_command(run_dir, args.split, args.protocol)]
 
 
 def run_logged(command: List[str], log_path: Path) -> tuple:
@@ -436,7 +449,7 @@ def train_and_eval(run: Dict, args, nproc: int, overrides: List[str], tag: str) 
 def existing_record(run: Dict, args) -> Optional[Dict]:
     """The record of a finished run under --skip_existing (None: it must be trained)."""
     run_dir = Path(args.runs_root) / run["run"]
-    evaluated, _ = table_record(run_dir, args.split, run["fusion"], run["folder"])
+    evaluated, _ = table_record(run_dir, args.split, run["fusion"], run["folder"], args.protocol)
     if evaluated is None:
         return None
     saved = read_yaml(Path(args.runs_root) / f"{run['run']}.run.yaml") or {}
@@ -455,13 +468,40 @@ def existing_record(run: Dict, args) -> Optional[Dict]:
             "commands": saved.get("commands", [])}
 
 
+def evaluated_otherwise(run: Dict, args) -> bool:
+    """Whether the run's folder holds a clean record of the table's split, data and fusion under
+    another AP protocol: trained, so --skip_existing only evaluates it again."""
+    run_dir = Path(args.runs_root) / run["run"]
+    records = list_records(run_dir) if run_dir.is_dir() else []
+    return any(record["data"]["folder"] == run["folder"] for _, record in
+               matching_records(records, split=args.split, fusion=run["fusion"], clean=True))
+
+
+def evaluate_again(run: Dict, args, tag: str) -> Dict:
+    """Evaluate a trained run under --protocol (no training); its record as existing_record
+    gives it, or one with ``error`` when the evaluation failed."""
+    root = Path(args.runs_root)
+    command = eval_command(root / run["run"], args.split, args.protocol)
+    log_path = root / f"{run['run']}.eval_{args.protocol}.log"
+    code, seconds = run_logged(command, log_path)
+    print(f"{tag} {run['run']}: trained; eval ({args.protocol}) "
+          f"{'done' if code == 0 else 'FAILED'} in {seconds / 60:.1f} min", flush=True)
+    record = existing_record(run, args) if code == 0 else None
+    if record is None:
+        return {"model": run["model"], "run": run["run"], "seed": run["seed"],
+                "fusion": run["fusion"], "folder": run["folder"],
+                "error": f"error: {run['run']}: eval exited with status {code}; see {log_path}"}
+    record["commands"] = record.get("commands", []) + [shlex.join(command)]
+    return record
+
+
 def run_metrics(record: Dict, args) -> Tuple[Optional[Dict], Optional[str]]:
     """(a run's row metrics from its evaluation record of the table's setting, None), or (None,
     why not) when its training or evaluation failed or no such record exists."""
     if "error" in record:
         return None, record["error"]
     evaluated, reason = table_record(Path(args.runs_root) / record["run"], args.split,
-                                     record["fusion"], record["folder"])
+                                     record["fusion"], record["folder"], args.protocol)
     return (record_metrics(evaluated), None) if evaluated is not None else (None, reason)
 
 
@@ -558,13 +598,15 @@ def train_or_reuse(run: Dict, args, nproc: int, overrides: List[str], tag: str) 
     """The record of one run: reused under --skip_existing when it holds an evaluation record of
     the table's setting, else trained and evaluated now; a failure is reported on stderr."""
     record = existing_record(run, args) if args.skip_existing else None
-    if record is not None:
+    if record is None and args.skip_existing and evaluated_otherwise(run, args):
+        record = evaluate_again(run, args, tag)
+    if record is None:
+        record = train_and_eval(run, args, nproc, overrides, tag)
+    elif "error" not in record:
         other_seed = (f" (its config.yaml has seed {record['seed']}, not {run['seed']})"
                       if record["seed"] != run["seed"] else "")
         print(f"{tag} {run['run']}: evaluated (evals/{record['eval_record']}.yaml), "
               f"not retrained{other_seed}", flush=True)
-    else:
-        record = train_and_eval(run, args, nproc, overrides, tag)
     if "error" in record:
         print(record["error"], file=sys.stderr, flush=True)
     return record
