@@ -1,10 +1,7 @@
 """tools/check_data.py and the index build: every data problem reported at once."""
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +10,7 @@ import yaml
 from opencood.data.check import check_folder
 from opencood.data.opv2v import OPV2VFormatError, OPV2VSplit
 from opv2v_factory import write_simple_split
+from tool_modules import run_script
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCENARIO = "2021_01_01_00_00_00"
@@ -60,15 +58,15 @@ def test_every_fault_is_listed(clean_data, tmp_path):
     assert "validate" in truncated and "000000.pcd" in truncated and "truncated" in truncated
 
 
-def run_check_data(folder: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "check_data.py"),
-                           str(folder), "--quiet"], capture_output=True, text=True, timeout=120,
-                          env=env)
+@pytest.fixture
+def run_check_data(monkeypatch, capsys):
+    """``python tools/check_data.py FOLDER --quiet`` as a fresh interpreter runs it, in this
+    process (tool_modules.run_script) -> ScriptResult."""
+    return lambda folder: run_script(REPO_ROOT / "tools" / "check_data.py", [folder, "--quiet"],
+                                     monkeypatch, capsys)
 
 
-def test_the_tool_prints_each_problem_and_exits_1(clean_data, tmp_path):
+def test_the_tool_prints_each_problem_and_exits_1(clean_data, tmp_path, run_check_data):
     result = run_check_data(three_faults(clean_data, tmp_path))
     lines = result.stdout.splitlines()
     assert result.returncode == 1
@@ -76,7 +74,7 @@ def test_the_tool_prints_each_problem_and_exits_1(clean_data, tmp_path):
     assert lines[-1].endswith("3 problem(s)") and "12 frames" not in lines[-1]
 
 
-def test_the_tool_on_a_missing_folder(tmp_path):
+def test_the_tool_on_a_missing_folder(tmp_path, run_check_data):
     result = run_check_data(tmp_path / "absent")
     assert result.returncode == 1 and result.stdout == ""
     assert result.stderr.strip() == f"error: {tmp_path / 'absent'}: folder not found"
