@@ -42,14 +42,6 @@ OPV2V_TRAIN_FLOPS = 0.88e12
 OPV2V_PARAMS = 6_585_876  # hand-derived below (6.586 M)
 
 
-def tool_env(tmp_path: Path) -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
-    env["OPENCOOD_CACHE"] = str(tmp_path / "cache")
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    return env
-
-
 def parse_json_lines(text: str) -> list:
     lines = text.splitlines()
     assert lines, "no output on stdout"
@@ -187,13 +179,17 @@ def check_figure(record: dict) -> None:
         assert record["pillars_per_agent"] > 0, record
 
 
-def run_bench(tmp_path: Path, *argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(TOOLS / "bench.py"), *argv], cwd=REPO_ROOT,
-                          env=tool_env(tmp_path), capture_output=True, text=True, timeout=600)
+@pytest.fixture
+def run_bench(tmp_path, monkeypatch, capsys):
+    """``run_bench(*argv)``: ``python tools/bench.py argv...`` from the checkout with its own
+    cache, as a fresh interpreter runs it, in this process (tool_modules.run_script)."""
+    monkeypatch.chdir(REPO_ROOT)
+    monkeypatch.setenv("OPENCOOD_CACHE", str(tmp_path / "cache"))
+    return lambda *argv: run_script(TOOLS / "bench.py", argv, monkeypatch, capsys)
 
 
-def test_bench_quick_cpu_prints_only_json_lines(tmp_path):
-    result = run_bench(tmp_path, "--quick", "--device", "cpu")
+def test_bench_quick_cpu_prints_only_json_lines(run_bench):
+    result = run_bench("--quick", "--device", "cpu")
     assert result.returncode == 0, result.stderr
     records = parse_json_lines(result.stdout)
     by_name = {record["figure"]: record for record in records}
@@ -249,8 +245,8 @@ def test_bench_quick_cpu_prints_only_json_lines(tmp_path):
     assert result.stderr.index("bench plan:") < result.stderr.index("measuring")   # said first
 
 
-def test_bench_on_cpu_defaults_to_the_lite_preset_and_says_so(tmp_path):
-    result = run_bench(tmp_path, "--device", "cpu", "--figures", "visibility_count")
+def test_bench_on_cpu_defaults_to_the_lite_preset_and_says_so(run_bench):
+    result = run_bench("--device", "cpu", "--figures", "visibility_count")
     assert result.returncode == 0, result.stderr
     (record,) = parse_json_lines(result.stdout)
     assert record["figure"] == "visibility_count" and record["preset"] == "lite"
@@ -388,14 +384,9 @@ def test_bench_with_a_data_folder(tmp_path, monkeypatch, capsys):
     (["--figures", "pillarise,no_such_figure"], "no_such_figure"),
     (["--data", "{tmp}/no_such_folder"], "no_such_folder"),
 ])
-def test_bench_bad_input_is_one_error_line(tmp_path, monkeypatch, capsys, argv, named):
-    """As a user runs it (tool_modules.run_script: a fresh interpreter's logging, warnings and
-    exit status, in this process)."""
+def test_bench_bad_input_is_one_error_line(tmp_path, run_bench, argv, named):
     argv = [arg.replace("{tmp}", str(tmp_path)) for arg in argv]
-    monkeypatch.chdir(REPO_ROOT)
-    monkeypatch.setenv("OPENCOOD_CACHE", str(tmp_path / "cache"))
-    result = run_script(TOOLS / "bench.py", ["--quick", "--device", "cpu", *argv], monkeypatch,
-                        capsys)
+    result = run_bench("--quick", "--device", "cpu", *argv)
     assert result.returncode != 0
     assert result.stdout == ""
     lines = result.stderr.strip().splitlines()

@@ -16,6 +16,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import NamedTuple, Sequence
 
+import torch
+
 TOOLS_DIR = Path(__file__).resolve().parents[1] / "tools"
 
 
@@ -74,6 +76,7 @@ def run_script(script: Path, argv: Sequence, monkeypatch, capsys) -> ScriptResul
     monkeypatch.setattr(logging.getLogger("opencood"), "level", logging.NOTSET)
     monkeypatch.setattr(sys, "argv", [str(script), *map(str, argv)])
     capsys.readouterr()
+    threads = torch.get_num_threads()
     with warnings.catch_warnings():          # printed to stderr, filtered as at start-up
         warnings.resetwarnings()
         for action, category, module in STARTUP_WARNING_FILTERS:
@@ -84,5 +87,7 @@ def run_script(script: Path, argv: Sequence, monkeypatch, capsys) -> ScriptResul
             status = 0
         except SystemExit as exit_:
             status = exit_status(exit_.code)
+        finally:
+            torch.set_num_threads(threads)       # a tool's --threads stays its own
     captured = capsys.readouterr()
     return ScriptResult(status, captured.out, captured.err)
