@@ -367,6 +367,10 @@ def evaluate(args) -> List[Dict]:
         settings = settings_to_run(args.pose_noise, args.latency, args.seeds,
                                    cfg["wild_setting"]["seed"])
         heter_runs = heter_settings(cfg, args, run_dir)
+        if heter_runs and len(modes) > 1:
+            raise ConfigError("--heter_in_order / --modality_ap: the run corrects poses "
+                              "(box_align); evaluate its rows without the correction "
+                              "(--set box_align=null)")
         if heter_runs:
             settings = [setting for _, kind_settings in heter_runs for setting in kind_settings]
         evaluated = []
