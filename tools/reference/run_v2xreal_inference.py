@@ -15,7 +15,8 @@ heads; a small backbone, 8 / 16 / 256 filters, one layer each) with generated we
 (``tests/parity_weights.py``; ``cls_head.bias`` offset, ``CLS_BIAS_OFFSET``), writes it as its ``train.py`` would (``OUT/run/config.yaml``,
 ``net_epoch1.pth``), then runs ``build_dataset(train=False)`` in mode vc on SPLIT,
 ``collate_batch_test``, the model and ``post_process`` per frame, saving the frames' keys,
-predicted corners, scores and labels (``OUT/reference.pt``). Its test-time
+predicted corners, scores and labels, and its per-class AP as its ``inference.py`` and
+``eval_utils`` compute them (``OUT/reference.pt``). Its test-time
 ``shuffle_points`` (unseeded) is replaced by the identity, so its pillars keep the first points
 in file order, as ours (``padded_slots: reference``) do.
 
@@ -23,13 +24,15 @@ Step 2, in our environment::
 
     python tools/import_checkpoint.py --from v2xreal OUT/run --out OUT/ours
     python tools/eval.py --model_dir OUT/ours --set test_dir=SPLIT --save_detections \\
-        --batch_size 1 --num_workers 0
+        --batch_size 1 --num_workers 0 --protocol v2xreal
     python tools/reference/run_v2xreal_inference.py compare OUT
 
 matches each of its boxes to one of ours (centres) and prints the largest corner and score
 gaps and whether every label agrees. Measured (SPLIT: ``generate_synthetic.py --preset
 tiny_multiclass --format v2xreal --seed 0``'s test split, 3 frames, mode vc): 138 boxes matched
-one to one, corners within 2.5e-5 m, scores within 7.0e-7, every class label equal.
+one to one, corners within 2.5e-5 m, scores within 7.0e-7, every class label equal; GT per
+class (53 / 23 / 48) and per-class AP equal to its eval_utils' (untrained weights: vehicle
+AP@0.3 0.0015, the rest 0).
 """
 import sys
 from pathlib import Path
@@ -43,6 +46,7 @@ REPO = Path(__file__).resolve().parents[2]
 BACKBONE = {"layer_nums": [1, 1, 1], "layer_strides": [2, 2, 2], "num_filters": [8, 16, 256],
             "upsample_strides": [1, 2, 4], "num_upsample_filter": [128, 128, 128]}
 GT_XY = (100.0, 40.0)         # its GT_RANGE's x and y half extents
+IOUS = (0.3, 0.5, 0.7)
 # Every empty cell gives the same logits (ties no two NMS implementations order alike): the
 # cls bias offset keeps those under the 0.2 score threshold and lets tens of boxes per frame of
 # cells with points over it (-1.75: the empty cells pass, > 1000 candidates; -1.875: 6-8 boxes).
@@ -90,11 +94,20 @@ def reference(split: str, out: str) -> None:
     dataset = build_dataset(hypes, visualize=False, train=False)
     loader = torch.utils.data.DataLoader(dataset, batch_size=1, num_workers=0, shuffle=False,
                                          collate_fn=dataset.collate_batch_test)
+    from opencood.data_utils import SUPER_CLASS_MAP
+    from opencood.utils import eval_utils
+    result_stat = {name: {iou: {"tp": [], "fp": [], "gt": 0} for iou in IOUS}
+                   for name in SUPER_CLASS_MAP}
     frames = []
     for index, batch in enumerate(loader):
         with torch.no_grad():
-            corners, scores, _, _ = inference_utils.inference_intermediate_fusion(
-                batch, model, dataset)
+            corners, scores, gt_corners, gt_labels = \
+                inference_utils.inference_intermediate_fusion(batch, model, dataset)
+        for class_id, name in enumerate(result_stat, start=1):     # as its inference.py
+            for iou in IOUS:
+                keep, keep_gt = scores[:, -1] == class_id, gt_labels == class_id
+                eval_utils.caluclate_tp_fp(corners[keep], scores[keep, 0],
+                                           gt_corners[keep_gt], result_stat[name], iou)
         first = dataset.retrieve_base_data(index, cur_ego_pose_flag=True)
         cav = next(iter(first.values()))
         scenario = dataset.scenario_database[_scenario_index(dataset, index)]
@@ -105,7 +118,11 @@ def reference(split: str, out: str) -> None:
                        "scores": torch.zeros(0) if empty else scores[:, 0].float(),
                        "labels": torch.zeros(0) if empty else scores[:, 1].long() - 1})
         print(key, 0 if empty else len(corners), "boxes")
-    torch.save({"frames": frames}, out / "reference.pt")
+    num_gt = {name: stat[IOUS[0]]["gt"] for name, stat in result_stat.items()}
+    ap = {name: {iou: float(eval_utils.calculate_ap(stat, iou)[0]) for iou in IOUS}
+          for name, stat in result_stat.items()}         # its eval_final_results' numbers
+    print("its AP", ap, "GT", num_gt)
+    torch.save({"frames": frames, "ap": ap, "num_gt": num_gt}, out / "reference.pt")
 
 
 def _scenario_index(dataset, index: int) -> int:
@@ -118,6 +135,7 @@ def _scenario_index(dataset, index: int) -> int:
 def compare(out: str) -> None:
     """Its boxes against ours (run in our environment, after step 2)."""
     import torch
+    import yaml
     from opencood.ops.transforms import boxes_to_corners_3d
     out = Path(out)
     theirs = torch.load(out / "reference.pt", weights_only=True)["frames"]
@@ -150,6 +168,14 @@ def compare(out: str) -> None:
             worst_score = max(worst_score, abs(float(scores[k]) - float(ref_scores[j])))
             labels_agree &= int(classes[k]) == int(frame["labels"][j])
         count += len(ref_scores)
+    (record,) = (out / "ours" / "evals").glob("*v2xreal*.yaml")
+    per_class = yaml.safe_load(record.read_text())["results"]["per_class"]
+    reference = torch.load(out / "reference.pt", weights_only=True)
+    ap_gap = max(abs(per_class[name][f"ap_{round(iou * 100)}"] - value)
+                 for name, by_iou in reference["ap"].items() for iou, value in by_iou.items())
+    assert all(per_class[name]["num_gt"] == n for name, n in reference["num_gt"].items())
+    print(f"per-class AP (--protocol v2xreal) within {ap_gap:.1e} of its eval_utils, GT "
+          f"counts equal {reference['num_gt']}")
     print(f"{len(theirs)} frames, {count} boxes matched one to one: corners within "
           f"{worst_corner:.2e} m, scores within {worst_score:.2e}, labels agree: {labels_agree}")
 
