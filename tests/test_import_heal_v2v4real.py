@@ -121,7 +121,8 @@ def test_translated_heal_config(tmp_path):
     cfg, _, provenance = translate("heal_v2vnet", tmp_path)
     args = cfg["model"]["args"]
     assert cfg["fusion"] == {"core_method": "intermediate", "dataset": "opv2v",
-                             "args": {"proj_first": False}, "gt_source": "cooperative"}
+                             "args": {"proj_first": False}, "gt_source": "cooperative",
+                             "dataset_mode": "vc"}
     assert args["use_dir"] is True and args["fusion"]["stage"] == "backbone"
     assert args["shrink_header"] == {"dim": 32, "stride": 2, "kernel_size": 3}
     assert args["fusion"]["args"]["num_iteration"] == 2
@@ -139,7 +140,8 @@ def test_translated_heal_config(tmp_path):
 def test_translated_v2v4real_config(tmp_path):
     cfg, state, _ = translate("v2v4real_late_fusion", tmp_path)
     assert cfg["fusion"] == {"core_method": "late", "dataset": "v2v4real",
-                             "args": {"proj_first": True}, "gt_source": "cooperative"}
+                             "args": {"proj_first": True}, "gt_source": "cooperative",
+                             "dataset_mode": "vc"}
     assert cfg["model"]["args"]["shrink_header"] == {"dim": 256, "stride": 2, "kernel_size": 3}
     assert cfg["model"]["args"]["use_dir"] is False
     # V2V4Real's test GT range [-100, -40, -5, 100, 40, 3] cut to the LiDAR range.
