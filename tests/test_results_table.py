@@ -2,9 +2,6 @@
 --skip_existing, bad input, and one real train + eval run on tiny hand-made data."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,7 +9,7 @@ import yaml
 
 from opencood.eval import report
 from opv2v_factory import write_simple_split
-from tool_modules import load_tool
+from tool_modules import load_tool, run_script
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TOOL = REPO_ROOT / "tools" / "results_table.py"
@@ -441,15 +438,16 @@ def test_missing_training_folder_is_a_one_line_error(tmp_path, monkeypatch, caps
 
 # -- end to end -------------------------------------------------------------------------------
 
-def test_end_to_end_smoke_one_epoch(data_dir, tmp_path):
-    """The real command: torchrun tools/train.py then tools/eval.py, then results.md."""
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OPENCOOD_CACHE=str(tmp_path / "cache"),
-               OMP_NUM_THREADS="1")
+def test_end_to_end_smoke_one_epoch(data_dir, tmp_path, monkeypatch, capsys):
+    """The real command: torchrun tools/train.py then tools/eval.py, then results.md (the
+    script itself as a fresh interpreter runs it, in this process: tool_modules.run_script)."""
+    for name, value in (("CUDA_VISIBLE_DEVICES", ""), ("OMP_NUM_THREADS", "1"),
+                        ("OPENCOOD_CACHE", str(tmp_path / "cache"))):
+        monkeypatch.setenv(name, value)            # the environment its launches inherit
+    monkeypatch.chdir(REPO_ROOT)
     root = tmp_path / "runs"
-    result = subprocess.run(
-        [sys.executable, str(TOOL), "--configs", str(SMOKE_YAML), "--data", str(data_dir),
-         "--runs_root", str(root), "--epochs", "1", "--nproc", "1"],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    result = run_script(TOOL, ["--configs", SMOKE_YAML, "--data", data_dir, "--runs_root", root,
+                               "--epochs", "1", "--nproc", "1"], monkeypatch, capsys)
     logs = "".join(p.read_text()[-3000:] for p in sorted(root.glob("*.log")))
     assert result.returncode == 0, result.stdout + result.stderr + logs
     assert "smoke: 4 train examples, 2 steps/epoch -> 1 epochs, 2 steps" in result.stdout
