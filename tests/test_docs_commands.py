@@ -103,6 +103,8 @@ SKIPPED_BLOCKS: Dict[BlockKey, str] = {
         "about 90 minutes of training",
     ("docs/results.md", "CPU, `small` preset: the four baselines at 1,120 equal steps", 0):
         "about 2 hours of training",
+    ("docs/results.md", "CPU, `small` preset: cameras, ego-only vs cooperation", 0):
+        "about 50 minutes of training on the camera preset",
     ("docs/results.md", "GPU, `opv2v` preset", 0):
         "needs a GPU, 26 GB of data and hours",
     ("docs/training.md", "Training", 0):
