@@ -237,7 +237,7 @@ def test_two_rank_run_writes_exactly_the_expected_files(two_rank_runs):
     assert len(events) == 1, names  # rank 0's writer only
     assert sorted(set(names) - set(events)) == sorted(
         ["config.yaml", "train.log", "last.pth", "epoch_1.pth", "epoch_2.pth", "best.pth",
-         "checkpoints"])
+         "checkpoints", "train_cost.yaml"])
     # No temp files left; the history holds one file per save (step 2 and step 4).
     assert all(path.is_file() for path in run_dir.iterdir() if path.name != "checkpoints")
     assert sorted(path.name for path in (run_dir / "checkpoints").iterdir()) == [
