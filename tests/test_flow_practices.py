@@ -146,9 +146,11 @@ def test_the_flow_trains_the_xavier_initialised_model(data_root, tmp_path):
                for name, value in default_init.named_parameters())
 
 
-def _first_step_stalls_on_rank_1(rank, world_size, port, argv):
-    """tools/train.py on ``rank``; rank 1 arrives 15 s late at its first optimizer step."""
+def _first_step_stalls_on_rank_1(rank, world_size, port, argv, rank_0_done):
+    """tools/train.py on ``rank``; rank 1 arrives at its first optimizer step once rank 0 has
+    ended (the file ``rank_0_done``), at the latest 15 s late."""
     import os
+    from pathlib import Path
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     waited = {}
@@ -156,8 +158,9 @@ def _first_step_stalls_on_rank_1(rank, world_size, port, argv):
     def late_step(step):
         if not waited:
             waited["since"] = time.monotonic()
-            if rank == 1:
-                time.sleep(15)
+            while rank == 1 and not Path(rank_0_done).exists() and \
+                    time.monotonic() - waited["since"] < 15:
+                time.sleep(0.05)
 
     try:
         trainer.main(argv, hooks=TrainHooks(before_step=late_step))
@@ -165,18 +168,20 @@ def _first_step_stalls_on_rank_1(rank, world_size, port, argv):
     except SystemExit as error:
         outcome = {"exit": str(error.code)}
     outcome["seconds_in_step"] = time.monotonic() - waited.get("since", time.monotonic())
+    if rank == 0:
+        Path(rank_0_done).touch()
     return outcome
 
 
 @pytest.mark.slow
 def test_the_process_group_timeout_ends_a_step_a_peer_never_joins(data_root, tmp_path):
     """distributed.timeout_minutes (here 3 s) bounds the gradient all-reduce: rank 0 gives up
-    on its late peer in seconds, not after torch's default 30 minutes (by which time the peer
-    would have arrived and the run finished)."""
+    on its late peer in seconds, not after torch's default 30 minutes (by which time, 15 s,
+    the peer would have arrived and the run finished); the peer waits no longer than that."""
     argv = run_args(data_root, tmp_path / "run", "train_params.epoches=1",
                     "train_params.max_micro_batch=1", "distributed.timeout_minutes=0.05")
     rank0, _ = run_on_ranks(_first_step_stalls_on_rank_1, world_size=2, init_group=False,
-                            timeout_s=120, args=(free_port(), argv))
+                            timeout_s=120, args=(free_port(), argv, str(tmp_path / "rank0.done")))
     assert "exit" in rank0 and "\n" not in rank0["exit"], rank0
     assert rank0["seconds_in_step"] < 12, rank0
 
