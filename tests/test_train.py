@@ -872,19 +872,23 @@ def test_unknown_model_name_is_a_one_line_error_listing_models(tmp_path):
     assert not (tmp_path / "run").exists()   # refused before any file is written
 
 
-def _late_rank_main(rank, world_size, port, argv):
+def _late_rank_main(rank, world_size, port, argv, rank_0_done):
     """trainer.main where rank 1 gets stuck after its last step of epoch 1 (step 2: train4 in
-    global batches of 2)."""
+    global batches of 2) until rank 0 has ended (the file ``rank_0_done``), at most 20 s."""
     import time as time_module
 
     def stuck_after_the_epoch(step, stats):
-        if rank == 1 and step == 2:
-            time_module.sleep(20)
+        stuck_since = time_module.monotonic()
+        while rank == 1 and step == 2 and not Path(rank_0_done).exists() and \
+                time_module.monotonic() - stuck_since < 20:
+            time_module.sleep(0.05)
 
     start = time_module.monotonic()
     outcome = _main_on_rank(rank, world_size, port, argv,
                             TrainHooks(after_step=stuck_after_the_epoch))
     outcome["seconds"] = time_module.monotonic() - start
+    if rank == 0:
+        Path(rank_0_done).touch()
     return outcome
 
 
@@ -893,7 +897,7 @@ def test_a_stuck_rank_is_named_and_the_job_ends_within_the_timeout(data_root, tm
             "--set", "train_params.epoches=1", "--set", "distributed.timeout_minutes=0.05",
             *data_args(data_root, validate=None)]
     rank0, _ = run_on_ranks(_late_rank_main, world_size=2, init_group=False, timeout_s=120,
-                            args=(free_port(), argv))
+                            args=(free_port(), argv, str(tmp_path / "rank0.done")))
     assert rank0.get("exit", "").startswith("error: rank(s) 1 did not reach the end of epoch 1 "
                                             "within 3 s"), rank0
     assert not (tmp_path / "run" / "last.pth").exists()   # stopped before saving the epoch
