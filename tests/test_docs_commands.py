@@ -105,6 +105,8 @@ SKIPPED_BLOCKS: Dict[BlockKey, str] = {
         "about 2 hours of training",
     ("docs/results.md", "CPU, `small` preset: cameras, ego-only vs cooperation", 0):
         "about 50 minutes of training on the camera preset",
+    ("docs/results.md", "Multi-class (synthetic V2X-Real)", 0):
+        "about 35 minutes of training; tests/test_results_table.py runs the tool",
     ("docs/results.md", "GPU, `opv2v` preset", 0):
         "needs a GPU, 26 GB of data and hours",
     ("docs/training.md", "Training", 0):
