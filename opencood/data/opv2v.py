@@ -254,11 +254,11 @@ class _CavFolder:
     """Files of one CAV folder: name -> (size, mtime_ns) for yaml, names only for pcd."""
     path: Path
     yaml_stats: dict
-    pcd_names: set
+    cloud_names: set         # timestamps with a point cloud file (``.pcd``; V2X-Real ``.bin``)
 
     @classmethod
-    def scan(cls, path: Path) -> "_CavFolder":
-        yaml_stats, pcd_names = {}, set()
+    def scan(cls, path: Path, cloud_suffix: str = "pcd") -> "_CavFolder":
+        yaml_stats, cloud_names = {}, set()
         with os.scandir(path) as entries:
             for entry in entries:
                 stem, _, suffix = entry.name.rpartition(".")
@@ -267,9 +267,9 @@ class _CavFolder:
                 if suffix == "yaml":
                     stat = entry.stat()
                     yaml_stats[stem] = (stat.st_size, stat.st_mtime_ns)
-                elif suffix == "pcd":
-                    pcd_names.add(stem)
-        return cls(path, yaml_stats, pcd_names)
+                elif suffix == cloud_suffix:
+                    cloud_names.add(stem)
+        return cls(path, yaml_stats, cloud_names)
 
     def require(self, timestamps: list, ego_path: Path, points: bool = True) -> None:
         """Raise naming this folder when it lacks a yaml or (``points``) pcd of one of
@@ -278,7 +278,7 @@ class _CavFolder:
             if timestamp not in self.yaml_stats:
                 raise _format_error(self.path, f"missing {timestamp}.yaml "
                                                f"(the ego folder {ego_path} has it)")
-            if points and timestamp not in self.pcd_names:
+            if points and timestamp not in self.cloud_names:
                 raise _format_error(self.path, f"missing {timestamp}.pcd")
 
 
@@ -305,7 +305,7 @@ def _scan_cav_folders(scenario_dir: Path) -> dict:
 def scenario_timestamps(scenario_dir) -> dict:
     """{cav_id: {"yaml": set of timestamps, "pcd": set of timestamps}}, ego first (the order of
     the reader), for checks that want every problem rather than the first."""
-    return {cav_id: {"yaml": set(folder.yaml_stats), "pcd": set(folder.pcd_names)}
+    return {cav_id: {"yaml": set(folder.yaml_stats), "pcd": set(folder.cloud_names)}
             for cav_id, folder in _scan_cav_folders(Path(scenario_dir)).items()}
 
 

@@ -31,7 +31,6 @@ What the reference defines and we keep:
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
@@ -130,22 +129,6 @@ class _BodyFreeBinCache(PointCloudCache):
         return remove_own_body_points(read_bin(path))
 
 
-def _scan_agent_folder(path: Path) -> _CavFolder:
-    """yaml stats and ``.bin`` names of one agent folder (OPV2V's folder record)."""
-    yaml_stats, bin_names = {}, set()
-    with os.scandir(path) as entries:
-        for entry in entries:
-            stem, _, suffix = entry.name.rpartition(".")
-            if not stem.isdigit() or not entry.is_file():
-                continue
-            if suffix == "yaml":
-                stat = entry.stat()
-                yaml_stats[stem] = (stat.st_size, stat.st_mtime_ns)
-            elif suffix == "bin":
-                bin_names.add(stem)
-    return _CavFolder(path, yaml_stats, bin_names)
-
-
 def _scan_scenario(scenario_dir: Path, mode: str, max_cav: int, points: bool):
     """The scenario's agents of ``mode`` (at most ``max_cav``) and the ego's timestamps, each
     agent checked to have every one of them; None when no agent takes part."""
@@ -156,7 +139,7 @@ def _scan_scenario(scenario_dir: Path, mode: str, max_cav: int, points: bool):
     agents = mode_agents(folders, mode)[:max_cav]
     if not agents:
         return None
-    records = {agent: _scan_agent_folder(scenario_dir / agent) for agent in agents}
+    records = {agent: _CavFolder.scan(scenario_dir / agent, cloud_suffix="bin") for agent in agents}
     ego = records[agents[0]]
     timestamps = sorted(ego.yaml_stats)
     if not timestamps:
@@ -166,7 +149,7 @@ def _scan_scenario(scenario_dir: Path, mode: str, max_cav: int, points: bool):
             if timestamp not in records[agent].yaml_stats:
                 raise _format_error(records[agent].path, f"missing {timestamp}.yaml (labels "
                                                          f"and calibration)")
-            if points and timestamp not in records[agent].pcd_names:
+            if points and timestamp not in records[agent].cloud_names:
                 raise _format_error(records[agent].path, f"missing {timestamp}.bin")
     return _ScenarioLayout(scenario_dir.name, agents, timestamps, records)
 
@@ -430,7 +413,7 @@ def check_tree(root, report, progress: bool = True):
 def _check_frames(scenario_dir: Path, report) -> None:
     for agent in _sorted_subfolders(scenario_dir):
         report.cav_folders += 1
-        folder = _scan_agent_folder(scenario_dir / agent)
+        folder = _CavFolder.scan(scenario_dir / agent, cloud_suffix="bin")
         for timestamp in sorted(folder.yaml_stats):
             report.frames += 1
             try:
