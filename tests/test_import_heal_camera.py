@@ -15,10 +15,9 @@ import torch
 
 from opencood.interop.importer import translate_run
 from opencood.interop.opencood_ckpt import InteropError
-from opencood.models.build import build_model
 from parity_weights import materialize
 from test_import_heal_v2v4real import FIXTURES, peer_state, write_peer_run
-from tool_modules import load_tool
+from tool_modules import import_and_load, load_tool
 
 CAMERA_RUNS = ("heal_camera_fcooper", "heal_camera_attfuse", "heal_camera_attfuse_resnet")
 HEADS = ("cls_preds", "reg_preds", "dir_preds")
@@ -47,14 +46,7 @@ def camera_batch(fixture: dict) -> dict:
 def import_camera_run(name: str, tmp_path, state=None):
     peer = write_peer_run(tmp_path / "peer", name, state=heal_state(name) if state is None
                           else state)
-    out = tmp_path / "ours"
-    load_tool("import_checkpoint").main(["--from", "heal", str(peer), "--out", str(out)])
-    from opencood.config import load_config
-    cfg = load_config(out / "config.yaml")
-    model = build_model(cfg["model"])
-    checkpoint = torch.load(out / "last.pth", weights_only=True)
-    model.load_state_dict(checkpoint["model"], strict=True)
-    return cfg, model.eval(), checkpoint
+    return import_and_load(["--from", "heal", peer], tmp_path / "ours")
 
 
 @pytest.mark.parametrize("name", CAMERA_RUNS)

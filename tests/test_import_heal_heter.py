@@ -17,7 +17,6 @@ import pytest
 import torch
 import yaml
 
-from opencood.config import load_config
 from opencood.interop.importer import translate_run
 from opencood.interop.opencood_ckpt import InteropError
 from opencood.models.build import build_model
@@ -26,7 +25,7 @@ from parity_weights import materialize
 from test_parity_heal_pyramid import (FIXTURE, TOLERANCE, differences, modality_groups,
                                       relative)
 from tests.reference_fixtures import load_parity_fixture
-from tool_modules import load_tool
+from tool_modules import import_and_load as import_peer_and_load, load_tool
 
 RANGE = [-12.8, -12.8, -3.0, 12.8, 12.8, 1.0]
 DIR_ARGS = {"dir_offset": 0.7853, "num_bins": 2, "anchor_yaw": [0, 90]}
@@ -98,13 +97,7 @@ def write_heal_run(folder, case: dict, core: str, state=None):
 def import_and_load(tmp_path, case: dict, core: str):
     """Through the tool, then what tools/eval.py does: build from config.yaml, strict load."""
     peer = write_heal_run(tmp_path / "peer", case, core)
-    out = tmp_path / "ours"
-    load_tool("import_checkpoint").main(["--from", "heal", str(peer), "--out", str(out)])
-    cfg = load_config(out / "config.yaml")
-    model = build_model(cfg["model"])
-    checkpoint = torch.load(out / "last.pth", weights_only=True)
-    model.load_state_dict(checkpoint["model"], strict=True)
-    return cfg, model.eval(), checkpoint
+    return import_peer_and_load(["--from", "heal", peer], tmp_path / "ours")
 
 
 # HEAL's README order for heal_tools.py merge_final: the aligned types, then the base
@@ -255,13 +248,8 @@ def test_merge_final_gives_heal_s_merged_state_and_its_outputs(fixture, tmp_path
     assert [key for key in ours if ours[key] != heal_merged["keys"][key]] == []
     assert origin["pyramid_backbone.single_head_0.weight"].endswith(
         "m1_base/net_epoch_bestval_at5.pth")
-    out = tmp_path / "ours"
-    load_tool("import_checkpoint").main(["--from", "heal", str(folders["final_infer"]),
-                                         "--merge", *runs, "--out", str(out)])
-    cfg = load_config(out / "config.yaml")
-    model = build_model(cfg["model"])
-    checkpoint = torch.load(out / "last.pth", weights_only=True)
-    model.load_state_dict(checkpoint["model"], strict=True)
+    cfg, model, checkpoint = import_peer_and_load(
+        ["--from", "heal", folders["final_infer"], "--merge", *runs], tmp_path / "ours")
     assert checkpoint["epoch"] == 1          # HEAL's merged file is net_epoch1.pth
     # final_infer names no pyramid loss: HEAL's stage-one weights, said in a note
     assert cfg["loss"]["args"]["pyramid"]["weight"] == [0.4, 0.2, 0.1]

@@ -32,6 +32,20 @@ def load_tool(name: str) -> ModuleType:
     return sys.modules[module_name]
 
 
+def import_and_load(peer_args: Sequence[str], out: Path):
+    """``tools/import_checkpoint.py --from ... <peer_args> --out out``, then what tools/eval.py
+    does with the folder: build the model from its config.yaml and load last.pth strictly.
+    -> (config, model in eval mode, checkpoint dict)."""
+    from opencood.config import load_config
+    from opencood.models.build import build_model
+    load_tool("import_checkpoint").main([*map(str, peer_args), "--out", str(out)])
+    cfg = load_config(out / "config.yaml")
+    model = build_model(cfg["model"])
+    checkpoint = torch.load(out / "last.pth", weights_only=True)
+    model.load_state_dict(checkpoint["model"], strict=True)
+    return cfg, model.eval(), checkpoint
+
+
 class ScriptResult(NamedTuple):
     returncode: int
     stdout: str
