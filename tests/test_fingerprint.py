@@ -7,17 +7,15 @@ from tests.tool_modules import load_tool
 SMOKE = "hypes_yaml/synthetic/smoke.yaml"
 
 
-def test_a_config_fingerprints_alike_twice_and_a_weight_change_shows():
-    tool = load_tool("fingerprint")
-    cfg = load_config(SMOKE)
-    first, second = tool.model_fingerprint(cfg), tool.model_fingerprint(cfg)
-    assert first == second and len(first) > 50
+def keys_moved_by_nudge(tool, cfg, first: dict, parameter: str) -> set:
+    """The fingerprint keys of ``cfg`` that change when ``parameter`` of the built model is
+    raised by 1e-6 (tool.build_model patched for one fingerprint, then put back)."""
     real_build = tool.build_model
 
     def nudged(config):
         model = real_build(config)
         with torch.no_grad():
-            model.head.cls_conv.bias.add_(1e-6)
+            model.get_parameter(parameter).add_(1e-6)
         return model
 
     tool.build_model = nudged
@@ -25,7 +23,15 @@ def test_a_config_fingerprints_alike_twice_and_a_weight_change_shows():
         moved = tool.model_fingerprint(cfg)
     finally:
         tool.build_model = real_build
-    changed = {key for key in first if first[key] != moved.get(key)}
+    return {key for key in first if first[key] != moved.get(key)}
+
+
+def test_a_config_fingerprints_alike_twice_and_a_weight_change_shows():
+    tool = load_tool("fingerprint")
+    cfg = load_config(SMOKE)
+    first, second = tool.model_fingerprint(cfg), tool.model_fingerprint(cfg)
+    assert first == second and len(first) > 50
+    changed = keys_moved_by_nudge(tool, cfg, first, "head.cls_conv.bias")
     assert "init.head.cls_conv.bias" in changed and "loss.cls_loss" in changed
     assert "init.backbone.blocks.0.1.weight" not in changed
 
@@ -55,20 +61,7 @@ def test_a_heterogeneous_config_fingerprints_alike_twice_and_a_camera_weight_sho
     assert "error" not in first and first == second
     assert any(key.startswith("grad.branches.m2.encoder") for key in first)
     assert any(key.startswith("grad.branches.m3.encoder") for key in first)
-    real_build = tool.build_model
-
-    def nudged(config):
-        model = real_build(config)
-        with torch.no_grad():
-            model.get_parameter(CAMERA_BIAS).add_(1e-6)
-        return model
-
-    tool.build_model = nudged
-    try:
-        moved = tool.model_fingerprint(cfg)
-    finally:
-        tool.build_model = real_build
-    changed = {key for key in first if first[key] != moved.get(key)}
+    changed = keys_moved_by_nudge(tool, cfg, first, CAMERA_BIAS)
     # (tensors, not the loss scalars: a 1e-6 change of a sum can round away)
     assert {f"init.{CAMERA_BIAS}", "grad.head.cls_conv.weight", "grad.branches.m1.encoder."
             "vfe.layers.0.linear.weight", "eval_outputs.cls_preds"} <= changed
