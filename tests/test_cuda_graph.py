@@ -14,18 +14,21 @@ from opencood.config import load_config
 from opencood.engine.cuda_graph import (CudaGraphStep, GraphLimits, batch_signature,
                                         build_graph_step, capture_failure, pad_batch,
                                         run_refusal, tensor_lrs)
-from opencood.engine.loop import optimizer_step
+from opencood.engine.loop import check_loss_now, optimizer_step
 from opencood.engine.recipe import build_training_parts
 from opencood.engine.state import TrainState, restore_training, training_state
 from opencood.utils.checkpoint import load_checkpoint, save_checkpoint
 from opencood.utils.dist import DistInfo
 from opencood.utils.ema import ModelEMA
 from opencood.utils.fake_batch import fake_collated_batch
-from opencood.utils.host_syncs import HostDataTensors
+from opencood.utils.host_syncs import CaptureHazards
 
 CONFIG = "hypes_yaml/synthetic/point_pillar_attfuse.yaml"
 FAST = ["performance.static_pillars=320", "performance.sync_free_step=true",
         "performance.cuda_graph=true"]
+# The cuda test's settings, which the CPU hazard test runs too.
+CUDA_TEST_OVERRIDES = ["performance.cuda_graph_max_points=6000", "performance.cuda_graph_max_gt=8",
+                       "performance.tf32=false", "ema.enabled=true"]
 
 
 def lite_parts(device: torch.device, overrides=()):
@@ -121,33 +124,59 @@ def test_on_cpu_the_run_steps_eagerly_with_one_line_saying_why(caplog):
         "several ranks (DDP) are not captured"
 
 
-def test_the_captured_step_builds_no_tensor_from_host_data():
-    """On CUDA a tensor made from host data inside the step (``torch.tensor(constant)``, a
-    Python-list index) is a host-to-device copy, which the capture refuses (the first H200
-    run failed so at pillar_vfe's ``voxel_coords[:, [3, 2, 1]]``). The step's recorded work
-    after an eager warm-up, with the EMA, under ``HostDataTensors`` on CPU: no such tensor.
-    (Adam's capturable path runs on CUDA only; on CPU the same step without it.)"""
-    cfg, parts = lite_parts(torch.device("cpu"), ["ema.enabled=true"])
+def test_the_captured_step_runs_nothing_a_capture_refuses():
+    """On CUDA an op that reads values back (``.item()``, a boolean-mask index, ``nonzero``)
+    or builds a tensor from host data inside the step makes the capture fail, and the error
+    names no line. The step's recorded work under ``CaptureHazards`` on CPU, set up as the
+    ``cuda`` test below runs it (its overrides: padding, the EMA; tensor lrs, Adam fused and
+    capturable as on CUDA; a cosine lr stepped between warm-ups), fp32 and under bf16 autocast
+    (bench.py's): nothing. The first H200 runs' captures failed on a Python-list index in
+    pillar_vfe, then on the EMA's ``_foreach_lerp_`` with a tensor weight (a Scalar: ``.item()``)."""
+    cfg, parts = lite_parts(torch.device("cpu"), CUDA_TEST_OVERRIDES)
+    perf = cfg["performance"]
     step = CudaGraphStep(parts.model, parts.task.training_loss, parts.optimizer, parts.scaler,
                          parts.ema, torch.device("cpu"), None, cfg["train_params"]["grad_clip"],
-                         GraphLimits(2000, 8, tuple(cfg["preprocess"]["cav_lidar_range"])))
+                         GraphLimits(perf["cuda_graph_max_points"], perf["cuda_graph_max_gt"],
+                                     tuple(cfg["preprocess"]["cav_lidar_range"])))
     for group in parts.optimizer.param_groups:
-        group["capturable"] = False
+        assert group["capturable"] and torch.is_tensor(group["lr"])       # tensor_lrs
+        group["fused"] = True         # CUDA's Adam (engine/optim.py), capturable on CPU too
     padded, _ = pad_batch(lite_batch(cfg, seed=3, pillars=150), step.limits)
     step.eager([padded], "test", skip_nonfinite=False)           # the warm-up
+    parts.scheduler.step()
     parts.optimizer.zero_grad(set_to_none=True)
     step.static_batch = padded
-    with HostDataTensors() as found:
-        values = step.captured_step()
-    assert found.sites == [] and bool(values[0])
-    # The detector sees each kind of construction, where it happens.
+    step.ema_weight.fill_(0.25)
+    for amp_dtype in (None, torch.bfloat16):
+        step.amp_dtype = amp_dtype
+        with CaptureHazards() as found:
+            values = step.captured_step()
+        assert found.sites == [] and bool(values[0]), amp_dtype
+    # The detector sees each kind, and names the innermost opencood frame.
     table = torch.arange(6.0).view(2, 3)
-    with HostDataTensors() as found:
+    with CaptureHazards() as found:
         _ = table[:, [2, 1]] * 2.0 + torch.ones(())                  # a list index
         _ = table + torch.tensor(1.0)                                 # data from the host
         _ = torch.from_numpy(table.numpy().copy()) + 1
-    assert [site.split(" ")[-1] for site in found.sites] == ["aten.lift_fresh.default"] * 3
-    # A failed capture names the innermost opencood frame of its traceback.
+        _ = table[table > 1], table.masked_select(table > 1), torch.nonzero(table)
+        _ = torch.unique(table), table.repeat_interleave(table[0].long(), dim=1)
+        _ = table.cpu(), table.tolist(), torch.rand(2, generator=torch.Generator())
+        _ = table.to("meta"), torch.empty(3, device="meta").copy_(table[0])   # across devices
+        torch._foreach_lerp_([table.clone()], [table], table[0, 1])   # a Scalar weight
+        check_loss_now(table.sum(), "test", 0, skip_nonfinite=True)
+    kinds = [site.split(" ")[1] for site in found.sites]
+    assert kinds == ["host_to_device"] * 2 + ["numpy", "host_to_device", "boolean_index",
+                                               "masked_select", "nonzero", "unique",
+                                               "repeat_interleave", "cpu", "tolist",
+                                               "generator", "device_copy", "device_copy",
+                                               "item", "item"]
+    assert re.fullmatch(r"opencood/engine/loop\.py:\d+ item \(aten\._local_scalar_dense"
+                        r"\.default\)", found.sites[-1])
+    assert found.sites[0].startswith("? host_to_device (aten.lift_fresh")
+
+
+def test_a_failed_capture_names_where_it_failed():
+    """A GPU run's log line names the innermost opencood frame of the failure."""
     with pytest.raises(KeyError) as error:
         pad_batch({"points": torch.zeros(3, 4)}, GraphLimits(5, 0, (0.0,) * 6))
     assert re.fullmatch(r"the capture failed at opencood/engine/cuda_graph\.py:\d+: "
@@ -160,6 +189,16 @@ def test_the_captured_step_builds_no_tensor_from_host_data():
     assert capture_failure(traced) == (
         "the capture failed at opencood/models/warp.py:34: RuntimeError when making fake "
         "tensor call (cause: Cannot copy between CPU and CUDA tensors)")
+    # An op refused inside the capture raises, then the end of torch.cuda.graph raises over it
+    # at the `with` line (the H200 log's only site): the first error and its site are reported.
+    with pytest.raises(RuntimeError) as chained:
+        try:
+            pad_batch({"points": torch.zeros(3, 4)}, GraphLimits(5, 0, (0.0,) * 6))
+        finally:
+            raise RuntimeError("operation failed due to a previous error during capture\nmore")
+    assert re.fullmatch(r"the capture failed at opencood/engine/cuda_graph\.py:\d+: "
+                        r"'agent_index' \(then: operation failed due to a previous error "
+                        r"during capture\)", capture_failure(chained.value))
 
 
 @pytest.mark.filterwarnings("ignore:Detected call of")
@@ -234,10 +273,8 @@ def test_on_cuda_replayed_steps_equal_eager_steps_with_a_changing_lr():
 
 def replayed_and_eager_steps_agree():
     device = torch.device("cuda", torch.cuda.current_device())
-    overrides = ["performance.cuda_graph_max_points=6000", "performance.cuda_graph_max_gt=8",
-                 "performance.tf32=false", "ema.enabled=true"]
-    cfg, graph_parts = lite_parts(device, overrides)
-    _, eager_parts = lite_parts(device, overrides)
+    cfg, graph_parts = lite_parts(device, CUDA_TEST_OVERRIDES)
+    _, eager_parts = lite_parts(device, CUDA_TEST_OVERRIDES)
     batches = [{key: value.to(device) if torch.is_tensor(value) else value
                 for key, value in lite_batch(cfg, seed, 280 + 5 * seed, 4 + seed % 3).items()}
                for seed in range(5)]

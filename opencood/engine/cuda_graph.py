@@ -273,15 +273,27 @@ def capture_failure(error: BaseException) -> str:
     ``opencood/`` frame of the error's traceback (``at opencood/models/x.py:12``), or, for an
     error of torch.compile's tracing, the innermost one its message's user-code stack names;
     and the first line of the error's cause, if it has one. A GPU run's log is often all there
-    is to go on."""
-    message = str(error).strip()
+    is to go on. An op refused inside the capture raises there, and then the end of
+    ``torch.cuda.graph`` raises over it ("operation failed due to a previous error during
+    capture", at the ``with`` line): the first error of that chain is the one reported, with
+    the last one after it."""
+    first, seen = error, {id(error)}
+    # Implicit chaining only (raised while handling the earlier error); ``raise ... from``
+    # names its cause below.
+    while (first.__cause__ is None and not first.__suppress_context__
+           and first.__context__ is not None and id(first.__context__) not in seen):
+        first = first.__context__
+        seen.add(id(first))
+    message = str(first).strip()
     traced = re.findall(r'File "[^"]*/(opencood/[^"]+)", line (\d+)', message)
     site = (f"{traced[-1][0]}:{traced[-1][1]}" if traced
-            else project_site(traceback.extract_tb(error.__traceback__)))
-    reason = (message.splitlines() or [type(error).__name__])[0]
-    cause = str(error.__cause__ or "").strip().splitlines()
+            else project_site(traceback.extract_tb(first.__traceback__)))
+    reason = (message.splitlines() or [type(first).__name__])[0]
+    cause = str(first.__cause__ or "").strip().splitlines()
     if cause and cause[0] not in reason:
         reason += f" (cause: {cause[0]})"
+    if first is not error:
+        reason += f" (then: {(str(error).strip().splitlines() or [type(error).__name__])[0]})"
     return f"the capture failed{' at ' + site if site else ''}: {reason}"
 
 

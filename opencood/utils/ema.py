@@ -84,8 +84,9 @@ class ModelEMA:
     @torch.no_grad()
     def lerp_towards(self, model: nn.Module, weight) -> None:
         """``ema += weight * (model - ema)`` over the float tensors, integer ones copied;
-        ``weight``: a float, or a 0-d device tensor (a captured CUDA graph's step fills it,
-        ``engine.cuda_graph``). ``updates`` is the caller's to count."""
+        ``weight``: a float (one lerp), or a 0-d device tensor, never read by the host (a
+        captured CUDA graph's step fills it, ``engine.cuda_graph``; sub, mul, add: equal to the
+        lerp within float rounding). ``updates`` is the caller's to count."""
         model = unwrap_model(model)
         if self._pairs is None or not self._pairs.still_bound(model):
             self._pairs = _TensorPairs(self.module, model)
@@ -94,7 +95,14 @@ class ModelEMA:
         if pairs.cross_device:          # an EMA kept on another device (``device=``)
             model_floats = [tensor.to(ema.device, non_blocking=True)
                             for tensor, ema in zip(model_floats, pairs.ema_floats)]
-        if pairs.ema_floats:
+        if pairs.ema_floats and torch.is_tensor(weight):
+            # _foreach_lerp_ takes its weight as a Scalar: a tensor's would be read by the host
+            # (.item(), a device sync a CUDA graph capture refuses, the failed H200 capture):
+            # model - ema, times the weight, added (three foreach calls, none reads it back).
+            steps = torch._foreach_sub(model_floats, pairs.ema_floats)
+            torch._foreach_mul_(steps, weight)
+            torch._foreach_add_(pairs.ema_floats, steps)
+        elif pairs.ema_floats:
             # lerp: ema + (1 - d) * (model - ema) == d * ema + (1 - d) * model, one fused call.
             torch._foreach_lerp_(pairs.ema_floats, model_floats, weight)
         if pairs.ema_others:            # BatchNorm's step counters: copied, not averaged

@@ -12,6 +12,11 @@ Counted (``HostSyncCounter.counts``, by kind):
   ``nonzero``, ``unique``, ``masked_select``: outputs whose size depends on the values;
   ``boolean_index``      ``x[mask]`` / ``x[mask] = v`` with a bool mask (a nonzero inside);
   ``repeat_interleave``  with tensor repeats and no ``output_size`` (the size is their sum).
+
+``CaptureHazards`` records the same ops, and what else a CUDA graph capture refuses (a tensor
+built from host data, a copy between devices, ``.cpu()``, a random op with its own generator),
+each with the ``opencood/file.py:line`` that runs it: the check of the captured step
+(``engine.cuda_graph``), whose failed capture names no line itself.
 """
 from __future__ import annotations
 
@@ -43,24 +48,32 @@ def _has_bool_index(indices) -> bool:
                for index in indices)
 
 
+def value_dependent_kind(func, args, kwargs) -> Optional[str]:
+    """The kind (a key of ``HostSyncCounter.counts``) of an aten call whose result needs the
+    tensor's values on the host (a device sync on CUDA), or None."""
+    if func is aten._local_scalar_dense.default:
+        return "item"
+    if func in _SIZE_FROM_VALUES:
+        return _SIZE_FROM_VALUES[func]
+    if func in _INDEXING and _has_bool_index(args[1]):
+        return "boolean_index"
+    if func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is None:
+        return "repeat_interleave"
+    if func is aten.repeat_interleave.self_Tensor and len(args) < 4 and \
+            kwargs.get("output_size") is None:
+        return "repeat_interleave"
+    return None
+
+
 class _DispatchCounter(TorchDispatchMode):
     def __init__(self, counts: Counter, ignored_ptrs: set):
         super().__init__()
         self.counts, self.ignored_ptrs = counts, ignored_ptrs
 
     def kind(self, func, args, kwargs) -> Optional[str]:
-        if func is aten._local_scalar_dense.default:
-            return None if args[0].data_ptr() in self.ignored_ptrs else "item"
-        if func in _SIZE_FROM_VALUES:
-            return _SIZE_FROM_VALUES[func]
-        if func in _INDEXING and _has_bool_index(args[1]):
-            return "boolean_index"
-        if func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is None:
-            return "repeat_interleave"
-        if func is aten.repeat_interleave.self_Tensor and len(args) < 4 and \
-                kwargs.get("output_size") is None:
-            return "repeat_interleave"
-        return None
+        if func is aten._local_scalar_dense.default and args[0].data_ptr() in self.ignored_ptrs:
+            return None
+        return value_dependent_kind(func, args, kwargs)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -84,7 +97,21 @@ class _FunctionCounter(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-class HostSyncCounter:
+class _Modes:
+    """Enters and leaves ``self._modes`` (a function mode, then a dispatch mode) as one."""
+    _modes: list
+
+    def __enter__(self):
+        for mode in self._modes:
+            mode.__enter__()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        for mode in reversed(self._modes):
+            mode.__exit__(*exc_info)
+
+
+class HostSyncCounter(_Modes):
     """``with HostSyncCounter() as syncs: ...`` then ``syncs.counts`` (a Counter by kind) and
     ``syncs.total``.
 
@@ -100,15 +127,6 @@ class HostSyncCounter:
     @property
     def total(self) -> int:
         return sum(self.counts.values())
-
-    def __enter__(self) -> "HostSyncCounter":
-        for mode in self._modes:
-            mode.__enter__()
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        for mode in reversed(self._modes):
-            mode.__exit__(*exc_info)
 
 
 def optimizer_host_tensors(optimizer: torch.optim.Optimizer):
@@ -129,24 +147,81 @@ def project_site(frames) -> str:
     return ""
 
 
-class HostDataTensors(TorchDispatchMode):
-    """``with HostDataTensors() as found: ...`` then ``found.sites``: one
-    ``"opencood/file.py:line op"`` per tensor built from host data inside the region.
+class CaptureHazards(_Modes):
+    """``with CaptureHazards() as found: ...`` then ``found.sites``: one
+    ``"opencood/file.py:line kind (op)"`` per call inside the region that a CUDA graph capture
+    refuses, named by the innermost ``opencood/`` frame of its stack (``?`` when none). The
+    capture's own error names none of them: it is raised at the end of ``torch.cuda.graph``
+    ("operation failed due to a previous error during capture"). The same ops run on CPU, so
+    the recorded step is checked here without a GPU. Kinds:
 
-    On CUDA such a tensor is a host-to-device copy, which a CUDA graph capture refuses
-    ("Cannot copy between CPU and CUDA tensors during CUDA graph capture"). On CPU every such
-    construction is one op, ``lift_fresh``: ``torch.tensor``/``as_tensor`` of numbers, lists or
-    arrays, ``torch.from_numpy``, a Python-list or numpy index (``x[:, [2, 1]]``). Python
-    scalars in arithmetic (``x * 2.0``) are not lifted (the kernel takes them as arguments),
-    nor are ``torch.full``/``zeros``/``arange`` (made on the device)."""
+    ``host_to_device``  a tensor built from host data (``aten.lift_fresh``: ``torch.tensor``/
+                        ``as_tensor`` of numbers, lists or arrays, ``from_numpy``, a Python-list
+                        or numpy index ``x[:, [2, 1]]``), copied to the device on CUDA. Python
+                        scalars in arithmetic (``x * 2.0``) are kernel arguments, not lifted;
+                        ``torch.full``/``zeros``/``arange`` are made on the device;
+    ``item``, ``nonzero``, ``unique``, ``masked_select``, ``boolean_index``,
+    ``repeat_interleave``  a device sync (``value_dependent_kind``; ``_foreach_lerp_`` with a 0-d
+                        tensor weight is an ``item`` too: it takes a Scalar);
+    ``device_copy``     an aten copy between two devices (on a GPU run of the detector);
+    ``cpu``, ``numpy``, ``tolist``, ``pin_memory``  host reads or pinning, seen at the Python
+                        level (on CPU ``.cpu()`` dispatches nothing);
+    ``generator``       a random op with its own ``generator=`` (not registered with the graph).
 
-    _LIFTS = {aten.lift_fresh.default, aten.lift_fresh_copy.default}
+    ``host_tensors``: tensors that stay on the host on CUDA too (the non-capturable Adam's
+    step counters), whose ``.item()`` is no sync. Not seen: ``torch.cuda.synchronize`` and
+    stream waits (no tensor op; the step calls none)."""
 
-    def __init__(self):
-        super().__init__()
+    def __init__(self, host_tensors: Iterable[torch.Tensor] = ()):
         self.sites: List[str] = []
+        ignored = {tensor.data_ptr() for tensor in host_tensors}
+        self._modes = [_HazardFunctions(self._record), _HazardOps(self._record, ignored)]
+
+    def _record(self, kind: str, func) -> None:
+        site = project_site(traceback.extract_stack()) or "?"
+        self.sites.append(f"{site} {kind} ({func if isinstance(func, str) else func})")
+
+
+_LIFTS = {aten.lift_fresh.default, aten.lift_fresh_copy.default}
+_PYTHON_HAZARDS = {"cpu", "numpy", "tolist", "pin_memory"}
+
+
+class _HazardOps(TorchDispatchMode):
+    def __init__(self, record, ignored_ptrs: set):
+        super().__init__()
+        self.record, self.ignored_ptrs = record, ignored_ptrs
+
+    def kind(self, func, args, kwargs) -> Optional[str]:
+        if func in _LIFTS:
+            return "host_to_device"
+        if func is aten._local_scalar_dense.default and args[0].data_ptr() in self.ignored_ptrs:
+            return None
+        kind = value_dependent_kind(func, args, kwargs)
+        if kind is not None:
+            return kind
+        if kwargs.get("generator") is not None:
+            return "generator"
+        if func is aten._to_copy.default and kwargs.get("device") not in (None, args[0].device):
+            return "device_copy"
+        if func is aten.copy_.default and args[0].device != args[1].device:
+            return "device_copy"
+        return None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in self._LIFTS:
-            self.sites.append(f"{project_site(traceback.extract_stack())} {func}")
+        kwargs = kwargs or {}
+        kind = self.kind(func, args, kwargs)
+        if kind is not None:
+            self.record(kind, func)
+        return func(*args, **kwargs)
+
+
+class _HazardFunctions(TorchFunctionMode):
+    def __init__(self, record):
+        super().__init__()
+        self.record = record
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in _PYTHON_HAZARDS:
+            self.record(name, f"Tensor.{name}")
         return func(*args, **(kwargs or {}))
