@@ -129,9 +129,10 @@ def test_the_captured_step_runs_nothing_a_capture_refuses():
     or builds a tensor from host data inside the step makes the capture fail, and the error
     names no line. The step's recorded work under ``CaptureHazards`` on CPU, set up as the
     ``cuda`` test below runs it (its overrides: padding, the EMA; tensor lrs, Adam fused and
-    capturable as on CUDA; a cosine lr stepped between warm-ups), fp32 and under bf16 autocast
-    (bench.py's): nothing. The first H200 runs' captures failed on a Python-list index in
-    pillar_vfe, then on the EMA's ``_foreach_lerp_`` with a tensor weight (a Scalar: ``.item()``)."""
+    capturable as on CUDA; the cosine lr stepped after the warm-up), fp32 and under bf16
+    autocast (bench.py's): nothing. The first H200 runs' captures failed on a Python-list index
+    in pillar_vfe, then on the EMA's ``_foreach_lerp_`` with a tensor weight (a Scalar, read
+    by ``.item()``)."""
     cfg, parts = lite_parts(torch.device("cpu"), CUDA_TEST_OVERRIDES)
     perf = cfg["performance"]
     step = CudaGraphStep(parts.model, parts.task.training_loss, parts.optimizer, parts.scaler,
@@ -154,14 +155,16 @@ def test_the_captured_step_runs_nothing_a_capture_refuses():
         assert found.sites == [] and bool(values[0]), amp_dtype
     # The detector sees each kind, and names the innermost opencood frame.
     table = torch.arange(6.0).view(2, 3)
+    here = table.device
     with CaptureHazards() as found:
-        _ = table[:, [2, 1]] * 2.0 + torch.ones(())                  # a list index
+        _ = table[:, [2, 1]] * 2.0 + torch.ones((), device=here)     # a list index
         _ = table + torch.tensor(1.0)                                 # data from the host
         _ = torch.from_numpy(table.numpy().copy()) + 1
         _ = table[table > 1], table.masked_select(table > 1), torch.nonzero(table)
         _ = torch.unique(table), table.repeat_interleave(table[0].long(), dim=1)
-        _ = table.cpu(), table.tolist(), torch.rand(2, generator=torch.Generator())
+        _ = table.cpu(), table.tolist(), torch.rand(2, generator=torch.Generator(), device=here)
         _ = table.to("meta"), torch.empty(3, device="meta").copy_(table[0])   # across devices
+        _ = torch.zeros(2), torch.zeros(2, device=here)               # on the host, on the device
         torch._foreach_lerp_([table.clone()], [table], table[0, 1])   # a Scalar weight
         check_loss_now(table.sum(), "test", 0, skip_nonfinite=True)
     kinds = [site.split(" ")[1] for site in found.sites]
@@ -169,7 +172,7 @@ def test_the_captured_step_runs_nothing_a_capture_refuses():
                                                "masked_select", "nonzero", "unique",
                                                "repeat_interleave", "cpu", "tolist",
                                                "generator", "device_copy", "device_copy",
-                                               "item", "item"]
+                                               "host_factory", "item", "item"]
     assert re.fullmatch(r"opencood/engine/loop\.py:\d+ item \(aten\._local_scalar_dense"
                         r"\.default\)", found.sites[-1])
     assert found.sites[0].startswith("? host_to_device (aten.lift_fresh")

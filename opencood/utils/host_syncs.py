@@ -14,7 +14,8 @@ Counted (``HostSyncCounter.counts``, by kind):
   ``repeat_interleave``  with tensor repeats and no ``output_size`` (the size is their sum).
 
 ``CaptureHazards`` records the same ops, and what else a CUDA graph capture refuses (a tensor
-built from host data, a copy between devices, ``.cpu()``, a random op with its own generator),
+built from host data or by a factory without a device, a copy between devices, ``.cpu()``, a
+random op with its own generator),
 each with the ``opencood/file.py:line`` that runs it: the check of the captured step
 (``engine.cuda_graph``), whose failed capture names no line itself.
 """
@@ -166,7 +167,9 @@ class CaptureHazards(_Modes):
     ``device_copy``     an aten copy between two devices (on a GPU run of the detector);
     ``cpu``, ``numpy``, ``tolist``, ``pin_memory``  host reads or pinning, seen at the Python
                         level (on CPU ``.cpu()`` dispatches nothing);
-    ``generator``       a random op with its own ``generator=`` (not registered with the graph).
+    ``generator``       a random op with its own ``generator=`` (not registered with the graph);
+    ``host_factory``    ``torch.zeros``/``full``/``arange``/... without ``device=``: made on the
+                        host on CUDA too (then copied, or mixed with device tensors).
 
     ``host_tensors``: tensors that stay on the host on CUDA too (the non-capturable Adam's
     step counters), whose ``.item()`` is no sync. Not seen: ``torch.cuda.synchronize`` and
@@ -184,6 +187,10 @@ class CaptureHazards(_Modes):
 
 _LIFTS = {aten.lift_fresh.default, aten.lift_fresh_copy.default}
 _PYTHON_HAZARDS = {"cpu", "numpy", "tolist", "pin_memory"}
+# Tensors made from sizes or numbers: on the host unless given a device.
+_FACTORIES = {torch.zeros, torch.ones, torch.empty, torch.full, torch.arange, torch.linspace,
+              torch.eye, torch.rand, torch.randn, torch.randint, torch.randperm,
+              torch.scalar_tensor, torch.empty_strided}
 
 
 class _HazardOps(TorchDispatchMode):
@@ -222,6 +229,9 @@ class _HazardFunctions(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
+        kwargs = kwargs or {}
         if name in _PYTHON_HAZARDS:
             self.record(name, f"Tensor.{name}")
-        return func(*args, **(kwargs or {}))
+        elif func in _FACTORIES and kwargs.get("device") is None:
+            self.record("host_factory", f"torch.{name}")
+        return func(*args, **kwargs)
