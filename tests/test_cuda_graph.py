@@ -124,35 +124,45 @@ def test_on_cpu_the_run_steps_eagerly_with_one_line_saying_why(caplog):
         "several ranks (DDP) are not captured"
 
 
-def test_the_captured_step_runs_nothing_a_capture_refuses():
-    """On CUDA an op that reads values back (``.item()``, a boolean-mask index, ``nonzero``)
-    or builds a tensor from host data inside the step makes the capture fail, and the error
-    names no line. The step's recorded work under ``CaptureHazards`` on CPU, set up as the
-    ``cuda`` test below runs it (its overrides: padding, the EMA; tensor lrs, Adam fused and
-    capturable as on CUDA; the cosine lr stepped after the warm-up), fp32 and under bf16
-    autocast (bench.py's): nothing. The first H200 runs' captures failed on a Python-list index
-    in pillar_vfe, then on the EMA's ``_foreach_lerp_`` with a tensor weight (a Scalar, read
-    by ``.item()``)."""
-    cfg, parts = lite_parts(torch.device("cpu"), CUDA_TEST_OVERRIDES)
+def captured_step_hazards(device: torch.device) -> dict:
+    """The step's recorded work, run eagerly after a warm-up under ``CaptureHazards``, set up as
+    the ``cuda`` test below runs it (its overrides: padding, the EMA; tensor lrs, Adam fused
+    and capturable as on CUDA; the cosine lr stepped after the warm-up), fp32 and under bf16
+    autocast (bench.py's). -> {amp dtype: the sites found}."""
+    cfg, parts = lite_parts(device, CUDA_TEST_OVERRIDES)
     perf = cfg["performance"]
     step = CudaGraphStep(parts.model, parts.task.training_loss, parts.optimizer, parts.scaler,
-                         parts.ema, torch.device("cpu"), None, cfg["train_params"]["grad_clip"],
+                         parts.ema, device, None, cfg["train_params"]["grad_clip"],
                          GraphLimits(perf["cuda_graph_max_points"], perf["cuda_graph_max_gt"],
                                      tuple(cfg["preprocess"]["cav_lidar_range"])))
     for group in parts.optimizer.param_groups:
         assert group["capturable"] and torch.is_tensor(group["lr"])       # tensor_lrs
         group["fused"] = True         # CUDA's Adam (engine/optim.py), capturable on CPU too
     padded, _ = pad_batch(lite_batch(cfg, seed=3, pillars=150), step.limits)
+    padded = {key: value.to(device) if torch.is_tensor(value) else value
+              for key, value in padded.items()}
     step.eager([padded], "test", skip_nonfinite=False)           # the warm-up
     parts.scheduler.step()
     parts.optimizer.zero_grad(set_to_none=True)
     step.static_batch = padded
     step.ema_weight.fill_(0.25)
+    sites = {}
     for amp_dtype in (None, torch.bfloat16):
         step.amp_dtype = amp_dtype
         with CaptureHazards() as found:
             values = step.captured_step()
-        assert found.sites == [] and bool(values[0]), amp_dtype
+        assert bool(values[0]), amp_dtype
+        sites[amp_dtype] = found.sites
+    return sites
+
+
+def test_the_captured_step_runs_nothing_a_capture_refuses():
+    """On CUDA an op that reads values back (``.item()``, a boolean-mask index, ``nonzero``)
+    or builds a tensor from host data inside the step makes the capture fail, and the error
+    names no line. The same ops run on CPU: the step has none. The first H200 runs' captures
+    failed on a Python-list index in pillar_vfe, then on the EMA's ``_foreach_lerp_`` with a
+    tensor weight (a Scalar, read by ``.item()``)."""
+    assert captured_step_hazards(torch.device("cpu")) == {None: [], torch.bfloat16: []}
     # The detector sees each kind, and names the innermost opencood frame.
     table = torch.arange(6.0).view(2, 3)
     here = table.device
@@ -258,6 +268,15 @@ def test_a_graph_runs_checkpoint_resumes_into_an_eager_foreach_optimizer(tmp_pat
         weights.append([param.detach().clone() for param in resumed.model.parameters()])
     for eager, graph in zip(*weights):     # the lrs differ by the graph's float32 rounding
         torch.testing.assert_close(graph, eager, rtol=1e-6, atol=0)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_captured_step_runs_nothing_a_capture_refuses():
+    """What the CPU test checks, with CUDA's kernels (a sync only CUDA's implementation has
+    shows here with its line, where a failed capture names none)."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    assert captured_step_hazards(device) == {None: [], torch.bfloat16: []}
 
 
 @pytest.mark.cuda
