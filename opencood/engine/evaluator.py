@@ -37,7 +37,7 @@ from opencood.eval.heter_order import (agents_per_frame, check_modalities, forma
 from opencood.eval.detections import DetectionCollector, detections_name, write_detections
 from opencood.eval.inference import detection_class_names, evaluate_loader
 from opencood.eval.pose_correction import load_pose_corrector
-from opencood.eval.protocols import DEFAULT_PROTOCOL, PROTOCOLS
+from opencood.eval.protocols import DEFAULT_PROTOCOL, HEAL_PROTOCOL, PROTOCOLS
 from opencood.eval.records import (RECORDS_DIR, build_record, checkpoint_facts, format_record_line,
                                    list_records, machine_facts, record_name,
                                    uses_validation_as_test, write_record)
@@ -73,8 +73,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="sweep: pose noise std (m for x/y, deg for yaw) of non-ego agents")
     parser.add_argument("--latency", type=int, nargs="*", default=[],
                         help="sweep: latency in frames of non-ego agents")
-    parser.add_argument("--protocol", choices=sorted(PROTOCOLS), default=DEFAULT_PROTOCOL,
-                        help="AP protocol: ours (global sort, the config's gt range), opencood "
+    parser.add_argument("--protocol", choices=sorted(PROTOCOLS),
+                        help="AP protocol (default ours; heal with --heter_in_order / "
+                             "--modality_ap): ours (global sort, the config's gt range), opencood "
                              "(per-frame sort, +-140 x +-40 m), coalign (global sort, "
                              "+-102.4 m), v2v4real, heal_dairv2x, v2xreal (per class, as "
                              "V2X-Real); see opencood/eval/protocols.py")
@@ -96,6 +97,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="per-modality AP: every agent mapped to one modality, the ego "
                              "alone against the sample's GT; one row per modality")
     args = parser.parse_args(argv)
+    if args.protocol is None:       # HEAL's own evaluations score as HEAL's scripts do
+        args.protocol = HEAL_PROTOCOL if args.heter_in_order or args.modality_ap \
+            else DEFAULT_PROTOCOL
     # Refused here, before the clean evaluation runs: the sweep would fail (or mean nothing)
     # only after it.
     if not args.model_dir and not args.list_run:
@@ -220,7 +224,8 @@ def evaluate_setting(cfg, args, run_dir, model, info, setting, checkpoint: Dict,
                                  cfg_run["preprocess"]["cav_lidar_range"])
     collector = DetectionCollector(then=on_sample) if args.save_detections else None
     metrics = evaluate_loader(model, loader, preparer, info.device, strategy,
-                              collector or on_sample, protocol, corrector,
+                              collector or on_sample,
+                              protocol.at_gt_range(cfg_run["postprocess"]["gt_range"]), corrector,
                               detection_class_names(cfg_run["postprocess"]))
     if collector is not None:
         save_detections(collector, run_dir, args, fusion, tag, cfg_run["postprocess"]["order"],

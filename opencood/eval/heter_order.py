@@ -37,6 +37,11 @@ from opencood.utils.atomic import atomic_write
 
 HETER_DIR = "heter"
 NO_NOISE = "wild_setting.loc_err=false"
+# HEAL's post-processing (its VoxelPostprocessor: implausible boxes dropped before NMS, the
+# 1000 best-scored enter it, every survivor kept), for both evaluations
+HEAL_POSTPROCESS = ["postprocess.filters=reference", "postprocess.pre_nms_max=1000"]
+# inference_heter_in_order.py's communication range ("large enough": every agent joins)
+HEAL_IN_ORDER_COMM_RANGE = 180
 
 
 def check_modalities(names: Sequence[str], heter, flag: str) -> List[str]:
@@ -72,7 +77,8 @@ def in_order_settings(names: Sequence[str], assignment_path) -> List[Dict]:
     """One setting per step (``tools/eval.py``'s setting dicts plus ``use_cav`` and
     ``agents``): step k keeps the first k agents, ``names[:k]``."""
     mapping = "{" + ", ".join(f"{name}: {name}" for name in names) + "}"
-    overrides = [NO_NOISE, f"heter.assignment_path={assignment_path}",
+    overrides = [NO_NOISE, *HEAL_POSTPROCESS, f"comm_range={HEAL_IN_ORDER_COMM_RANGE}",
+                 f"heter.assignment_path={assignment_path}",
                  f"heter.mapping_dict={mapping}", f"heter.ego_modality={names[0]}"]
     return [{"tag": f"in_order{k}", "group": f"in_order{k}", "overrides": list(overrides),
              "use_cav": k, "label": "+".join(names[:k]),
@@ -88,7 +94,8 @@ def modality_settings(names: Sequence[str], heter) -> List[Dict]:
         mapping = "{" + ", ".join(f"{assigned}: {name}" for assigned in heter["mapping_dict"]) \
             + "}"
         settings.append({"tag": f"modality_{name}", "group": f"modality_{name}",
-                         "overrides": [NO_NOISE, f"heter.mapping_dict={mapping}",
+                         "overrides": [NO_NOISE, *HEAL_POSTPROCESS,
+                                       f"heter.mapping_dict={mapping}",
                                        f"heter.ego_modality={name}"],
                          "use_cav": 1, "label": name,
                          "agents": {"modality": name, "use_cav": 1}})

@@ -28,6 +28,14 @@ OPV2V AP is reported under two incompatible protocols, and mixing them explains 
   crop. tests/test_protocols.py compares it with HEAL's own evaluation code
   (tools/reference/heal_eval.py).
 
+* ``heal`` (HEAL's own ``tools/inference.py`` and ``inference_heter_in_order.py`` with
+  ``--range`` the run's range): global sort; GT in the config's ``postprocess.gt_range`` (the
+  data set's filter, as HEAL's ``generate_object_center``); detections with 8 corners in that
+  range, z included (``mask_boxes_outside_range_numpy`` in its ``post_process``). The default of
+  ``tools/eval.py --heter_in_order`` / ``--modality_ap``; tests/test_heal_in_order.py compares
+  it with HEAL's in-order script run on the same model (tools/reference/
+  make_heal_in_order_fixture.py).
+
 * ``v2xreal`` (V2X-Real's ``tools/inference.py`` + ``eval_utils.eval_final_results``): per class
   (its meta-classes vehicle, pedestrian, truck), detections and GT of that class only, each
   frame's detections sorted by score and the frames concatenated in data-set order, as
@@ -46,6 +54,7 @@ interpolation are the same in all of them.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
@@ -68,6 +77,16 @@ class APProtocol:
     # AP of a class without GT in a multi-class split: None (left out of the class mean) or the
     # value counted in it (V2X-Real's eval_final_results averages every class, an empty one as 0)
     empty_class_ap: Optional[float] = None
+    # True (box_range None): detections kept in the evaluated config's gt_range as box_range
+    # would keep them (at_gt_range binds it)
+    detections_in_gt_range: bool = False
+
+    def at_gt_range(self, gt_range) -> "APProtocol":
+        """The protocol that scores a config whose ``postprocess.gt_range`` is ``gt_range``:
+        itself, or with ``gt_range`` as its box range where it keeps detections there."""
+        if self.box_range is not None or not self.detections_in_gt_range:
+            return self
+        return dataclasses.replace(self, box_range=tuple(float(v) for v in gt_range))
 
     def accumulator_args(self) -> Dict:
         """Keyword arguments of APAccumulator for this protocol."""
@@ -103,6 +122,11 @@ PROTOCOLS = {
                                "HEAL DAIR-V2X-C: global score sort, GT and detections with 8 "
                                "corners in +-102.4 m (detections: z too)", filters_gt=True,
                                detection_range_z=True, gt_z_margin=1.0),
+    # HEAL's inference.py / inference_heter_in_order.py at the run's own --range
+    "heal": APProtocol("heal", "global", None,
+                       "HEAL: global score sort, GT in the config's gt_range, detections with 8 "
+                       "corners in it (z too)", detection_range_z=True,
+                       detections_in_gt_range=True),
     # V2X-Real's inference.py + eval_utils.eval_final_results: per class, V2V4Real's per-frame
     # sort and 8-corner filters with its GT_RANGE; the class mean counts an empty class as 0
     "v2xreal": APProtocol("v2xreal", "per_frame", (-100.0, -40.0, -15.0, 100.0, 40.0, 15.0),
@@ -111,6 +135,7 @@ PROTOCOLS = {
                           empty_class_ap=0.0),
 }
 DEFAULT_PROTOCOL = "ours"
+HEAL_PROTOCOL = "heal"          # tools/eval.py --heter_in_order / --modality_ap's default
 
 
 def get_protocol(name: str) -> APProtocol:
