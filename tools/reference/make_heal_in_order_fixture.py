@@ -85,9 +85,10 @@ def our_config(data_root: Path) -> dict:
                                         "feature_stride": 2},
                         "target_args": {"pos_threshold": 0.6, "neg_threshold": 0.45,
                                         "score_threshold": 0.2},
-                        "order": "hwl", "max_num": 100, "nms_thresh": 0.15,
-                        # HEAL's (OpenCOOD's) box filters, its 1000 NMS candidates, no cap
-                        "filters": "reference", "pre_nms_max": 1000},
+                        # the run's own post-processing caps below what a frame holds (HEAL's
+                        # pads its GT to max_num, it caps nothing), so only the evaluation's
+                        # (HEAL's) keeps every detection
+                        "order": "hwl", "max_num": 40, "nms_thresh": 0.15, "pre_nms_max": 100},
         "heter": {
             "assignment_path": str(data_root / "heter_modality_assign/opv2v_4modality.json"),
             # not HEAL's in-order ones (ego m1, every name to itself): the evaluation sets them
