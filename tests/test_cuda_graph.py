@@ -12,8 +12,8 @@ import torch
 
 from opencood.config import load_config
 from opencood.engine.cuda_graph import (CudaGraphStep, GraphLimits, batch_signature,
-                                        build_graph_step, capture_failure, pad_batch,
-                                        run_refusal, tensor_lrs)
+                                        build_graph_step, capture_failure, hazard_refusal,
+                                        pad_batch, run_refusal, tensor_lrs)
 from opencood.engine.loop import check_loss_now, optimizer_step
 from opencood.engine.recipe import build_training_parts
 from opencood.engine.state import TrainState, restore_training, training_state
@@ -141,7 +141,9 @@ def captured_step_hazards(device: torch.device) -> dict:
     padded, _ = pad_batch(lite_batch(cfg, seed=3, pillars=150), step.limits)
     padded = {key: value.to(device) if torch.is_tensor(value) else value
               for key, value in padded.items()}
-    step.eager([padded], "test", skip_nonfinite=False)           # the warm-up
+    step.eager([padded], "test", skip_nonfinite=False)           # the warm-ups: the first eager,
+    _, warm_up_sites = step.checked_eager(padded, "test")         # the next with its loss checked
+    assert warm_up_sites == []
     parts.scheduler.step()
     parts.optimizer.zero_grad(set_to_none=True)
     step.static_batch = padded
@@ -149,7 +151,7 @@ def captured_step_hazards(device: torch.device) -> dict:
     sites = {}
     for amp_dtype in (None, torch.bfloat16):
         step.amp_dtype = amp_dtype
-        with CaptureHazards() as found:
+        with CaptureHazards(device=device) as found:
             values = step.captured_step()
         assert bool(values[0]), amp_dtype
         sites[amp_dtype] = found.sites
@@ -186,6 +188,39 @@ def test_the_captured_step_runs_nothing_a_capture_refuses():
     assert re.fullmatch(r"opencood/engine/loop\.py:\d+ item \(aten\._local_scalar_dense"
                         r"\.default\)", found.sites[-1])
     assert found.sites[0].startswith("? host_to_device (aten.lift_fresh")
+    # On a GPU run (device given) ops on host tensors alone are no hazard; copies still are.
+    with CaptureHazards(device=torch.device("meta")) as found:
+        _ = table.sum().item(), table[table > 1], table + torch.tensor(1.0), table.tolist()
+        _ = table.to("meta")[torch.tensor([0])]        # a copy, then an index read from the host
+    assert [site.split(" ")[1] for site in found.sites] == ["device_copy"] * 2
+
+
+def test_a_warm_up_whose_loss_reads_the_device_back_says_where_before_any_capture():
+    """The warm-up runs the loss under CaptureHazards (``checked_eager``): a model that reads a
+    value back gets the run's one-line reason naming the line, and eager steps, instead of a
+    failed capture; the checked step itself is the eager step."""
+    def loss_fn(model, batch, check=False):
+        loss = model(batch["x"]).square().mean()
+        if check:
+            check_loss_now(loss, "test", 0, skip_nonfinite=True)   # reads the loss back
+        return loss, {"loss": loss.detach()}, 1
+
+    results = []
+    for check in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(2, 1)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+        step = CudaGraphStep(model, lambda m, b, check=check: loss_fn(m, b, check), optimizer,
+                             torch.amp.GradScaler("cpu", enabled=False), None,
+                             torch.device("cpu"), None, None, GraphLimits(0, 0, (0.0,) * 6))
+        stats, sites = step.checked_eager({"x": torch.arange(6.0).view(3, 2)}, "test")
+        results.append((stats["loss"], model.weight.detach().clone(), sites))
+    (loss, weight, sites), (checked_loss, checked_weight, checked_sites) = results
+    assert sites == [] and checked_loss == loss and torch.equal(checked_weight, weight)
+    assert len(checked_sites) == 1
+    assert re.fullmatch(r"the step runs 1 op\(s\) a CUDA graph capture refuses, the first at "
+                        r"opencood/engine/loop\.py:\d+ item \(aten\._local_scalar_dense\.default\)",
+                        hazard_refusal(checked_sites))
 
 
 def test_a_failed_capture_names_where_it_failed():

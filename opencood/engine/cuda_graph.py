@@ -14,7 +14,10 @@ buffers:
   count, like any batch whose padded shapes differ from the captured ones, runs eagerly.
 
 A batch or run the graph cannot take runs the eager step (``engine.loop.optimizer_step``),
-with its reason logged once: results are never those of another batch's shapes. The step's
+with its reason logged once: results are never those of another batch's shapes. So does a
+model whose loss runs an op a capture refuses (a value read back, a host-to-device copy): the
+second warm-up's loss runs under ``utils.host_syncs.CaptureHazards``, and the reason names
+the first such op's ``opencood/file.py:line`` (``hazard_refusal``), before any capture. The step's
 values (loss, terms, finite flags, gradient norm) are read once after each replay, as
 ``sync_free_step`` does. The learning rate is a device tensor in the optimizer's groups, so
 schedules (which ``fill_`` it in place) reach the captured step; the EMA's decay likewise.
@@ -32,7 +35,7 @@ import torch
 
 from opencood.engine.loop import (nonfinite_error, nonfinite_reason, optimizer_step,
                                   unscale_and_clip)
-from opencood.utils.host_syncs import project_site
+from opencood.utils.host_syncs import CaptureHazards, project_site
 
 logger = logging.getLogger("opencood")
 
@@ -130,10 +133,12 @@ class CudaGraphStep:
 
     def __init__(self, model: torch.nn.Module, loss_fn: Callable, optimizer, scaler, ema,
                  device: torch.device, amp_dtype, grad_clip, limits: GraphLimits,
-                 run_refused: str | None = None, warmup_steps: int = 2):
+                 run_refused: str | None = None, warmup_steps: int = 2,
+                 check_hazards: bool = True):
         self.model, self.loss_fn, self.optimizer, self.scaler = model, loss_fn, optimizer, scaler
         self.ema, self.device, self.amp_dtype, self.grad_clip = ema, device, amp_dtype, grad_clip
         self.limits, self.run_refused, self.warmup_steps = limits, run_refused, warmup_steps
+        self.check_hazards = check_hazards
         self.eager_warmups = 0
         self.graph = None
         self.signature = None
@@ -187,24 +192,47 @@ class CudaGraphStep:
             self.said.add(reason)
             logger.warning("cuda_graph: running this step eagerly: %s", reason)
 
-    def eager(self, micro_batches: List, where: str, skip_nonfinite: bool) -> Dict:
+    def eager(self, micro_batches: List, where: str, skip_nonfinite: bool,
+              loss_fn: Callable | None = None) -> Dict:
         # After a capture every parameter's .grad is the graph's buffer, which a backward would
         # add to: the eager step starts from no gradients, as optimizer_step leaves them.
         self.optimizer.zero_grad(set_to_none=True)
-        return optimizer_step(self.model, micro_batches, self.loss_fn, self.optimizer,
+        return optimizer_step(self.model, micro_batches, loss_fn or self.loss_fn, self.optimizer,
                               self.scaler, self.device, self.amp_dtype, self.grad_clip, where=where,
                               skip_nonfinite=skip_nonfinite, sync_free=True, ema=self.ema)
 
     def warm_up(self, padded: Dict, where: str) -> Dict:
         """An eager step on a side stream (torch's recipe before capture: lazy initialisation,
-        cudnn's algorithm choice and the optimizer's state happen outside the graph)."""
+        cudnn's algorithm choice and the optimizer's state happen outside the graph). From the
+        second one on (the first builds caches, which may copy from the host: voxelize's grid
+        constants), an op in its loss that a capture refuses makes the run eager, named in one
+        line, before any capture fails on it (``checked_eager``; not under torch.compile,
+        ``check_hazards`` False: a mode would change what it traces)."""
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            stats = self.eager([padded], where, skip_nonfinite=False)
+            if self.check_hazards and self.eager_warmups > 0:
+                stats, sites = self.checked_eager(padded, where)
+            else:
+                stats, sites = self.eager([padded], where, skip_nonfinite=False), []
         torch.cuda.current_stream(self.device).wait_stream(side)
         self.eager_warmups += 1
+        if sites:
+            self.run_refused = hazard_refusal(sites)
+            self.say_once(self.run_refused)
         return stats
+
+    def checked_eager(self, padded: Dict, where: str):
+        """The eager step on ``padded``, its loss (pillarisation, targets, forward, loss: the
+        model's code) run under ``CaptureHazards``: -> (stats, the sites found). Backward,
+        clipping, the optimizer and the EMA are this module's own calls, checked by the tests."""
+        found = CaptureHazards(device=self.device)
+
+        def checked_loss(model, batch):
+            with found:
+                return self.loss_fn(model, batch)
+
+        return self.eager([padded], where, skip_nonfinite=False, loss_fn=checked_loss), found.sites
 
     def capture(self, padded: Dict, signature) -> bool:
         """Record the step on ``padded`` (nothing runs yet); False, with the reason logged
@@ -266,6 +294,13 @@ class CudaGraphStep:
             raise nonfinite_error(nonfinite)
         return {"loss": loss, **dict(zip(self.term_names, terms)), "grad_norm": grad_norm,
                 "samples": self.samples, "skipped": 0, "overflow": 0, "nonfinite": None}
+
+
+def hazard_refusal(sites: List[str]) -> str:
+    """The one-line reason for not capturing a step whose loss runs ``sites`` (CaptureHazards'
+    ``"opencood/file.py:line kind (op)"``): the first one and how many in all."""
+    return (f"the step runs {len(sites)} op(s) a CUDA graph capture refuses, the first at "
+            f"{sites[0]}")
 
 
 def capture_failure(error: BaseException) -> str:
@@ -337,4 +372,4 @@ def build_graph_step(cfg: Dict, parts, device: torch.device, world_size: int,
     return CudaGraphStep(model if model is not None else parts.model,
                          loss_fn or parts.task.training_loss, parts.optimizer, parts.scaler,
                          parts.ema, device, parts.amp_dtype, cfg["train_params"]["grad_clip"],
-                         limits, run_refused=refused)
+                         limits, run_refused=refused, check_hazards=not perf["compile"])

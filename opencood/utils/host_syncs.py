@@ -29,6 +29,7 @@ from typing import Iterable, List, Optional
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 aten = torch.ops.aten
 
@@ -164,7 +165,8 @@ class CaptureHazards(_Modes):
     ``item``, ``nonzero``, ``unique``, ``masked_select``, ``boolean_index``,
     ``repeat_interleave``  a device sync (``value_dependent_kind``; ``_foreach_lerp_`` with a 0-d
                         tensor weight is an ``item`` too: it takes a Scalar);
-    ``device_copy``     an aten copy between two devices (on a GPU run of the detector);
+    ``device_copy``     an aten copy between two devices, or (on a GPU run of the detector) a
+                        device op given a host tensor, e.g. an index;
     ``cpu``, ``numpy``, ``tolist``, ``pin_memory``  host reads or pinning, seen at the Python
                         level (on CPU ``.cpu()`` dispatches nothing);
     ``generator``       a random op with its own ``generator=`` (not registered with the graph);
@@ -172,13 +174,19 @@ class CaptureHazards(_Modes):
                         host on CUDA too (then copied, or mixed with device tensors).
 
     ``host_tensors``: tensors that stay on the host on CUDA too (the non-capturable Adam's
-    step counters), whose ``.item()`` is no sync. Not seen: ``torch.cuda.synchronize`` and
-    stream waits (no tensor op; the step calls none)."""
+    step counters), whose ``.item()`` is no sync. ``device``: on a GPU run, the device the step
+    runs on (only its type matters): an op on host tensors alone is no hazard there (a copy to
+    the device is); None or the CPU, every op counts (the CPU stands in for the device). Not seen:
+    ``torch.cuda.synchronize`` and stream waits (no tensor op; the step calls none)."""
 
-    def __init__(self, host_tensors: Iterable[torch.Tensor] = ()):
+    def __init__(self, host_tensors: Iterable[torch.Tensor] = (),
+                 device: Optional[torch.device] = None):
         self.sites: List[str] = []
         ignored = {tensor.data_ptr() for tensor in host_tensors}
-        self._modes = [_HazardFunctions(self._record), _HazardOps(self._record, ignored)]
+        gpu_run = device is not None and device.type != "cpu"
+        on_device = _OnDevice(device.type if gpu_run else None)
+        self._modes = [_HazardFunctions(self._record, on_device),
+                       _HazardOps(self._record, ignored, on_device)]
 
     def _record(self, kind: str, func) -> None:
         site = project_site(traceback.extract_stack()) or "?"
@@ -193,14 +201,42 @@ _FACTORIES = {torch.zeros, torch.ones, torch.empty, torch.full, torch.arange, to
               torch.scalar_tensor, torch.empty_strided}
 
 
+class _OnDevice:
+    """Whether a call's tensors include one on the device of type ``device_type`` (always
+    True for None: every tensor stands for a device tensor)."""
+
+    def __init__(self, device_type: Optional[str]):
+        self.device_type = device_type
+
+    def __call__(self, args, kwargs) -> bool:
+        return self.device_type is None or any(
+            torch.is_tensor(leaf) and leaf.device.type == self.device_type
+            for leaf in tree_leaves((args, kwargs)))
+
+    def host_operand(self, args, kwargs) -> bool:
+        """On a GPU run, a host tensor of one dimension or more in a device op (an index
+        ``x[host_indices]``: the op copies it to the device itself)."""
+        return self.device_type is not None and any(
+            torch.is_tensor(leaf) and leaf.device.type == "cpu" and leaf.dim() > 0
+            for leaf in tree_leaves((args, kwargs)))
+
+
 class _HazardOps(TorchDispatchMode):
-    def __init__(self, record, ignored_ptrs: set):
+    def __init__(self, record, ignored_ptrs: set, on_device: _OnDevice):
         super().__init__()
-        self.record, self.ignored_ptrs = record, ignored_ptrs
+        self.record, self.ignored_ptrs, self.on_device = record, ignored_ptrs, on_device
 
     def kind(self, func, args, kwargs) -> Optional[str]:
+        if func is aten._to_copy.default and kwargs.get("device") not in (None, args[0].device):
+            return "device_copy"
+        if func is aten.copy_.default and args[0].device != args[1].device:
+            return "device_copy"
+        if not self.on_device(args, kwargs):
+            return None
         if func in _LIFTS:
             return "host_to_device"
+        if self.on_device.host_operand(args, kwargs):
+            return "device_copy"
         if func is aten._local_scalar_dense.default and args[0].data_ptr() in self.ignored_ptrs:
             return None
         kind = value_dependent_kind(func, args, kwargs)
@@ -208,10 +244,6 @@ class _HazardOps(TorchDispatchMode):
             return kind
         if kwargs.get("generator") is not None:
             return "generator"
-        if func is aten._to_copy.default and kwargs.get("device") not in (None, args[0].device):
-            return "device_copy"
-        if func is aten.copy_.default and args[0].device != args[1].device:
-            return "device_copy"
         return None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -223,14 +255,14 @@ class _HazardOps(TorchDispatchMode):
 
 
 class _HazardFunctions(TorchFunctionMode):
-    def __init__(self, record):
+    def __init__(self, record, on_device: _OnDevice):
         super().__init__()
-        self.record = record
+        self.record, self.on_device = record, on_device
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
         kwargs = kwargs or {}
-        if name in _PYTHON_HAZARDS:
+        if name in _PYTHON_HAZARDS and self.on_device(args[:1], {}):
             self.record(name, f"Tensor.{name}")
         elif func in _FACTORIES and kwargs.get("device") is None:
             self.record("host_factory", f"torch.{name}")
