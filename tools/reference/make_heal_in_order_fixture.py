@@ -5,13 +5,19 @@ layout, and record per step and frame what it fused, scored and found:
 ``tests/fixtures/heal_in_order/heal_in_order.npz``, which tests/test_heal_in_order.py compares
 ``tools/eval.py --heter_in_order`` with. Never run in CI.
 
-The model: our ``heter_pyramid_collab`` (m1 PointPillar on the 64-beam LiDAR, m2 lift-splat
-cameras with EfficientNet-b0, m3 PointPillar on OPV2V-H's 32-beam LiDAR, a 3-scale pyramid)
-with seeded initial weights (``torch.manual_seed(SEED)``) whose class head is scaled (weights
-times CLS_GAIN, bias CLS_BIAS) so that scores spread (the initial head gives every anchor
-nearly the same score: ties) and a few hundred anchors per frame pass the score threshold
-(random weights give few true positives; the AP is then small but not zero, and every TP / FP
-decision is compared).
+The data: ``generate_synthetic.py --preset tiny --heter --cameras --camera-size 64 32 --depth``,
+test split, two frames (GENERATION): one scenario, three agents about 20 m apart. The model: our
+``heter_pyramid_collab`` (m1 PointPillar on the preset's own LiDAR, m2 lift-splat cameras with
+EfficientNet-b0, m3 PointPillar on OPV2V-H's 32-beam LiDAR, a 2-scale pyramid) with seeded
+initial weights (``torch.manual_seed(SEED)``) whose class head is scaled (weights times
+CLS_GAIN, bias CLS_BIAS): the initial head gives every anchor nearly the same score (ties), and
+random weights find few boxes; so scaled, about 60 detections per frame survive and some are
+true positives (AP small, not zero: every TP / FP decision is compared). The run's own settings
+are deliberately not HEAL's in-order ones, so that the evaluation's overrides are what makes the
+two agree: comm_range 15 m (HEAL's script: 180), ego ``m1&m3`` and m2 mapped to m1 (HEAL's: ego
+m1, every name to itself), ``max_num`` 40 and 100 NMS candidates (HEAL's post-processing caps
+nothing and takes 1000). Pillars hold up to MAX_POINTS points, more than any pillar of the data:
+HEAL shuffles each cloud, so an overflowing pillar would keep other points than ours.
 Exported with ``tools/export_checkpoint.py --to heal`` (opencood.interop.heal_heter_export).
 
 Two steps::
@@ -19,22 +25,25 @@ Two steps::
     # 1. OUR side (our venv, in the checkout): the data, our run folder and its HEAL export
     PYTHONPATH=. nice -n 10 python tools/reference/make_heal_in_order_fixture.py \\
         --generate /tmp/heal_in_order
-    # 2. HEAL's side (venv-cam: HEAL's data deps; efficientnet_pytorch: a folder
-    #    holding only venv-lss's copy of it), from
-    #    outside the checkout
+    # 2. HEAL's side (venv-cam: HEAL's data dependencies; /work/side/inorder_extra: a folder
+    #    holding only a link to venv-lss's efficientnet_pytorch), from outside the checkout
     cd /tmp && env PYTHONPATH=/work/side/pypcd_src:/work/side/inorder_extra \\
-        nice -n 10 /work/side/venv-cam/bin/python <repo>/tools/reference/make_heal_in_order_fixture.py \\
+        nice -n 10 /work/side/venv-cam/bin/python \\
+        <repo>/tools/reference/make_heal_in_order_fixture.py \\
         /tmp/heal_in_order <repo>/tests/fixtures/heal_in_order
 
 What HEAL's script is given: ``--model_dir <export> --range 51.2,25.6 --use_cav [1,2,3]``
-(RANGE: our run's LiDAR range, which is also its gt_range, so HEAL's range override changes
-nothing; three steps: the scenario has three agents). Patched around it, not in it: its
-DataLoader runs in-process (``num_workers`` 0), its picture (``simple_vis.visualize``) is not
-drawn, HEAL's hard-coded ``.to("cuda")`` of the lift-splat encoder is the CPU
-(make_lss_parity_fixture.py's ``import_heal``), and calls are recorded: each frame's
-``cav_id_list`` and ``agent_modality_list`` (the agents fused), its GT (``object_ids``,
-``object_bbx_center`` under its mask), the detections ``caluclate_tp_fp`` scores (corners and
-scores), and each step's ``eval_final_results`` (AP@0.3/0.5/0.7).
+(RANGE_ARG: our run's LiDAR range, which is also its gt_range, so HEAL's range override changes
+nothing; three steps: the scenario has three agents). The export is run from a copy whose
+config HEAL's data set can build (:func:`heal_runnable_copy`). Patched around the script, not
+in it: its DataLoader runs in-process (``num_workers`` 0), its picture
+(``simple_vis.visualize``) is not drawn, HEAL's hard-coded ``.to("cuda")`` of the lift-splat
+encoder is the CPU, EfficientNet is built without its download (the export's weights replace
+it), modules venv-cam lacks and this path never calls are stand-ins (sklearn, timm); and calls
+are recorded: each frame's ``cav_id_list`` and ``agent_modality_list`` (the agents fused), its
+GT (``object_ids``, ``object_bbx_center`` under its mask), the detections
+``caluclate_tp_fp`` scores (corners and scores), and each step's ``eval_final_results``
+(AP@0.3/0.5/0.7). Deterministic: a rerun writes the same file byte for byte.
 """
 from __future__ import annotations
 
@@ -54,9 +63,9 @@ SEED = 0
 CLS_GAIN = 100.0            # the class head's weights times this (module docstring)
 CLS_BIAS = -3.2             # and its bias
 LIDAR_RANGE = [-51.2, -25.6, -3.0, 51.2, 25.6, 1.0]
-RANGE_ARG = "51.2,25.6"
-COMM_RANGE = 15.0
-MAX_POINTS = 256            # more than any pillar of the data holds     # HEAL's --range for LIDAR_RANGE
+RANGE_ARG = "51.2,25.6"     # HEAL's --range for LIDAR_RANGE
+COMM_RANGE = 15.0           # below the agents' distances to the ego (module docstring)
+MAX_POINTS = 256            # more than any pillar of the data holds
 BACKBONE = {"layer_nums": [1], "layer_strides": [2], "num_filters": [32]}
 PILLARS = {"core_method": "pillar",
            "args": {"pillar_vfe": {"num_filters": [16], "padded_slots": "reference"},
