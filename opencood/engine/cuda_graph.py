@@ -17,8 +17,8 @@ A batch or run the graph cannot take runs the eager step (``engine.loop.optimize
 with its reason logged once: results are never those of another batch's shapes. So does a
 model whose loss runs an op a capture refuses (a value read back, a host-to-device copy): the
 second warm-up's loss runs under ``utils.host_syncs.CaptureHazards``, and the reason names
-the first such op's ``opencood/file.py:line`` (``hazard_refusal``), before any capture. The step's
-values (loss, terms, finite flags, gradient norm) are read once after each replay, as
+the first such op's ``opencood/file.py:line`` (``hazard_refusal``), before any capture. The
+step's values (loss, terms, finite flags, gradient norm) are read once after each replay, as
 ``sync_free_step`` does. The learning rate is a device tensor in the optimizer's groups, so
 schedules (which ``fill_`` it in place) reach the captured step; the EMA's decay likewise.
 """

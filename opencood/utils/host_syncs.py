@@ -15,9 +15,8 @@ Counted (``HostSyncCounter.counts``, by kind):
 
 ``CaptureHazards`` records the same ops, and what else a CUDA graph capture refuses (a tensor
 built from host data or by a factory without a device, a copy between devices, ``.cpu()``, a
-random op with its own generator),
-each with the ``opencood/file.py:line`` that runs it: the check of the captured step
-(``engine.cuda_graph``), whose failed capture names no line itself.
+random op with its own generator), each with the ``opencood/file.py:line`` that runs it: the
+check of the captured step (``engine.cuda_graph``), whose failed capture names no line itself.
 """
 from __future__ import annotations
 
@@ -201,6 +200,15 @@ _FACTORIES = {torch.zeros, torch.ones, torch.empty, torch.full, torch.arange, to
               torch.scalar_tensor, torch.empty_strided}
 
 
+def _same_device(target: Optional[torch.device], source: torch.device) -> bool:
+    """Whether a copy to ``target`` (None: no device given) stays on ``source``'s device;
+    ``cuda`` without an index is the tensor's own GPU."""
+    if target is None:
+        return True
+    return target.type == source.type and (target.index is None or source.index is None
+                                           or target.index == source.index)
+
+
 class _OnDevice:
     """Whether a call's tensors include one on the device of type ``device_type`` (always
     True for None: every tensor stands for a device tensor)."""
@@ -227,9 +235,10 @@ class _HazardOps(TorchDispatchMode):
         self.record, self.ignored_ptrs, self.on_device = record, ignored_ptrs, on_device
 
     def kind(self, func, args, kwargs) -> Optional[str]:
-        if func is aten._to_copy.default and kwargs.get("device") not in (None, args[0].device):
+        if func is aten._to_copy.default and not _same_device(kwargs.get("device"),
+                                                              args[0].device):
             return "device_copy"
-        if func is aten.copy_.default and args[0].device != args[1].device:
+        if func is aten.copy_.default and not _same_device(args[0].device, args[1].device):
             return "device_copy"
         if not self.on_device(args, kwargs):
             return None
