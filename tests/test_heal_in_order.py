@@ -6,9 +6,10 @@ and the step's AP@0.3/0.5/0.7.
 
 The fixture (tests/fixtures/heal_in_order/heal_in_order.npz) is what HEAL's script recorded in a
 side environment (tools/reference/make_heal_in_order_fixture.py, whose functions regenerate the
-folders and our run here). The run's own comm_range (15 m), ego modality and mapping are not
-HEAL's in-order ones, so the evaluation's overrides (180 m, ego m1, every name to itself) are
-what makes the agents agree.
+folders and our run here): one scenario of three vehicles and a roadside unit ``-1`` (last in
+HEAL's order: GT only). The run's own comm_range (15 m), ego modality, mapping and
+post-processing caps are not HEAL's in-order ones, so the evaluation's overrides (180 m, ego m1,
+every name to itself, HEAL's uncapped post-processing) are what makes the two agree.
 """
 from __future__ import annotations
 

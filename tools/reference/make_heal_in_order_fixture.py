@@ -5,8 +5,10 @@ layout, and record per step and frame what it fused, scored and found:
 ``tests/fixtures/heal_in_order/heal_in_order.npz``, which tests/test_heal_in_order.py compares
 ``tools/eval.py --heter_in_order`` with. Never run in CI.
 
-The data: ``generate_synthetic.py --preset tiny --heter --cameras --camera-size 64 32 --depth``,
-test split, two frames (GENERATION): one scenario, three agents about 20 m apart. The model: our
+The data: the ``tiny`` preset with a roadside unit (``opencood.data.synthetic.presets.with_rsu``;
+else as ``generate_synthetic.py --heter --cameras --camera-size 64 32 --depth``), test split,
+two frames (GENERATION): one scenario, three vehicles about 20 m apart and the unit ``-1``
+(HEAL's in-order assignment moves it last: it takes part in the GT only). The model: our
 ``heter_pyramid_collab`` (m1 PointPillar on the preset's own LiDAR, m2 lift-splat cameras with
 EfficientNet-b0, m3 PointPillar on OPV2V-H's 32-beam LiDAR, a 2-scale pyramid) with seeded
 initial weights (``torch.manual_seed(SEED)``) whose class head is scaled (weights times
@@ -34,7 +36,7 @@ Two steps::
 
 What HEAL's script is given: ``--model_dir <export> --range 51.2,25.6 --use_cav [1,2,3]``
 (RANGE_ARG: our run's LiDAR range, which is also its gt_range, so HEAL's range override changes
-nothing; three steps: the scenario has three agents). The export is run from a copy whose
+nothing; three steps: one per name). The export is run from a copy whose
 config HEAL's data set can build (:func:`heal_runnable_copy`). Patched around the script, not
 in it: its DataLoader runs in-process (``num_workers`` 0), its picture
 (``simple_vis.visualize``) is not drawn, HEAL's hard-coded ``.to("cuda")`` of the lift-splat
@@ -56,7 +58,7 @@ from side_env import stub_module, two_step_main  # noqa: E402  (tools/reference/
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 HEAL_COMMIT = "96812ed5a416"
-GENERATION = {"preset": "tiny", "seed": 0, "frames": 2, "camera_size": [64, 32],
+GENERATION = {"preset": "tiny", "rsu": True, "seed": 0, "frames": 2, "camera_size": [64, 32],
               "hetero_lidars": [32, 16], "depth": True, "splits": ["test"]}
 NAMES = ["m1", "m2", "m3"]
 SEED = 0
@@ -138,12 +140,17 @@ def our_config(data_root: Path) -> dict:
 
 def generate_data(root: Path) -> None:
     """Our tiny OPV2V-H test split (GENERATION) under ``root``."""
+    import dataclasses
+
     from opencood.data.synthetic import generate_dataset, get_preset
     from opencood.data.synthetic.camera import CameraConfig
-    import dataclasses
+    from opencood.data.synthetic.presets import with_rsu
     width, height = GENERATION["camera_size"]
+    preset = get_preset(GENERATION["preset"])
+    if GENERATION["rsu"]:
+        preset = with_rsu(preset, f"{preset.name}_rsu")
     preset = dataclasses.replace(
-        get_preset(GENERATION["preset"]), frames=GENERATION["frames"],
+        preset, frames=GENERATION["frames"],
         hetero_lidars=tuple(GENERATION["hetero_lidars"]),
         cameras=CameraConfig(width=width, height=height, depth=GENERATION["depth"]))
     generate_dataset(root, preset=preset, seed=GENERATION["seed"], progress=False,
