@@ -346,6 +346,32 @@ def test_export_to_heal_inverts_the_import(fixture, tmp_path, core):
     assert all(torch.equal(ours[key], value) for key, value in checkpoint["model"].items())
 
 
+def test_an_export_s_lidar_types_carry_a_preprocess_heal_s_data_sets_build():
+    """HEAL's data sets build each LiDAR type's voxel generator from its own ``preprocess``
+    with a number of pillars: the export writes our None (the top-level section) out and our
+    None cap (every pillar) as the grid's cell count; its own section and caps stay (the
+    import reads the copy back as None: test_export_to_heal_inverts_the_import)."""
+    from opencood.interop.heal_heter_export import heal_heter_section
+    crop = [-51.2, -25.6, -3.0, 51.2, 25.6, 1.0]
+    top = {"core_method": "SpVoxelPreprocessor", "cav_lidar_range": crop,
+           "args": {"voxel_size": [0.8, 0.8, 4.0], "max_points_per_voxel": 16,
+                    "max_voxel_train": None, "max_voxel_test": 500}}
+    own = {**top, "args": {**top["args"], "voxel_size": [0.4, 0.4, 4.0], "max_voxel_train": 9}}
+    cfg = {"preprocess": top, "heter": {
+        "ego_modality": "m1", "cav_preference": None, "modality_setting": {
+            "m1": {"sensor_type": "lidar", "preprocess": None},
+            "m2": {"sensor_type": "camera", "preprocess": None},
+            "m3": {"sensor_type": "lidar", "preprocess": own}}}}
+    heter = heal_heter_section(cfg)
+    settings = heter["modality_setting"]
+    assert "cav_preference" not in heter and settings["m2"]["preprocess"] is None
+    # 128 x 64 pillars of 0.8 m, one layer of 4 m
+    assert settings["m1"]["preprocess"] == {**top, "args": {**top["args"],
+                                                           "max_voxel_train": 8192}}
+    assert settings["m3"]["preprocess"]["args"] == own["args"]
+    assert cfg["heter"]["modality_setting"]["m1"]["preprocess"] is None      # not modified
+
+
 def test_an_efficientnet_camera_type_exports_with_heal_s_classifier(fixture, tmp_path):
     """A collab run whose camera type has the EfficientNet trunk: the export adds HEAL's
     never-run classifier (``_conv_head``, ``_bn1``, ``_fc``: zero weights, BatchNorm's identity)

@@ -96,6 +96,33 @@ def _shrink(shrink: dict, input_dim: int) -> dict:
             "dim": [int(shrink["dim"])], "input_dim": input_dim}
 
 
+def heal_preprocess(preprocess: dict) -> dict:
+    """HEAL's preprocess section of one of ours: its voxel generator takes pillar caps, so our
+    None (keep every pillar) becomes the grid's cell count, which keeps them all too."""
+    lidar_range = [float(v) for v in preprocess["cav_lidar_range"]]
+    cells = 1
+    for axis, size in enumerate(preprocess["args"]["voxel_size"]):
+        cells *= int(round((lidar_range[axis + 3] - lidar_range[axis]) / float(size)))
+    args = dict(preprocess["args"])
+    for key in ("max_voxel_train", "max_voxel_test"):
+        args[key] = cells if args.get(key) is None else int(args[key])
+    return {**preprocess, "args": args, "cav_lidar_range": lidar_range}
+
+
+def heal_heter_section(cfg: dict) -> dict:
+    """HEAL's ``heter`` section of our resolved ``cfg``: ours without its unset keys, each
+    LiDAR type's ``preprocess`` written out (our None is the top-level one, which HEAL's data
+    sets do not fall back to; the import reads a copy of the top-level one back as None)."""
+    heter = {key: value for key, value in cfg["heter"].items() if value is not None}
+    settings = {}
+    for name, setting in heter["modality_setting"].items():
+        setting = dict(setting)
+        if setting["sensor_type"] == "lidar":
+            setting["preprocess"] = heal_preprocess(setting["preprocess"] or cfg["preprocess"])
+        settings[name] = setting
+    return {**heter, "modality_setting": settings}
+
+
 def heal_late_model_args(cfg: dict, source: str) -> dict:
     """HEAL's ``model.args`` of our resolved ``heter_model_late`` ``cfg`` (the layout of its
     ``Single/*_pretrain.yaml``): per type the encoder, backbone, ``layers_args`` (the first
@@ -147,7 +174,6 @@ def heal_heter_hypes(cfg: dict, source: str) -> dict:
     dir_args = heal_dir_args(cfg)
     loss = cfg["loss"]["args"]
     loss_args = heal_loss_args(loss, dir_args, bool(loss.get("depth")))
-    heter = {key: value for key, value in cfg["heter"].items() if value is not None}
     core = cfg["model"]["core_method"]
     if core == "heter_model_late":
         model_args = heal_late_model_args(cfg, source)
@@ -159,12 +185,12 @@ def heal_heter_hypes(cfg: dict, source: str) -> dict:
                                 for key in ("relative_downsample", "weight")}
         loss_section = {"core_method": "point_pillar_pyramid_loss", "args": loss_args}
     return {**heal_run_sections(cfg, dir_args),
-            "input_source": list(cfg["input_source"]), "heter": heter,
+            "input_source": list(cfg["input_source"]), "heter": heal_heter_section(cfg),
             "fusion": {"core_method": EXPORTED[cfg["model"]["core_method"]],
                        "dataset": cfg["fusion"]["dataset"],
                        "args": {"proj_first": False, "grid_conf": "None",
                                 "data_aug_conf": "None"}},
-            "preprocess": dict(cfg["preprocess"]),
+            "preprocess": heal_preprocess(cfg["preprocess"]),
             "model": {"core_method": core, "args": model_args}, "loss": loss_section}
 
 

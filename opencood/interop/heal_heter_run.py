@@ -68,6 +68,12 @@ def _model_args(data: dict, core: str, source: str) -> dict:
             from None
 
 
+def _preprocess_keys(preprocess: Mapping) -> dict:
+    """The keys of a HEAL preprocess section that ours reads."""
+    return {key: preprocess[key] for key in ("core_method", "args", "cav_lidar_range")
+            if key in preprocess}
+
+
 def _heter_section(data: dict, modalities, source: str) -> dict:
     """HEAL's ``heter`` section, the keys our schema reads; each model type's setting (a camera
     type's image augmentation from its encoder when the section omits it)."""
@@ -81,9 +87,10 @@ def _heter_section(data: dict, modalities, source: str) -> dict:
             setting["data_aug_conf"] = _get(
                 data, f"model.args.{name}.encoder_args.data_aug_conf", source)
         if isinstance(setting.get("preprocess"), Mapping):
-            setting["preprocess"] = {key: setting["preprocess"][key]
-                                     for key in ("core_method", "args", "cav_lidar_range")
-                                     if key in setting["preprocess"]}
+            setting["preprocess"] = _preprocess_keys(setting["preprocess"])
+            # a copy of the top-level section is our None (the export writes it out)
+            if setting["preprocess"] == _preprocess_keys(data.get("preprocess") or {}):
+                del setting["preprocess"]
         settings[name] = setting
     ours["modality_setting"] = settings
     # HEAL's yamls name beams of types they leave out: only the model's are kept

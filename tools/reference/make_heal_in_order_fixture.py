@@ -36,8 +36,7 @@ Two steps::
 
 What HEAL's script is given: ``--model_dir <export> --range 51.2,25.6 --use_cav [1,2,3]``
 (RANGE_ARG: our run's LiDAR range, which is also its gt_range, so HEAL's range override changes
-nothing; three steps: one per name). The export is run from a copy whose
-config HEAL's data set can build (:func:`heal_runnable_copy`). Patched around the script, not
+nothing; three steps: one per name), the export as written. Patched around the script, not
 in it: its DataLoader runs in-process (``num_workers`` 0), its picture
 (``simple_vis.visualize``) is not drawn, HEAL's hard-coded ``.to("cuda")`` of the lift-splat
 encoder is the CPU, EfficientNet is built without its download (the export's weights replace
@@ -237,8 +236,7 @@ def run(root: Path, out: Path) -> None:
 
     script.eval_utils.eval_final_results = recording_final
     use_cav = "[" + ",".join(str(k) for k in range(1, len(NAMES) + 1)) + "]"
-    runnable = heal_runnable_copy(root / "heal", root / "heal_runnable")
-    sys.argv = ["inference_heter_in_order.py", "--model_dir", str(runnable),
+    sys.argv = ["inference_heter_in_order.py", "--model_dir", str(root / "heal"),
                 "--range", RANGE_ARG, "--use_cav", use_cav]
     with torch.no_grad():
         script.main()
@@ -254,33 +252,6 @@ def run(root: Path, out: Path) -> None:
     print(f"wrote {path}: {len(steps)} steps, {len(frames)} frames")
     for step in steps:
         print(step)
-
-
-def heal_runnable_copy(export: Path, out: Path) -> Path:
-    """A copy of the export whose ``config.yaml`` HEAL's data set can run: each LiDAR type's
-    ``heter.modality_setting.<m>.preprocess`` written out (ours leaves it null: "the top-level
-    one", which HEAL's data set does not fall back to) and the pillar caps set (ours null: "keep
-    every pillar"; HEAL's voxel generator takes a number: the grid's cell count keeps them all).
-    The model and its weights are the export's."""
-    import shutil
-
-    import numpy as np
-    import yaml
-    if out.exists():
-        shutil.rmtree(out)
-    shutil.copytree(export, out)
-    hypes = hypes_of(export)
-    top = hypes["preprocess"]
-    low, high = top["cav_lidar_range"][:3], top["cav_lidar_range"][3:]
-    cells = int(np.prod([round((b - a) / size) for a, b, size in
-                         zip(low, high, top["args"]["voxel_size"])]))
-    for key in ("max_voxel_train", "max_voxel_test"):
-        top["args"][key] = top["args"][key] or cells
-    for setting in hypes["heter"]["modality_setting"].values():
-        if setting["sensor_type"] == "lidar" and setting.get("preprocess") is None:
-            setting["preprocess"] = top
-    (out / "config.yaml").write_text(yaml.safe_dump(hypes, sort_keys=False))
-    return out
 
 
 def hypes_of(run: Path) -> dict:
