@@ -20,6 +20,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import yaml
@@ -41,6 +42,9 @@ from opencood.ops.transforms import (
 )
 from opencood.utils.atomic import atomic_write
 from opencood.utils.collectives import get_rank
+
+if TYPE_CHECKING:   # PIL is imported only where camera inputs are read
+    from opencood.data.cameras import CameraFrame
 
 logger = logging.getLogger(__name__)
 
@@ -614,7 +618,7 @@ class OPV2VSplit:
         return np.asarray(self._frame_params(scenario, cav_id, timestamp)["lidar_pose"],
                           dtype=np.float64)
 
-    def load_cameras(self, scenario: str, cav_id: str, timestamp: str) -> "CameraFrame":
+    def load_cameras(self, scenario: str, cav_id: str, timestamp: str) -> CameraFrame:
         """The frame's 4 cameras: images, intrinsics, camera -> LiDAR (opencood.data.cameras,
         HEAL's conversion of the yaml's ``camera<i>.cords``)."""
         from opencood.data.cameras import read_opv2v_cameras    # PIL only for camera inputs
