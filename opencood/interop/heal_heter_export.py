@@ -17,6 +17,7 @@ the splat, a late type with an aligner).
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
@@ -29,6 +30,7 @@ from opencood.interop.heal_export import heal_dir_args, heal_loss_args, heal_run
 from opencood.interop.heal_heter import heal_key_shapes, ours_to_heal_state
 from opencood.interop.importer import staged_folder
 from opencood.interop.opencood_ckpt import InteropError
+from opencood.ops.voxelize import grid_size
 from opencood.utils.checkpoint import load_checkpoint, run_checkpoint
 
 EXPORTED = {"heter_pyramid_collab": "intermediateheter", "heter_pyramid_single": "lateheter",
@@ -100,9 +102,7 @@ def heal_preprocess(preprocess: dict) -> dict:
     """HEAL's preprocess section of one of ours: its voxel generator takes pillar caps, so our
     None (keep every pillar) becomes the grid's cell count, which keeps them all too."""
     lidar_range = [float(v) for v in preprocess["cav_lidar_range"]]
-    cells = 1
-    for axis, size in enumerate(preprocess["args"]["voxel_size"]):
-        cells *= int(round((lidar_range[axis + 3] - lidar_range[axis]) / float(size)))
+    cells = math.prod(grid_size(lidar_range, preprocess["args"]["voxel_size"]))
     args = dict(preprocess["args"])
     for key in ("max_voxel_train", "max_voxel_test"):
         args[key] = cells if args.get(key) is None else int(args[key])
